@@ -1,0 +1,1 @@
+"""Huawei Ascend backend: torch_npu operators."""

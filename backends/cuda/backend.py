@@ -1,0 +1,38 @@
+"""Declaration of the ``cuda`` backend. Import-light: triton is imported only by ``kernel_table``."""
+from typing import Callable, Dict
+
+from glm5_core import platform
+from glm5_core.registry import Backend
+
+
+def probe():
+    ok, why = platform.triton_probe()
+    if platform.triton_interpreter_enabled():
+        if not ok:
+            return False, f"TRITON_INTERPRET=1 but {why}"
+        return True, f"Triton interpreter on CPU tensors (TRITON_INTERPRET=1), {why}"
+    gpu_ok, gpu_why = platform.gpu_probe("cuda")
+    if not gpu_ok:
+        return False, gpu_why
+    if not ok:
+        return False, why
+    return True, f"{gpu_why}, {why}"
+
+
+def runtime_device() -> str:
+    return "cpu" if platform.triton_interpreter_enabled() else "cuda"
+
+
+def kernel_table() -> Dict[str, Callable]:
+    return {}
+
+
+BACKEND = Backend(
+    name="cuda",
+    device_type="cuda",
+    dist_backend="nccl",
+    probe=probe,
+    kernel_table=kernel_table,
+    runtime_device=runtime_device,
+    description="NVIDIA GPUs: Triton kernels + csrc CUDA ops",
+)

@@ -1,0 +1,170 @@
+"""DeepSeek Sparse Attention: the lightning indexer, its deterministic top-k, and sparse MLA attention.
+
+Legend (sizes):
+  B batch, T queries, S key slots, H indexer heads, D index_head_dim, K top-k width,
+  MLA sizes as in ``glm5_core.ops.mla`` (Dn, Dr, Dv, C; ``Hm`` attention heads).
+
+Indexer score:  I[b,t,s] = sum_h w[b,t,h] * ReLU(q[b,t,h,:] . k[b,s,:]), accumulated in fp32,
+                causal (key s visible to the query at absolute position p iff s <= p).
+
+Top-k contract (every backend):
+  * int32 indices [B, T, K], sorted by score descending, ties broken by the LOWER key index;
+  * row with ``n = min(K, p + 1)`` visible keys holds ``n`` indices, then ``-1`` padding;
+  * bitwise identical across runs, across batch sizes / chunkings, and between prefill (all queries
+    at once) and decode (one query against a cache): the rollout engine and the trainer select the
+    same keys ("RL-stable").
+
+How the reference keeps that promise on CPU BLAS: the q.k dot products go through one GEMM whose row
+count is padded to a multiple of ``_GEMM_ROW_BLOCK`` (BLAS libraries switch to GEMV, with another
+summation order, for few rows), and the head sum is an explicit loop in head order, so every score is
+computed by the same sequence of roundings whatever the batch shape. ``glm5_core.determinism`` checks it.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+
+from glm5_core import registry
+from glm5_core.ops import _checks
+from glm5_core.ops.mla import absorb_query, causal_mask, project_output
+
+StartPos = Union[int, torch.Tensor]
+
+_GEMM_ROW_BLOCK = 16
+_SPARSE_QUERY_CHUNK = 64  # bounds the reference's gathered [chunk, K, C] working set
+
+
+def _validate_indexer(q, k, w, start_pos) -> Dict[str, int]:
+    sizes: Dict[str, int] = {}
+    _checks.tensor("q", q, dims=("B", "T", "H", "D"), sizes=sizes, legend="[B, T, H, D]")
+    _checks.tensor("k", k, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
+    _checks.tensor("w", w, dims=("B", "T", "H"), sizes=sizes, legend="[B, T, H]")
+    _checks.same_dtype(q=q, k=k)
+    device = _checks.same_device(q=q, k=k, w=w)
+    if sizes["S"] < 1 or sizes["T"] < 1:
+        raise ValueError(f"q / k: expected at least one query and one key, got T={sizes['T']}, S={sizes['S']}")
+    _checks.start_positions(start_pos, sizes["B"], sizes["T"], sizes["S"], device)
+    _checks.finite("q", q)
+    _checks.finite("k", k)
+    _checks.finite("w", w)
+    return sizes
+
+
+def _rows_dot_keys(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """rows [B, M, D] . keys [B, S, D] -> [B, M, S] with a row-count-independent summation order."""
+    B, M, D = rows.shape
+    padded = -(-M // _GEMM_ROW_BLOCK) * _GEMM_ROW_BLOCK
+    if padded != M:
+        rows = torch.cat([rows, rows.new_zeros(B, padded - M, D)], dim=1)  # [B, padded, D]
+    return torch.matmul(rows, keys.transpose(1, 2))[:, :M]  # [B, M, S]
+
+
+def indexer_scores_reference(q, k, w, *, start_pos: StartPos = 0) -> torch.Tensor:
+    """I[b,t,s] as fp32 (fp64 for fp64 inputs) [B, T, S]; keys not visible to a query are -inf."""
+    ct = _checks.compute_dtype(q.dtype)
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    dots = _rows_dot_keys(q.to(ct).reshape(B, T * H, D), k.to(ct)).view(B, T, H, S)  # [B, T, H, S]
+    w = w.to(ct)
+    scores = w[:, :, 0, None] * torch.relu(dots[:, :, 0])  # [B, T, S]
+    for h in range(1, H):  # fixed head order: one rounding sequence per score
+        scores = scores + w[:, :, h, None] * torch.relu(dots[:, :, h])
+    visible = causal_mask(start_pos, B, T, S, q.device)  # [B, T, S]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def _topk_from_scores(scores: torch.Tensor, topk: int, start_pos: StartPos) -> torch.Tensor:
+    """Apply the top-k contract to masked scores [B, T, S] -> int32 [B, T, topk]."""
+    B, T, S = scores.shape
+    if bool(torch.isnan(scores).any()):
+        raise ValueError("q, k, w: indexer scores overflowed to NaN; rescale the inputs")
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]  # [B, T, <=topk]
+    if order.shape[-1] < topk:  # fewer key slots than k
+        order = torch.cat([order, order.new_full((B, T, topk - order.shape[-1]), -1)], dim=-1)
+    pos = _checks.query_positions(start_pos, B, T, scores.device)  # [B, T]
+    n_valid = torch.clamp(pos + 1, max=min(topk, S))  # [B, T]
+    rank = torch.arange(topk, device=scores.device)  # [topk]
+    order = torch.where(rank < n_valid.unsqueeze(-1), order, torch.full_like(order, -1))
+    return order.to(torch.int32)
+
+
+def indexer_topk_reference(q, k, w, *, topk: int, start_pos: StartPos = 0) -> torch.Tensor:
+    """The top-k contract applied to the reference scores: int32 [B, T, topk]."""
+    return _topk_from_scores(indexer_scores_reference(q, k, w, start_pos=start_pos), topk, start_pos)
+
+
+def sparse_attention_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
+    """Absorbed MLA restricted to the selected latent rows. Returns [B, T, Hm, Dv] in the input dtype.
+
+    Entries of ``topk_idx`` equal to -1 are skipped; a query with no selected key yields zeros."""
+    out_dtype = q_nope.dtype
+    ct = _checks.compute_dtype(out_dtype)
+    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv = (t.to(ct) for t in (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))
+    B, T = q_nope.shape[:2]
+    q_lat = absorb_query(q_nope, w_uk)  # [B, T, Hm, C]
+    batch = torch.arange(B, device=q_nope.device).view(B, 1, 1)  # [B, 1, 1]
+    chunks = []
+    for t0 in range(0, T, _SPARSE_QUERY_CHUNK):
+        idx = topk_idx[:, t0:t0 + _SPARSE_QUERY_CHUNK].long()  # [B, t, K]
+        valid = idx >= 0
+        rows = idx.clamp(min=0)
+        kv = c_kv[batch, rows]  # [B, t, K, C]
+        kr = k_pe[batch, rows]  # [B, t, K, Dr]
+        scores = torch.einsum("bthc,btkc->bthk", q_lat[:, t0:t0 + _SPARSE_QUERY_CHUNK], kv)
+        scores = scores + torch.einsum("bthr,btkr->bthk", q_pe[:, t0:t0 + _SPARSE_QUERY_CHUNK], kr)
+        scores = (scores * scale).masked_fill(~valid.unsqueeze(2), float("-inf"))  # [B, t, Hm, K]
+        probs = torch.softmax(scores, dim=-1)
+        probs = torch.where(valid.any(-1)[:, :, None, None], probs, torch.zeros_like(probs))  # no key: zeros
+        chunks.append(torch.einsum("bthk,btkc->bthc", probs, kv))  # [B, t, Hm, C]
+    o_lat = torch.cat(chunks, dim=1)  # [B, T, Hm, C]
+    return project_output(o_lat, w_uv).to(out_dtype)
+
+
+def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, start_pos: StartPos = 0,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Lightning-indexer scores [B, T, S] (fp32; fp64 for fp64 inputs), -inf where not causal."""
+    _validate_indexer(q, k, w, start_pos)
+    return registry.call("dsa_indexer_scores", q, k, w, start_pos=start_pos, backend=backend)
+
+
+def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *, start_pos: StartPos = 0,
+                 backend: Optional[str] = None) -> torch.Tensor:
+    """Deterministic top-k of the indexer scores: int32 [B, T, topk] (see the module contract)."""
+    _validate_indexer(q, k, w, start_pos)
+    _checks.positive_int("topk", topk)
+    return registry.call("dsa_indexer_topk", q, k, w, topk=topk, start_pos=start_pos, backend=backend)
+
+
+def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> None:
+    sizes: Dict[str, int] = {}
+    _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
+    _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
+    _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
+    _checks.tensor("k_pe", k_pe, dims=("B", "S", "Dr"), sizes=sizes, legend="[B, S, Dr]")
+    _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
+    _checks.tensor("w_uv", w_uv, dims=("H", None, "C"), sizes=sizes, legend="[H, Dv, C]")
+    _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[B, T, K] int32")
+    _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
+    _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv, topk_idx=topk_idx)
+    _checks.positive_float("scale", scale)
+    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= sizes["S"]):
+        raise ValueError(f"topk_idx: expected entries in [-1, S-1] with S={sizes['S']}, "
+                         f"got range [{int(topk_idx.min())}, {int(topk_idx.max())}]")
+
+
+def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,
+                   backend: Optional[str] = None) -> torch.Tensor:
+    """Sparse MLA for many queries (training / prefill; differentiable). Returns [B, T, Hm, Dv]."""
+    _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale)
+    return registry.call("dsa_sparse_prefill", q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx,
+                         scale=float(scale), backend=backend)
+
+
+def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,
+                  backend: Optional[str] = None) -> torch.Tensor:
+    """Sparse MLA for few queries against a latent cache (inference). Returns [B, T, Hm, Dv]."""
+    _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale)
+    return registry.call("dsa_sparse_decode", q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx,
+                         scale=float(scale), backend=backend)

@@ -1,0 +1,193 @@
+"""Mixture-of-experts routing, dispatch / combine, SwiGLU grouped experts, aux-loss-free balancing.
+
+Legend (sizes): N tokens, E routed experts, G expert groups, K experts per token (top-k),
+D hidden size, F expert FFN size, M = N * K routed token copies.
+
+Routing contract (every backend):
+  scores = sigmoid(logits) (or softmax); selection uses scores + bias (bias only for selection);
+  with G > 1 groups a group scores as the sum of its top-2 selection scores and only the best
+  ``topk_group`` groups stay eligible; the top-K experts are taken with ties to the LOWER expert id
+  (and groups with ties to the lower group id); ids are int32 [N, K] in selection order; weights are
+  the UNBIASED scores of the chosen experts, optionally renormalised to sum 1, times
+  ``routed_scaling_factor``.
+
+Dispatch sorts the M = N*K (token, slot) assignments by expert id, stably, so within an expert tokens
+stay in token order (then slot order); ``sort_idx[m]`` is the flat assignment index ``n * K + j`` of
+sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine is its deterministic
+inverse: a gather, then a weighted sum over the K slots in slot order (no atomics).
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from glm5_core import registry
+from glm5_core.ops import _checks
+
+SCORE_FUNCS = ("sigmoid", "softmax")
+RENORM_EPS = 1e-20
+
+
+def _stable_desc_order(values: torch.Tensor) -> torch.Tensor:
+    """Indices sorting the last dim descending, ties to the lower index."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices
+
+
+def route_reference(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int = 1,
+                    topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns (weights fp32 [N, K], expert ids int32 [N, K])."""
+    N, E = logits.shape
+    ct = _checks.compute_dtype(logits.dtype)
+    logits = logits.to(ct)
+    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
+    select = scores if bias is None else scores + bias.to(ct)  # [N, E]
+    if n_group > 1:
+        per_group = E // n_group
+        grouped = select.view(N, n_group, per_group)  # [N, G, E/G]
+        group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [N, G]
+        kept = _stable_desc_order(group_score)[:, :topk_group]  # [N, topk_group]
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
+        keep = keep.unsqueeze(-1).expand(N, n_group, per_group).reshape(N, E)  # [N, E]
+        select = select.masked_fill(~keep, float("-inf"))
+    ids = _stable_desc_order(select)[:, :top_k]  # [N, K]
+    weights = scores.gather(1, ids)  # unbiased
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
+    weights = weights * routed_scaling_factor
+    return weights.to(torch.float64 if ct == torch.float64 else torch.float32), ids.to(torch.int32)
+
+
+def dispatch_reference(x, expert_ids, *, num_experts: int):
+    """Returns (x_sorted [M, D], sort_idx int64 [M], counts int64 [E])."""
+    N, K = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.int64)  # [M], m = n * K + j
+    sort_idx = torch.sort(flat, stable=True).indices  # [M]
+    x_sorted = x[sort_idx // K]  # [M, D]
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    return x_sorted, sort_idx, counts
+
+
+def combine_reference(y_sorted, sort_idx, weights):
+    """out[n] = sum_j weights[n, j] * y[row of (n, j)], summed in slot order. Returns [N, D]."""
+    N, K = weights.shape
+    D = y_sorted.shape[-1]
+    ct = _checks.compute_dtype(y_sorted.dtype)
+    inverse = torch.empty_like(sort_idx)
+    inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)  # flat assignment -> sorted row
+    y = y_sorted.to(ct)[inverse].view(N, K, D)  # [N, K, D]
+    w = weights.to(ct)
+    out = w[:, 0, None] * y[:, 0]
+    for j in range(1, K):  # fixed slot order
+        out = out + w[:, j, None] * y[:, j]
+    return out.to(y_sorted.dtype)
+
+
+def grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down):
+    """Per expert e, over its contiguous rows: (silu(x Wg^T) * (x Wu^T)) Wd^T. Returns [M, D]."""
+    ct = _checks.compute_dtype(x_sorted.dtype)
+    outputs = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        xe = x_sorted[start:start + n].to(ct)  # [n, D]
+        hidden = F.silu(xe @ w_gate[e].to(ct).T) * (xe @ w_up[e].to(ct).T)  # [n, F]
+        outputs.append(hidden @ w_down[e].to(ct).T)  # [n, D]
+        start += n
+    if not outputs:
+        return x_sorted.new_zeros(x_sorted.shape)
+    return torch.cat(outputs).to(x_sorted.dtype)
+
+
+def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",
+          n_group: int = 1, topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
+          backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Select ``top_k`` experts per token. Returns (weights fp32 [N, K], ids int32 [N, K])."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
+    if bias is not None:
+        _checks.tensor("bias", bias, dims=("E",), sizes=sizes, legend="[E]")
+        _checks.same_device(logits=logits, bias=bias)
+        _checks.finite("bias", bias)
+    _checks.finite("logits", logits)
+    E = sizes["E"]
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+    _checks.positive_int("n_group", n_group)
+    if E % n_group:
+        raise ValueError(f"n_group: expected a divisor of the expert count E={E}, got {n_group}")
+    _checks.positive_int("topk_group", topk_group)
+    if topk_group > n_group:
+        raise ValueError(f"topk_group: expected <= n_group={n_group}, got {topk_group}")
+    _checks.positive_int("top_k", top_k)
+    eligible = (E // n_group) * topk_group
+    if top_k > eligible:
+        raise ValueError(f"top_k: expected <= experts in the kept groups ({eligible}), got {top_k}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__}")
+    _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
+    return registry.call("moe_route", logits, bias, top_k=top_k, score_func=score_func, n_group=n_group,
+                         topk_group=topk_group, renormalize=renormalize,
+                         routed_scaling_factor=float(routed_scaling_factor), backend=backend)
+
+
+def _check_ids(expert_ids: torch.Tensor, num_experts: int) -> None:
+    if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
+        raise ValueError(f"expert_ids: expected ids in [0, {num_experts - 1}], "
+                         f"got range [{int(expert_ids.min())}, {int(expert_ids.max())}]")
+
+
+def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
+             backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort token copies by expert. Returns (x_sorted [N*K, D], sort_idx int64 [N*K], counts int64 [E])."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
+    _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[N, K] int32")
+    _checks.same_device(x=x, expert_ids=expert_ids)
+    _checks.positive_int("num_experts", num_experts)
+    _check_ids(expert_ids, num_experts)
+    return registry.call("moe_dispatch", x, expert_ids, num_experts=num_experts, backend=backend)
+
+
+def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tensor, *,
+            backend: Optional[str] = None) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs (inverse of ``dispatch``). Returns [N, D]."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
+    _checks.tensor("y_sorted", y_sorted, dims=(sizes["N"] * sizes["K"], None), legend="[N*K, D]")
+    _checks.tensor("sort_idx", sort_idx, dims=(sizes["N"] * sizes["K"],), dtypes=_checks.INDEX_DTYPES,
+                   legend="[N*K] int64")
+    _checks.same_device(y_sorted=y_sorted, sort_idx=sort_idx, weights=weights)
+    return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
+
+
+def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
+    _checks.tensor("counts", counts, dims=("E",), dtypes=_checks.INDEX_DTYPES, sizes=sizes, legend="[E] int64")
+    _checks.tensor("w_gate", w_gate, dims=("E", "F", "D"), sizes=sizes, legend="[E, F, D]")
+    _checks.tensor("w_up", w_up, dims=("E", "F", "D"), sizes=sizes, legend="[E, F, D]")
+    _checks.tensor("w_down", w_down, dims=("E", "D", "F"), sizes=sizes, legend="[E, D, F]")
+    _checks.same_dtype(x_sorted=x_sorted, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _checks.same_device(x_sorted=x_sorted, counts=counts, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    if counts.numel() and (int(counts.min()) < 0 or int(counts.sum()) != sizes["M"]):
+        raise ValueError(f"counts: expected non-negative counts summing to M={sizes['M']}, "
+                         f"got sum {int(counts.sum())}, min {int(counts.min())}")
+    return registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Aux-loss-free balancing step: bias + gamma * sign(mean(load) - load). Returns a new [E] tensor."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("bias", bias, dims=("E",), sizes=sizes, legend="[E]")
+    _checks.tensor("load", load, dims=("E",), dtypes=_checks.FLOAT_DTYPES + _checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[E]")
+    _checks.positive_float("gamma", gamma, allow_zero=True)
+    load = load.to(bias.dtype)
+    return bias + gamma * torch.sign(load.mean() - load)

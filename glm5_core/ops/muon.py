@@ -1,0 +1,133 @@
+"""Muon's Newton-Schulz orthogonalisation, batched, and the per-head split used by Muon Split.
+
+Legend: G [..., m, n] a batch of matrices; inside the iteration X is wide (m <= n; tall inputs are
+transposed) so the Gram matrix A = X X^T is the smaller m x m one.
+
+One quintic step with coefficients (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
+X starts as G / (||G||_F * norm_scale + 1e-7), per matrix. The result approximates the polar factor
+U V^T of G = U S V^T (singular values pushed towards 1; Jordan's set stops in about [0.68, 1.13]).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from glm5_core import registry
+from glm5_core.ops import _checks
+
+Coeff = Tuple[float, float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class NSCoefficients:
+    """A Newton-Schulz schedule: per-step (a, b, c), the last one repeated past the end."""
+
+    name: str
+    steps: Tuple[Coeff, ...]
+    norm_scale: float = 1.0
+
+    def schedule(self, num_steps: int) -> Tuple[Coeff, ...]:
+        return tuple(self.steps[min(i, len(self.steps) - 1)] for i in range(num_steps))
+
+
+def _polar_express() -> NSCoefficients:
+    # Amsel et al. 2025, degree 5; every step but the last divided by (1.01, 1.01^3, 1.01^5) for safety.
+    raw = (
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+        (1.875, -1.25, 0.375),
+    )
+    safe = tuple((a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in raw[:-1]) + (raw[-1],)
+    return NSCoefficients("polar_express", safe, norm_scale=1.01)
+
+
+COEFFICIENTS = {
+    "jordan": NSCoefficients("jordan", ((3.4445, -4.7750, 2.0315),)),
+    "polar_express": _polar_express(),
+}
+DEFAULT_STEPS = 5
+
+
+def coefficients_for(coefficients: Union[str, NSCoefficients, Sequence[Coeff]]) -> NSCoefficients:
+    """A schedule from a name (``"jordan"``, ``"polar_express"``), an NSCoefficients, or (a, b, c) triples."""
+    if isinstance(coefficients, NSCoefficients):
+        return coefficients
+    if isinstance(coefficients, str):
+        if coefficients not in COEFFICIENTS:
+            raise ValueError(f"coefficients: expected one of {sorted(COEFFICIENTS)}, got {coefficients!r}")
+        return COEFFICIENTS[coefficients]
+    try:
+        steps = tuple(tuple(float(v) for v in abc) for abc in coefficients)
+    except TypeError:
+        raise TypeError(f"coefficients: expected a name or a sequence of (a, b, c), got {coefficients!r}") from None
+    if not steps or any(len(abc) != 3 for abc in steps):
+        raise ValueError(f"coefficients: expected a non-empty sequence of (a, b, c) triples, got {coefficients!r}")
+    return NSCoefficients("custom", steps)
+
+
+def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tensor:
+    """Batched Newton-Schulz in fp32 (fp64 for fp64 input). Returns G's shape and dtype."""
+    X = G.to(_checks.compute_dtype(G.dtype))
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)  # [..., n, m]: make it wide
+    norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)  # [..., 1, 1]
+    X = X / (norm * coefficients.norm_scale + 1e-7)
+    for a, b, c in coefficients.schedule(steps):
+        A = X @ X.transpose(-2, -1)  # [..., m, m]
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.transpose(-2, -1)
+    return X.to(G.dtype)
+
+
+def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
+                  coefficients: Union[str, NSCoefficients, Sequence[Coeff]] = "polar_express",
+                  backend: Optional[str] = None) -> torch.Tensor:
+    """Approximate polar factor of each matrix of ``G [..., m, n]`` by ``steps`` Newton-Schulz steps."""
+    if not isinstance(G, torch.Tensor):
+        raise TypeError(f"G: expected a torch.Tensor [..., m, n], got {type(G).__name__}")
+    if G.dim() < 2:
+        raise ValueError(f"G: expected rank >= 2 [..., m, n], got shape {tuple(G.shape)}")
+    _checks.tensor("G", G, dims=(None,) * G.dim(), legend="[..., m, n]")
+    if G.shape[-1] == 0 or G.shape[-2] == 0:
+        raise ValueError(f"G: expected non-empty matrices [..., m, n], got shape {tuple(G.shape)}")
+    _checks.positive_int("steps", steps)
+    schedule = coefficients_for(coefficients)
+    return registry.call("muon_orthogonalize", G, steps=steps, coefficients=schedule, backend=backend)
+
+
+def split_heads(weight: torch.Tensor, num_heads: int, dim: int = 0) -> torch.Tensor:
+    """Cut a projection into per-head blocks along ``dim`` and stack them first.
+
+    dim=0: [H*d, n] -> [H, d, n] (q_b_proj, kv_b_proj rows);  dim=1: [m, H*d] -> [H, m, d] (o_proj columns).
+    """
+    _checks.tensor("weight", weight, dims=(None, None), legend="[rows, cols]")
+    _checks.positive_int("num_heads", num_heads)
+    if dim not in (0, 1):
+        raise ValueError(f"dim: expected 0 or 1, got {dim}")
+    if weight.shape[dim] % num_heads:
+        raise ValueError(f"weight: expected dim {dim} divisible by num_heads={num_heads}, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    if dim == 0:
+        return weight.reshape(num_heads, rows // num_heads, cols)  # [H, d, n]
+    return weight.reshape(rows, num_heads, cols // num_heads).permute(1, 0, 2)  # [H, m, d]
+
+
+def merge_heads(blocks: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`split_heads`."""
+    _checks.tensor("blocks", blocks, dims=(None, None, None), legend="[H, rows, cols]")
+    if dim not in (0, 1):
+        raise ValueError(f"dim: expected 0 or 1, got {dim}")
+    H, r, c = blocks.shape
+    if dim == 0:
+        return blocks.reshape(H * r, c)  # [H*d, n]
+    return blocks.permute(1, 0, 2).reshape(r, H * c)  # [m, H*d]

@@ -1,0 +1,94 @@
+"""What hardware is really here: cached, import-safe probes.
+
+Nothing in this module runs at ``import glm5_core`` time. Each probe runs on first use and is cached
+for the life of the process, so no device runtime is initialised twice. Vendor SDKs (``torch_npu``,
+``triton``) are imported only inside the probe that needs them.
+
+Every probe returns ``(available: bool, reason: str)``; the reason is shown to users verbatim.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from typing import Tuple
+
+import torch
+
+Probe = Tuple[bool, str]
+
+
+def triton_interpreter_enabled() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_rocm_build() -> bool:
+    """ROCm builds of torch report device type ``cuda``; only ``torch.version.hip`` tells them apart."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def triton_probe() -> Probe:
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install 'glm5-core[cuda]')"
+    try:
+        triton = importlib.import_module("triton")
+    except Exception as exc:  # a broken install must not break `import glm5_core`
+        return False, f"triton failed to import: {exc!r}"
+    return True, f"triton {getattr(triton, '__version__', '?')}"
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_probe(vendor: str) -> Probe:
+    """Probe an NVIDIA (``vendor='cuda'``) or AMD (``vendor='rocm'``) GPU through torch."""
+    if vendor not in ("cuda", "rocm"):
+        raise ValueError(f"vendor: expected 'cuda' or 'rocm', got {vendor!r}")
+    rocm = is_rocm_build()
+    if vendor == "cuda" and rocm:
+        return False, f"this torch is a ROCm build (hip {torch.version.hip}); use the rocm backend"
+    if vendor == "rocm" and not rocm:
+        return False, "this torch is not a ROCm build (torch.version.hip is None)"
+    if vendor == "cuda" and torch.version.cuda is None:
+        return False, "this torch is a CPU-only build (torch.version.cuda is None)"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False (no GPU visible to this process)"
+    name = torch.cuda.get_device_name(0)
+    return True, f"{torch.cuda.device_count()} x {name}"
+
+
+@functools.lru_cache(maxsize=None)
+def npu_probe() -> Probe:
+    """Ascend NPU: find torch_npu, import it once, then ask ``torch.npu.is_available()``.
+
+    Since torch 2.5 torch_npu may already be loaded by ``import torch`` (device-backend autoload);
+    in that case it is not imported again.
+    """
+    if not hasattr(torch, "npu"):
+        if importlib.util.find_spec("torch_npu") is None:
+            return False, "torch_npu is not installed (pip install 'glm5-core[ascend]')"
+        try:
+            importlib.import_module("torch_npu")
+        except Exception as exc:
+            return False, f"torch_npu failed to import: {exc!r}"
+    try:
+        if not torch.npu.is_available():
+            return False, "torch.npu.is_available() is False (check ASCEND_RT_VISIBLE_DEVICES and the CANN driver)"
+        count = torch.npu.device_count()
+    except Exception as exc:
+        return False, f"torch.npu query failed: {exc!r}"
+    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    suffix = f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else ""
+    return True, f"{count} Ascend NPU(s){suffix}"
+
+
+def detect_default_backend() -> str:
+    """The built-in backend that matches the hardware: ascend > rocm > cuda > cpu."""
+    if npu_probe()[0]:
+        return "ascend"
+    if gpu_probe("rocm")[0]:
+        return "rocm"
+    if gpu_probe("cuda")[0]:
+        return "cuda"
+    return "cpu"

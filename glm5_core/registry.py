@@ -1,0 +1,257 @@
+"""Backend registry: which kernel runs each op, and why.
+
+Resolution of the backend for a call:
+
+1. the explicit ``backend=`` argument of the op;
+2. the innermost ``use_backend(...)`` context, else the ``GLM5_BACKEND`` environment variable;
+3. auto-detection from the hardware that is really here (``platform.detect_default_backend``).
+
+``"auto"`` anywhere means "go on to the next rule". An explicitly requested backend that is not
+available raises :class:`BackendUnavailableError` with the reason; it never falls back silently.
+An op the chosen backend does not implement (or a call it declines through its kernel's
+``supports(...)`` hook) runs the pure-torch reference, which is the spec; ``explain()`` shows which
+implementation each op resolves to and why. ``GLM5_STRICT=1`` turns every such fallback into a
+:class:`BackendCoverageError`, for vendors proving coverage.
+
+Backends are discovered through the entry-point group ``glm5_core.backends`` (the built-in ones are
+declared there too) and, when the package is used from a source tree without being installed, from
+the built-in list below. Discovery, availability probes and kernel tables are computed lazily, once.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib
+import os
+from importlib import metadata
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+ENTRY_POINT_GROUP = "glm5_core.backends"
+BUILTIN_BACKENDS = ("cpu", "cuda", "rocm", "ascend")
+
+# Every dispatchable op, with the dotted path of its reference implementation (the spec).
+REFERENCES: Mapping[str, str] = {
+    "mla_prefill": "glm5_core.ops.mla:prefill_reference",
+    "mla_decode": "glm5_core.ops.mla:decode_reference",
+    "dsa_indexer_scores": "glm5_core.ops.dsa:indexer_scores_reference",
+    "dsa_indexer_topk": "glm5_core.ops.dsa:indexer_topk_reference",
+    "dsa_sparse_prefill": "glm5_core.ops.dsa:sparse_attention_reference",
+    "dsa_sparse_decode": "glm5_core.ops.dsa:sparse_attention_reference",
+    "moe_route": "glm5_core.ops.moe:route_reference",
+    "moe_dispatch": "glm5_core.ops.moe:dispatch_reference",
+    "moe_combine": "glm5_core.ops.moe:combine_reference",
+    "moe_experts": "glm5_core.ops.moe:grouped_swiglu_reference",
+    "muon_orthogonalize": "glm5_core.ops.muon:orthogonalize_reference",
+}
+OP_NAMES: Tuple[str, ...] = tuple(REFERENCES)
+
+_ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says why."""
+
+
+class BackendCoverageError(RuntimeError):
+    """``GLM5_STRICT=1`` and an op would have fallen back to the reference."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a backend declares. Out-of-tree vendors build one of these and expose it through the
+    ``glm5_core.backends`` entry point.
+
+    ``probe`` returns ``(available, reason)`` and must be cheap to call repeatedly (cache it).
+    ``kernel_table`` is called only once the backend is available; it imports the kernel modules and
+    returns ``{op_name: callable}``. A callable may carry a ``supports(*args, **kwargs) -> (bool, why)``
+    attribute to decline calls outside its capabilities (they then run the reference).
+    ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
+    ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
+    """
+
+    name: str
+    device_type: str
+    dist_backend: str
+    probe: Callable[[], Tuple[bool, str]]
+    kernel_table: Callable[[], Mapping[str, Callable]]
+    missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    runtime_device: Optional[Callable[[], str]] = None
+    description: str = ""
+
+    def available(self) -> Tuple[bool, str]:
+        return self.probe()
+
+    def device(self) -> str:
+        return self.runtime_device() if self.runtime_device is not None else self.device_type
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """How one op resolves on one backend."""
+
+    op: str
+    backend: str
+    impl: Callable
+    label: str  # "cuda: glm5_core.backends.cuda.dsa_topk.indexer_topk" or "reference"
+    reason: str  # why this implementation (empty when the backend's own kernel runs)
+
+    @property
+    def is_reference(self) -> bool:
+        return self.label == "reference"
+
+
+def strict_mode() -> bool:
+    return os.environ.get("GLM5_STRICT", "0") not in ("", "0")
+
+
+def _import_target(target: str) -> Callable:
+    module_name, _, attr = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def reference(op: str) -> Callable:
+    """The reference implementation (the spec) of ``op``."""
+    if op not in REFERENCES:
+        raise ValueError(f"op: expected one of {', '.join(OP_NAMES)}, got {op!r}")
+    return _import_target(REFERENCES[op])
+
+
+@functools.lru_cache(maxsize=1)
+def _discover() -> Dict[str, Backend]:
+    found: Dict[str, Backend] = {}
+    try:
+        eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10
+        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
+    for ep in eps:
+        try:
+            backend = ep.load()
+        except Exception as exc:  # a broken third-party plugin must not break the others
+            backend = _broken_backend(ep.name, f"entry point {ep.value!r} failed to load: {exc!r}")
+        if not isinstance(backend, Backend):
+            backend = _broken_backend(ep.name, f"entry point {ep.value!r} is not a glm5_core.registry.Backend")
+        found.setdefault(backend.name, backend)
+    for name in BUILTIN_BACKENDS:  # source-tree use without `pip install`
+        if name not in found:
+            found[name] = _import_target(f"glm5_core.backends.{name}.backend:BACKEND")
+    return found
+
+
+def _broken_backend(name: str, reason: str) -> Backend:
+    return Backend(name=name, device_type="?", dist_backend="?", probe=lambda: (False, reason), kernel_table=dict)
+
+
+def backends() -> Dict[str, Backend]:
+    """All known backends by name (built-in first, then third-party)."""
+    found = _discover()
+    order = [n for n in BUILTIN_BACKENDS if n in found] + sorted(n for n in found if n not in BUILTIN_BACKENDS)
+    return {n: found[n] for n in order}
+
+
+def get_backend(name: str) -> Backend:
+    known = backends()
+    if name not in known:
+        raise ValueError(f"backend: expected 'auto' or one of {', '.join(known)}, got {name!r}")
+    return known[name]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_table(name: str) -> Mapping[str, Callable]:
+    table = dict(get_backend(name).kernel_table())
+    unknown = sorted(set(table) - set(OP_NAMES))
+    if unknown:
+        raise ValueError(f"backend {name!r} registers unknown ops {unknown}; known ops: {', '.join(OP_NAMES)}")
+    return table
+
+
+@contextlib.contextmanager
+def use_backend(name: Optional[str]) -> Iterator[str]:
+    """Run the enclosed ops on backend ``name`` (``None`` or ``"auto"``: auto-detect).
+
+    Fails at once if the backend is unavailable."""
+    resolved = require_available(resolve_backend_name(name)).name
+    token = _ACTIVE_BACKEND.set(resolved)
+    try:
+        yield resolved
+    finally:
+        _ACTIVE_BACKEND.reset(token)
+
+
+def resolve_backend_name(backend: Optional[str] = None) -> str:
+    """Apply the resolution order (argument > context / ``GLM5_BACKEND`` > hardware)."""
+    for candidate in (backend, _ACTIVE_BACKEND.get(), os.environ.get("GLM5_BACKEND")):
+        if candidate not in (None, "", "auto"):
+            if not isinstance(candidate, str):
+                raise TypeError(f"backend: expected a str, got {type(candidate).__name__}")
+            get_backend(candidate)  # raises for unknown names
+            return candidate
+    from glm5_core import platform
+
+    return platform.detect_default_backend()
+
+
+def require_available(name: str) -> Backend:
+    backend = get_backend(name)
+    ok, reason = backend.available()
+    if not ok:
+        raise BackendUnavailableError(f"{name}: {reason}")
+    return backend
+
+
+def _label(name: str, fn: Callable) -> str:
+    return f"{name}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def resolve(op: str, backend: Optional[str] = None) -> Resolution:
+    """Which implementation runs ``op`` on ``backend`` (after the resolution order)."""
+    ref = reference(op)
+    name = resolve_backend_name(backend)
+    be = require_available(name)
+    table = _kernel_table(name)
+    if op in table:
+        return Resolution(op, name, table[op], _label(name, table[op]), "")
+    reason = be.missing.get(op, f"{name} does not implement {op}")
+    if strict_mode():
+        raise BackendCoverageError(f"{op}: {reason}, and GLM5_STRICT=1 forbids the reference fallback")
+    return Resolution(op, name, ref, "reference", reason)
+
+
+def call(op: str, *args, backend: Optional[str] = None, **kwargs):
+    """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
+    res = resolve(op, backend)
+    impl = res.impl
+    supports = getattr(impl, "supports", None)
+    if supports is not None:
+        ok, why = supports(*args, **kwargs)
+        if not ok:
+            if strict_mode():
+                raise BackendCoverageError(
+                    f"{op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback"
+                )
+            impl = reference(op)
+    return impl(*args, **kwargs)
+
+
+def explain(backend: Optional[str] = None) -> List[Resolution]:
+    """One :class:`Resolution` per op for ``backend`` (strict mode is not applied here)."""
+    name = resolve_backend_name(backend)
+    be = require_available(name)
+    table = _kernel_table(name)
+    rows = []
+    for op in OP_NAMES:
+        if op in table:
+            rows.append(Resolution(op, name, table[op], _label(name, table[op]), ""))
+        else:
+            rows.append(Resolution(op, name, reference(op), "reference", be.missing.get(op, f"{name} does not implement {op}")))
+    return rows
+
+
+def missing_ops(backend: str) -> List[str]:
+    """Ops that ``backend`` leaves to the reference."""
+    return [r.op for r in explain(backend) if r.is_reference]
