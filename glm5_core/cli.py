@@ -1,0 +1,66 @@
+"""The ``glm5`` command.
+
+Each subcommand lives in its own module that defines ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their subcommand runs, so ``glm5 backends`` stays fast and import-light.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import List, Optional
+
+SUBCOMMANDS = {
+    "backends": ("glm5_core.cli_backends", "list backends, whether each is available, and what every op resolves to"),
+    "conformance": ("glm5_core.conformance", "check a backend against the reference and write JSON + Markdown reports"),
+    "pretrain": ("glm5_core.train.cli", "pretrain a GLM-5-style model from a YAML config"),
+    "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
+    "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
+}
+BACKEND_CHOICES = ("auto", "cpu", "cuda", "rocm", "ascend")
+
+
+def add_backend_argument(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    """``--backend`` as every command takes it (third-party backends are accepted by name too)."""
+    parser.add_argument("--backend", default=default, metavar="{" + ",".join(BACKEND_CHOICES) + ",...}",
+                        help="kernel backend (default: %(default)s = detect the hardware)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glm5", description="glm5-core: portable kernels and drivers for GLM-5-class models")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"glm5: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    name, rest = argv[0], argv[1:]
+    module_name, help_text = SUBCOMMANDS[name]
+    module = importlib.import_module(module_name)
+    sub_parser = argparse.ArgumentParser(prog=f"glm5 {name}", description=help_text)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(rest)
+    from glm5_core.registry import BackendCoverageError, BackendUnavailableError
+
+    try:
+        return int(module.run(args) or 0)
+    except (BackendUnavailableError, BackendCoverageError, ValueError, TypeError, FileNotFoundError) as exc:
+        if os.environ.get("GLM5_DEBUG"):
+            raise
+        print(f"glm5 {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
