@@ -238,10 +238,13 @@ def call(op: str, *args, backend: Optional[str] = None, **kwargs):
     return impl(*args, **kwargs)
 
 
-def explain(backend: Optional[str] = None) -> List[Resolution]:
-    """One :class:`Resolution` per op for ``backend`` (strict mode is not applied here)."""
+def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Resolution]:
+    """One :class:`Resolution` per op for ``backend`` (strict mode is not applied here).
+
+    With ``require=False`` an unavailable backend is explained too (what its kernel table declares),
+    so users can see what a vendor backend would run before they have the hardware."""
     name = resolve_backend_name(backend)
-    be = require_available(name)
+    be = require_available(name) if require else get_backend(name)
     table = _kernel_table(name)
     rows = []
     for op in OP_NAMES:

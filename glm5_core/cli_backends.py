@@ -1,0 +1,64 @@
+"""``glm5 backends``: every backend, whether it is available (or why not), and what each op resolves to."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Dict, List
+
+from glm5_core import registry
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+
+def backend_report() -> List[Dict]:
+    """One record per backend: availability, devices and (when available) the per-op resolution."""
+    records = []
+    for name, be in registry.backends().items():
+        ok, reason = be.available()
+        record = {
+            "backend": name,
+            "available": ok,
+            "reason": reason,
+            "device_type": be.device_type,
+            "runtime_device": be.device() if ok else None,
+            "dist_backend": be.dist_backend,
+            "ops": {},
+        }
+        try:
+            for res in registry.explain(name, require=False):
+                record["ops"][res.op] = {"impl": res.label, "reason": res.reason}
+        except Exception as exc:  # a kernel table that cannot even be imported here
+            record["ops_error"] = f"kernel table not loadable here: {exc!r}"
+        records.append(record)
+    return records
+
+
+def _table(rows: List[List[str]], header: List[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = "  ".join("{:<%d}" % w for w in widths)
+    out = [line.format(*header), line.format(*("-" * w for w in widths))]
+    out += [line.format(*map(str, r)) for r in rows]
+    return "\n".join(out)
+
+
+def render(records: List[Dict]) -> str:
+    summary = [[r["backend"], "yes" if r["available"] else "no", r["device_type"], r["dist_backend"], r["reason"]]
+               for r in records]
+    parts = [_table(summary, ["backend", "available", "device", "dist", "status / reason"])]
+    for r in records:
+        where = f"tensors on '{r['runtime_device']}'" if r["available"] else "unavailable here; declared kernels"
+        parts.append(f"\n{r['backend']} ({where}): op resolution")
+        if "ops_error" in r:
+            parts.append(r["ops_error"])
+            continue
+        rows = [[op, info["impl"], info["reason"]] for op, info in r["ops"].items()]
+        parts.append(_table(rows, ["op", "implementation", "why the reference"]))
+    return "\n".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    records = backend_report()
+    print(json.dumps(records, indent=2) if args.json else render(records))
+    return 0
