@@ -30,6 +30,12 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
 
 
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) from exactly rounded elementwise ops and exp: unlike torch.sigmoid on CPU (whose
+    vectorised body and scalar tail round differently), a value's score does not depend on the batch shape."""
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
 def _stable_desc_order(values: torch.Tensor) -> torch.Tensor:
     """Indices sorting the last dim descending, ties to the lower index."""
     return torch.sort(values, dim=-1, descending=True, stable=True).indices
@@ -42,7 +48,7 @@ def route_reference(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_
     N, E = logits.shape
     ct = _checks.compute_dtype(logits.dtype)
     logits = logits.to(ct)
-    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
+    scores = _sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
     select = scores if bias is None else scores + bias.to(ct)  # [N, E]
     if n_group > 1:
         per_group = E // n_group

@@ -1,0 +1,116 @@
+"""Determinism checks: what makes a backend's top-k RL-stable.
+
+* repeatability: the same call twice gives the same bits;
+* batch invariance: a query row gives the same bits alone, in any batch, and in any chunking of the
+  queries (with the matching ``start_pos``);
+* prefill/decode consistency: the top-k of a query computed with all queries at once (prefill) equals,
+  bitwise, the top-k computed for that query alone against a cache of the keys so far (decode), also
+  when the cache is a larger preallocated buffer whose tail holds garbage.
+
+Each check returns a :class:`glm5_core.testing.Comparison` and runs on the tensors' device of the backend.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from glm5_core import testing
+from glm5_core.ops import dsa, moe
+
+DETERMINISM_SHAPE = testing.IndexerShape(B=3, T=11, S=29, H=4, D=16, K=6)
+
+
+def _mismatch(what: str) -> testing.Comparison:
+    return testing.Comparison(False, float("inf"), 0.0, what)
+
+
+def _ok(what: str) -> testing.Comparison:
+    return testing.Comparison(True, 0.0, 0.0, what)
+
+
+def _inputs(device: str, ties=None, dtype=torch.float32) -> Dict[str, torch.Tensor]:
+    return testing.make_indexer_inputs(DETERMINISM_SHAPE, dtype=dtype, device=device, seed=11, ties=ties)
+
+
+def topk_repeatability(backend: str, device: str, runs: int = 3) -> testing.Comparison:
+    x = _inputs(device)
+    K = DETERMINISM_SHAPE.K
+    S, T = DETERMINISM_SHAPE.S, DETERMINISM_SHAPE.T
+    first = dsa.indexer_topk(x["q"], x["k"], x["w"], K, start_pos=S - T, backend=backend)
+    for i in range(1, runs):
+        again = dsa.indexer_topk(x["q"], x["k"], x["w"], K, start_pos=S - T, backend=backend)
+        if not torch.equal(first, again):
+            return _mismatch(f"run {i} differs from run 0")
+    return _ok(f"{runs} runs bitwise identical")
+
+
+def topk_batch_invariance(backend: str, device: str, ties=None) -> testing.Comparison:
+    x = _inputs(device, ties)
+    s = DETERMINISM_SHAPE
+    base = s.S - s.T
+    full = dsa.indexer_topk(x["q"], x["k"], x["w"], s.K, start_pos=base, backend=backend)  # [B, T, K]
+    for b in range(s.B):  # each batch row alone
+        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K, start_pos=base, backend=backend)
+        if not torch.equal(alone[0], full[b]):
+            return _mismatch(f"batch row {b} alone differs from the batched call")
+    for chunk in (1, 4, 7):  # the queries in chunks, keys unchanged
+        for t0 in range(0, s.T, chunk):
+            part = dsa.indexer_topk(x["q"][:, t0:t0 + chunk], x["k"], x["w"][:, t0:t0 + chunk], s.K,
+                                    start_pos=base + t0, backend=backend)
+            if not torch.equal(part, full[:, t0:t0 + chunk]):
+                return _mismatch(f"query chunk [{t0}, {t0 + chunk}) of size {chunk} differs from the full call")
+    ragged = torch.tensor([base, base - 3, 0], dtype=torch.int64, device=device)
+    together = dsa.indexer_topk(x["q"], x["k"], x["w"], s.K, start_pos=ragged, backend=backend)
+    for b in range(s.B):
+        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K,
+                                 start_pos=int(ragged[b]), backend=backend)
+        if not torch.equal(alone[0], together[b]):
+            return _mismatch(f"ragged batch: row {b} differs from the same row with an int start_pos")
+    return _ok("rows, query chunks (1, 4, 7) and ragged batches bitwise identical to the batched call")
+
+
+def topk_prefill_decode(backend: str, device: str, ties=None) -> testing.Comparison:
+    x = _inputs(device, ties)
+    s = DETERMINISM_SHAPE
+    T = s.T
+    keys = x["k"][:, :T]  # prefill: T tokens, each query sees the keys up to itself
+    prefill = dsa.indexer_topk(x["q"], keys, x["w"], s.K, start_pos=0, backend=backend)  # [B, T, K]
+    garbage = testing.randn((s.B, s.S - T, s.D), seed=99, dtype=keys.dtype, device=device, scale=50.0)
+    big_cache = torch.cat([keys, garbage], dim=1)  # [B, S, D]: slots past the query are never visible
+    for t in range(T):
+        q_t, w_t = x["q"][:, t:t + 1], x["w"][:, t:t + 1]
+        exact = dsa.indexer_topk(q_t, keys[:, :t + 1], w_t, s.K, start_pos=t, backend=backend)
+        if not torch.equal(exact[:, 0], prefill[:, t]):
+            return _mismatch(f"decode of token {t} against a {t + 1}-slot cache differs from prefill")
+        padded = dsa.indexer_topk(q_t, big_cache, w_t, s.K, start_pos=t, backend=backend)
+        if not torch.equal(padded[:, 0], prefill[:, t]):
+            return _mismatch(f"decode of token {t} against a preallocated {s.S}-slot cache differs from prefill")
+    return _ok(f"all {T} decode steps bitwise equal to prefill (exact and preallocated caches)")
+
+
+def route_batch_invariance(backend: str, device: str) -> testing.Comparison:
+    shape = testing.MoEShape(N=23, E=16, K=4, G=4, TG=2, D=8, F=4)
+    x = testing.make_route_inputs(shape, device=device, seed=5)
+    kw = dict(top_k=shape.K, n_group=shape.G, topk_group=shape.TG, routed_scaling_factor=2.5, backend=backend)
+    w_full, ids_full = moe.route(x["logits"], x["bias"], **kw)
+    for chunk in (1, 5):
+        for n0 in range(0, shape.N, chunk):
+            w, ids = moe.route(x["logits"][n0:n0 + chunk], x["bias"], **kw)
+            if not (torch.equal(ids, ids_full[n0:n0 + chunk]) and torch.equal(w, w_full[n0:n0 + chunk])):
+                return _mismatch(f"token chunk [{n0}, {n0 + chunk}) routes differently from the full batch")
+    return _ok("per-token routing bitwise identical in chunks of 1 and 5")
+
+
+CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
+    "topk_repeatability": topk_repeatability,
+    "topk_batch_invariance": topk_batch_invariance,
+    "topk_batch_invariance_ties": lambda be, dev: topk_batch_invariance(be, dev, ties="duplicate_keys"),
+    "topk_prefill_decode": topk_prefill_decode,
+    "topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu"),
+    "route_batch_invariance": route_batch_invariance,
+}
+
+# Ops each check exercises (used to report fallbacks).
+CHECK_OPS: Dict[str, List[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
+CHECK_OPS["route_batch_invariance"] = ["moe_route"]
