@@ -1,0 +1,106 @@
+"""Muon for hidden matrices + AdamW for the rest, stepped as one optimizer.
+
+Every parameter group carries ``name`` (for logs), ``role`` ("main" or "indexer": which learning-rate
+schedule drives it) and ``optimizer`` ("muon" or "adamw"). Both optimizers skip parameters whose
+gradient is None, so freezing a part of the model (``requires_grad_(False)`` + ``zero_grad(set_to_none)``)
+leaves its weights and optimizer state untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from glm5_core.optim.muon import Muon
+from glm5_core.optim.param_groups import Assignment, assign_parameters
+
+
+@dataclasses.dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    coefficients: str = "polar_express"  # or "jordan"
+    scale_mode: str = "match_rms_adamw"  # or "original"
+    split_heads: bool = True  # Muon Split of q_b_proj / kv_b_proj / o_proj
+    lr_ratio: float = 1.0  # Muon lr = lr_ratio * the schedule's lr (1.0 with match_rms_adamw)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    weight_decay: float = 0.1
+    betas: Tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
+
+
+class HybridOptimizer:
+    """A Muon and an AdamW behind one ``step`` / ``zero_grad`` / ``state_dict`` / ``param_groups``."""
+
+    def __init__(self, optimizers: Dict[str, torch.optim.Optimizer], assignments: List[Assignment]):
+        self.optimizers = optimizers
+        self.assignments = assignments
+
+    @property
+    def param_groups(self) -> List[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, dict]:
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: Dict[str, dict]) -> None:
+        if set(state) != set(self.optimizers):
+            raise ValueError(f"optimizer state: expected parts {sorted(self.optimizers)}, got {sorted(state)}")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, num_heads: int, lr: float,
+                    backend: Optional[str] = None) -> HybridOptimizer:
+    """Split ``model``'s parameters by :func:`assign_parameters` and build the two optimizers.
+
+    ``num_heads`` is the attention head count (Muon Split cuts the projections into that many blocks);
+    ``lr`` is the initial learning rate of every group (the driver's schedule overwrites it each step).
+    """
+    assignments = assign_parameters(model, split_heads=cfg.muon.split_heads)
+    muon_groups: Dict[Optional[int], List[torch.nn.Parameter]] = {}
+    adamw_groups: Dict[Tuple[str, bool], List[torch.nn.Parameter]] = {}
+    for a in assignments:
+        if a.optimizer == "muon":
+            muon_groups.setdefault(a.split_dim, []).append(a.param)
+        elif a.optimizer == "adamw":
+            adamw_groups.setdefault((a.role, a.weight_decay), []).append(a.param)
+    m = cfg.muon
+    split_names = {None: "muon", 0: "muon_split_rows", 1: "muon_split_cols"}
+    muon_param_groups = [
+        dict(params=params, name=split_names[split_dim], role="main", optimizer="muon", lr=lr * m.lr_ratio,
+             split_heads=None if split_dim is None else num_heads, split_dim=0 if split_dim is None else split_dim)
+        for split_dim, params in sorted(muon_groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+    ]
+    adamw_param_groups = [
+        dict(params=params, name=f"adamw_{role}{'' if decay else '_no_decay'}", role=role, optimizer="adamw", lr=lr,
+             weight_decay=cfg.weight_decay if decay else 0.0)
+        for (role, decay), params in sorted(adamw_groups.items())
+    ]
+    optimizers: Dict[str, torch.optim.Optimizer] = {}
+    if muon_param_groups:
+        optimizers["muon"] = Muon(muon_param_groups, lr=lr, momentum=m.momentum, nesterov=m.nesterov,
+                                  weight_decay=cfg.weight_decay, ns_steps=m.ns_steps, coefficients=m.coefficients,
+                                  scale_mode=m.scale_mode, backend=backend)
+    if adamw_param_groups:
+        # foreach=False: one code path on every device, so a resumed run repeats the same float operations.
+        optimizers["adamw"] = torch.optim.AdamW(adamw_param_groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                                weight_decay=cfg.weight_decay, foreach=False)
+    if not optimizers:
+        raise ValueError("model: no trainable parameters (every parameter has requires_grad=False)")
+    return HybridOptimizer(optimizers, assignments)

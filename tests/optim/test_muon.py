@@ -1,0 +1,134 @@
+"""Muon against a plain per-parameter, per-head reference step (glm5_core.optim.muon_reference_step)."""
+import math
+
+import pytest
+import torch
+
+from glm5_core.ops import muon as muon_ops
+from glm5_core.optim import Muon, muon_reference_step, update_scale
+
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _param(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(shape, generator=g, dtype=torch.float64).to(dtype))
+
+
+def _grads(shape, dtype, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,split_heads,split_dim", [
+    ((7, 5), None, 0), ((5, 13), None, 0), ((12, 9), 3, 0), ((6, 20), 4, 1), ((21, 10), 7, 0),
+])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("scale_mode", ["match_rms_adamw", "original"])
+def test_steps_match_the_reference(dtype, shape, split_heads, split_dim, nesterov, scale_mode):
+    hyper = dict(lr=0.03, momentum=0.9, nesterov=nesterov, weight_decay=0.1, ns_steps=5,
+                 coefficients="polar_express", scale_mode=scale_mode)
+    p = _param(shape, dtype, seed=1)
+    opt = Muon([dict(params=[p], split_heads=split_heads, split_dim=split_dim)], **hyper)
+    ref_p, ref_buf = p.detach().clone(), torch.zeros_like(p)
+    for grad in _grads(shape, dtype, steps=3, seed=2):
+        p.grad = grad.clone()
+        opt.step()
+        ref_p, ref_buf = muon_reference_step(ref_p, grad, ref_buf, split_heads=split_heads, split_dim=split_dim, **hyper)
+    torch.testing.assert_close(p.detach(), ref_p, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_buf, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_bf16_parameters_follow_the_reference():
+    shape = (16, 24)
+    p = _param(shape, torch.bfloat16, seed=3)
+    start = p.detach().clone()
+    opt = Muon([p], lr=0.05, weight_decay=0.0)
+    grad = _grads(shape, torch.bfloat16, 1, seed=4)[0]
+    p.grad = grad
+    opt.step()
+    ref, _ = muon_reference_step(start.float(), grad.float(), torch.zeros(shape), lr=0.05, momentum=0.95,
+                                 nesterov=True, weight_decay=0.0, ns_steps=5, coefficients="polar_express",
+                                 scale_mode="match_rms_adamw")
+    assert p.dtype == torch.bfloat16
+    torch.testing.assert_close(p.detach().float(), ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_muon_split_equals_orthogonalising_each_head_alone(dim):
+    heads, block = 4, (6, 10) if dim == 0 else (10, 6)
+    shape = (heads * block[0], block[1]) if dim == 0 else (block[0], heads * block[1])
+    p = _param(shape, torch.float64, seed=5)
+    start = p.detach().clone()
+    grad = _grads(shape, torch.float64, 1, seed=6)[0]
+    lr = 0.1
+    # momentum 0 and no weight decay: the step is exactly -lr * scale * orthogonalize(grad) per head.
+    opt = Muon([dict(params=[p], split_heads=heads, split_dim=dim)], lr=lr, momentum=0.0, nesterov=False)
+    p.grad = grad
+    opt.step()
+    expected = torch.cat([
+        muon_ops.orthogonalize(g, coefficients="polar_express") * update_scale(*g.shape)
+        for g in torch.chunk(grad, heads, dim=dim)
+    ], dim=dim)
+    torch.testing.assert_close(p.detach(), start - lr * expected, atol=1e-10, rtol=1e-10)
+    whole = muon_ops.orthogonalize(grad, coefficients="polar_express") * update_scale(*grad.shape)
+    assert not torch.allclose(p.detach(), start - lr * whole, atol=1e-3), "split must differ from the whole matrix"
+
+
+@pytest.mark.parametrize("mode", ["match_rms_adamw", "original"])
+def test_update_scale_uses_the_block_shape(mode):
+    # Row blocks of [8, 4] from a [32, 4] matrix: both scale modes give different numbers for block and whole.
+    heads, shape = 4, (32, 4)
+    assert update_scale(8, 4, mode) != update_scale(32, 4, mode)
+    p = _param(shape, torch.float64, seed=7)
+    start = p.detach().clone()
+    grad = _grads(shape, torch.float64, 1, seed=8)[0]
+    opt = Muon([dict(params=[p], split_heads=heads, split_dim=0)], lr=1.0, momentum=0.0, nesterov=False,
+               scale_mode=mode)
+    p.grad = grad
+    opt.step()
+    step = start - p.detach()  # [32, 4]
+    for g, s in zip(torch.chunk(grad, heads), torch.chunk(step, heads)):
+        ortho = muon_ops.orthogonalize(g)
+        ratio = (s.norm() / ortho.norm()).item()
+        assert math.isclose(ratio, update_scale(8, 4, mode), rel_tol=1e-9)
+
+
+def test_same_shape_matrices_are_batched_without_changing_results():
+    shapes = [(9, 5), (9, 5), (5, 9), (9, 5)]
+    together = [_param(s, torch.float64, seed=i) for i, s in enumerate(shapes)]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
+    grads = [_grads(s, torch.float64, 1, seed=10 + i)[0] for i, s in enumerate(shapes)]
+    opt_together = Muon(together, lr=0.02)
+    opts_alone = [Muon([p], lr=0.02) for p in alone]
+    for p, q, g in zip(together, alone, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt_together.step()
+    for opt in opts_alone:
+        opt.step()
+    for p, q in zip(together, alone):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-12, rtol=1e-12)
+
+
+def test_parameters_without_grad_are_untouched():
+    frozen, live = _param((6, 4), torch.float32, 1), _param((6, 4), torch.float32, 2)
+    before = frozen.detach().clone()
+    opt = Muon([frozen, live], lr=0.1, weight_decay=0.5)
+    live.grad = torch.ones(6, 4)
+    opt.step()
+    assert torch.equal(frozen.detach(), before)
+    assert frozen not in opt.state
+    assert not torch.equal(live.detach(), _param((6, 4), torch.float32, 2).detach())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(params=[torch.nn.Parameter(torch.ones(4))]), "matrices"),
+    (dict(params=[dict(params=[torch.nn.Parameter(torch.ones(6, 4))], split_heads=4)]), "split_heads"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], scale_mode="rms"), "scale_mode"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], momentum=1.0), "momentum"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], coefficients="newton"), "coefficients"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Muon(**kwargs)
