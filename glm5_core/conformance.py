@@ -1,0 +1,413 @@
+"""Conformance suite: every check a backend must pass, shared by ``tests/conformance`` and ``glm5 conformance``.
+
+A check runs one op (or a determinism property) of a backend on seeded inputs and compares the result with
+the reference: floats against an fp64 run of the reference (``testing.compare_to_fp64``), integer outputs
+(top-k, routing ids, dispatch order) exactly where the inputs make ties exact, and by the cross-backend
+set rule elsewhere. ``glm5 conformance --backend X`` runs them all and writes a JSON and a Markdown report.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform as py_platform
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from glm5_core import determinism, registry, testing
+from glm5_core.ops import dsa, mla, moe, muon
+
+FAMILIES = ("mla", "dsa", "moe", "muon", "determinism")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+TOPK_REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+CheckFn = Callable[[str, str], testing.Comparison]  # (backend, device) -> comparison
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    family: str
+    name: str
+    ops: Sequence[str]
+    fn: CheckFn
+    against_reference: bool = True  # False: a property (determinism, two forms agreeing) worth checking on the reference too
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass
+class Result:
+    family: str
+    check: str
+    ops: List[str]
+    status: str  # "pass" | "fail" | "error" | "fallback"
+    max_error: Optional[float]
+    allowed: Optional[float]
+    detail: str
+    seconds: float
+
+
+def _fp64(inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+# --------------------------------------------------------------------------------------------- MLA
+def _mla_check(op: str, shape: testing.MLAShape, dtype: torch.dtype, start_mode: str) -> CheckFn:
+    entry = mla.prefill if op == "mla_prefill" else mla.decode
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_mla_inputs(shape, dtype=dtype, device=device, seed=1)
+        start = testing.start_positions_for(shape.B, shape.T, shape.S, start_mode, device)
+        scale = (shape.Dn + shape.Dr) ** -0.5
+        out = entry(**x, scale=scale, start_pos=start, backend=backend)
+        ref = registry.reference(op)
+        return testing.compare_to_fp64(out, ref(**x, scale=scale, start_pos=start),
+                                       ref(**_fp64(x), scale=scale, start_pos=start), dtype)
+
+    return fn
+
+
+def _mla_forms_agree(shape: testing.MLAShape) -> CheckFn:
+    """The backend's expanded prefill and absorbed decode agree in fp64 (to 1e-10)."""
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_mla_inputs(shape, dtype=torch.float64, device=device, seed=2)
+        scale = (shape.Dn + shape.Dr) ** -0.5
+        start = shape.S - shape.T
+        expanded = mla.prefill(**x, scale=scale, start_pos=start, backend=backend)
+        absorbed = mla.decode(**x, scale=scale, start_pos=start, backend=backend)
+        err = float((expanded - absorbed).abs().max())
+        return testing.Comparison(err <= 1e-10, err, 1e-10, f"max |expanded - absorbed| = {err:.3g} (fp64)")
+
+    return fn
+
+
+def _mla_checks() -> List[Check]:
+    checks = []
+    for op in ("mla_prefill", "mla_decode"):
+        for shape in testing.MLA_SHAPES:
+            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+                for start_mode in ("last", "ragged") if op == "mla_decode" else ("first", "ragged"):
+                    name = f"{op}[{DTYPE_NAMES[dtype]}-{shape}-start_{start_mode}]"
+                    checks.append(Check("mla", name, (op,), _mla_check(op, shape, dtype, start_mode)))
+    for shape in testing.MLA_SHAPES:
+        checks.append(Check("mla", f"mla_expanded_vs_absorbed[fp64-{shape}]", ("mla_prefill", "mla_decode"),
+                            _mla_forms_agree(shape), against_reference=False))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------- DSA
+def _topk_check(shape: testing.IndexerShape, dtype: torch.dtype, ties: Optional[str], ragged: bool) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=3, ties=ties)
+        start = (torch.tensor([(shape.S - shape.T) // (b + 1) for b in range(shape.B)], device=device)
+                 if ragged else shape.S - shape.T)
+        idx = dsa.indexer_topk(x["q"], x["k"], x["w"], shape.K, start_pos=start, backend=backend)
+        ref_idx = dsa.indexer_topk_reference(x["q"], x["k"], x["w"], topk=shape.K, start_pos=start)
+        if ties is not None:  # exact scores: the contract fixes every index, ties to the lower key
+            same = torch.equal(idx.cpu(), ref_idx.cpu()) and idx.dtype == torch.int32
+            return testing.Comparison(same, 0.0 if same else float("inf"), 0.0,
+                                      "bitwise equal to the reference" if same else
+                                      f"differs from the reference (first rows: {idx.cpu()[0, :2].tolist()} vs "
+                                      f"{ref_idx[0, :2].tolist()})")
+        scores = dsa.indexer_scores_reference(**_fp64(x), start_pos=start)
+        return testing.topk_sets_agree(idx, ref_idx, scores, TOPK_REL_TOL[dtype])
+
+    return fn
+
+
+def _scores_check(shape: testing.IndexerShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=4)
+        start = shape.S - shape.T
+        out = dsa.indexer_scores(x["q"], x["k"], x["w"], start_pos=start, backend=backend)
+        ref = dsa.indexer_scores_reference(x["q"], x["k"], x["w"], start_pos=start)
+        ref64 = dsa.indexer_scores_reference(**_fp64(x), start_pos=start)
+        if not torch.equal(torch.isinf(out).cpu(), torch.isinf(ref64).cpu()):
+            return testing.Comparison(False, float("inf"), 0.0, "causal -inf mask differs from the reference")
+        finite = torch.isfinite(ref64)
+        return testing.compare_to_fp64(out[finite], ref[finite], ref64[finite], dtype)
+
+    return fn
+
+
+def _sparse_check(op: str, shape: testing.MLAShape, K: int, dtype: torch.dtype) -> CheckFn:
+    entry = dsa.sparse_prefill if op == "dsa_sparse_prefill" else dsa.sparse_decode
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_sparse_inputs(shape, K, dtype=dtype, device=device, seed=5)
+        scale = (shape.Dn + shape.Dr) ** -0.5
+        out = entry(**x, scale=scale, backend=backend)
+        ref = dsa.sparse_attention_reference
+        return testing.compare_to_fp64(out, ref(**x, scale=scale), ref(**_fp64(x), scale=scale), dtype)
+
+    return fn
+
+
+def _dsa_checks() -> List[Check]:
+    checks = []
+    for shape in testing.INDEXER_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for ties in testing.TIE_MODES:
+                name = f"dsa_indexer_topk[{DTYPE_NAMES[dtype]}-{shape}-ties_{ties}]"
+                checks.append(Check("dsa", name, ("dsa_indexer_topk",), _topk_check(shape, dtype, ties, False)))
+            checks.append(Check("dsa", f"dsa_indexer_topk[{DTYPE_NAMES[dtype]}-{shape}-ragged]",
+                                ("dsa_indexer_topk",), _topk_check(shape, dtype, None, True)))
+            checks.append(Check("dsa", f"dsa_indexer_scores[{DTYPE_NAMES[dtype]}-{shape}]", ("dsa_indexer_scores",),
+                                _scores_check(shape, dtype)))
+    for op in ("dsa_sparse_prefill", "dsa_sparse_decode"):
+        for shape, K in zip(testing.MLA_SHAPES, (1, 4, 9)):
+            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+                checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}]", (op,),
+                                    _sparse_check(op, shape, K, dtype)))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------- MoE
+def _route_check(shape: testing.MoEShape, dtype: torch.dtype, ties: Optional[str], score_func: str) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_route_inputs(shape, dtype=dtype, device=device, seed=6, ties=ties)
+        kw = dict(top_k=shape.K, score_func=score_func, n_group=shape.G, topk_group=shape.TG,
+                  renormalize=True, routed_scaling_factor=2.5)
+        weights, ids = moe.route(x["logits"], x["bias"], backend=backend, **kw)
+        ref_w, ref_ids = moe.route_reference(x["logits"], x["bias"], **kw)
+        if ids.dtype != torch.int32 or not torch.equal(ids.cpu(), ref_ids.cpu()):
+            return testing.Comparison(False, float("inf"), 0.0,
+                                      f"expert ids differ from the reference ({ids.dtype}; first row "
+                                      f"{ids.cpu()[0].tolist()} vs {ref_ids[0].tolist()})")
+        _, ref64_ids = moe.route_reference(x["logits"].double(), x["bias"].double(), **kw)
+        ref64_w = moe.route_reference(x["logits"].double(), x["bias"].double(), **kw)[0]
+        if not torch.equal(ref64_ids.cpu().long(), ref_ids.cpu().long()):  # near-tie flipped by rounding: compare
+            ref64_w = ref_w.double()  # weights of the same experts instead
+        return testing.compare_to_fp64(weights, ref_w, ref64_w, torch.float32)
+
+    return fn
+
+
+def _dispatch_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=7)
+        _, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=8)["logits"], None,
+                                     top_k=shape.K)
+        got = moe.dispatch(x["x"], ids, num_experts=shape.E, backend=backend)
+        want = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
+        names = ("x_sorted", "sort_idx", "counts")
+        for name, a, b in zip(names, got, want):
+            if not torch.equal(a.cpu(), b.cpu()):
+                return testing.Comparison(False, float("inf"), 0.0, f"{name} differs from the reference")
+        return testing.Comparison(True, 0.0, 0.0, "x_sorted, sort_idx and counts bitwise equal")
+
+    return fn
+
+
+def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=9)
+        weights, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=10)["logits"], None,
+                                           top_k=shape.K, routed_scaling_factor=2.5)
+        y_sorted, sort_idx, _ = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
+        out = moe.combine(y_sorted, sort_idx, weights, backend=backend)
+        ref = moe.combine_reference
+        return testing.compare_to_fp64(out, ref(y_sorted, sort_idx, weights),
+                                       ref(y_sorted.double(), sort_idx, weights.double()), dtype)
+
+    return fn
+
+
+def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=11)
+        _, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=12)["logits"], None,
+                                     top_k=shape.K)
+        x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
+        w = (x["w_gate"], x["w_up"], x["w_down"])
+        out = moe.grouped_swiglu(x_sorted, counts, *w, backend=backend)
+        ref = moe.grouped_swiglu_reference
+        return testing.compare_to_fp64(out, ref(x_sorted, counts, *w),
+                                       ref(x_sorted.double(), counts, *(t.double() for t in w)), dtype)
+
+    return fn
+
+
+def _moe_checks() -> List[Check]:
+    checks = []
+    for shape in testing.MOE_SHAPES:
+        for ties in (None, "integer"):
+            for score_func in moe.SCORE_FUNCS:
+                checks.append(Check("moe", f"moe_route[fp32-{shape}-{score_func}-ties_{ties}]", ("moe_route",),
+                                    _route_check(shape, torch.float32, ties, score_func)))
+        checks.append(Check("moe", f"moe_route[bf16-{shape}-sigmoid]", ("moe_route",),
+                            _route_check(shape, torch.bfloat16, None, "sigmoid")))
+        for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+            tag = f"{DTYPE_NAMES[dtype]}-{shape}"
+            checks.append(Check("moe", f"moe_dispatch[{tag}]", ("moe_dispatch",), _dispatch_check(shape, dtype)))
+            checks.append(Check("moe", f"moe_combine[{tag}]", ("moe_combine",), _combine_check(shape, dtype)))
+            checks.append(Check("moe", f"moe_experts[{tag}]", ("moe_experts",), _experts_check(shape, dtype)))
+    return checks
+
+
+# --------------------------------------------------------------------------------------------- Muon
+def _muon_check(shape: Sequence[int], dtype: torch.dtype, coefficients: str) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        G = testing.make_muon_input(shape, dtype=dtype, device=device, seed=13)
+        out = muon.orthogonalize(G, steps=5, coefficients=coefficients, backend=backend)
+        schedule = muon.coefficients_for(coefficients)
+        ref = muon.orthogonalize_reference
+        cmp = testing.compare_to_fp64(out, ref(G, steps=5, coefficients=schedule),
+                                      ref(G.double(), steps=5, coefficients=schedule), dtype)
+        cmp.detail += f"; orthogonality error max|sigma - 1| = {testing.orthogonality_error(out):.3g}"
+        return cmp
+
+    return fn
+
+
+def _muon_checks() -> List[Check]:
+    return [Check("muon", f"muon_orthogonalize[{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}-{coef}]",
+                  ("muon_orthogonalize",), _muon_check(shape, dtype, coef))
+            for shape in testing.MUON_SHAPES for dtype in testing.FLOAT_DTYPES_UNDER_TEST
+            for coef in ("jordan", "polar_express")]
+
+
+def _determinism_checks() -> List[Check]:
+    return [Check("determinism", name, tuple(determinism.CHECK_OPS[name]), fn, against_reference=False)
+            for name, fn in determinism.CHECKS.items()]
+
+
+_BUILDERS = {"mla": _mla_checks, "dsa": _dsa_checks, "moe": _moe_checks, "muon": _muon_checks,
+             "determinism": _determinism_checks}
+
+
+def checks(family: Optional[str] = None) -> List[Check]:
+    """All conformance checks, or those of one family."""
+    if family is not None and family not in _BUILDERS:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    return [c for fam in ([family] if family else FAMILIES) for c in _BUILDERS[fam]()]
+
+
+def run_check(check: Check, backend: str) -> Result:
+    """Run one check; ops that fall back to the reference are reported as ``fallback`` (or ``fail`` in strict mode)."""
+    fallbacks = [op for op in check.ops if registry.resolve(op, backend).is_reference] if not registry.strict_mode() \
+        else []
+    start = time.perf_counter()
+    try:
+        if registry.strict_mode():
+            for op in check.ops:
+                registry.resolve(op, backend)  # raises BackendCoverageError naming the op
+        device = registry.get_backend(backend).device()
+        cmp = check.fn(backend, device)
+        status = "pass" if cmp.passed else "fail"
+        if cmp.passed and fallbacks and len(fallbacks) == len(check.ops):
+            status = "fallback"
+        detail = cmp.detail + (f" (reference fallback: {', '.join(fallbacks)})" if fallbacks else "")
+        return Result(check.family, check.name, list(check.ops), status, cmp.max_error, cmp.allowed, detail,
+                      time.perf_counter() - start)
+    except registry.BackendCoverageError as exc:
+        return Result(check.family, check.name, list(check.ops), "fail", None, None, str(exc), time.perf_counter() - start)
+    except Exception as exc:  # a crashing kernel is a failed check, with its traceback in the report
+        tb = traceback.format_exc(limit=4)
+        return Result(check.family, check.name, list(check.ops), "error", None, None, f"{exc!r}\n{tb}",
+                      time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------- reports
+def environment(backend: str) -> Dict[str, str]:
+    be = registry.get_backend(backend)
+    ok, reason = be.available()
+    return {
+        "backend": backend,
+        "status": reason,
+        "device": be.device() if ok else be.device_type,
+        "torch": torch.__version__,
+        "python": py_platform.python_version(),
+        "machine": f"{py_platform.system()} {py_platform.machine()}",
+        "strict": str(registry.strict_mode()),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_reports(results: List[Result], backend: str, out_dir: Path) -> Dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "fallback")}
+    coverage = [{"op": r.op, "implementation": r.label, "reason": r.reason} for r in registry.explain(backend)]
+    payload = {"environment": environment(backend), "summary": counts, "coverage": coverage,
+               "results": [dataclasses.asdict(r) for r in results]}
+    json_path = out_dir / f"conformance-{backend}.json"
+    json_path.write_text(json.dumps(payload, indent=2))
+    env = payload["environment"]
+    lines = [f"# glm5-core conformance report: `{backend}`", "",
+             " | ".join(f"**{k}**: {v}" for k, v in env.items()), "",
+             f"**{counts['pass']} passed, {counts['fail'] + counts['error']} failed**, "
+             f"{counts['fallback']} ran the reference fallback.", "", "## Op coverage", "",
+             "| op | implementation | why the reference |", "|---|---|---|"]
+    lines += [f"| {c['op']} | `{c['implementation']}` | {c['reason']} |" for c in coverage]
+    for family in FAMILIES:
+        rows = [r for r in results if r.family == family]
+        if not rows:
+            continue
+        lines += ["", f"## {family}", "", "| check | status | max error | allowed | detail |", "|---|---|---|---|---|"]
+        for r in rows:
+            err = "" if r.max_error is None else f"{r.max_error:.3g}"
+            allowed = "" if r.allowed is None else f"{r.allowed:.3g}"
+            detail = r.detail.splitlines()[0].replace("|", "\\|") if r.detail else ""
+            lines.append(f"| `{r.check}` | {r.status} | {err} | {allowed} | {detail} |")
+    md_path = out_dir / f"conformance-{backend}.md"
+    md_path.write_text("\n".join(lines) + "\n")
+    return {"json": json_path, "markdown": md_path}
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from glm5_core.cli import add_backend_argument
+
+    add_backend_argument(parser)
+    parser.add_argument("--out", default="conformance-report", help="folder for the JSON and Markdown reports")
+    parser.add_argument("--family", choices=FAMILIES, action="append",
+                        help="run only these op families (repeatable; default: all)")
+    parser.add_argument("--strict", action="store_true", help="same as GLM5_STRICT=1: every reference fallback fails")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.strict:
+        os.environ["GLM5_STRICT"] = "1"
+    backend = registry.require_available(registry.resolve_backend_name(args.backend)).name
+    selected = [c for fam in (args.family or FAMILIES) for c in checks(fam)]
+    results = []
+    try:
+        from tqdm import tqdm
+
+        progress = tqdm(selected, desc=f"conformance[{backend}]", unit="check", leave=False)
+    except ImportError:
+        progress = selected
+    for check in progress:
+        results.append(run_check(check, backend))
+    paths = write_reports(results, backend, Path(args.out))
+    bad = [r for r in results if r.status in ("fail", "error")]
+    n_fallback = sum(r.status == "fallback" for r in results)
+    n_pass = sum(r.status == "pass" for r in results)
+    print(f"{backend}: {n_pass} passed, {len(bad)} failed, {n_fallback} passed on the reference fallback")
+    for r in bad[:20]:
+        print(f"  FAIL {r.check}: {r.detail.splitlines()[0] if r.detail else ''}")
+    if registry.strict_mode():
+        missing = sorted({op for r in bad for op in r.ops if "GLM5_STRICT" in r.detail})
+        if missing:
+            print(f"GLM5_STRICT=1: {backend} lacks {', '.join(missing)}")
+    print(f"reports: {paths['json']}  {paths['markdown']}")
+    return 1 if bad else 0
+
+
+def assert_conforms(backend: str, check: Check) -> None:
+    """pytest form of :func:`run_check`: skip checks that would compare the reference with itself."""
+    import pytest
+
+    fallbacks = [op for op in check.ops if registry.resolve(op, backend).is_reference]
+    if check.against_reference and len(fallbacks) == len(check.ops):
+        pytest.skip(f"{backend} runs the reference for {', '.join(check.ops)} (the spec is tested in tests/reference)")
+    result = run_check(check, backend)
+    assert result.status in ("pass", "fallback"), f"{check.name} on {backend}: {result.status}: {result.detail}"

@@ -1,0 +1,44 @@
+"""Shared pytest configuration.
+
+Backends under test: ``GLM5_TEST_BACKENDS`` (comma-separated), else ``GLM5_BACKEND``, else every backend
+available here. A named backend that is unavailable is skipped with its reason, never an error, so
+``GLM5_BACKEND=ascend pytest`` on a machine without NPUs skips the Ascend checks.
+"""
+import os
+
+import pytest
+
+from glm5_core import registry
+
+
+def backends_under_test():
+    named = os.environ.get("GLM5_TEST_BACKENDS") or os.environ.get("GLM5_BACKEND")
+    if named and named != "auto":
+        return [n.strip() for n in named.split(",") if n.strip()]
+    return [name for name, be in registry.backends().items() if be.available()[0]]
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", backends_under_test(), indirect=True)
+
+
+@pytest.fixture
+def backend(request):
+    name = request.param
+    try:
+        be = registry.get_backend(name)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    ok, reason = be.available()
+    if not ok:
+        pytest.skip(f"{name} unavailable: {reason}")
+    return name
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_backend(monkeypatch, request):
+    """Tests pick their backend explicitly; an ambient GLM5_BACKEND must not redirect reference tests."""
+    if "backend" not in request.fixturenames:
+        monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    monkeypatch.delenv("GLM5_STRICT", raising=False)
