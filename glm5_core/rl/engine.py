@@ -1,0 +1,267 @@
+"""Rollout engine: continuous batching over the model's KV cache.
+
+Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
+
+* One batched KVCache of S slots. A new request takes a free slot and is prefilled through a one-row view
+  of it, starting after whatever prefix the trajectory's prefix cache can supply; then every scheduler step
+  decodes one token for all active slots at once (ragged ``start_pos [S]``). A finished request frees its
+  slot at once and a waiting one takes it on the next step (continuous batching).
+* Attention is ``"sparse"`` (DSA with the deterministic top-k, the same path the trainer recomputes).
+* Each sampled token carries its log-prob (temperature-scaled softmax, see ``sampling``) and the weight
+  version that produced it. Weight updates land between steps; the prefix cache is flushed then.
+* Thread model: :meth:`submit` may be called from any thread; :meth:`step` runs on one scheduler thread
+  (:meth:`start`) or is driven by the caller (:meth:`run_until_idle`).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from glm5_core.rl import kv_slots
+from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
+from glm5_core.rl.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, GenerateResult,
+                                   Limits)
+from glm5_core.rl.sampling import sample
+
+
+@dataclasses.dataclass
+class EngineStats:
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+    busy_seconds: float = 0.0
+    prefill_tokens: int = 0  # positions actually computed by prefill
+    cached_tokens: int = 0  # positions reused from the prefix cache
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_slot_steps: int = 0  # sum over decode steps of active slots (occupancy = this / (steps * S))
+    requests: int = 0
+    weight_updates: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["uptime_seconds"] = time.monotonic() - self.started_at
+        return d
+
+
+@dataclasses.dataclass
+class _Active:
+    request: GenerateRequest
+    future: concurrent.futures.Future
+    tokens: List[int]  # context + generated so far
+    kv_len: int  # positions of ``tokens`` already in the cache
+    cached: int
+    outputs: List[int] = dataclasses.field(default_factory=list)
+    logprobs: List[float] = dataclasses.field(default_factory=list)
+    versions: List[int] = dataclasses.field(default_factory=list)
+    topk: List[List[List[int]]] = dataclasses.field(default_factory=list)
+
+
+class RolloutEngine:
+    def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
+                 seed: int = 0, weight_version: int = 0, record_topk: bool = False, max_new_tokens_cap: int = 1024):
+        config = model.config
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
+        max_len = int(max_len or config.max_position_embeddings)
+        if not 2 <= max_len <= config.max_position_embeddings:
+            raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
+        self.model = model.eval()
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.limits = Limits(vocab_size=config.vocab_size, max_input_tokens=max_len - 1,
+                             max_new_tokens=min(max_new_tokens_cap, max_len - 1))
+        self.record_topk = record_topk
+        self.version = int(weight_version)
+        self.stats = EngineStats()
+        self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries)
+        self._cache = model.new_cache(max_batch, max_len)
+        self._slots: List[Optional[_Active]] = [None] * max_batch
+        self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
+        self._cond = threading.Condition()
+        self._pending_weights: Optional[Tuple[Dict[str, torch.Tensor], int]] = None
+        self._generator = torch.Generator().manual_seed(seed)
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    # -- public API ---------------------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
+        if len(request.input_ids) > self.limits.max_input_tokens:
+            raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, got {len(request.input_ids)}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._waiting.append((request, future))
+            self._cond.notify_all()
+        return future
+
+    def update_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
+        """Queue new weights; they replace the current ones before the next scheduler step."""
+        expected = self.model.state_dict()
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(f"state_dict[{name!r}]: expected shape {tuple(expected[name].shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+        with self._cond:
+            self._pending_weights = (state_dict, int(version))
+            self._cond.notify_all()
+        if self._thread is None:
+            self._apply_pending_weights()
+
+    def num_active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.num_active() > 0
+
+    def start(self) -> "RolloutEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for state in [s for s in self._slots if s is not None]:
+            self._finish_result(state, FINISH_ABORT)
+        while self._waiting:
+            request, future = self._waiting.popleft()
+            future.set_result(GenerateResult(request.rid, [], [], [], FINISH_ABORT, len(request.input_ids), 0))
+
+    def run_until_idle(self) -> None:
+        """Drive the scheduler from the calling thread until no work is left (no scheduler thread)."""
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: List[GenerateRequest]) -> List[GenerateResult]:
+        futures = [self.submit(r) for r in requests]
+        if self._thread is None:
+            self.run_until_idle()
+        return [f.result() for f in futures]
+
+    # -- scheduler ----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and self.num_active() == 0 \
+                        and self._pending_weights is None:
+                    self._cond.wait(timeout=0.5)
+                if self._stopping:
+                    return
+            self.step()
+
+    def _apply_pending_weights(self) -> None:
+        with self._cond:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        state_dict, version = pending
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+        self.prefix_cache.flush()
+        self.stats.weight_updates += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply pending weights, admit waiting requests into free slots (prefill), decode one token."""
+        t0 = time.monotonic()
+        self._apply_pending_weights()
+        admitted = []
+        with self._cond:
+            for slot in range(self.max_batch):
+                if self._slots[slot] is None and self._waiting:
+                    admitted.append((slot, *self._waiting.popleft()))
+        for slot, request, future in admitted:
+            self._prefill(slot, request, future)
+        decoded = self.num_active() > 0
+        if decoded:
+            self._decode()
+        if admitted or decoded:
+            self.stats.busy_seconds += time.monotonic() - t0
+
+    def _forward(self, input_ids: torch.Tensor, cache, start_pos):
+        return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
+
+    def _prefill(self, slot: int, request: GenerateRequest, future: concurrent.futures.Future) -> None:
+        ids = request.input_ids
+        reuse, entry = self.prefix_cache.lookup(request.rid, ids)
+        if entry is not None:
+            kv_slots.write_rows(self._cache, slot, entry.tensors, reuse)
+        view = kv_slots.slot_view(self._cache, slot)
+        new = torch.tensor([ids[reuse:]], dtype=torch.long)  # [1, T_new]
+        out = self._forward(new, view, reuse)
+        state = _Active(request, future, list(ids), kv_len=len(ids), cached=reuse)
+        self.stats.prefill_tokens += len(ids) - reuse
+        self.stats.cached_tokens += reuse
+        self.stats.requests += 1
+        self._slots[slot] = state
+        topk = [t[0, -1].tolist() for t in out.topk_idx] if self.record_topk else None
+        self._accept(slot, out.logits[:, -1], [topk])
+
+    def _decode(self) -> None:
+        S = self.max_batch
+        last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
+        pos = torch.zeros(S, dtype=torch.long)  # [S]
+        for slot, state in enumerate(self._slots):
+            if state is not None:
+                last[slot, 0] = state.tokens[-1]
+                pos[slot] = state.kv_len
+        out = self._forward(last, self._cache, pos)
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        for i in active:
+            self._slots[i].kv_len += 1
+        self.stats.decode_steps += 1
+        self.stats.decode_slot_steps += len(active)
+        rows = torch.tensor(active, dtype=torch.long)
+        topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
+        self._accept_many(active, out.logits[rows, 0], topk)
+
+    def _accept(self, slot: int, logits_1V: torch.Tensor, topk: List) -> None:
+        self._accept_many([slot], logits_1V, topk)
+
+    def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
+        states = [self._slots[i] for i in slots]
+        temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32)
+        top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32)
+        tokens, logprobs = sample(logits_BV, temperature, top_p, self._generator)
+        for slot, state, tok, lp, tk in zip(slots, states, tokens.tolist(), logprobs.tolist(), topk):
+            state.tokens.append(tok)
+            state.outputs.append(tok)
+            state.logprobs.append(lp)
+            state.versions.append(self.version)
+            if tk is not None:
+                state.topk.append(tk)
+            self.stats.generated_tokens += 1
+            if tok in state.request.stop_token_ids:
+                self._finish(slot, FINISH_STOP)
+            elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
+                self._finish(slot, FINISH_LENGTH)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        state = self._slots[slot]
+        self._slots[slot] = None
+        # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
+        self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
+                                kv_slots.read_rows(self._cache, slot, state.kv_len))
+        self._finish_result(state, reason)
+
+    def _finish_result(self, state: _Active, reason: str) -> None:
+        result = GenerateResult(state.request.rid, state.outputs, state.logprobs, state.versions, reason,
+                                prompt_tokens=len(state.request.input_ids), cached_tokens=state.cached,
+                                topk_trace=state.topk if self.record_topk else None)
+        if not state.future.done():
+            state.future.set_result(result)

@@ -1,0 +1,55 @@
+"""The episode interface the agent loop drives.
+
+An episode owns its context: :meth:`Episode.context_tokens` is what the next generation request sends;
+:meth:`Episode.observe` takes the sampled ids (never re-tokenised) and says whether the episode is over.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Dict, List
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnLimits:
+    max_new_tokens: int
+    stop_token_ids: tuple = ()
+
+
+class Episode(abc.ABC):
+    """One attempt at one task. ``group_id`` names the task (advantages normalise within a group)."""
+
+    group_id: str
+
+    @abc.abstractmethod
+    def context_tokens(self) -> List[int]:
+        """Token ids of the full context for the next generation."""
+
+    @abc.abstractmethod
+    def turn_limits(self) -> TurnLimits:
+        """Sampling limits of the next generation."""
+
+    @abc.abstractmethod
+    def observe(self, output_ids: List[int]) -> bool:
+        """Consume the sampled tokens; True when the episode is over."""
+
+    @property
+    @abc.abstractmethod
+    def reward(self) -> float:
+        """Reward of the finished episode."""
+
+    @property
+    @abc.abstractmethod
+    def num_turns(self) -> int:
+        """Generations so far."""
+
+    def info(self) -> Dict[str, float]:
+        return {}
+
+
+class Environment(abc.ABC):
+    """Makes groups of episodes: ``group_size`` attempts at the same task."""
+
+    @abc.abstractmethod
+    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+        """``group_size`` fresh episodes on one task."""

@@ -1,0 +1,51 @@
+"""Slot-level views of the model's KVCache (a dataclass of per-layer lists of ``[B, L, W]`` tensors).
+
+The engine keeps one batched cache of ``max_batch`` slots; a request is prefilled through a one-row *view*
+of its slot (writes land in the batched cache, no copy), and its rows are cloned into / out of the prefix
+cache. Only the dataclass fields of the cache are touched, so any cache of that shape works.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+
+
+def _fields(cache) -> List[str]:
+    if not dataclasses.is_dataclass(cache):
+        raise TypeError(f"cache: expected a dataclass KV cache, got {type(cache).__name__}")
+    return [f.name for f in dataclasses.fields(cache)]
+
+
+def slot_view(cache, slot: int):
+    """The same cache type restricted to row ``slot`` (a view: writes go to ``cache``)."""
+    changes = {}
+    for name in _fields(cache):
+        value = getattr(cache, name)
+        if isinstance(value, list):
+            changes[name] = [None if t is None else t[slot:slot + 1] for t in value]
+    return dataclasses.replace(cache, **changes)
+
+
+def tensors(cache) -> List[torch.Tensor]:
+    """Every cached tensor in a fixed order (fields, then layers; ``None`` entries skipped)."""
+    out: List[torch.Tensor] = []
+    for name in _fields(cache):
+        value = getattr(cache, name)
+        if isinstance(value, list):
+            out.extend(t for t in value if t is not None)
+    return out
+
+
+def read_rows(cache, slot: int, length: int) -> List[torch.Tensor]:
+    """Clones of positions ``[0, length)`` of row ``slot``: ``[1, length, W]`` per tensor."""
+    return [t[slot:slot + 1, :length].clone() for t in tensors(cache)]
+
+
+def write_rows(cache, slot: int, rows: List[torch.Tensor], length: int) -> None:
+    """Copy the first ``length`` positions of ``rows`` (from :func:`read_rows`) into row ``slot``."""
+    stores = tensors(cache)
+    assert len(stores) == len(rows), "prefix rows do not match the cache layout"
+    for store, row in zip(stores, rows):
+        store[slot:slot + 1, :length].copy_(row[:, :length])

@@ -1,0 +1,71 @@
+"""Prefix cache keyed by trajectory: the KV rows of a trajectory's last request, reused by its next turn.
+
+A later turn of the same trajectory usually sends the previous context + the previous answer + new
+environment tokens; the engine copies the longest common prefix back into a batch slot and prefills only
+the rest. Entries are evicted least-recently-used; all entries are flushed when weights change (their KV
+was computed by the old policy).
+
+Legend: n cached positions; tensors are ``[1, n, W]`` slices of the model's KV cache, one per cache field.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclasses.dataclass
+class PrefixEntry:
+    tokens: List[int]  # the tokens whose KV is stored (position i holds tokens[i])
+    tensors: List[torch.Tensor]  # [1, n, W] per cache field, in the engine's field order
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class TrajectoryPrefixCache:
+    def __init__(self, max_entries: int):
+        if not isinstance(max_entries, int) or max_entries < 0:
+            raise ValueError(f"prefix_cache_entries: expected an int >= 0, got {max_entries!r}")
+        self.max_entries = max_entries
+        self._entries: "collections.OrderedDict[str, PrefixEntry]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def store(self, key: str, tokens: List[int], tensors: List[torch.Tensor]) -> None:
+        if self.max_entries == 0:
+            return
+        with self._lock:
+            self._entries[key] = PrefixEntry(list(tokens), tensors)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def lookup(self, key: str, input_ids: Sequence[int]) -> Tuple[int, Optional[PrefixEntry]]:
+        """(reusable length, entry): at most ``len(input_ids) - 1`` positions, so the last input token is
+        always computed (its logits start the generation)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return 0, None
+            self._entries.move_to_end(key)
+        reuse = min(common_prefix_length(entry.tokens, input_ids), len(input_ids) - 1)
+        return reuse, (entry if reuse > 0 else None)
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._entries.pop(key, None)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

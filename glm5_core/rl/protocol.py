@@ -1,0 +1,120 @@
+"""SGLang-compatible ``/generate`` requests and responses.
+
+Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p", "max_new_tokens",
+"stop_token_ids"}, "return_logprob": bool, "rid": str}``. Response: ``{"text": null, "output_ids": [int],
+"meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
+[[logprob, token_id, null]], "finish_reason": {"type": "stop"|"length"|"abort"}, "weight_version",
+"token_weight_versions"}}`` (the last is our addition: the version of each token when a weight update landed
+mid-generation).
+
+Requests come from the network, so :func:`parse_generate_request` checks everything: types, token ids in
+``[0, vocab_size)``, lengths capped, sampling parameters in range. Failures are ``ValueError`` naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_input_tokens: int
+    max_new_tokens: int
+    max_stop_tokens: int = 16
+
+
+@dataclasses.dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: List[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop_token_ids: Tuple[int, ...] = ()
+    return_logprob: bool = True
+
+
+def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: int) -> List[int]:
+    if not isinstance(value, list):
+        raise ValueError(f"{name}: expected a list of token ids, got {type(value).__name__}")
+    if not min_len <= len(value) <= max_len:
+        raise ValueError(f"{name}: expected between {min_len} and {max_len} token ids, got {len(value)}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"{name}[{i}]: expected a token id in [0, {vocab_size}), got {t!r}")
+    return list(value)
+
+
+def _number(params: Dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"sampling_params.{name}: expected a finite number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"sampling_params.{name}: expected a value in {bracket}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
+    if not isinstance(body, dict):
+        raise ValueError(f"request: expected a JSON object, got {type(body).__name__}")
+    unknown = set(body) - {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text"}
+    if unknown:
+        raise ValueError(f"request: unknown fields {sorted(unknown)}")
+    if body.get("text") is not None:
+        raise ValueError("text: this engine is token-in-token-out; send input_ids")
+    if body.get("stream"):
+        raise ValueError("stream: streaming is not supported")
+    input_ids = _int_list("input_ids", body.get("input_ids"), vocab_size=limits.vocab_size,
+                          max_len=limits.max_input_tokens, min_len=1)
+    params = body.get("sampling_params", {}) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"sampling_params: expected an object, got {type(params).__name__}")
+    unknown = set(params) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids"}
+    if unknown:
+        raise ValueError(f"sampling_params: unknown fields {sorted(unknown)}")
+    temperature = _number(params, "temperature", 1.0, 0.0, 100.0)
+    top_p = _number(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    max_new = params.get("max_new_tokens", 16)
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= limits.max_new_tokens:
+        raise ValueError(f"sampling_params.max_new_tokens: expected an int in [1, {limits.max_new_tokens}], got {max_new!r}")
+    stops = _int_list("sampling_params.stop_token_ids", params.get("stop_token_ids", []) or [],
+                      vocab_size=limits.vocab_size, max_len=limits.max_stop_tokens, min_len=0)
+    return_logprob = body.get("return_logprob", False)
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob: expected a bool, got {return_logprob!r}")
+    rid = body.get("rid") or uuid.uuid4().hex
+    if not isinstance(rid, str) or len(rid) > 256:
+        raise ValueError(f"rid: expected a str of at most 256 characters, got {rid!r:.80}")
+    return GenerateRequest(rid, input_ids, temperature, top_p, int(max_new), tuple(stops), return_logprob)
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    rid: str
+    output_ids: List[int]
+    logprobs: List[float]
+    versions: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    topk_trace: Optional[List[List[List[int]]]] = None  # per sampled token, per full-indexer layer: top-k ids
+
+    def to_json(self, return_logprob: bool = True) -> Dict[str, Any]:
+        meta: Dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": {"type": self.finish_reason},
+            "weight_version": self.versions[-1] if self.versions else None,
+            "token_weight_versions": list(self.versions),
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
+        return {"text": None, "output_ids": list(self.output_ids), "meta_info": meta}

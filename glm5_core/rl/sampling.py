@@ -1,0 +1,52 @@
+"""Temperature / top-p sampling with the log-probability of each sampled token.
+
+Legend: B rows being decoded, V vocabulary.
+
+The recorded log-prob is that of the distribution the trainer's importance ratio refers to: the
+temperature-scaled softmax over the full vocabulary (``log_softmax(logits / temperature)``). Top-p only
+restricts which tokens may be drawn; like SGLang's ``return_logprob`` it does not renormalise the recorded
+value, so the trainer can recompute it from logits alone.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[tokens] in fp32: [B, V], [B] -> [B]. Works on any leading dims."""
+    scaled = logits_BV.float() / max(float(temperature), 1e-6)
+    logp = torch.log_softmax(scaled, dim=-1)
+    return logp.gather(-1, tokens_B.long().unsqueeze(-1)).squeeze(-1)
+
+
+def top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside the smallest set whose probability mass reaches top_p (per row).
+
+    The most likely token always survives; ties in probability keep the lower token id first."""
+    probs = torch.softmax(logits_BV, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(order.values, dim=-1) - order.values  # [B, V] mass of strictly better tokens
+    drop_sorted = mass_before >= top_p_B.unsqueeze(-1)  # [B, V]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order.indices, drop_sorted)
+    return logits_BV.masked_fill(drop, float("-inf"))
+
+
+def sample(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
+           generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. Returns (tokens int64 [B], logprobs fp32 [B]).
+
+    Rows with temperature 0 decode greedily (lowest id among equal maxima) and record the temperature-1
+    log-prob of the chosen token."""
+    logits = logits_BV.float()
+    greedy = temperature_B <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature_B), temperature_B).float()  # [B]
+    scaled = logits / temp.unsqueeze(-1)  # [B, V]
+    logp_full = torch.log_softmax(scaled, dim=-1)
+    filtered = top_p_filter(scaled, top_p_B.float())
+    probs = torch.softmax(filtered, dim=-1)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    argmax = torch.argmax(logits, dim=-1)  # first maximum = lowest id
+    tokens = torch.where(greedy, argmax, drawn)
+    return tokens, logp_full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
