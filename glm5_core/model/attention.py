@@ -1,0 +1,135 @@
+"""Multi-head latent attention (MLA) with the DSA indexer, built on ``glm5_core.ops``.
+
+Legend: B batch, T new tokens, S key slots, H heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim,
+Dv v_head_dim, C kv_lora_rank, Q q_lora_rank, D hidden_size, K index_topk.
+
+q:  x -> q_a_proj [Q] -> q_a_layernorm -> q_b_proj [H*(Dn+Dr)] -> (q_nope, RoPE(q_pe))
+kv: x -> kv_a_proj_with_mqa [C+Dr] -> (kv_a_layernorm(c_kv), RoPE(k_pe)); k_pe is shared by all heads.
+kv_b_proj.weight [H*(Dn+Dv), C] viewed [H, Dn+Dv, C] gives w_uk [H, Dn, C] and w_uv [H, Dv, C].
+
+Which op runs:
+  dense,  fresh keys (no cache, or a cache filled from slot 0):  mla.prefill  (expanded form)
+  dense,  against earlier cache slots:                           mla.decode   (absorbed form)
+  sparse: indexer top-k (own "full" indexer, or the previous full layer's for "shared"), then
+          dsa.sparse_prefill on fresh keys / dsa.sparse_decode against the cache.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from glm5_core.model import indexer_loss
+from glm5_core.model.config import GLM5Config
+from glm5_core.model.indexer import Indexer
+from glm5_core.model.norm import RMSNorm
+from glm5_core.model.rope import apply_rope
+from glm5_core.model.state import ForwardState
+from glm5_core.ops import dsa, mla
+
+# (q [B, T, Hi, Di], keys [B, S, Di], w [B, T, Hi], start_pos of the first query)
+IndexInputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: Optional[str]):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.n_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.interleave = cfg.rope_interleave
+        H = self.n_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(cfg) if indexer_type == "full" else None
+
+    def absorbed_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj: w_uk [H, Dn, C], w_uv [H, Dv, C]."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)  # [H, Dn+Dv, C]
+        return w[:, :self.nope_dim], w[:, self.nope_dim:]
+
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, Q]
+        q = self.q_b_proj(q_latent).view(B, T, self.n_heads, self.nope_dim + self.rope_dim)  # [B, T, H, Dn+Dr]
+        q_nope, q_pe = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, state.cos, state.sin, interleave=self.interleave)
+        c_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)  # [B, T, C]
+        k_pe = apply_rope(k_pe, state.cos, state.sin, interleave=self.interleave)  # [B, T, Dr]
+        w_uk, w_uv = self.absorbed_weights()
+
+        keys_c_kv, keys_k_pe = c_kv, k_pe  # [B, S, C], [B, S, Dr]
+        if state.cache is not None and state.record_topk:
+            keys_c_kv, keys_k_pe = state.cache.write_latent(self.layer_idx, c_kv, k_pe, state.start_pos)
+            if state.fresh:
+                keys_c_kv, keys_k_pe = c_kv, k_pe  # identical values; keeps autograd through the prefill
+        attn_start = 0 if state.fresh else state.start_pos
+
+        topk_idx, index_inputs = self._select_keys(x, q_latent, state)
+        if state.attention == "sparse":
+            sparse_op = dsa.sparse_prefill if state.fresh else dsa.sparse_decode
+            out = sparse_op(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, topk_idx, scale=self.scale,
+                            backend=self.backend)
+        elif state.fresh:
+            out = mla.prefill(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, scale=self.scale, start_pos=0,
+                              backend=self.backend)
+        else:
+            out = mla.decode(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, scale=self.scale,
+                             start_pos=attn_start, backend=self.backend)
+        if state.indexer_loss and index_inputs is not None:
+            self._indexer_signals(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, attn_start, topk_idx, index_inputs, state)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))  # [B, T, D]
+
+    # ---- DSA -------------------------------------------------------------------------------------------
+    def _select_keys(self, x: torch.Tensor, q_latent: torch.Tensor, state: ForwardState
+                     ) -> Tuple[Optional[torch.Tensor], Optional[IndexInputs]]:
+        """Run (or reuse) the indexer. Returns (top-k int32 [B, T, K] or None when not needed, the indexer's
+        (q, keys, w, start) or None when this layer has no indexer or did not run it).
+
+        The indexer reads detached inputs: it learns only from its KL, the model only from the LM loss.
+        With a cache, a full layer always stores its indexer keys (so any later step may run sparse)."""
+        if self.indexer is None:
+            if state.attention == "sparse":
+                assert state.shared_topk is not None, "a shared layer needs an earlier full layer"
+                return state.shared_topk, None
+            return None, None
+        if not (state.attention == "sparse" or state.indexer_loss or state.cache is not None):
+            return None, None
+        q_i, k_i, w_i = self.indexer(x.detach(), q_latent.detach(), state.cos, state.sin)
+        if state.cache is not None and state.record_topk:
+            keys_i = state.cache.write_index_keys(self.layer_idx, k_i, state.start_pos)  # [B, S, Di]
+            if state.fresh:
+                keys_i = k_i
+        else:
+            keys_i = k_i
+        index_start = 0 if state.fresh else state.start_pos
+        index_inputs = (q_i, keys_i, w_i, index_start)
+        if state.attention != "sparse" and not state.indexer_loss:
+            return None, index_inputs
+        topk_idx = dsa.indexer_topk(q_i, keys_i, w_i, self.indexer.topk, start_pos=index_start, backend=self.backend)
+        state.shared_topk = topk_idx
+        if state.attention == "sparse" and state.record_topk:
+            state.topk_idx.append(topk_idx)
+        return topk_idx, index_inputs
+
+    def _indexer_signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs: IndexInputs,
+                         state: ForwardState) -> None:
+        q_i, keys_i, w_i, index_start = index_inputs
+        target = indexer_loss.attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, scale=self.scale,
+                                               start_pos=attn_start)  # [B, T, S]
+        scores = dsa.indexer_scores(q_i, keys_i, w_i, start_pos=index_start, backend=self.backend)  # [B, T, S]
+        if state.attention == "sparse":
+            state.kl_terms.append(indexer_loss.sparse_kl(target, scores, topk_idx))
+        else:
+            state.kl_terms.append(indexer_loss.dense_kl(target, scores))
+        state.recall_terms.append(indexer_loss.topk_recall(target, topk_idx))

@@ -1,0 +1,91 @@
+"""KVCache: what incremental decoding keeps per layer.
+
+Legend: B batch, L max_len (key slots), C kv_lora_rank, Dr qk_rope_head_dim, Di index_head_dim.
+
+Per main decoder layer: the compressed latent ``c_kv [B, L, C]`` (after kv_a_layernorm) and the roped
+shared key ``k_pe [B, L, Dr]`` (576 values per token at GLM-5 size), plus the indexer keys
+``index_k [B, L, Di]`` for layers that run their own indexer ("full"; ``None`` for "shared" layers).
+The cache never holds expanded per-head keys or values. Slot ``s`` holds the token at absolute position
+``s``; rows may be ragged (each row's own ``start_pos``): slots past a row's last token are ignored by
+the causal mask, so right-padded prompts can be prefilled together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from glm5_core.model.config import GLM5Config
+from glm5_core.model.rope import positions_of
+
+StartPos = Union[int, torch.Tensor]
+
+
+@dataclasses.dataclass
+class KVCache:
+    c_kv: List[torch.Tensor]
+    k_pe: List[torch.Tensor]
+    index_k: List[Optional[torch.Tensor]]
+
+    @classmethod
+    def new(cls, cfg: GLM5Config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
+            device: Union[str, torch.device] = "cpu") -> "KVCache":
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_len: expected <= max_position_embeddings={cfg.max_position_embeddings}, got {max_len}")
+        zeros = lambda width: torch.zeros(batch_size, max_len, width, dtype=dtype, device=device)  # noqa: E731
+        types = cfg.layer_indexer_types()
+        return cls(
+            c_kv=[zeros(cfg.kv_lora_rank) for _ in range(cfg.num_hidden_layers)],
+            k_pe=[zeros(cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)],
+            index_k=[zeros(cfg.index_head_dim) if kind == "full" else None for kind in types],
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.c_kv[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.c_kv[0].shape[1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.c_kv)
+
+    def check_window(self, batch: int, num_tokens: int, start_pos: StartPos) -> None:
+        """ValueError unless ``num_tokens`` tokens at ``start_pos`` fit in the cache for a batch of ``batch``."""
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids: expected batch {self.batch_size} (the cache's), got {batch}")
+        hi = int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else start_pos
+        lo = int(start_pos.min()) if isinstance(start_pos, torch.Tensor) else start_pos
+        if lo < 0 or hi + num_tokens > self.max_len:
+            raise ValueError(f"start_pos: expected 0 <= start_pos and start_pos + T <= max_len={self.max_len} "
+                             f"(T={num_tokens}), got start_pos in [{lo}, {hi}]")
+
+    @staticmethod
+    def _write(store: torch.Tensor, values: torch.Tensor, start_pos: StartPos) -> torch.Tensor:
+        """Write values [B, T, W] at slots start_pos.. of store [B, L, W]; return the visible prefix [B, S, W]."""
+        B, T, _ = values.shape
+        values = values.to(store.dtype)
+        if isinstance(start_pos, torch.Tensor):
+            slots = positions_of(start_pos, B, T, store.device)  # [B, T]
+            rows = torch.arange(B, device=store.device).unsqueeze(1).expand(B, T)  # [B, T]
+            store[rows, slots] = values
+            end = int(start_pos.max()) + T
+        else:
+            store[:, start_pos:start_pos + T] = values
+            end = start_pos + T
+        return store[:, :end]
+
+    def write_latent(self, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     start_pos: StartPos) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self._write(self.c_kv[layer], c_kv, start_pos), self._write(self.k_pe[layer], k_pe, start_pos)
+
+    def write_index_keys(self, layer: int, index_k: torch.Tensor, start_pos: StartPos) -> torch.Tensor:
+        store = self.index_k[layer]
+        assert store is not None, f"layer {layer} has no indexer keys (a 'shared' layer)"
+        return self._write(store, index_k, start_pos)

@@ -1,0 +1,227 @@
+"""GLM5Config: the model's hyper-parameters, named after the keys of HF ``glm_moe_dsa`` ``config.json``.
+
+HF interop policy (``from_hf_dict`` / ``to_hf_dict``):
+  * keys that are fields of GLM5Config map one to one (``rope_parameters.rope_theta`` maps to ``rope_theta``);
+  * keys that describe behaviour this implementation has fixed (``hidden_act``, ``scoring_func``,
+    ``topk_method``, ``rope_parameters.rope_type``, ``attention_bias``, ...) are checked: a value other than the
+    one implemented is REJECTED with a ValueError (loading it silently would compute something else);
+  * every other key (``architectures``, token ids, ``torch_dtype``, ``transformers_version``, ...) is
+    PRESERVED verbatim in ``extra`` and written back by ``to_hf_dict``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+MODEL_TYPE = "glm_moe_dsa"
+INDEXER_TYPES = ("full", "shared")
+
+# Keys whose value must equal what this implementation computes (the key -> (accepted values, why)).
+_FIXED_KEYS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    "model_type": ((MODEL_TYPE,), "only glm_moe_dsa checkpoints are understood"),
+    "hidden_act": (("silu",), "experts and dense MLPs are SwiGLU"),
+    "scoring_func": (("sigmoid",), "the router uses sigmoid scores"),
+    "topk_method": (("noaux_tc",), "routing is aux-loss-free with a selection bias"),
+    "attention_bias": ((False,), "projections have no bias"),
+    "moe_layer_freq": ((1,), "every layer after first_k_dense_replace is MoE"),
+    "rope_scaling": ((None,), "RoPE scaling (YaRN etc.) is not implemented"),
+    "use_sliding_window": ((False,), "sliding-window attention is not implemented"),
+}
+_ROPE_TYPES = (None, "default")
+
+
+@dataclasses.dataclass
+class GLM5Config:
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    num_hidden_layers: int = 78
+    first_k_dense_replace: int = 3
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    num_attention_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    rope_theta: float = 1_000_000.0
+    rope_interleave: bool = True
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    indexer_rope_interleave: bool = True
+    indexer_types: Optional[List[str]] = None  # per main layer; None = all "full"
+    num_nextn_predict_layers: int = 1
+    max_position_embeddings: int = 202752
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
+
+    # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+    def layer_indexer_types(self) -> List[str]:
+        return list(self.indexer_types) if self.indexer_types is not None else ["full"] * self.num_hidden_layers
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
+
+    # ---- validation ----------------------------------------------------------------------------------
+    def validate(self) -> "GLM5Config":
+        """Raise one ValueError / TypeError naming the first bad field; return self when valid."""
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
+                    "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "num_attention_heads",
+                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings")
+        for name in positive:
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "initializer_range"):
+            _check_positive_float(name, getattr(self, name))
+        for name in ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ValueError(f"first_k_dense_replace: expected <= num_hidden_layers={self.num_hidden_layers}, "
+                             f"got {self.first_k_dense_replace}")
+        if self.num_nextn_predict_layers > 1:
+            raise ValueError(f"num_nextn_predict_layers: expected 0 or 1 (one MTP module shared across depths), "
+                             f"got {self.num_nextn_predict_layers}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok: expected <= n_routed_experts={self.n_routed_experts}, "
+                             f"got {self.num_experts_per_tok}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"n_group: expected a divisor of n_routed_experts={self.n_routed_experts}, got {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group: expected <= n_group={self.n_group}, got {self.topk_group}")
+        if self.num_experts_per_tok > (self.n_routed_experts // self.n_group) * self.topk_group:
+            raise ValueError(f"num_experts_per_tok: expected <= experts in the kept groups "
+                             f"({(self.n_routed_experts // self.n_group) * self.topk_group}), got {self.num_experts_per_tok}")
+        for name in ("qk_rope_head_dim",):
+            if getattr(self, name) % 2:
+                raise ValueError(f"{name}: expected an even size (RoPE rotates pairs), got {getattr(self, name)}")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim: expected >= qk_rope_head_dim={self.qk_rope_head_dim} "
+                             f"(its first qk_rope_head_dim dims get RoPE), got {self.index_head_dim}")
+        types = self.layer_indexer_types()
+        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+            raise ValueError(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
+                             f"got {self.indexer_types!r}")
+        for i, kind in enumerate(types):
+            if kind not in INDEXER_TYPES:
+                raise ValueError(f"indexer_types[{i}]: expected one of {INDEXER_TYPES}, got {kind!r}")
+        if types and types[0] != "full":
+            raise ValueError(f"indexer_types[0]: expected 'full' (a 'shared' layer reuses the previous full "
+                             f"layer's top-k), got {types[0]!r}")
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"extra: expected a dict of preserved HF keys, got {type(self.extra).__name__}")
+        return self
+
+    # ---- HF config.json ------------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
+
+    @classmethod
+    def from_hf_dict(cls, d: Dict[str, Any]) -> "GLM5Config":
+        """Build from a ``config.json`` dict (see the module docstring for the key policy)."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config: expected a dict (parsed config.json), got {type(d).__name__}")
+        d = dict(d)
+        for key, (accepted, why) in _FIXED_KEYS.items():
+            if key in d and d[key] not in accepted:
+                raise ValueError(f"{key}: expected {' or '.join(repr(a) for a in accepted)} ({why}), got {d[key]!r}")
+            d.pop(key, None)
+        kwargs: Dict[str, Any] = {}
+        rope = d.pop("rope_parameters", None)
+        if rope is not None:
+            if not isinstance(rope, dict):
+                raise ValueError(f"rope_parameters: expected a dict, got {type(rope).__name__}")
+            rope = dict(rope)
+            if rope.get("rope_type") not in _ROPE_TYPES:
+                raise ValueError(f"rope_parameters.rope_type: expected 'default' (scaled RoPE is not implemented), "
+                                 f"got {rope.get('rope_type')!r}")
+            rope.pop("rope_type", None)
+            if "rope_theta" in rope:
+                kwargs["rope_theta"] = rope.pop("rope_theta")
+            if rope:
+                raise ValueError(f"rope_parameters: unsupported keys {sorted(rope)} (only rope_type, rope_theta)")
+        names = set(cls.field_names())
+        for key in list(d):
+            if key in names:
+                kwargs[key] = d.pop(key)
+        if "rope_theta" in kwargs and isinstance(kwargs["rope_theta"], int):
+            kwargs["rope_theta"] = float(kwargs["rope_theta"])
+        if kwargs.get("indexer_types") is not None:
+            kwargs["indexer_types"] = list(kwargs["indexer_types"])
+        return cls(**kwargs, extra=d).validate()
+
+    def to_hf_dict(self) -> Dict[str, Any]:
+        """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
+        out: Dict[str, Any] = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": MODEL_TYPE}
+        out.update(self.extra)
+        out["model_type"] = MODEL_TYPE
+        out.update({"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    "attention_bias": False})
+        for name in self.field_names():
+            if name == "rope_theta":
+                continue
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, list) else value
+        out["indexer_types"] = self.layer_indexer_types()
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return out
+
+    # ---- presets -------------------------------------------------------------------------------------
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "GLM5Config":
+        """A CPU training preset: byte-level vocab (256 + 8 specials), 4 layers (1 dense + 3 MoE), sparse at seq 128."""
+        base = dict(
+            vocab_size=264, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
+            intermediate_size=384, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, rope_theta=10000.0, index_n_heads=4, index_head_dim=16, index_topk=32,
+            indexer_types=["full", "full", "shared", "full"], num_nextn_predict_layers=1,
+            max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+        )
+        base.update(overrides)
+        return cls(**base).validate()
+
+    @classmethod
+    def glm5(cls) -> "GLM5Config":
+        """GLM-5's published architecture (FACTS.md). For config round-trips only: never instantiate a model."""
+        return cls().validate()
+
+    def replace(self, **changes: Any) -> "GLM5Config":
+        return dataclasses.replace(self, **changes).validate()
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def _check_positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float > 0, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a finite float > 0, got {value!r}")

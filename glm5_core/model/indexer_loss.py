@@ -1,0 +1,68 @@
+"""Training signals of the DSA indexer: the KL to the main attention, and top-k recall.
+
+Legend: B batch, T queries, S key slots, H attention heads, K top-k width, C kv_lora_rank, Dr rope dims.
+
+Target ``p[b,t,:]``: the main attention probabilities summed over heads and L1-normalised (detached).
+Dense stage:  KL(p || softmax(I)) over every causal key.
+Sparse stage: the same KL restricted to the selected keys (p renormalised over them).
+Recall:       the share of p's mass that falls on the selected keys.
+Each is averaged over the B*T queries.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from glm5_core.ops.mla import absorb_query, causal_mask
+
+StartPos = Union[int, torch.Tensor]
+
+
+@torch.no_grad()
+def attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     w_uk: torch.Tensor, *, scale: float, start_pos: StartPos) -> torch.Tensor:
+    """p [B, T, S] (fp32, fp64 for fp64 inputs): head-summed, L1-normalised main attention, no gradient."""
+    compute = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    q_nope, q_pe, c_kv, k_pe, w_uk = (t.to(compute) for t in (q_nope, q_pe, c_kv, k_pe, w_uk))
+    B, T = q_nope.shape[:2]
+    S = c_kv.shape[1]
+    q_lat = absorb_query(q_nope, w_uk)  # [B, T, H, C]
+    scores = torch.einsum("bthc,bsc->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
+    visible = causal_mask(start_pos, B, T, S, q_nope.device)  # [B, T, S]
+    probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+    summed = probs.sum(dim=1)  # [B, T, S]
+    return summed / summed.sum(dim=-1, keepdim=True)
+
+
+def _kl(target: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """mean over queries of sum_s target * (log target - log_q), over the kept entries only."""
+    log_q = log_q.masked_fill(~keep, 0.0)
+    entropy_term = torch.xlogy(target, target)  # 0 where target == 0
+    per_entry = torch.where(keep, entropy_term - target * log_q, torch.zeros_like(log_q))
+    return per_entry.sum(-1).mean()
+
+
+def dense_kl(target: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor:
+    """KL(p || softmax(I)) over causal keys; index_scores [B, T, S] with -inf where not causal."""
+    keep = torch.isfinite(index_scores)
+    log_q = torch.log_softmax(index_scores.to(target.dtype), dim=-1)
+    return _kl(target, log_q, keep)
+
+
+def sparse_kl(target: torch.Tensor, index_scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """The KL restricted to the selected keys topk_idx [B, T, K] (-1 = none)."""
+    keep = topk_idx >= 0  # [B, T, K]
+    rows = topk_idx.clamp(min=0).long()
+    selected_scores = index_scores.to(target.dtype).gather(-1, rows).masked_fill(~keep, float("-inf"))  # [B, T, K]
+    selected_p = target.gather(-1, rows).masked_fill(~keep, 0.0)  # [B, T, K]
+    selected_p = selected_p / selected_p.sum(-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)
+    return _kl(selected_p, torch.log_softmax(selected_scores, dim=-1), keep)
+
+
+@torch.no_grad()
+def topk_recall(target: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """Mean over queries of the target mass on the selected keys."""
+    keep = topk_idx >= 0
+    mass = target.gather(-1, topk_idx.clamp(min=0).long()).masked_fill(~keep, 0.0)  # [B, T, K]
+    return mass.sum(-1).mean()

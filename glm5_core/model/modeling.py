@@ -1,0 +1,198 @@
+"""GLM5ForCausalLM: embedding, decoder layers (dense then MoE), final norm, lm_head, and the MTP module.
+
+Legend: B batch, T tokens, V vocab_size, D hidden_size, E n_routed_experts.
+
+Parameter names follow HF ``glm_moe_dsa``: ``model.embed_tokens``, ``model.layers.N.*``, ``model.norm``,
+``lm_head``; the MTP module is ``model.layers.{num_hidden_layers}`` (it runs only when mtp_depths > 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+
+from glm5_core.model.block import DecoderLayer
+from glm5_core.model.cache import KVCache
+from glm5_core.model.config import GLM5Config
+from glm5_core.model.moe import MoE
+from glm5_core.model.mtp import MTPLayer
+from glm5_core.model.norm import RMSNorm
+from glm5_core.model.rope import RotaryEmbedding, positions_of
+from glm5_core.model.state import ATTENTION_MODES, ForwardState
+from glm5_core.ops import moe as moe_ops
+
+StartPos = Union[int, torch.Tensor]
+
+
+@dataclasses.dataclass
+class GLM5Output:
+    logits: torch.Tensor  # float32 [B, T, V] (float64 for a float64 model)
+    mtp_logits: List[torch.Tensor]  # per depth d: [B, T, V], predicts token t + 1 + d
+    indexer_kl: Optional[torch.Tensor]  # scalar, mean over the layers that ran an indexer
+    expert_counts: torch.Tensor  # int64 [num_moe_layers, E] (rows as model.router_biases())
+    topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
+    topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True
+
+
+class GLM5Model(nn.Module):
+    """The ``model.*`` part: embed_tokens, layers (main + MTP), norm."""
+
+    def __init__(self, cfg: GLM5Config, backend: Optional[str]):
+        super().__init__()
+        self.num_main_layers = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        types = cfg.layer_indexer_types()
+        layers: List[nn.Module] = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
+        if cfg.num_nextn_predict_layers:
+            layers.append(MTPLayer(cfg, backend))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
+
+    @property
+    def mtp(self) -> Optional[MTPLayer]:
+        return self.layers[self.num_main_layers] if len(self.layers) > self.num_main_layers else None
+
+    def main_layers(self) -> List[DecoderLayer]:
+        return list(self.layers[:self.num_main_layers])
+
+
+class GLM5ForCausalLM(nn.Module):
+    def __init__(self, cfg: GLM5Config, backend: Optional[str] = None):
+        super().__init__()
+        if not isinstance(cfg, GLM5Config):
+            raise TypeError(f"cfg: expected a GLM5Config, got {type(cfg).__name__}")
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
+        self.config = cfg.validate()
+        self.backend = backend
+        self.model = GLM5Model(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    # ---- construction helpers ------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """Normal(0, initializer_range) matrices and embeddings, unit norms, zero biases and router biases."""
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, MoE):
+                module.gate.weight.copy_(torch.randn(module.gate.weight.shape, generator=generator) * std)
+                module.gate.e_score_correction_bias.zero_()
+
+    def moe_layers(self) -> List[MoE]:
+        """MoE layers in expert_counts row order (main layers, then the MTP layer)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def indexer_parameters(self) -> Iterator[nn.Parameter]:
+        for layer in self.model.layers:
+            if layer.self_attn.indexer is not None:
+                yield from layer.self_attn.indexer.parameters()
+
+    def router_biases(self) -> List[torch.Tensor]:
+        return [m.gate.e_score_correction_bias for m in self.moe_layers()]
+
+    @torch.no_grad()
+    def update_router_biases(self, expert_counts: torch.Tensor, gamma: float) -> None:
+        """Aux-loss-free balancing: bias += gamma * sign(mean load - load), per MoE layer."""
+        layers = self.moe_layers()
+        E = self.config.n_routed_experts
+        if not isinstance(expert_counts, torch.Tensor) or tuple(expert_counts.shape) != (len(layers), E):
+            got = tuple(expert_counts.shape) if isinstance(expert_counts, torch.Tensor) else type(expert_counts).__name__
+            raise ValueError(f"expert_counts: expected a tensor [{len(layers)}, {E}] (num_moe_layers, "
+                             f"n_routed_experts), got {got}")
+        for layer, counts in zip(layers, expert_counts):
+            bias = layer.gate.e_score_correction_bias
+            bias.copy_(moe_ops.update_bias(bias, counts.to(bias.device), gamma))
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        weight = self.model.embed_tokens.weight
+        return KVCache.new(self.config, batch_size, max_len, dtype=weight.dtype, device=weight.device)
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def _check_call(self, input_ids, attention, mtp_depths, cache, start_pos) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
+        if input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention: expected one of {ATTENTION_MODES}, got {attention!r}")
+        if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 0:
+            raise ValueError(f"mtp_depths: expected an int >= 0, got {mtp_depths!r}")
+        if mtp_depths and self.model.mtp is None:
+            raise ValueError(f"mtp_depths: expected 0 for a config with num_nextn_predict_layers=0, got {mtp_depths}")
+        if mtp_depths and cache is not None:
+            raise ValueError("mtp_depths: expected 0 when decoding with a cache (MTP runs in training forwards)")
+        if isinstance(start_pos, torch.Tensor):
+            if start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0] or start_pos.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"start_pos: expected an int or an int64 tensor [B={input_ids.shape[0]}], "
+                                 f"got {start_pos.dtype} {tuple(start_pos.shape)}")
+        elif isinstance(start_pos, bool) or not isinstance(start_pos, int):
+            raise TypeError(f"start_pos: expected an int or an int64 tensor [B], got {type(start_pos).__name__}")
+        if cache is None:
+            if not isinstance(start_pos, int) or start_pos != 0:
+                raise ValueError(f"start_pos: expected 0 without a cache (positions come from the cache), got {start_pos}")
+            limit = self.config.max_position_embeddings
+            if input_ids.shape[1] > limit:
+                raise ValueError(f"input_ids: expected at most max_position_embeddings={limit} tokens, got {input_ids.shape[1]}")
+        else:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache: expected a KVCache (model.new_cache), got {type(cache).__name__}")
+            if cache.num_layers != self.config.num_hidden_layers:
+                raise ValueError(f"cache: expected {self.config.num_hidden_layers} layers, got {cache.num_layers}")
+            cache.check_window(input_ids.shape[0], input_ids.shape[1], start_pos)
+
+    def forward(self, input_ids: torch.Tensor, attention: str = "dense", indexer_loss: bool = False,
+                mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0) -> GLM5Output:
+        self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
+        B, T = input_ids.shape
+        embeds = self.model.embed_tokens(input_ids)  # [B, T, D]
+        cos, sin = self.model.rotary(positions_of(start_pos, B, T, input_ids.device), embeds.dtype)  # [B, T, Dr/2]
+        moe_rows = self.moe_layers()
+        state = ForwardState(attention=attention, start_pos=start_pos, cache=cache, indexer_loss=bool(indexer_loss),
+                             cos=cos, sin=sin, expert_counts=[None] * len(moe_rows))
+        hidden = embeds
+        for layer in self.model.main_layers():
+            hidden = layer(hidden, state)
+        logits = self._logits(self.model.norm(hidden))
+
+        mtp_logits: List[torch.Tensor] = []
+        if mtp_depths:
+            mtp = self.model.mtp
+            state.record_topk = False
+            state.shared_topk = None
+            for depth in range(1, mtp_depths + 1):
+                hidden = mtp.predict(hidden, self.model.embed_tokens(_shift_left(input_ids, depth)), state)
+                mtp_logits.append(self._logits(mtp.shared_head.norm(hidden)))
+
+        zeros = torch.zeros(self.config.n_routed_experts, dtype=torch.int64, device=input_ids.device)
+        counts = [c if c is not None else zeros for c in state.expert_counts]
+        expert_counts = torch.stack(counts) if counts else zeros.new_zeros(0, self.config.n_routed_experts)
+        kl = torch.stack(state.kl_terms).mean() if state.kl_terms else None
+        recall = torch.stack(state.recall_terms).mean() if state.recall_terms else None
+        return GLM5Output(logits=logits, mtp_logits=mtp_logits, indexer_kl=kl, expert_counts=expert_counts,
+                          topk_idx=state.topk_idx, topk_recall=recall)
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        out_dtype = torch.float64 if normed.dtype == torch.float64 else torch.float32
+        return self.lm_head(normed).to(out_dtype)
+
+
+def _shift_left(input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """Token t + depth at position t; positions past the end get token 0 (their predictions are unused)."""
+    B, T = input_ids.shape
+    pad = input_ids.new_zeros(B, min(depth, T))
+    return torch.cat((input_ids[:, depth:], pad), dim=1)  # [B, T]

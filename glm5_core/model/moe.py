@@ -1,0 +1,86 @@
+"""Mixture of experts: the sigmoid router (Gate) and the MoE layer (routed + shared SwiGLU experts).
+
+Legend: B batch, T tokens, N = B*T, D hidden_size, E n_routed_experts, K num_experts_per_tok,
+F moe_intermediate_size.
+
+Routing, dispatch, the grouped expert FFN and combine are ``glm5_core.ops.moe`` calls. The selection
+bias ``e_score_correction_bias`` (fp32 [E], a buffer updated by the aux-loss-free rule, never by
+gradients) steers which experts are chosen; the weights come from the unbiased scores.
+
+Under ONNX export the data-dependent dispatch (per-expert row counts) cannot be traced, so the export
+path runs every expert on every token and weights the outputs with the routing weights scattered to
+[N, E] (zero for unchosen experts): the same function, more FLOPs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5_core.model.config import GLM5Config
+from glm5_core.model.mlp import MLP
+from glm5_core.ops import moe
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: GLM5Config, backend: Optional[str]):
+        super().__init__()
+        self.backend = backend
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.renormalize = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights fp32 [N, K], expert ids int32 [N, K]); router logits in fp32 (fp64 for fp64)."""
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        logits = F.linear(x.to(compute), self.weight.to(compute))  # [N, E]
+        return moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",
+                         n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                         routed_scaling_factor=self.scaling, backend=self.backend)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GLM5Config, moe_index: int, backend: Optional[str]):
+        super().__init__()
+        self.moe_index = moe_index  # row of this layer in expert_counts / router_biases()
+        self.backend = backend
+        self.n_experts = cfg.n_routed_experts
+        self.gate = Gate(cfg, backend)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts > 0 else None)
+
+    def _stacked(self, name: str) -> torch.Tensor:
+        return torch.stack([getattr(e, name).weight for e in self.experts])  # [E, F, D] or [E, D, F]
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)  # [N, D]
+        weights, ids = self.gate(flat)  # [N, K]
+        if torch.onnx.is_in_onnx_export():
+            routed, counts = self._all_experts(flat, weights, ids)
+        else:
+            x_sorted, sort_idx, counts = moe.dispatch(flat, ids, num_experts=self.n_experts, backend=self.backend)
+            y_sorted = moe.grouped_swiglu(x_sorted, counts, self._stacked("gate_proj"), self._stacked("up_proj"),
+                                          self._stacked("down_proj"), backend=self.backend)  # [N*K, D]
+            routed = moe.combine(y_sorted, sort_idx, weights.to(y_sorted.dtype), backend=self.backend)  # [N, D]
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(flat)
+        return routed.view(B, T, D), counts.detach()
+
+    def _all_experts(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Export path: every expert on every token, weighted by the scattered routing weights."""
+        dense_w = torch.zeros(flat.shape[0], self.n_experts, dtype=flat.dtype, device=flat.device)  # [N, E]
+        dense_w = dense_w.scatter(1, ids.long(), weights.to(flat.dtype))
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):  # fixed expert order
+            out = out + dense_w[:, e:e + 1] * expert(flat)
+        counts = (dense_w != 0).sum(0)  # [E]
+        return out, counts

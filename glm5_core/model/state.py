@@ -1,0 +1,32 @@
+"""ForwardState: per-call settings and the values layers report back (created fresh by every forward)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Union
+
+import torch
+
+from glm5_core.model.cache import KVCache
+
+ATTENTION_MODES = ("dense", "sparse")
+
+
+@dataclasses.dataclass
+class ForwardState:
+    attention: str  # "dense" | "sparse"
+    start_pos: Union[int, torch.Tensor]
+    cache: Optional[KVCache]
+    indexer_loss: bool
+    cos: torch.Tensor  # [B, T, Dr/2] for the current tokens' positions
+    sin: torch.Tensor
+    record_topk: bool = True  # False while the MTP module runs
+    shared_topk: Optional[torch.Tensor] = None  # the last full layer's top-k, int32 [B, T, K]
+    topk_idx: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    kl_terms: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    recall_terms: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    expert_counts: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
+
+    @property
+    def fresh(self) -> bool:
+        """True when the keys are exactly the current tokens (no cache, or a cache filled from slot 0)."""
+        return self.cache is None or (isinstance(self.start_pos, int) and self.start_pos == 0)
