@@ -1,0 +1,111 @@
+"""The MoE reference: routing contract, dispatch / combine, grouped experts, bias update."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glm5_core import testing
+from glm5_core.ops import moe
+
+
+def brute_force_route(logits, bias, top_k, score_func, n_group, topk_group, renormalize, scale):
+    N, E = logits.shape
+    ids_out, w_out = [], []
+    for n in range(N):
+        row = [float(v) for v in logits[n].double()]
+        if score_func == "sigmoid":
+            scores = [1 / (1 + math.exp(-v)) for v in row]
+        else:
+            m = max(row)
+            z = sum(math.exp(v - m) for v in row)
+            scores = [math.exp(v - m) / z for v in row]
+        select = [s + (float(bias[e]) if bias is not None else 0.0) for e, s in enumerate(scores)]
+        per = E // n_group
+        group_score = [sum(sorted(select[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        eligible = [e for e in range(E) if e // per in kept]
+        ids = sorted(eligible, key=lambda e: (-select[e], e))[:top_k]
+        w = [scores[e] for e in ids]
+        if renormalize:
+            total = sum(w) + moe.RENORM_EPS
+            w = [v / total for v in w]
+        ids_out.append(ids)
+        w_out.append([v * scale for v in w])
+    return torch.tensor(w_out, dtype=torch.float64), torch.tensor(ids_out, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
+@pytest.mark.parametrize("score_func", moe.SCORE_FUNCS)
+@pytest.mark.parametrize("ties", [None, "integer"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_brute_force(shape, score_func, ties, renormalize):
+    x = testing.make_route_inputs(shape, dtype=torch.float64, seed=3, ties=ties)
+    kw = dict(top_k=shape.K, score_func=score_func, n_group=shape.G, topk_group=shape.TG, renormalize=renormalize,
+              routed_scaling_factor=2.5)
+    weights, ids = moe.route(x["logits"], x["bias"], **kw)
+    want_w, want_ids = brute_force_route(x["logits"], x["bias"], shape.K, score_func, shape.G, shape.TG,
+                                         renormalize, 2.5)
+    assert ids.dtype == torch.int32 and torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_w, atol=1e-12, rtol=1e-12)
+
+
+def test_bias_changes_selection_but_not_weights():
+    logits = torch.tensor([[0.0, 0.1, 0.2, 0.3]])
+    bias = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    w, ids = moe.route(logits, bias, top_k=1, renormalize=False)
+    assert ids.tolist() == [[0]]
+    assert torch.allclose(w, torch.sigmoid(logits[:, :1]))
+
+
+def test_group_limit_keeps_best_groups_by_top2_sum():
+    # sigmoid scores: group 0 {0.993, 0.007} sums to 1.0; group 1 {0.881, 0.881} sums to 1.76 -> group 1 wins
+    # although expert 0 has the best single score.
+    logits = torch.tensor([[5.0, -5.0, 2.0, 2.0]])
+    _, ids = moe.route(logits, None, top_k=2, n_group=2, topk_group=1, renormalize=False)
+    assert ids.tolist() == [[2, 3]]
+
+
+@pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
+def test_dispatch_is_stable_and_combine_inverts_it(shape):
+    x = testing.make_expert_inputs(shape, dtype=torch.float64, seed=2)["x"]
+    weights, ids = moe.route(testing.make_route_inputs(shape, seed=4)["logits"], None, top_k=shape.K)
+    x_sorted, sort_idx, counts = moe.dispatch(x, ids, num_experts=shape.E)
+    assert counts.tolist() == torch.bincount(ids.flatten().long(), minlength=shape.E).tolist()
+    experts_of_rows = ids.flatten()[sort_idx]
+    assert (experts_of_rows[1:] >= experts_of_rows[:-1]).all()  # grouped by expert
+    for e in range(shape.E):  # token order kept inside each expert
+        rows = sort_idx[experts_of_rows == e]
+        assert (rows[1:] > rows[:-1]).all()
+    assert torch.equal(x_sorted, x[sort_idx // shape.K])
+    out = moe.combine(x_sorted, sort_idx, weights.double())  # identity experts
+    assert torch.allclose(out, x * weights.double().sum(-1, keepdim=True), atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
+def test_grouped_swiglu_matches_per_token_loop(shape):
+    x = testing.make_expert_inputs(shape, dtype=torch.float64, seed=6)
+    _, ids = moe.route(testing.make_route_inputs(shape, seed=7)["logits"], None, top_k=shape.K)
+    x_sorted, sort_idx, counts = moe.dispatch(x["x"], ids, num_experts=shape.E)
+    out = moe.grouped_swiglu(x_sorted, counts, x["w_gate"], x["w_up"], x["w_down"])
+    expert_of_row = ids.flatten()[sort_idx].long()
+    for m in range(x_sorted.shape[0]):
+        e = int(expert_of_row[m])
+        h = F.silu(x["w_gate"][e] @ x_sorted[m]) * (x["w_up"][e] @ x_sorted[m])
+        assert torch.allclose(out[m], x["w_down"][e] @ h, atol=1e-12)
+
+
+def test_experts_with_no_tokens_are_skipped():
+    shape = testing.MoEShape(N=3, E=5, K=1, G=1, TG=1, D=4, F=3)
+    x = testing.make_expert_inputs(shape, dtype=torch.float64)
+    counts = torch.tensor([0, 3, 0, 0, 0])
+    out = moe.grouped_swiglu(x["x"], counts, x["w_gate"], x["w_up"], x["w_down"])
+    h = F.silu(x["x"] @ x["w_gate"][1].T) * (x["x"] @ x["w_up"][1].T)
+    assert torch.allclose(out, h @ x["w_down"][1].T)
+
+
+def test_update_bias_moves_towards_balance():
+    bias = torch.zeros(4)
+    load = torch.tensor([10, 2, 4, 4])  # mean 5
+    assert moe.update_bias(bias, load, 0.01).tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+    assert torch.equal(moe.update_bias(bias, torch.tensor([3, 3, 3, 3]), 0.5), bias)
