@@ -24,7 +24,17 @@ def runtime_device() -> str:
 
 
 def kernel_table() -> Dict[str, Callable]:
-    return {}
+    """Triton kernels with NVIDIA launch configs (triton is imported here, not at import time)."""
+    from glm5_core.backends.cuda.launch import CUDA_CONFIGS
+    from glm5_core.backends.cuda.table import build_kernel_table
+
+    return build_kernel_table(CUDA_CONFIGS)
+
+
+# Ops left to the reference, and why (shown by `glm5 backends`).
+MISSING = {
+    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the cuda kernel",
+}
 
 
 BACKEND = Backend(
@@ -33,6 +43,7 @@ BACKEND = Backend(
     dist_backend="nccl",
     probe=probe,
     kernel_table=kernel_table,
+    missing=MISSING,
     runtime_device=runtime_device,
     description="NVIDIA GPUs: Triton kernels + csrc CUDA ops",
 )
