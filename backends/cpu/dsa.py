@@ -1,0 +1,58 @@
+"""cpu backend kernels for DSA: the fused streaming indexer top-k and sparse MLA decode.
+
+Both take exactly the arguments of their reference (``glm5_core.ops.dsa``), already validated, and
+call the native ``torch.ops.glm5_cpu`` ops. Legend as in ``glm5_core.ops.dsa``.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from glm5_core.ops import _checks
+from glm5_core.ops.mla import absorb_query, project_output
+
+
+def _on_cpu(*tensors) -> Tuple[bool, str]:
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if devices != {"cpu"}:
+        return False, f"native CPU kernels need CPU tensors, got {sorted(devices)}"
+    return True, ""
+
+
+def _start_tensor(start_pos, batch: int) -> torch.Tensor:
+    if isinstance(start_pos, torch.Tensor):
+        return start_pos.to(torch.int64)
+    return torch.full((batch,), int(start_pos), dtype=torch.int64)  # [B]
+
+
+def indexer_topk(q, k, w, *, topk: int, start_pos=0) -> torch.Tensor:
+    """int32 [B, T, topk]: the top-k contract, computed without materialising the [B, T, S] scores."""
+    ct = _checks.compute_dtype(q.dtype)
+    return torch.ops.glm5_cpu.indexer_topk(q.to(ct), k.to(ct), w.to(ct), _start_tensor(start_pos, q.shape[0]), topk)
+
+
+def _indexer_supports(q, k, w, *, topk: int, start_pos=0):
+    return _on_cpu(q, k, w, start_pos)
+
+
+indexer_topk.supports = _indexer_supports
+
+
+def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
+    """[B, T, Hm, Dv]: absorbed MLA over the selected latent rows, read in place from the cache."""
+    out_dtype = q_nope.dtype
+    ct = _checks.compute_dtype(out_dtype)
+    q_lat = absorb_query(q_nope.to(ct), w_uk.to(ct))  # [B, T, Hm, C]
+    o_lat = torch.ops.glm5_cpu.sparse_decode(q_lat, q_pe.to(ct), c_kv, k_pe, topk_idx, float(scale))  # [B, T, Hm, C]
+    return project_output(o_lat, w_uv.to(ct)).to(out_dtype)
+
+
+def _sparse_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
+    tensors = (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False, "the native sparse decode has no backward (inference only)"
+    return _on_cpu(*tensors, topk_idx)
+
+
+sparse_decode.supports = _sparse_supports

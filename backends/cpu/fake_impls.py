@@ -1,0 +1,46 @@
+"""Fake (meta) implementations of the ``torch.ops.glm5_cpu`` custom ops, so ``torch.compile`` and
+FakeTensor tracing see their output shapes without running them. Registered once, by ``extension.load``.
+
+Legend as in the op modules: B batch, T queries, K top-k width, H heads, C latent width, N tokens,
+E experts, M = N * K routed rows, D hidden size.
+"""
+from __future__ import annotations
+
+import torch
+
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_dispatch", "moe_combine", "ns_orthogonalize")
+
+
+def _indexer_topk(q, k, w, start, topk):
+    return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)  # [B, T, K]
+
+
+def _sparse_decode(q_lat, q_pe, c_kv, k_pe, topk_idx, scale):
+    return q_lat.new_empty(q_lat.shape)  # o_lat [B, T, H, C]
+
+
+def _moe_select(select, top_k, n_group, topk_group):
+    return select.new_empty((select.shape[0], top_k), dtype=torch.int64)  # [N, K]
+
+
+def _moe_dispatch(x, expert_ids, num_experts):
+    rows = expert_ids.shape[0] * expert_ids.shape[1]  # M
+    return (x.new_empty((rows, x.shape[1])), x.new_empty((rows,), dtype=torch.int64),
+            x.new_empty((num_experts,), dtype=torch.int64))
+
+
+def _moe_combine(y_sorted, sort_idx, weights):
+    return y_sorted.new_empty((weights.shape[0], y_sorted.shape[1]))  # [N, D]
+
+
+def _ns_orthogonalize(X_wide, coeffs, loop_batch):
+    return X_wide.new_empty(X_wide.shape)  # [P, m, n]
+
+
+def register() -> None:
+    """Attach the fake implementations (call once, after the library is loaded)."""
+    impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select,
+             "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
+             "ns_orthogonalize": _ns_orthogonalize}
+    for name in NATIVE_OPS:
+        torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

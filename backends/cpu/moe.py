@@ -1,0 +1,69 @@
+"""cpu backend kernels for MoE: routing selection, dispatch and combine.
+
+``route`` keeps the elementwise maths (scores, bias, weights) in torch, so the weights are bitwise the
+reference's and stay differentiable; the native op does the group-limited top-k selection. ``dispatch``
+is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order.
+Legend as in ``glm5_core.ops.moe``.
+"""
+from __future__ import annotations
+
+import torch
+
+from glm5_core.ops import _checks
+from glm5_core.ops.moe import RENORM_EPS
+
+
+def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int = 1, topk_group: int = 1,
+          renormalize: bool = True, routed_scaling_factor: float = 1.0):
+    """Returns (weights fp32 [N, K] (fp64 for fp64 logits), expert ids int32 [N, K])."""
+    ct = _checks.compute_dtype(logits.dtype)
+    logits = logits.to(ct)
+    scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
+    select = scores if bias is None else scores + bias.to(ct)  # [N, E]
+    ids = torch.ops.glm5_cpu.moe_select(select.detach(), top_k, n_group, topk_group)  # int64 [N, K]
+    weights = scores.gather(1, ids)  # unbiased
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
+    weights = weights * routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def _route_supports(logits, bias, **kwargs):
+    if logits.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {logits.device}"
+    return True, ""
+
+
+route.supports = _route_supports
+
+
+def dispatch(x, expert_ids, *, num_experts: int):
+    """Returns (x_sorted [M, D], sort_idx int64 [M], counts int64 [E])."""
+    return torch.ops.glm5_cpu.moe_dispatch(x, expert_ids, num_experts)
+
+
+def _dispatch_supports(x, expert_ids, *, num_experts: int):
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False, "the native dispatch has no backward (the reference gather is differentiable)"
+    if x.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {x.device}"
+    return True, ""
+
+
+dispatch.supports = _dispatch_supports
+
+
+def combine(y_sorted, sort_idx, weights):
+    """out [N, D] in y_sorted's dtype: the weighted sum of each token's K expert rows, in slot order."""
+    return torch.ops.glm5_cpu.moe_combine(y_sorted, sort_idx, weights)
+
+
+def _combine_supports(y_sorted, sort_idx, weights):
+    if torch.is_grad_enabled() and (y_sorted.requires_grad or weights.requires_grad):
+        return False, "the native combine has no backward (the reference is differentiable)"
+    if y_sorted.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {y_sorted.device}"
+    return True, ""
+
+
+combine.supports = _combine_supports

@@ -1,0 +1,270 @@
+// Fused streaming DSA indexer top-k for CPU.
+//
+// Legend: B batch, T queries, S key slots, H indexer heads, D head dim, K top-k width.
+//   q [B, T, H, D], k [B, S, D], w [B, T, H] (fp32 or fp64), start [B] int64 -> idx [B, T, K] int32.
+//
+// I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) is never materialised beyond one key block:
+// keys are packed block by block (kKeyBlock keys, zero-padded panels of NR keys), a register tile of
+// MR heads x NR keys runs the dot products, the ReLU-weighted head sum is folded in as the tile leaves
+// the registers, and each query keeps a running top-k of its visible keys.
+//
+// Determinism by construction: every score is computed by the same instruction sequence whatever T, B,
+// the query grouping, the key segmentation or the thread count -- one vector lane per key, dot products
+// accumulated over d = 0..D-1 with explicit FMA, heads folded in the order h = 0..H-1 (mul, then add).
+// The top-k is a total order (score descending, then key index ascending), so merging partial top-ks
+// of key segments selects the same keys however the keys were split. Hence prefill (all queries) and
+// decode (one query against the cache) pick bit-identical indices for the same query row.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int64_t kKeyBlock = 256;    // keys packed (and scored) together
+constexpr int64_t kQueryGroup = 8;    // queries sharing one packed key block
+constexpr int kTileVecs = 2;          // NR = kTileVecs vectors of keys per register tile
+constexpr int kMaxTileHeads = kVecBytes == 64 ? 8 : 4;  // MR (register budget: MR*NV + NV accumulators)
+
+template <typename T> struct Candidate {
+  T score;
+  int32_t index;
+};
+
+template <typename T> inline bool ranks_before(const Candidate<T>& a, const Candidate<T>& b) {
+  return a.score > b.score || (a.score == b.score && a.index < b.index);
+}
+
+// Running top-k of one query over keys that arrive in increasing index order.
+template <typename T> class RunningTopK {
+ public:
+  RunningTopK(int64_t k, int64_t slack) : k_(k), capacity_(k + slack) { kept_.reserve(capacity_); }
+
+  void push(T score, int32_t index) {
+    // A later key that only ties the current k-th best loses to it (ties go to the lower index).
+    if (full_ && !(score > threshold_)) return;
+    kept_.push_back({score, index});
+    if (static_cast<int64_t>(kept_.size()) >= capacity_) shrink();
+  }
+
+  std::vector<Candidate<T>>& finish() {
+    shrink();
+    return kept_;
+  }
+
+ private:
+  void shrink() {
+    if (static_cast<int64_t>(kept_.size()) < k_) return;
+    std::nth_element(kept_.begin(), kept_.begin() + (k_ - 1), kept_.end(), ranks_before<T>);
+    kept_.resize(k_);
+    threshold_ = kept_[k_ - 1].score;  // the k-th best: every kept score is >= it
+    full_ = true;
+  }
+
+  int64_t k_, capacity_;
+  std::vector<Candidate<T>> kept_;
+  T threshold_ = T(0);
+  bool full_ = false;
+};
+
+// Dot products of MR query heads with the NR keys of one packed panel, folded into the scores.
+//   q_MD: MR head rows (stride D); panel_DN: [D][NR]; w_M: the heads' weights; score_N: NV vectors.
+template <typename T, int MR>
+inline void score_tile(const T* q_MD, int64_t D, const T* panel_DN, const T* w_M,
+                       typename Simd<T>::V (&score_N)[kTileVecs]) {
+  using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::width;
+  V acc[MR][kTileVecs];
+  for (int h = 0; h < MR; ++h)
+    for (int v = 0; v < kTileVecs; ++v) acc[h][v] = V{};
+  for (int64_t d = 0; d < D; ++d) {
+    V keys[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) keys[v] = load<V>(panel_DN + d * (kTileVecs * W) + v * W);
+    for (int h = 0; h < MR; ++h) {
+      const V qd = splat<V>(q_MD[h * D + d]);
+      for (int v = 0; v < kTileVecs; ++v) acc[h][v] = fmadd(qd, keys[v], acc[h][v]);
+    }
+  }
+  for (int h = 0; h < MR; ++h) {
+    const V wh = splat<V>(w_M[h]);
+    for (int v = 0; v < kTileVecs; ++v) score_N[v] = score_N[v] + wh * relu(acc[h][v]);
+  }
+}
+
+template <typename T>
+inline void score_heads(const T* q_HD, int64_t H, int64_t D, const T* panel_DN, const T* w_H,
+                        typename Simd<T>::V (&score_N)[kTileVecs]) {
+  int64_t h = 0;
+  for (; h + kMaxTileHeads <= H; h += kMaxTileHeads)
+    score_tile<T, kMaxTileHeads>(q_HD + h * D, D, panel_DN, w_H + h, score_N);
+  switch (H - h) {  // remaining heads, still folded in head order
+    case 0: break;
+    case 1: score_tile<T, 1>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+    case 2: score_tile<T, 2>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+    case 3: score_tile<T, 3>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+#if defined(__AVX512F__)
+    case 4: score_tile<T, 4>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+    case 5: score_tile<T, 5>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+    case 6: score_tile<T, 6>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+    case 7: score_tile<T, 7>(q_HD + h * D, D, panel_DN, w_H + h, score_N); break;
+#endif
+    default: TORCH_INTERNAL_ASSERT(false, "head remainder out of range");
+  }
+}
+
+// keys [s0, s1) of k_SD -> panels [P][D][NR], zero-padded past s1.
+template <typename T> void pack_keys(const T* k_SD, int64_t D, int64_t s0, int64_t s1, T* packed) {
+  constexpr int64_t NR = kTileVecs * Simd<T>::width;
+  const int64_t panels = (s1 - s0 + NR - 1) / NR;
+  for (int64_t p = 0; p < panels; ++p) {
+    T* panel = packed + p * D * NR;
+    for (int64_t r = 0; r < NR; ++r) {
+      const int64_t s = s0 + p * NR + r;
+      if (s < s1) {
+        const T* key = k_SD + s * D;
+        for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = key[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = T(0);
+      }
+    }
+  }
+}
+
+struct WorkItem {
+  int64_t b, t0, t1;          // queries [t0, t1) of batch row b
+  int64_t key_begin, key_end;  // keys [key_begin, key_end), block aligned at key_begin
+};
+
+template <typename T>
+void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* start, int64_t B, int64_t T_,
+                         int64_t S, int64_t H, int64_t D, int64_t K, int32_t* out) {
+  using V = typename Simd<T>::V;
+  constexpr int64_t NR = kTileVecs * Simd<T>::width;
+  static_assert(kKeyBlock % NR == 0, "key block must hold whole panels");
+  const int threads = std::max(1, at::get_num_threads());
+
+  // Work items: query groups x key segments (segments only where groups alone cannot feed the threads).
+  const int64_t groups_per_row = (T_ + kQueryGroup - 1) / kQueryGroup;
+  const int64_t groups = B * groups_per_row;
+  const int64_t segments_wanted = std::max<int64_t>(1, (4 * threads + groups - 1) / groups);
+  std::vector<WorkItem> items;
+  std::vector<int64_t> first_item(groups + 1, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < groups_per_row; ++g) {
+      const int64_t t0 = g * kQueryGroup, t1 = std::min(T_, t0 + kQueryGroup);
+      const int64_t key_end = std::min(S, start[b] + t1);  // the last query sees keys <= start + t1 - 1
+      const int64_t blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
+      const int64_t segs = std::min(segments_wanted, blocks);
+      first_item[b * groups_per_row + g] = static_cast<int64_t>(items.size());
+      for (int64_t j = 0; j < segs; ++j) {
+        const int64_t kb = (blocks * j / segs) * kKeyBlock;
+        const int64_t ke = std::min(key_end, (blocks * (j + 1) / segs) * kKeyBlock);
+        items.push_back({b, t0, t1, kb, ke});
+      }
+    }
+  }
+  first_item[groups] = static_cast<int64_t>(items.size());
+
+  // partial[item][query in group]: that segment's top-k candidates.
+  std::vector<std::vector<std::vector<Candidate<T>>>> partial(items.size());
+  bool saw_nan = false;
+
+#pragma omp parallel num_threads(threads) reduction(|| : saw_nan)
+  {
+    std::vector<T> packed(kKeyBlock * D);
+    std::vector<T> scores(kQueryGroup * kKeyBlock);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+      const WorkItem it = items[i];
+      const int64_t nq = it.t1 - it.t0;
+      std::vector<RunningTopK<T>> tops;
+      tops.reserve(nq);
+      for (int64_t tl = 0; tl < nq; ++tl) tops.emplace_back(K, kKeyBlock);
+      const T* k_SD = k + it.b * S * D;
+      for (int64_t s0 = it.key_begin; s0 < it.key_end; s0 += kKeyBlock) {
+        const int64_t s1 = std::min(it.key_end, s0 + kKeyBlock);
+        pack_keys(k_SD, D, s0, s1, packed.data());
+        const int64_t panels = (s1 - s0 + NR - 1) / NR;
+        for (int64_t p = 0; p < panels; ++p) {
+          for (int64_t tl = 0; tl < nq; ++tl) {
+            const int64_t t = it.t0 + tl;
+            if (s0 + p * NR > start[it.b] + t) continue;  // whole panel in this query's future
+            V score_N[kTileVecs];
+            for (int v = 0; v < kTileVecs; ++v) score_N[v] = V{};
+            const int64_t row = it.b * T_ + t;
+            score_heads<T>(q + row * H * D, H, D, packed.data() + p * D * NR, w + row * H, score_N);
+            for (int v = 0; v < kTileVecs; ++v)
+              store(scores.data() + tl * kKeyBlock + p * NR + v * Simd<T>::width, score_N[v]);
+          }
+        }
+        for (int64_t tl = 0; tl < nq; ++tl) {
+          const int64_t visible_end = std::min(s1, start[it.b] + it.t0 + tl + 1);
+          const T* row_scores = scores.data() + tl * kKeyBlock;
+          for (int64_t s = s0; s < visible_end; ++s) {
+            const T value = row_scores[s - s0];
+            saw_nan = saw_nan || (value != value);
+            tops[tl].push(value, static_cast<int32_t>(s));
+          }
+        }
+      }
+      partial[i].resize(nq);
+      for (int64_t tl = 0; tl < nq; ++tl) partial[i][tl] = std::move(tops[tl].finish());
+    }
+  }
+  TORCH_CHECK_VALUE(!saw_nan, "q, k, w: indexer scores overflowed to NaN; rescale the inputs");
+
+  // Merge the segments of each query and write the contract's layout (sorted, -1 padded).
+  at::parallel_for(0, B * T_, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Candidate<T>> merged;
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / T_, t = row % T_;
+      const int64_t g = b * groups_per_row + t / kQueryGroup, tl = t % kQueryGroup;
+      merged.clear();
+      for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
+        merged.insert(merged.end(), partial[i][tl].begin(), partial[i][tl].end());
+      const int64_t n = std::min<int64_t>(K, static_cast<int64_t>(merged.size()));
+      std::partial_sort(merged.begin(), merged.begin() + n, merged.end(), ranks_before<T>);
+      int32_t* dst = out + row * K;
+      for (int64_t j = 0; j < n; ++j) dst[j] = merged[j].index;
+      for (int64_t j = n; j < K; ++j) dst[j] = -1;
+    }
+  });
+}
+
+at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& start,
+                        int64_t topk) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && w.dim() == 3 && start.dim() == 1, "indexer_topk: bad ranks");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == w.scalar_type(), "indexer_topk: dtypes differ");
+  TORCH_CHECK(start.scalar_type() == at::kLong, "indexer_topk: start must be int64");
+  TORCH_CHECK(topk >= 1, "indexer_topk: topk must be >= 1");
+  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1);
+  TORCH_CHECK(S < INT32_MAX, "indexer_topk: key count must fit int32");
+  auto qc = q.contiguous(), kc = k.contiguous(), wc = w.contiguous(), sc = start.contiguous();
+  auto out = at::empty({B, T_, topk}, q.options().dtype(at::kInt));
+  if (q.scalar_type() == at::kDouble) {
+    indexer_topk_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), wc.data_ptr<double>(),
+                                sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, out.data_ptr<int32_t>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "indexer_topk: expected float32 or float64");
+    indexer_topk_kernel<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), wc.data_ptr<float>(),
+                               sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, out.data_ptr<int32_t>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
+  m.def("indexer_topk(Tensor q, Tensor k, Tensor w, Tensor start, int topk) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) { m.impl("indexer_topk", &indexer_topk); }
+
+}  // namespace glm5

@@ -1,0 +1,97 @@
+// Portable SIMD helpers for the CPU kernels (GCC/Clang vector extensions).
+//
+// The vector width follows the ISA the extension was compiled for (the loader keys its build cache by
+// it): 64 bytes with AVX-512, 32 with AVX2, 16 otherwise. Fused multiply-add is explicit (`fmadd`) and
+// the extension is compiled with -ffp-contract=off, so every expression rounds exactly as written:
+// a kernel's bits depend only on its own loop structure, never on what the compiler chose to fuse.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace glm5 {
+
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX2__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+
+typedef float VecF __attribute__((vector_size(kVecBytes)));
+typedef double VecD __attribute__((vector_size(kVecBytes)));
+
+template <typename T> struct Simd;
+template <> struct Simd<float> { using V = VecF; static constexpr int width = kVecBytes / 4; };
+template <> struct Simd<double> { using V = VecD; static constexpr int width = kVecBytes / 8; };
+
+// a * b + c with one rounding where the ISA has FMA, two otherwise (fixed per build either way).
+inline VecF fmadd(VecF a, VecF b, VecF c) {
+#if defined(__AVX512F__)
+  return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX2__)
+  return (VecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline VecD fmadd(VecD a, VecD b, VecD c) {
+#if defined(__AVX512F__)
+  return (VecD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__FMA__) && defined(__AVX2__)
+  return (VecD)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <typename V> inline V splat(decltype(V{}[0]) x) { return V{} + x; }
+
+template <typename V> inline V load(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V> inline void store(void* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
+
+template <typename V> inline V relu(V x) { return x > V{} ? x : V{}; }
+
+// Sum of the lanes in a fixed pairwise order (independent of where the vector came from).
+template <typename T> inline T hsum(typename Simd<T>::V v) {
+  constexpr int W = Simd<T>::width;
+  T lanes[W];
+  __builtin_memcpy(lanes, &v, sizeof(v));
+  for (int half = W / 2; half >= 1; half /= 2)
+    for (int i = 0; i < half; ++i) lanes[i] = lanes[i] + lanes[i + half];
+  return lanes[0];
+}
+
+// sum_i a[i] * b[i]: W lane accumulators over the full vectors, a fixed lane reduction, then the tail.
+template <typename T> inline T dot(const T* a, const T* b, int64_t n) {
+  using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::width;
+  V acc{};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc = fmadd(load<V>(a + i), load<V>(b + i), acc);
+  T sum = hsum<T>(acc);
+  for (; i < n; ++i) sum = sum + a[i] * b[i];
+  return sum;
+}
+
+// y[i] += alpha * x[i]
+template <typename T> inline void axpy(T alpha, const T* x, T* y, int64_t n) {
+  using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::width;
+  const V va = splat<V>(alpha);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(y + i, fmadd(va, load<V>(x + i), load<V>(y + i)));
+  for (; i < n; ++i) y[i] = y[i] + alpha * x[i];
+}
+
+}  // namespace glm5
