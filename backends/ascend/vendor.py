@@ -1,0 +1,80 @@
+"""The torch_npu namespace and the capability checks shared by the Ascend kernels.
+
+Every kernel takes its vendor namespace as the keyword ``npu`` (default: the real ``torch_npu``, imported on
+first use, never at import time). Tests pass an executable statement of the documented operator semantics
+instead, so the argument building is checked on machines without an NPU.
+
+A capability check returns ``(ok, why)``; the registry runs the reference, with ``why`` in ``explain()``,
+when a call is declined. Each kernel module splits its check in two: ``<op>_limits`` (the vendor op's
+documented limits: shapes, dtypes, sizes; device-independent, so CPU tests exercise it) and the
+``supports`` hook the registry calls, which adds "the tensors live on an NPU" and "no autograd needed".
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+
+import torch
+
+Decision = Tuple[bool, str]
+OK: Decision = (True, "")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def vendor_ops(npu: Optional[Any] = None) -> Any:
+    """The namespace holding the ``npu_*`` operators: ``npu`` if given, else the real torch_npu."""
+    if npu is not None:
+        return npu
+    return importlib.import_module("torch_npu")
+
+
+def first_output(result: Any) -> torch.Tensor:
+    """Ops documented as returning ``(Tensor, ...)`` or a list return their first output; others a tensor."""
+    if isinstance(result, (tuple, list)):
+        return result[0]
+    return result
+
+
+def on_npu(tensors: Iterable[Optional[torch.Tensor]]) -> Decision:
+    for t in tensors:
+        if t is not None and t.device.type != "npu":
+            return False, f"tensors are on {t.device.type}, torch_npu kernels need npu tensors"
+    return OK
+
+
+def inference_only(op_name: str, tensors: Iterable[Optional[torch.Tensor]]) -> Decision:
+    """The fused vendor ops used here are documented for inference (no autograd formula registered)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False, f"{op_name} is documented for inference only; training runs the differentiable reference"
+    return OK
+
+
+def dtype_in(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype], op_name: str) -> Decision:
+    if t.dtype not in allowed:
+        names = "/".join(str(d).replace("torch.", "") for d in allowed)
+        return False, f"{op_name} takes {name} in {names}, got {t.dtype}"
+    return OK
+
+
+def first_failure(*decisions: Decision) -> Decision:
+    for decision in decisions:
+        if not decision[0]:
+            return decision
+    return OK
+
+
+def attach_supports(kernel: Callable, limits: Callable[..., Decision],
+                    tensors_of: Callable[..., Sequence[Optional[torch.Tensor]]], op_name: str,
+                    grad_matters: bool = True) -> Callable:
+    """Give ``kernel`` the registry's ``supports`` hook: NPU tensors, no autograd, then the op's limits."""
+
+    def supports(*args, **kwargs) -> Decision:
+        tensors = tensors_of(*args, **kwargs)
+        checks = [on_npu(tensors)]
+        if grad_matters:
+            checks.append(inference_only(op_name, tensors))
+        decision = first_failure(*checks)
+        return decision if not decision[0] else limits(*args, **kwargs)
+
+    kernel.supports = supports
+    return kernel
