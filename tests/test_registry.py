@@ -1,0 +1,140 @@
+"""Registry contract: resolution order, explicit-unavailable errors, fallbacks, strict mode, entry points."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import glm5_core
+from glm5_core import registry
+from glm5_core.ops import muon
+
+
+@pytest.fixture
+def fresh_registry():
+    registry._discover.cache_clear()
+    registry._kernel_table.cache_clear()
+    yield
+    registry._discover.cache_clear()
+    registry._kernel_table.cache_clear()
+
+
+def test_import_probes_nothing_and_imports_no_vendor_sdk():
+    code = "import sys, glm5_core, glm5_core.ops; print(sorted(m for m in ('triton', 'torch_npu', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_builtin_backends_declare_devices_and_dist_backends():
+    known = registry.backends()
+    assert list(known)[:4] == ["cpu", "cuda", "rocm", "ascend"]
+    assert (known["cpu"].device_type, known["cpu"].dist_backend) == ("cpu", "gloo")
+    assert (known["cuda"].device_type, known["cuda"].dist_backend) == ("cuda", "nccl")
+    assert (known["rocm"].device_type, known["rocm"].dist_backend) == ("cuda", "nccl")
+    assert (known["ascend"].device_type, known["ascend"].dist_backend) == ("npu", "hccl")
+    assert known["cpu"].available()[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_resolution_order(monkeypatch):
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    assert registry.resolve_backend_name() == "cpu"  # hardware
+    monkeypatch.setenv("GLM5_BACKEND", "ascend")
+    assert registry.resolve_backend_name() == "ascend"  # env beats hardware
+    assert registry.resolve_backend_name("cpu") == "cpu"  # argument beats env
+    monkeypatch.setenv("GLM5_BACKEND", "auto")
+    assert registry.resolve_backend_name() == "cpu"
+    with glm5_core.use_backend("cpu"):
+        monkeypatch.setenv("GLM5_BACKEND", "ascend")
+        assert registry.resolve_backend_name() == "cpu"  # context beats env
+        assert registry.resolve_backend_name("cpu") == "cpu"
+
+
+def test_explicit_unavailable_backend_fails_with_the_reason():
+    ok, reason = registry.get_backend("ascend").available()
+    if ok:
+        pytest.skip("ascend is available here")
+    with pytest.raises(registry.BackendUnavailableError, match="ascend: " + reason.split("(")[0].strip()):
+        muon.orthogonalize(torch.randn(4, 4), backend="ascend")
+    with pytest.raises(registry.BackendUnavailableError):
+        with glm5_core.use_backend("ascend"):
+            pass
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="backend: expected"):
+        muon.orthogonalize(torch.randn(4, 4), backend="tpu")
+
+
+def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, fresh_registry):
+    missing = [r.op for r in registry.explain("cpu") if r.is_reference]
+    if "muon_orthogonalize" not in missing:
+        pytest.skip("cpu implements muon_orthogonalize natively")
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    with pytest.raises(registry.BackendCoverageError, match="muon_orthogonalize"):
+        muon.orthogonalize(torch.randn(4, 4), backend="cpu")
+
+
+def _fake_backend_module(tmp_path, module, supports_line=""):
+    pkg = tmp_path / module
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(f"""
+        import torch
+        from glm5_core.registry import Backend
+        from glm5_core.ops import muon
+
+        def orthogonalize(G, *, steps, coefficients):
+            orthogonalize.calls += 1
+            return muon.orthogonalize_reference(G, steps=steps, coefficients=coefficients)
+        orthogonalize.calls = 0
+        {supports_line}
+
+        BACKEND = Backend(name="vendorx", device_type="cpu", dist_backend="gloo",
+                          probe=lambda: (True, "simulated vendor"),
+                          kernel_table=lambda: {{"muon_orthogonalize": orthogonalize}},
+                          missing={{"moe_route": "vendorx has no router kernel yet"}})
+    """))
+    dist = tmp_path / "vendorx_glm5-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendorx-glm5\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[glm5_core.backends]\nvendorx = {module}:BACKEND\n")
+    return pkg
+
+
+def test_third_party_backend_joins_through_the_entry_point(tmp_path, monkeypatch, fresh_registry):
+    _fake_backend_module(tmp_path, "vendorx_glm5")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "vendorx" in registry.backends()
+    import vendorx_glm5
+
+    muon.orthogonalize(torch.randn(6, 4), backend="vendorx")
+    assert vendorx_glm5.orthogonalize.calls == 1
+    rows = {r.op: r for r in registry.explain("vendorx")}
+    assert rows["muon_orthogonalize"].label.startswith("vendorx: vendorx_glm5.orthogonalize")
+    assert rows["moe_route"].is_reference and rows["moe_route"].reason == "vendorx has no router kernel yet"
+
+
+def test_a_kernel_can_decline_a_call_and_the_reference_runs(tmp_path, monkeypatch, fresh_registry):
+    _fake_backend_module(tmp_path, "vendorx_declines",
+                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_declines
+
+    muon.orthogonalize(torch.randn(3, 8), backend="vendorx")
+    assert vendorx_declines.orthogonalize.calls == 0
+    muon.orthogonalize(torch.randn(8, 3), backend="vendorx")
+    assert vendorx_declines.orthogonalize.calls == 1
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    with pytest.raises(registry.BackendCoverageError, match="at most 4 columns"):
+        muon.orthogonalize(torch.randn(3, 8), backend="vendorx")
+
+
+def test_probes_are_cached():
+    from glm5_core import platform
+
+    assert platform.npu_probe() is platform.npu_probe()
+    assert platform.gpu_probe.cache_info().currsize >= 0
+    with pytest.raises(ValueError, match="vendor"):
+        platform.gpu_probe("tpu")
