@@ -1,4 +1,5 @@
 """Declaration of the ``rocm`` backend. Import-light: triton / aiter are imported only by ``kernel_table``."""
+import importlib.util
 from typing import Callable, Dict
 
 from glm5_core import platform
@@ -24,8 +25,28 @@ def runtime_device() -> str:
     return "cpu" if platform.triton_interpreter_enabled() else "cuda"
 
 
+def aiter_available() -> bool:
+    """``aiter`` is installed (found, not imported: importing it initialises HIP)."""
+    return importlib.util.find_spec("aiter") is not None
+
+
 def kernel_table() -> Dict[str, Callable]:
-    return {}
+    """The shared Triton kernels with AMD launch configs; aiter's operators where aiter is installed
+    (not under the Triton interpreter: aiter needs a GPU)."""
+    from glm5_core.backends.cuda.table import build_kernel_table
+    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+
+    table = build_kernel_table(ROCM_CONFIGS)
+    if aiter_available() and not platform.triton_interpreter_enabled():
+        from glm5_core.backends.rocm.aiter_ops import aiter_kernels
+
+        table.update(aiter_kernels(ROCM_CONFIGS))
+    return table
+
+
+MISSING = {
+    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
+}
 
 
 BACKEND = Backend(
@@ -34,6 +55,7 @@ BACKEND = Backend(
     dist_backend="nccl",
     probe=probe,
     kernel_table=kernel_table,
+    missing=MISSING,
     runtime_device=runtime_device,
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
 )
