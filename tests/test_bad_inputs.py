@@ -1,0 +1,133 @@
+"""Malformed inputs to every public op raise ValueError / TypeError naming the argument (property tests)."""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from glm5_core import testing
+from glm5_core.ops import dsa, mla, moe, muon
+
+MLA_SHAPE = testing.MLAShape(B=2, T=3, S=5, H=2, Dn=4, Dr=2, Dv=3, C=6)
+IDX_SHAPE = testing.IndexerShape(B=2, T=3, S=5, H=2, D=4, K=3)
+MOE_SHAPE = testing.MoEShape(N=5, E=8, K=2, G=2, TG=1, D=4, F=3)
+
+
+def _mla_call(entry):
+    def call(**a):
+        return entry(a["q_nope"], a["q_pe"], a["c_kv"], a["k_pe"], a["w_uk"], a["w_uv"], scale=a["scale"],
+                     start_pos=a["start_pos"])
+    return call
+
+
+def _sparse_call(entry):
+    def call(**a):
+        return entry(a["q_nope"], a["q_pe"], a["c_kv"], a["k_pe"], a["w_uk"], a["w_uv"], a["topk_idx"],
+                     scale=a["scale"])
+    return call
+
+
+def valid_args(op):
+    if op in ("mla.prefill", "mla.decode"):
+        return {**testing.make_mla_inputs(MLA_SHAPE), "scale": 0.5, "start_pos": 2}
+    if op in ("dsa.sparse_prefill", "dsa.sparse_decode"):
+        return {**testing.make_sparse_inputs(MLA_SHAPE, 3), "scale": 0.5}
+    if op in ("dsa.indexer_topk", "dsa.indexer_scores"):
+        return {**testing.make_indexer_inputs(IDX_SHAPE), "topk": 3, "start_pos": 2}
+    if op == "moe.route":
+        return {**testing.make_route_inputs(MOE_SHAPE), "top_k": 2, "n_group": 2, "topk_group": 1,
+                "routed_scaling_factor": 2.5}
+    if op == "moe.dispatch":
+        return {"x": testing.make_expert_inputs(MOE_SHAPE)["x"],
+                "expert_ids": torch.randint(0, 8, (5, 2), dtype=torch.int32), "num_experts": 8}
+    if op == "moe.grouped_swiglu":
+        x = testing.make_expert_inputs(MOE_SHAPE)
+        return {"x_sorted": x["x"], "counts": torch.tensor([2, 3, 0, 0, 0, 0, 0, 0]), "w_gate": x["w_gate"],
+                "w_up": x["w_up"], "w_down": x["w_down"]}
+    if op == "muon.orthogonalize":
+        return {"G": torch.randn(4, 6), "steps": 5}
+    raise AssertionError(op)
+
+
+CALLS = {
+    "mla.prefill": _mla_call(mla.prefill),
+    "mla.decode": _mla_call(mla.decode),
+    "dsa.sparse_prefill": _sparse_call(dsa.sparse_prefill),
+    "dsa.sparse_decode": _sparse_call(dsa.sparse_decode),
+    "dsa.indexer_topk": lambda **a: dsa.indexer_topk(a["q"], a["k"], a["w"], a["topk"], start_pos=a["start_pos"]),
+    "dsa.indexer_scores": lambda **a: dsa.indexer_scores(a["q"], a["k"], a["w"], start_pos=a["start_pos"]),
+    "moe.route": lambda **a: moe.route(a["logits"], a["bias"], top_k=a["top_k"], n_group=a["n_group"],
+                                       topk_group=a["topk_group"], routed_scaling_factor=a["routed_scaling_factor"]),
+    "moe.dispatch": lambda **a: moe.dispatch(a["x"], a["expert_ids"], num_experts=a["num_experts"]),
+    "moe.grouped_swiglu": lambda **a: moe.grouped_swiglu(a["x_sorted"], a["counts"], a["w_gate"], a["w_up"],
+                                                         a["w_down"]),
+    "muon.orthogonalize": lambda **a: muon.orthogonalize(a["G"], steps=a["steps"]),
+}
+
+# (argument, dim) whose size no other argument constrains: growing them is valid input.
+FREE_DIMS = {("k", 1), ("w_uv", 1), ("topk_idx", 2), ("expert_ids", 1), ("x", 1), ("logits", 0)}
+
+CORRUPTIONS = ("drop_dim", "add_dim", "resize_dim", "int_dtype", "not_a_tensor", "meta_device", "nan")
+
+
+def corrupt(value: torch.Tensor, how: str, dim_choice: int):
+    if how == "not_a_tensor":
+        return value.tolist()
+    if how == "drop_dim":
+        return value[0] if value.dim() > 0 else value.view(1)
+    if how == "add_dim":
+        return value.unsqueeze(0)
+    if how == "resize_dim":
+        d = dim_choice % value.dim()
+        return torch.cat([value, value.narrow(d, 0, 1)], dim=d)
+    if how == "int_dtype":
+        return value.to(torch.int16 if value.is_floating_point() else torch.float32)
+    if how == "meta_device":
+        return value.to("meta")
+    if how == "nan":
+        out = value.clone()
+        out.view(-1)[dim_choice % out.numel()] = math.nan
+        return out
+    raise AssertionError(how)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(sorted(CALLS)), how=st.sampled_from(CORRUPTIONS), which=st.integers(0, 50),
+       dim_choice=st.integers(0, 7))
+def test_malformed_tensor_arguments_are_rejected_by_name(op, how, which, dim_choice):
+    args = valid_args(op)
+    tensor_names = [k for k, v in args.items() if isinstance(v, torch.Tensor)]
+    name = tensor_names[which % len(tensor_names)]
+    if how == "nan" and (not args[name].is_floating_point() or op.startswith(("mla.", "dsa.sparse", "moe.disp",
+                                                                                "moe.grouped", "muon."))):
+        return  # NaN is only rejected where it would corrupt a selection (top-k, routing)
+    if op == "muon.orthogonalize" and how in ("resize_dim", "add_dim"):
+        return  # any matrix shape and any batch of matrices is valid
+    if how == "resize_dim" and (name, dim_choice % args[name].dim()) in FREE_DIMS:
+        return
+    if how == "meta_device" and len(tensor_names) == 1:
+        return  # a device mix needs two tensors
+    args[name] = corrupt(args[name], how, dim_choice)
+    with pytest.raises((ValueError, TypeError)) as info:
+        CALLS[op](**args)
+    message = str(info.value)
+    if how in ("not_a_tensor", "int_dtype", "add_dim", "drop_dim", "nan"):
+        assert message.startswith(f"{name}:") or name in message, message
+    else:
+        assert any(n in message for n in args), message
+
+
+@pytest.mark.parametrize("op,field,value", [
+    ("dsa.indexer_topk", "topk", 0), ("dsa.indexer_topk", "topk", 2.5), ("dsa.indexer_topk", "start_pos", -1),
+    ("dsa.indexer_topk", "start_pos", 3), ("mla.prefill", "scale", 0.0), ("mla.prefill", "scale", math.nan),
+    ("mla.decode", "start_pos", torch.tensor([0, 9])), ("moe.route", "top_k", 9), ("moe.route", "n_group", 3),
+    ("moe.route", "topk_group", 3), ("moe.route", "routed_scaling_factor", -1.0), ("moe.dispatch", "num_experts", 0),
+    ("muon.orthogonalize", "steps", 0), ("dsa.sparse_decode", "topk_idx", torch.full((2, 3, 3), 7)),
+    ("moe.dispatch", "expert_ids", torch.full((5, 2), 8)), ("moe.grouped_swiglu", "counts", torch.ones(8, dtype=torch.int64)),
+])
+def test_bad_scalar_arguments_are_rejected_by_name(op, field, value):
+    args = valid_args(op)
+    args[field] = value
+    with pytest.raises((ValueError, TypeError), match=field):
+        CALLS[op](**args)
