@@ -34,6 +34,7 @@ VENDOR_INDEX_HEAD_DIM = 128
 CAUSAL_BOTTOM_RIGHT = 3
 ALL_KEYS = 0
 RESCORE_QUERY_CHUNK = 64  # bounds the gathered [B, chunk, R, D] keys of the re-scoring
+GEMM_ROW_BLOCK = 16
 
 
 def prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
@@ -118,18 +119,28 @@ def candidates_from_vendor(raw: torch.Tensor, call: IndexerCall) -> torch.Tensor
 
 def rescore(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """Indexer scores of the candidate keys only, fp32 [B, T, R] (-inf at -1 entries): the vendor returns the
-    selected positions but not their order among equal scores, so the order is restored from these."""
+    selected positions but not their order among equal scores, so the order is restored from these.
+
+    Equal keys must get bit-equal scores wherever they sit in the list, so each query's candidates are the
+    *rows* of one GEMM (row count padded to a block multiple, the reference's trick against tail paths) and
+    its heads the columns; the head sum then runs in head order, as in the reference."""
     B, T, H, D = q.shape
+    R = cand.shape[-1]
+    padded = -(-R // GEMM_ROW_BLOCK) * GEMM_ROW_BLOCK
     batch = torch.arange(B, device=q.device).view(B, 1, 1)  # [B, 1, 1]
     out = []
     for t0 in range(0, T, RESCORE_QUERY_CHUNK):
         c = cand[:, t0:t0 + RESCORE_QUERY_CHUNK]  # [B, t, R]
-        keys = k[batch, c.clamp(min=0)].float()  # [B, t, R, D]
-        dots = torch.einsum("bthd,btrd->bthr", q[:, t0:t0 + RESCORE_QUERY_CHUNK].float(), keys)  # [B, t, H, R]
-        wt = w[:, t0:t0 + RESCORE_QUERY_CHUNK].float()  # [B, t, H]
-        scores = wt[:, :, 0, None] * torch.relu(dots[:, :, 0])  # [B, t, R]
+        t = c.shape[1]
+        keys = k[batch, c.clamp(min=0)].float().reshape(B * t, R, D)  # [B*t, R, D]
+        if padded != R:
+            keys = torch.cat([keys, keys.new_zeros(B * t, padded - R, D)], dim=1)  # [B*t, padded, D]
+        queries = q[:, t0:t0 + t].float().reshape(B * t, H, D).transpose(1, 2)  # [B*t, D, H]
+        dots = torch.bmm(keys, queries)[:, :R].reshape(B, t, R, H)  # [B, t, R, H]
+        wt = w[:, t0:t0 + t].float()  # [B, t, H]
+        scores = wt[:, :, None, 0] * torch.relu(dots[..., 0])  # [B, t, R]
         for h in range(1, H):  # head order, as the reference
-            scores = scores + wt[:, :, h, None] * torch.relu(dots[:, :, h])
+            scores = scores + wt[:, :, None, h] * torch.relu(dots[..., h])
         out.append(scores.masked_fill(c < 0, float("-inf")))
     return torch.cat(out, dim=1)
 
