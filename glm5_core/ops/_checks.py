@@ -2,6 +2,7 @@
 names the argument, what was expected and what came."""
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -81,8 +82,19 @@ def positive_float(name: str, value, *, allow_zero: bool = False) -> float:
     return value
 
 
+def value_checks_enabled() -> bool:
+    """Checks that read tensor values (NaN, index ranges) cost a device sync each. They are on by default,
+    off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators) and while torch.compile traces."""
+    if os.environ.get("GLM5_CHECK_VALUES", "1") == "0":
+        return False
+    compiler = getattr(torch, "compiler", None)
+    return not (compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+
+
 def finite(name: str, value: torch.Tensor) -> None:
     """Reject NaN / inf where they would silently corrupt a selection."""
+    if not value_checks_enabled():
+        return
     if not bool(torch.isfinite(value).all()):
         raise ValueError(f"{name}: expected finite values, got NaN or inf")
 
@@ -98,6 +110,8 @@ def start_positions(start_pos, batch: int, num_queries: int, num_keys: int, devi
         tensor(name, start_pos, dims=(batch,), dtypes=INDEX_DTYPES, legend="[B] int")
         if start_pos.device != device:
             raise ValueError(f"{name}: expected device {device}, got {start_pos.device}")
+        if not value_checks_enabled():
+            return start_pos
         lo, hi = int(start_pos.min()), int(start_pos.max())
     elif isinstance(start_pos, bool) or not isinstance(start_pos, int):
         raise TypeError(f"{name}: expected an int or an int tensor [B], got {type(start_pos).__name__}")
@@ -109,6 +123,15 @@ def start_positions(start_pos, batch: int, num_queries: int, num_keys: int, devi
             f"got {name} in [{lo}, {hi}]"
         )
     return start_pos
+
+
+def index_range(name: str, value: torch.Tensor, low: int, high: int) -> None:
+    """Every entry of an index tensor in [low, high] (skipped when value checks are off)."""
+    if not value_checks_enabled() or not value.numel():
+        return
+    lo, hi = int(value.min()), int(value.max())
+    if lo < low or hi > high:
+        raise ValueError(f"{name}: expected entries in [{low}, {high}], got range [{lo}, {hi}]")
 
 
 def query_positions(start_pos: Union[int, torch.Tensor], batch: int, num_queries: int,

@@ -149,9 +149,7 @@ def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> N
     _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
     _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv, topk_idx=topk_idx)
     _checks.positive_float("scale", scale)
-    if topk_idx.numel() and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= sizes["S"]):
-        raise ValueError(f"topk_idx: expected entries in [-1, S-1] with S={sizes['S']}, "
-                         f"got range [{int(topk_idx.min())}, {int(topk_idx.max())}]")
+    _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
 
 
 def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,
