@@ -12,28 +12,42 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from glm5_core.optim.muon import Muon
+from glm5_core.ops import muon as muon_ops
+from glm5_core.optim.muon import SCALE_MODES, Muon
 from glm5_core.optim.param_groups import Assignment, assign_parameters
+
+
+def _field(default, **metadata):
+    """A field with the validation metadata the YAML loader reads (``range``, ``open``, ``choices``)."""
+    if isinstance(default, (list, dict, tuple)) or dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=lambda: default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
 class MuonConfig:
-    momentum: float = 0.95
+    momentum: float = _field(0.95, range=(0.0, 1.0), open=("hi",))
     nesterov: bool = True
-    ns_steps: int = 5
-    coefficients: str = "polar_express"  # or "jordan"
-    scale_mode: str = "match_rms_adamw"  # or "original"
+    ns_steps: int = _field(5, range=(1, 100))
+    coefficients: str = _field("polar_express", choices=tuple(muon_ops.COEFFICIENTS))
+    scale_mode: str = _field("match_rms_adamw", choices=SCALE_MODES)
     split_heads: bool = True  # Muon Split of q_b_proj / kv_b_proj / o_proj
-    lr_ratio: float = 1.0  # Muon lr = lr_ratio * the schedule's lr (1.0 with match_rms_adamw)
+    lr_ratio: float = _field(1.0, range=(0.0, None), open=("lo",))  # Muon lr = lr_ratio * the schedule's lr
 
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    weight_decay: float = 0.1
-    betas: Tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    weight_decay: float = _field(0.1, range=(0.0, None))
+    betas: Tuple[float, float] = _field((0.9, 0.95))
+    eps: float = _field(1e-8, range=(0.0, None), open=("lo",))
+    grad_clip: float = _field(1.0, range=(0.0, None))  # max global grad norm; 0 disables clipping
     muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
+
+    def check(self) -> List[str]:
+        """Problems the per-field ranges cannot express, one line each."""
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            return [f"optimizer.betas: expected two values in [0, 1), got {list(self.betas)}"]
+        return []
 
 
 class HybridOptimizer:

@@ -1,0 +1,193 @@
+"""Training checkpoints: safetensors + JSON only (never pickle), written atomically.
+
+Layout of ``<output_dir>/checkpoints/step_00000042/``:
+  model.safetensors       the model's state_dict (parameters and buffers, e.g. the router biases)
+  optimizer.safetensors   every optimizer state tensor as ``<part>/<param index>/<key>``; the param groups'
+                          hyper-parameters as JSON in the file's metadata
+  rng.safetensors         torch CPU (and accelerator) RNG states as uint8 tensors
+  trainer_state.json      step, data position, Python RNG state, world size, format version
+A checkpoint is written into a temporary folder, every file fsynced, then renamed into place; ``latest``
+(a one-line file naming the newest checkpoint) is replaced atomically afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_model, save_file, save_model
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------- optimizer state
+
+
+def _flatten_optimizer(state: Dict[str, dict]):
+    tensors: Dict[str, torch.Tensor] = {}
+    groups: Dict[str, Any] = {}
+    for part, sd in state.items():
+        groups[part] = sd["param_groups"]
+        for pid, entries in sd["state"].items():
+            for key, value in entries.items():
+                if not isinstance(value, torch.Tensor):
+                    value = torch.tensor(value)
+                tensors[f"{part}/{pid}/{key}"] = value.detach().contiguous().cpu()
+    return tensors, {"param_groups": json.dumps(groups)}
+
+
+def _unflatten_optimizer(path: Path, expected: Dict[str, dict]) -> Dict[str, dict]:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        try:
+            groups = json.loads(meta["param_groups"])
+        except (KeyError, json.JSONDecodeError):
+            raise ValueError(f"checkpoint: {path} lacks valid param_groups metadata") from None
+        out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
+        for name in f.keys():
+            part, pid, key = (name.split("/") + ["", ""])[:3]
+            if part not in out or not pid.isdigit() or not key:
+                raise ValueError(f"checkpoint: unexpected optimizer tensor {name!r} in {path}")
+            out[part]["state"].setdefault(int(pid), {})[key] = f.get_tensor(name)
+    for part, sd in out.items():
+        want = [len(g["params"]) for g in expected[part]["param_groups"]]
+        got = sd["param_groups"]
+        if not isinstance(got, list) or [len(g.get("params", ())) for g in got] != want:
+            raise ValueError(f"checkpoint: optimizer part {part!r} has param groups of sizes "
+                             f"{[len(g.get('params', ())) for g in got] if isinstance(got, list) else got}, "
+                             f"this model needs {want} (was the model or optimizer config changed?)")
+        n_params = sum(want)
+        bad = [pid for pid in sd["state"] if pid >= n_params]
+        if bad:
+            raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {bad[0]}, "
+                             f"this model has {n_params}")
+    return out
+
+
+# ---------------------------------------------------------------------------------- RNG
+
+
+def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    module = getattr(torch, device_type, None) if device_type != "cpu" else None
+    if module is not None and hasattr(module, "get_rng_state_all"):
+        for i, state in enumerate(module.get_rng_state_all()):
+            out[f"{device_type}_{i}"] = state
+    return out
+
+
+def _restore_rng(path: Path, device_type: str) -> None:
+    with safe_open(str(path), framework="pt") as f:
+        states = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        torch.set_rng_state(states["torch_cpu"])
+        module = getattr(torch, device_type, None) if device_type != "cpu" else None
+        device_states = [states[k] for k in sorted(states) if k.startswith(f"{device_type}_")]
+        if module is not None and device_states and hasattr(module, "set_rng_state_all"):
+            module.set_rng_state_all(device_states)
+    except (KeyError, RuntimeError) as exc:
+        raise ValueError(f"checkpoint: {path} does not hold valid RNG states ({exc})") from None
+
+
+# ---------------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer, data_state: dict,
+                    world_size: int, device_type: str, keep_last: int) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep_last``. Returns its folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    tensors, meta = _flatten_optimizer(optimizer.state_dict())
+    save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=meta)
+    save_file(_rng_tensors(device_type), str(tmp / "rng.safetensors"))
+    _write_json(tmp / "trainer_state.json", {
+        "format_version": FORMAT_VERSION, "step": step, "data": data_state, "world_size": world_size,
+        "python_rng": random.getstate(),
+    })
+    for f in tmp.iterdir():
+        _fsync(f)
+    _fsync(tmp)
+    if final.exists():  # a rerun of the same step replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    latest_tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    latest_tmp.write_text(final.name + "\n", encoding="utf-8")
+    _fsync(latest_tmp)
+    os.replace(latest_tmp, root / LATEST)
+    _fsync(root)
+    for old in sorted(root.glob("step_*"))[:-keep_last]:
+        shutil.rmtree(old)
+    return final
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint folder, or a checkpoints root (its ``latest``), or a run's output dir."""
+    for candidate in (path, path / "checkpoints"):
+        if (candidate / "trainer_state.json").is_file():
+            return candidate
+        if (candidate / LATEST).is_file():
+            name = (candidate / LATEST).read_text(encoding="utf-8").strip()
+            if not name.startswith("step_") or "/" in name or not (candidate / name).is_dir():
+                raise ValueError(f"--resume: {candidate / LATEST} names {name!r}, which is not a checkpoint here")
+            return candidate / name
+    raise FileNotFoundError(f"--resume: no checkpoint at {str(path)!r} (expected trainer_state.json or a 'latest' file)")
+
+
+def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
+                    device_type: str) -> Dict[str, Any]:
+    """Restore model, optimizer and RNG from checkpoint folder ``path``; return the trainer state
+    (``step``, ``data``). Everything read is validated before use."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint: cannot read {path / 'trainer_state.json'} ({exc})") from None
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint: {path} has format_version {state.get('format_version') if isinstance(state, dict) else '?'}, "
+                         f"expected {FORMAT_VERSION}")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:
+        raise ValueError(f"checkpoint: step expected an int in [0, {total_steps}], got {step!r}")
+    if state.get("world_size") != world_size:
+        raise ValueError(f"checkpoint: written by {state.get('world_size')} processes, resumed with {world_size}; "
+                         "the data order would differ, so resume with the same world size")
+    if not isinstance(state.get("data"), dict):
+        raise ValueError(f"checkpoint: {path} lacks the data position")
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
+    if missing or unexpected:
+        raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")
+    optimizer.load_state_dict(_unflatten_optimizer(path / "optimizer.safetensors", optimizer.state_dict()))
+    _restore_rng(path / "rng.safetensors", device_type)
+    rng = state.get("python_rng")
+    try:
+        random.setstate((rng[0], tuple(rng[1]), rng[2]))
+    except (TypeError, ValueError, IndexError):
+        raise ValueError(f"checkpoint: {path} holds an invalid Python RNG state") from None
+    return {"step": step, "data": state["data"]}
+

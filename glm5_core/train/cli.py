@@ -1,0 +1,41 @@
+"""``glm5 pretrain``: train a GLM-5-style model from a YAML config.
+
+    glm5 pretrain --config configs/tiny.yaml [--backend cpu] [--output-dir runs/x] [--resume [PATH]] [--max-steps N]
+    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml     # DDP, one process per device
+"""
+from __future__ import annotations
+
+import argparse
+
+from glm5_core.cli import add_backend_argument
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML run config (see configs/tiny.yaml)")
+    add_backend_argument(parser)
+    parser.add_argument("--output-dir", default=None, help="where metrics, plots and checkpoints go "
+                        "(default: the config's output_dir)")
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
+                        help="continue from a checkpoint folder, a checkpoints root or a run folder "
+                             "(no PATH: the output dir's latest checkpoint)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many steps of the schedule (a checkpoint is written there)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5_core.train.config import load_config
+    from glm5_core.train.trainer import RunOptions, pretrain
+
+    cfg = load_config(args.config)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps: expected an int >= 1, got {args.max_steps}")
+    output_dir = args.output_dir or cfg.output_dir
+    resume = None if args.resume is None else (args.resume or output_dir)
+    summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
+                                       max_steps=args.max_steps))
+    if "first_lm_loss" in summary:
+        print(f"stages: {', '.join(summary['stages'])}; LM loss {summary['first_lm_loss']:.3f} (step 1) -> "
+              f"{summary['last_lm_loss']:.3f} (mean of the last 10 steps); "
+              f"{summary['median_tokens_per_s']:.0f} tokens/s median on {summary['backend']} "
+              f"x {summary['world_size']}; {summary['wall_s']:.0f} s; results in {output_dir}")
+    return 0

@@ -1,0 +1,177 @@
+"""The pretraining run config: YAML -> typed dataclasses, every problem reported on its own line.
+
+Sections: ``model`` (a preset plus GLM5Config overrides), ``data``, ``optimizer``, ``schedule``, ``stages``,
+``loss``, ``router``, ``checkpoint``, ``logging``; top level ``seed`` and ``output_dir``.
+Stage kinds follow the DSA recipe (FACTS.md): ``dense`` (dense attention, LM + MTP loss, indexer idle),
+``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
+``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from glm5_core.optim import OptimizerConfig
+from glm5_core.train.schema import ConfigError, build, field, non_negative, positive, unknown_key
+
+STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
+MODEL_PRESETS = ("tiny",)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = field("stdlib", choices=("stdlib", "path"))
+    path: Optional[str] = None  # with source "path": a .txt/.jsonl file or a folder of text files
+    text_key: str = "text"  # jsonl: the field holding the document text
+    extensions: List[str] = field(factory=lambda: [".txt", ".md", ".py", ".jsonl"])  # folder: files to read
+    tokenizer: str = "byte"  # "byte" or the path of an HF tokenizer.json
+    eos_token: Optional[str] = None  # HF tokenizer: the token appended after each document
+    seq_len: int = field(128, **positive())
+    batch_size: int = field(8, **positive())  # sequences per step, over all ranks
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """Learning rate of the main model over the steps of the dense and sparse stages (counted together)."""
+
+    lr: float = field(3e-3, **positive())
+    warmup_steps: int = field(10, **non_negative())
+    decay: str = field("cosine", choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = field(0.1, range=(0.0, 1.0))
+
+
+@dataclasses.dataclass
+class StageConfig:
+    kind: str = field("dense", choices=STAGE_KINDS)
+    steps: int = field(1, **positive())
+    name: Optional[str] = None  # shown in logs; defaults to kind
+    # indexer learning rate, cosine from indexer_lr to indexer_final_lr over the stage (indexer_warmup, sparse);
+    # unset in a sparse stage: the indexer follows the main schedule
+    indexer_lr: Optional[float] = field(None, **positive())
+    indexer_final_lr: Optional[float] = field(None, **positive())
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+
+@dataclasses.dataclass
+class LossConfig:
+    mtp_depths: int = field(1, **non_negative())  # recursive MTP depths in training (GLM-5: 3)
+    mtp_weight: float = field(0.3, **non_negative())
+    indexer_kl_weight: float = field(1.0, **positive())
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    bias_update_rate: float = field(1e-3, **non_negative())  # gamma of the aux-loss-free bias update
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_steps: int = field(0, **non_negative())  # 0: only at the end (and at --max-steps)
+    keep_last: int = field(2, **positive())
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    progress_bar: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    recall_every_steps: int = field(10, **positive())  # dense stage: measure top-k recall every N steps
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    seed: int = field(0, **non_negative())
+    output_dir: str = "runs/pretrain"
+    model: Dict[str, Any] = field(factory=lambda: {"preset": "tiny"})
+    data: DataConfig = field(factory=DataConfig)
+    optimizer: OptimizerConfig = field(factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(factory=ScheduleConfig)
+    stages: List[StageConfig] = field(factory=lambda: [StageConfig()])
+    loss: LossConfig = field(factory=LossConfig)
+    router: RouterConfig = field(factory=RouterConfig)
+    checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
+    logging: LoggingConfig = field(factory=LoggingConfig)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(s.steps for s in self.stages)
+
+    def model_config(self):
+        """The GLM5Config this run trains (preset + overrides), already validated by :func:`parse_config`."""
+        from glm5_core.model import GLM5Config
+
+        overrides = {k: v for k, v in self.model.items() if k != "preset"}
+        return getattr(GLM5Config, self.model.get("preset", "tiny"))(**overrides)
+
+
+def _model_problems(model: Dict[str, Any]) -> List[str]:
+    from glm5_core.model import GLM5Config
+
+    known = set(GLM5Config.field_names()) - {"extra"} | {"preset"}
+    problems = [unknown_key("model.", str(k), known) for k in model if k not in known]
+    preset = model.get("preset", "tiny")
+    if preset not in MODEL_PRESETS:
+        problems.append(f"model.preset: expected one of {', '.join(MODEL_PRESETS)}, got {preset!r}")
+    if problems:
+        return problems
+    overrides = {k: v for k, v in model.items() if k != "preset"}
+    try:
+        getattr(GLM5Config, preset)(**overrides)
+    except (TypeError, ValueError) as exc:
+        return [f"model.{exc}"]
+    return []
+
+
+def _cross_problems(cfg: TrainConfig) -> List[str]:
+    problems = cfg.optimizer.check()
+    if not cfg.stages:
+        problems.append("stages: expected at least one stage, got an empty list")
+    for i, stage in enumerate(cfg.stages):
+        if stage.kind == "dense" and (stage.indexer_lr is not None or stage.indexer_final_lr is not None):
+            problems.append(f"stages[{i}].indexer_lr: a dense stage does not train the indexer; remove it")
+        if (stage.indexer_lr is None) != (stage.indexer_final_lr is None):
+            problems.append(f"stages[{i}]: expected both indexer_lr and indexer_final_lr, or neither")
+        if stage.kind == "indexer_warmup" and stage.indexer_lr is None:
+            problems.append(f"stages[{i}].indexer_lr: an indexer_warmup stage needs indexer_lr and "
+                            "indexer_final_lr (GLM-5: 5e-3 -> 2e-4)")
+    if cfg.data.source == "path" and not cfg.data.path:
+        problems.append("data.path: expected a file or folder when data.source is 'path'")
+    if cfg.data.source == "stdlib" and cfg.data.path:
+        problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
+    if not cfg.model.get("preset", "tiny") in MODEL_PRESETS:
+        return problems
+    if cfg.loss.mtp_depths > 0 and cfg.model.get("num_nextn_predict_layers", 1) == 0:
+        problems.append("loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0")
+    return problems
+
+
+def parse_config(raw: Any, source: str = "config") -> TrainConfig:
+    """Validate parsed YAML; raise :class:`ConfigError` listing every problem, one per line."""
+    if not isinstance(raw, dict):
+        raise ConfigError([f"expected a mapping of sections at the top level, got {type(raw).__name__}"], source)
+    problems: List[str] = []
+    cfg = build(TrainConfig, raw, "", problems)
+    if not problems:
+        problems += _model_problems(cfg.model)
+    if not problems:
+        problems += _cross_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def load_config(path) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"not valid YAML: {str(exc).splitlines()[0]}"], str(path)) from None
+    return parse_config(raw, str(path))

@@ -1,0 +1,107 @@
+"""Process group setup for ``torchrun`` (one process per device) and the few collectives the driver needs.
+
+The distributed backend comes from the kernel backend's declaration (gloo on cpu, nccl on cuda/rocm,
+hccl on ascend). Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything is a no-op.
+Gradients are averaged by DistributedDataParallel; expert counts are summed so every rank applies the
+same aux-loss-free bias update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name}: expected a non-negative integer in the environment, got {raw!r}")
+    return int(raw)
+
+
+def init_distributed(backend) -> DistContext:
+    """Join the torchrun process group for kernel backend ``backend`` (a registry.Backend)."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    device_type = backend.device()
+    device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, local)
+    if device_type != "cpu":
+        getattr(torch, device_type).set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
+    return DistContext(rank=rank, world_size=world, local_rank=local, device=device)
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    if ctx.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def mean_across_ranks(values: List[float], ctx: DistContext) -> List[float]:
+    """Average a few Python floats over the ranks (NaN-free inputs)."""
+    if not ctx.enabled:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return (t / ctx.world_size).tolist()
+
+
+def parameter_digest(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter and buffer, in name order: equal digests mean bitwise-equal models."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def gather_strings(value: str, ctx: DistContext) -> List[str]:
+    if not ctx.enabled:
+        return [value]
+    out: List[str] = [""] * ctx.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+    """DDP over the parameters that currently require grad (re-wrap after changing which do)."""
+    if not ctx.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = None if ctx.device.type == "cpu" else [ctx.device.index]
+    # Some parameters idle in some forwards (the MTP layer without MTP, the indexer outside its stages).
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)

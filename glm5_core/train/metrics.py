@@ -1,0 +1,102 @@
+"""Run metrics: one JSON object per step in ``metrics.jsonl``, the same scalars in TensorBoard, and a PNG
+of the loss curve at the end (stages shaded). Only rank 0 writes.
+
+A resumed run appends to ``metrics.jsonl`` after dropping records at or past the resume step, so the
+file always holds one record per step of the run's history.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def load_balance(expert_counts: torch.Tensor) -> Optional[float]:
+    """Max over mean tokens per expert, averaged over MoE layers (1.0 = perfectly balanced)."""
+    if expert_counts.numel() == 0:
+        return None
+    counts = expert_counts.to(torch.float64)  # [layers, E]
+    mean = counts.mean(dim=-1).clamp_min(1e-12)
+    return float((counts.max(dim=-1).values / mean).mean())
+
+
+def read_records(path: Path) -> List[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool, resume_step: int = 0):
+        self.enabled = enabled
+        self.path = output_dir / METRICS_FILE
+        self.output_dir = output_dir
+        self._tb = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_records(self.path) if r.get("step", 0) <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is an optional extra
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def log(self, record: Dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
+    """Loss per step, one colour band per stage. Returns the PNG path, or None without matplotlib/records."""
+    records = read_records(metrics_path)
+    if not records:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = [r["step"] for r in records]
+    for key, label in (("lm_loss", "LM loss"), ("mtp_loss", "MTP loss"), ("indexer_kl", "indexer KL")):
+        pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), label=label, linewidth=1)
+    start = 0
+    for i, r in enumerate(records + [None]):
+        if r is None or r["stage"] != records[start]["stage"]:
+            ax.axvspan(steps[start], steps[i - 1], alpha=0.08, color=f"C{(start % 7) + 3}")
+            ax.text(steps[start], ax.get_ylim()[1], records[start]["stage"], va="top", fontsize=8)
+            start = i
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

@@ -1,0 +1,215 @@
+"""The pretraining loop: stages of the DSA recipe, Muon + AdamW, aux-loss-free balancing, checkpoints, metrics.
+
+Per stage (``StageConfig.kind``):
+  dense           trains everything but the indexer on LM + mtp_weight * MTP loss, dense attention;
+                  every ``recall_every_steps`` the forward also measures the (untrained) indexer's top-k recall
+  indexer_warmup  trains only the indexer on KL(p || softmax(I)) against the dense attention; main model frozen
+  sparse          top-k attention; LM + MTP loss for the model, indexer_kl_weight * KL on the selected keys for
+                  the indexer (the model detaches the indexer's input, so each learns only from its own loss)
+Router biases move by the aux-loss-free rule after every step that trains the main model, from expert counts
+summed over the ranks. Everything that decides a step's numbers (the stage, the learning rates, the batch)
+is a function of the step and the restored state, so a resumed run repeats an uninterrupted one bitwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from glm5_core import registry
+from glm5_core.model import GLM5ForCausalLM
+from glm5_core.optim import build_optimizer
+from glm5_core.train import checkpoint as ckpt
+from glm5_core.train import distributed as dist_utils
+from glm5_core.train.config import StageConfig, TrainConfig
+from glm5_core.train.data import build_packer
+from glm5_core.train.losses import mtp_loss, next_token_loss
+from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot_losses
+from glm5_core.train.schedule import StageSchedule
+
+SUMMARY_FILE = "summary.json"
+
+
+@dataclasses.dataclass
+class RunOptions:
+    backend: str = "auto"
+    output_dir: Optional[str] = None  # overrides cfg.output_dir
+    resume: Optional[str] = None  # a checkpoint folder, a checkpoints root or an output dir
+    max_steps: Optional[int] = None  # stop (and checkpoint) after this many steps of the schedule
+
+
+def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
+    indexer_ids = {id(p) for p in model.indexer_parameters()}
+    for p in model.parameters():
+        is_indexer = id(p) in indexer_ids
+        p.requires_grad_(is_indexer if stage.kind == "indexer_warmup" else
+                         (not is_indexer) if stage.kind == "dense" else True)
+
+
+def _set_learning_rates(optimizer, lrs: Dict[str, float], muon_lr_ratio: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lrs[group["role"]] * (muon_lr_ratio if group["optimizer"] == "muon" else 1.0)
+
+
+def _checkpoint_due(cfg: TrainConfig, done: int, stop: int) -> bool:
+    every = cfg.checkpoint.every_steps
+    return done == stop or (every > 0 and done % every == 0)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, options: RunOptions):
+        self.cfg, self.options = cfg, options
+        self.backend = registry.require_available(registry.resolve_backend_name(options.backend))
+        self.output_dir = Path(options.output_dir or cfg.output_dir)
+        self.dist = dist_utils.init_distributed(self.backend)
+        if cfg.data.batch_size % self.dist.world_size:
+            raise ValueError(f"data.batch_size: expected a multiple of the world size {self.dist.world_size}, "
+                             f"got {cfg.data.batch_size}")
+        self.schedule = StageSchedule(cfg.stages, cfg.schedule)
+        self.packer = build_packer(cfg.data)
+        model_cfg = cfg.model_config()
+        vocab = self.packer.stream.tokenizer.vocab_size
+        if model_cfg.vocab_size < vocab:
+            raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary ({vocab}), got {model_cfg.vocab_size}")
+        if cfg.data.seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(f"data.seq_len: expected <= model.max_position_embeddings={model_cfg.max_position_embeddings}, "
+                             f"got {cfg.data.seq_len}")
+        torch.manual_seed(cfg.seed)
+        self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
+        self.model.reset_parameters(seed=cfg.seed)
+        self.model.to(self.dist.device)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
+                                         lr=cfg.schedule.lr, backend=self.backend.name)
+        self.start_step = 0
+        if options.resume:
+            state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(Path(options.resume)), model=self.model,
+                                         optimizer=self.optimizer, total_steps=self.schedule.total_steps,
+                                         world_size=self.dist.world_size, device_type=self.dist.device.type)
+            self.packer.load_state_dict(state["data"])
+            self.start_step = state["step"]
+        self.stop_step = self.schedule.total_steps if options.max_steps is None else \
+            min(self.schedule.total_steps, options.max_steps)
+
+    # ------------------------------------------------------------------------------------ one step
+    def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
+        if stage.kind == "indexer_warmup":
+            return dict(attention="dense", indexer_loss=True, mtp_depths=0)
+        measure = stage.kind == "sparse" or step % self.cfg.logging.recall_every_steps == 0
+        return dict(attention=stage.kind, indexer_loss=measure, mtp_depths=self.cfg.loss.mtp_depths)
+
+    def _step(self, wrapped: torch.nn.Module, stage: StageConfig, step: int) -> dict:
+        cfg, d = self.cfg, self.dist
+        rows = self.packer.next_batch()[d.rank::d.world_size].to(d.device)  # [B / world, T + 1]
+        out = wrapped(rows[:, :-1], **self._forward_kwargs(stage, step))
+        lm = mtp = None
+        if stage.kind == "indexer_warmup":
+            loss = cfg.loss.indexer_kl_weight * out.indexer_kl
+        else:
+            lm = next_token_loss(out.logits, rows[:, 1:])
+            mtp = mtp_loss(out.mtp_logits, rows)
+            loss = lm if mtp is None else lm + cfg.loss.mtp_weight * mtp
+            if stage.kind == "sparse":
+                loss = loss + cfg.loss.indexer_kl_weight * out.indexer_kl
+        loss.backward()
+        trainable = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = None
+        if cfg.optimizer.grad_clip > 0 and trainable:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        counts = dist_utils.all_reduce_sum(out.expert_counts.clone(), d)  # [moe layers, E]
+        if stage.kind != "indexer_warmup" and cfg.router.bias_update_rate > 0 and counts.numel():
+            self.model.update_router_biases(counts, cfg.router.bias_update_rate)
+        values = {"loss": loss, "lm_loss": lm, "mtp_loss": mtp, "indexer_kl": out.indexer_kl,
+                  "topk_recall": out.topk_recall}
+        present = {k: float(v.detach()) for k, v in values.items() if v is not None}
+        averaged = dict(zip(present, dist_utils.mean_across_ranks(list(present.values()), d)))
+        averaged["grad_norm"] = grad_norm
+        averaged["expert_load_max_over_mean"] = load_balance(counts)
+        return averaged
+
+    # ------------------------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        cfg, d = self.cfg, self.dist
+        logger = MetricsLogger(self.output_dir, enabled=d.is_main, tensorboard=cfg.logging.tensorboard,
+                               resume_step=self.start_step)
+        if d.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        bar = _progress(cfg, d, self.start_step, self.stop_step)
+        tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        wrapped, current_stage, rates = self.model, None, []
+        started = time.perf_counter()
+        self.model.train()
+        for step in range(self.start_step, self.stop_step):
+            point = self.schedule.point(step)
+            if point.index != current_stage:
+                current_stage = point.index
+                _set_trainable(self.model, point.stage)
+                wrapped = dist_utils.wrap_ddp(self.model, d)
+            lrs = self.schedule.lrs(step)
+            _set_learning_rates(self.optimizer, lrs, cfg.optimizer.muon.lr_ratio)
+            t0 = time.perf_counter()
+            values = self._step(wrapped, point.stage, step)
+            elapsed = time.perf_counter() - t0
+            rates.append(tokens_per_step / elapsed)
+            record = {"step": step + 1, "stage": point.stage.label, **values,
+                      "lr": lrs["main"], "indexer_lr": lrs["indexer"], "tokens_per_s": rates[-1],
+                      "tokens": (step + 1) * tokens_per_step}
+            logger.log(record)
+            if bar is not None:
+                bar.set_postfix(stage=point.stage.label, loss=f"{values['loss']:.3f}")
+                bar.update(1)
+            if _checkpoint_due(cfg, step + 1, self.stop_step):
+                self._save(step + 1)
+        if bar is not None:
+            bar.close()
+        logger.close()
+        return self._finish(time.perf_counter() - started, rates)
+
+    def _save(self, done: int) -> None:
+        if self.dist.is_main:
+            ckpt.save_checkpoint(self.output_dir / "checkpoints", step=done, model=self.model,
+                                 optimizer=self.optimizer, data_state=self.packer.state_dict(),
+                                 world_size=self.dist.world_size, device_type=self.dist.device.type,
+                                 keep_last=self.cfg.checkpoint.keep_last)
+        dist_utils.barrier(self.dist)
+
+    def _finish(self, wall_s: float, rates: List[float]) -> dict:
+        digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
+        summary = {"backend": self.backend.name, "world_size": self.dist.world_size,
+                   "steps": [self.start_step, self.stop_step], "wall_s": wall_s,
+                   "median_tokens_per_s": statistics.median(rates) if rates else None,
+                   "parameter_digests": digests}
+        if self.dist.is_main:
+            from glm5_core.train.metrics import read_records
+
+            records = read_records(self.output_dir / "metrics.jsonl")
+            lm = [r["lm_loss"] for r in records if r.get("lm_loss") is not None]
+            if lm:
+                summary["first_lm_loss"] = lm[0]
+                summary["last_lm_loss"] = statistics.mean(lm[-10:])
+            summary["stages"] = sorted({r["stage"] for r in records}, key=[r["stage"] for r in records].index)
+            if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
+                plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
+                summary["plot"] = str(plotted) if plotted else None
+            (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        dist_utils.shutdown(self.dist)
+        return summary
+
+
+def _progress(cfg: TrainConfig, d, start: int, stop: int):
+    if not (cfg.logging.progress_bar and d.is_main):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=stop, initial=start, desc="pretrain", unit="step", dynamic_ncols=True)
+
+
+def pretrain(cfg: TrainConfig, options: Optional[RunOptions] = None) -> dict:
+    """Run (or resume) the pretraining described by ``cfg``; returns the run summary."""
+    return Trainer(cfg, options or RunOptions()).run()

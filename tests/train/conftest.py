@@ -1,0 +1,40 @@
+"""A 2-layer model (1 dense + 1 MoE layer, a full and a shared indexer, MTP) on a small text corpus."""
+import copy
+
+import pytest
+
+SMALL_MODEL = dict(
+    preset="tiny", hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=64,
+    moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, q_lora_rank=16,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_n_heads=2, index_head_dim=8,
+    index_topk=6, indexer_types=["full", "shared"], max_position_embeddings=64,
+)
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "import os\nprint(os.getcwd())\n",
+]
+
+
+@pytest.fixture
+def small_raw(tmp_path):
+    """Parsed-YAML dict of a 6-step run: dense 2, indexer_warmup 2, sparse 2."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(CORPUS * 3):
+        (corpus / f"doc{i:02d}.txt").write_text(text)
+    return copy.deepcopy(dict(
+        seed=3,
+        output_dir=str(tmp_path / "run"),
+        model=dict(SMALL_MODEL),
+        data=dict(source="path", path=str(corpus), seq_len=24, batch_size=2),
+        schedule=dict(lr=1e-2, warmup_steps=1),
+        stages=[dict(kind="dense", steps=2),
+                dict(kind="indexer_warmup", steps=2, indexer_lr=5e-3, indexer_final_lr=2e-4),
+                dict(kind="sparse", steps=2)],
+        loss=dict(mtp_depths=2, mtp_weight=0.3),
+        router=dict(bias_update_rate=1e-2),
+        logging=dict(progress_bar=False, tensorboard=False, plot=False, recall_every_steps=1),
+    ))

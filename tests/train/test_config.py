@@ -1,0 +1,78 @@
+"""Bad config values give one clear line each, naming the key path, what was expected and what came."""
+import pytest
+import yaml
+
+from glm5_core.cli import main
+from glm5_core.train import ConfigError, load_config, parse_config
+
+
+def _problems(raw):
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    return info.value.problems
+
+
+def test_the_shipped_configs_parse():
+    cfg = load_config("configs/tiny.yaml")
+    assert [s.kind for s in cfg.stages] == ["dense", "indexer_warmup", "sparse"]
+    assert cfg.model_config().num_attention_heads >= 1
+
+
+@pytest.mark.parametrize("patch,expected", [
+    ({"optimizer": {"lr": 1e-3}}, "optimizer.lr: unknown key"),
+    ({"schedul": {}}, "schedul: unknown key; did you mean 'schedule'?"),
+    ({"data": {"seq_lenn": 12}}, "data.seq_lenn: unknown key; did you mean 'seq_len'?"),
+    ({"data": {"seq_len": 0}}, "data.seq_len: expected a value in (0, inf], got 0"),
+    ({"data": {"batch_size": "eight"}}, "data.batch_size: expected an integer, got 'eight'"),
+    ({"data": {"source": "stdlb"}}, "data.source: expected one of 'stdlib', 'path', got 'stdlb'; did you mean 'stdlib'?"),
+    ({"schedule": {"min_lr_ratio": 1.5}}, "schedule.min_lr_ratio: expected a value in [0, 1], got 1.5"),
+    ({"schedule": {"lr": "fast"}}, "schedule.lr: expected a finite number, got 'fast'"),
+    ({"optimizer": {"muon": {"momentum": 1.0}}}, "optimizer.muon.momentum: expected a value in [0, 1), got 1.0"),
+    ({"optimizer": {"muon": {"scale_mode": "rms"}}}, "optimizer.muon.scale_mode: expected one of"),
+    ({"optimizer": {"muon": {"nesterov": "yes"}}}, "optimizer.muon.nesterov: expected true or false, got 'yes'"),
+    ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected a list of 2 values, got 1"),
+    ({"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas: expected two values in [0, 1), got [0.9, 1.5]"),
+    ({"stages": [{"kind": "dens", "steps": 3}]}, "stages[0].kind: expected one of 'dense', 'indexer_warmup', 'sparse', got 'dens'"),
+    ({"stages": [{"kind": "dense", "steps": -1}]}, "stages[0].steps: expected a value in (0, inf], got -1"),
+    ({"stages": [{"kind": "indexer_warmup", "steps": 2}]}, "stages[0].indexer_lr: an indexer_warmup stage needs"),
+    ({"stages": [{"kind": "dense", "steps": 2, "indexer_lr": 1e-3, "indexer_final_lr": 1e-4}]},
+     "stages[0].indexer_lr: a dense stage does not train the indexer"),
+    ({"stages": []}, "stages: expected at least one stage"),
+    ({"model": {"preset": "tiny", "hiden_size": 64}}, "model.hiden_size: unknown key; did you mean 'hidden_size'?"),
+    ({"model": {"preset": "tiny", "num_attention_heads": 0}}, "model.num_attention_heads: expected an int >= 1, got 0"),
+    ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, got 'huge'"),
+    ({"data": {"source": "path"}}, "data.path: expected a file or folder when data.source is 'path'"),
+    ({"loss": {"mtp_weight": -0.1}}, "loss.mtp_weight: expected a value in [0, inf], got -0.1"),
+])
+def test_each_bad_value_is_one_clear_line(patch, expected):
+    problems = _problems(patch)
+    assert len(problems) == 1, problems
+    assert "\n" not in problems[0]
+    assert problems[0].startswith(expected), problems[0]
+
+
+def test_several_problems_are_all_reported_one_per_line():
+    problems = _problems({"data": {"seq_len": -4, "batch_size": 0, "colour": "red"}})
+    assert len(problems) == 3
+    assert any(p.startswith("data.seq_len:") for p in problems)
+    assert any(p.startswith("data.batch_size:") for p in problems)
+    assert any(p.startswith("data.colour: unknown key") for p in problems)
+
+
+def test_yaml_exponents_without_a_dot_are_numbers():
+    cfg = parse_config(yaml.safe_load("schedule: {lr: 5e-3}"))
+    assert cfg.schedule.lr == 5e-3
+
+
+def test_cli_prints_the_problems_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data: {seq_len: 0}\nschedule: {warmup_step: 3}\n")
+    assert main(["pretrain", "--config", str(path), "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "data.seq_len: expected a value in (0, inf], got 0" in err
+    assert "schedule.warmup_step: unknown key; did you mean 'warmup_steps'?" in err
+
+
+def test_missing_config_file_is_named(tmp_path, capsys):
+    assert main(["pretrain", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "--config: no such file" in capsys.readouterr().err
