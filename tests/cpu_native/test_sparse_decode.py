@@ -1,0 +1,63 @@
+"""Native sparse MLA decode vs the reference (judged against an fp64 reference run), and its determinism."""
+import pytest
+import torch
+
+from glm5_core import testing
+from glm5_core.backends.cpu import dsa as native_dsa
+from glm5_core.ops import dsa
+
+SHAPES = (
+    (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1),
+    (testing.MLAShape(B=2, T=5, S=13, H=3, Dn=12, Dr=6, Dv=10, C=24), 4),
+    (testing.MLAShape(B=2, T=3, S=400, H=5, Dn=16, Dr=8, Dv=12, C=37), 300),  # 3 key chunks, odd C
+)
+NAMES = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
+
+
+def _run(fn, inputs, scale=0.3):
+    return fn(*(inputs[n] for n in NAMES), inputs["topk_idx"], scale=scale)
+
+
+@pytest.mark.parametrize("shape,K", SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64), ids=str)
+def test_matches_reference(native, shape, K, dtype, index_dtype):
+    inputs = testing.make_sparse_inputs(shape, K, dtype=dtype, seed=2)
+    inputs["topk_idx"] = inputs["topk_idx"].to(index_dtype)
+    got = _run(native_dsa.sparse_decode, inputs)
+    same_precision = _run(dsa.sparse_attention_reference, inputs)
+    as64 = {n: (t.to(torch.float64) if t.is_floating_point() else t) for n, t in inputs.items()}
+    exact = _run(dsa.sparse_attention_reference, as64)
+    assert got.dtype == dtype and got.shape == exact.shape
+    verdict = testing.compare_to_fp64(got, same_precision, exact, dtype)
+    assert verdict.passed, verdict.detail
+    assert torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))  # the row with no selected key
+
+
+def test_thread_and_batch_invariance_bitwise(native, threads):
+    shape, K = SHAPES[2]
+    inputs = testing.make_sparse_inputs(shape, K, seed=4)
+    results = []
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        results.append(_run(native_dsa.sparse_decode, inputs))
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+    # The native attention core is batch invariant bitwise (the torch GEMMs around it, absorbing W_UK and
+    # projecting through W_UV, are not promised to be: MKL may pick another kernel for another batch).
+    q_lat = torch.randn(shape.B, shape.T, shape.H, shape.C)
+    core = [inputs["q_pe"], inputs["c_kv"], inputs["k_pe"], inputs["topk_idx"]]
+    whole = torch.ops.glm5_cpu.sparse_decode(q_lat, *core, 0.3)
+    q_pe, c_kv, k_pe, idx = core
+    alone = torch.ops.glm5_cpu.sparse_decode(q_lat[1:2, 2:3], q_pe[1:2, 2:3], c_kv[1:2], k_pe[1:2], idx[1:2, 2:3], 0.3)
+    assert torch.equal(alone[0, 0], whole[1, 2])
+
+
+def test_declines_autograd(native):
+    shape, K = SHAPES[1]
+    inputs = testing.make_sparse_inputs(shape, K, seed=1)
+    inputs["q_nope"].requires_grad_(True)
+    ok, why = native_dsa.sparse_decode.supports(*(inputs[n] for n in NAMES), inputs["topk_idx"], scale=0.3)
+    assert not ok and "backward" in why
+    out = dsa.sparse_decode(*(inputs[n] for n in NAMES), inputs["topk_idx"], scale=0.3, backend="cpu")
+    out.sum().backward()  # fell back to the differentiable reference
+    assert inputs["q_nope"].grad is not None
