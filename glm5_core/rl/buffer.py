@@ -32,6 +32,7 @@ class TrajectoryBuffer:
         self._seen: set = set()
         self.taken_ids: List[str] = []
         self.dropped_stale = 0
+        self.dropped_ids: List[str] = []
         self.dropped_env_failures = 0
         self.staleness_histogram: Dict[int, int] = collections.Counter()
         self._closed = False
@@ -62,11 +63,13 @@ class TrajectoryBuffer:
         for group in self._ready:
             if any(t.env_failed for t in group):
                 self.dropped_env_failures += len(group)
+                self.dropped_ids.extend(t.trajectory_id for t in group)
                 continue
             stale = self.max_staleness is not None and any(
                 policy_version - t.oldest_version > self.max_staleness for t in group)
             if stale:
                 self.dropped_stale += len(group)
+                self.dropped_ids.extend(t.trajectory_id for t in group)
             else:
                 keep.append(group)
         self._ready = keep

@@ -1,0 +1,35 @@
+"""``glm5 rl``: asynchronous (or synchronous) RL from a pretraining checkpoint."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from glm5_core.cli import add_backend_argument
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML run config (e.g. configs/rl_tiny.yaml)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="pretraining checkpoint directory (save_pretrained); default: random init of model.preset")
+    parser.add_argument("--mode", choices=("sync", "async"), default=None, help="override the config's mode")
+    parser.add_argument("--executor", choices=("local", "ray"), default=None,
+                        help="where engine workers run (ray needs the [rl] extra)")
+    parser.add_argument("--output-dir", default=None, help="override the config's output_dir")
+    parser.add_argument("--max-minutes", type=float, default=None, help="override the wall-clock budget")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the number of trainer steps")
+    add_backend_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from glm5_core.registry import require_available, resolve_backend_name
+    from glm5_core.rl.config import load_config
+    from glm5_core.rl.driver import RLRun
+
+    overrides = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", args.output_dir),
+                                   ("max_minutes", args.max_minutes), ("max_steps", args.max_steps)) if v is not None}
+    cfg = load_config(args.config, overrides)
+    backend = resolve_backend_name(args.backend)
+    require_available(backend)
+    summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,61 @@
+"""Minimal HTTP client for :class:`~glm5_core.rl.server.EngineServer` (stdlib only)."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Dict, Optional
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer (connection refused / reset, timeout): the caller may retry elsewhere."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine answered with an error status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class EngineClient:
+    def __init__(self, url: str, timeout: float = 600.0):
+        if not url.startswith("http://127.0.0.1:") and not url.startswith("http://localhost:"):
+            raise ValueError(f"url: expected a local http://127.0.0.1:PORT address, got {url!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def _call(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode("utf-8")
+        request = urllib.request.Request(self.url + route, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", "")
+            except Exception:
+                message = exc.reason
+            raise EngineRequestError(exc.code, message) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            raise EngineUnavailable(f"{self.url}{route}: {exc}") from None
+
+    def generate(self, request: Dict) -> Dict:
+        response = self._call("POST", "/generate", request)
+        if response["meta_info"]["finish_reason"]["type"] == "abort":
+            raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted")
+        return response
+
+    def update_weights_from_disk(self, path: str, version: int) -> Dict:
+        return self._call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+
+    def info(self, timeout: float = 10.0) -> Dict:
+        return self._call("GET", "/get_server_info", timeout=timeout)
+
+    def health(self, timeout: float = 2.0) -> bool:
+        try:
+            return bool(self._call("GET", "/health", timeout=timeout).get("ok"))
+        except (EngineUnavailable, EngineRequestError):
+            return False

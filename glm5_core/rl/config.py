@@ -1,0 +1,111 @@
+"""Typed run configuration of ``glm5 rl`` (YAML -> dataclasses; unknown keys are errors)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional
+
+from glm5_core.rl.trainer import TrainerConfig
+
+ENVIRONMENTS = ("arithmetic", "calculator")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    num_engines: int = 1
+    max_batch: int = 16
+    max_len: int = 128
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_inflight_groups: int = 8
+    max_buffered: int = 64  # async: pause new groups while this many trajectories wait for the trainer
+    engine_threads: int = 1
+    routing: str = "dp_aware"  # or "round_robin"
+    virtual_nodes: int = 150
+    imbalance_factor: float = 1.5
+    prefix_cache_entries: int = 256
+    episode_threads: int = 64
+
+
+@dataclasses.dataclass
+class RLTrainConfig:
+    batch_size: int = 64
+    max_staleness: Optional[int] = 4
+    teacher_checkpoint: Optional[str] = None
+    optim: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every: int = 0  # trainer steps between evaluations (0: only at start and end)
+    samples_per_problem: int = 4
+
+
+@dataclasses.dataclass
+class RLConfig:
+    seed: int = 0
+    mode: str = "async"
+    executor: str = "local"
+    output_dir: str = "runs/rl"
+    max_minutes: float = 14.0
+    max_steps: int = 1000
+    torch_threads: int = 1
+    env: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"name": "arithmetic"})
+    model: Dict[str, Any] = dataclasses.field(default_factory=lambda: {"preset": "tiny", "overrides": {}})
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    train: RLTrainConfig = dataclasses.field(default_factory=RLTrainConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def validate(self) -> "RLConfig":
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode: expected 'sync' or 'async', got {self.mode!r}")
+        if self.executor not in ("local", "ray"):
+            raise ValueError(f"executor: expected 'local' or 'ray', got {self.executor!r}")
+        if self.env.get("name") not in ENVIRONMENTS:
+            raise ValueError(f"env.name: expected one of {ENVIRONMENTS}, got {self.env.get('name')!r}")
+        if self.rollout.routing not in ("dp_aware", "round_robin"):
+            raise ValueError(f"rollout.routing: expected 'dp_aware' or 'round_robin', got {self.rollout.routing!r}")
+        for name in ("num_engines", "max_batch", "max_len", "group_size", "max_inflight_groups", "engine_threads"):
+            value = getattr(self.rollout, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{name}: expected an int >= 1, got {value!r}")
+        if self.train.batch_size % self.rollout.group_size:
+            raise ValueError(f"train.batch_size: expected a multiple of rollout.group_size={self.rollout.group_size}, "
+                             f"got {self.train.batch_size}")
+        if not self.max_minutes > 0 or self.max_steps < 1:
+            raise ValueError(f"max_minutes / max_steps: expected > 0 / >= 1, got {self.max_minutes} / {self.max_steps}")
+        self.train.optim.validate()
+        return self
+
+
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; expected some of {sorted(fields)}")
+    kwargs = {}
+    for key, value in data.items():
+        default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
+        elif key == "betas":
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Dict[str, Any]) -> RLConfig:
+    return _build(RLConfig, data, "config").validate()
+
+
+def load_config(path: str, overrides: Optional[Dict[str, Any]] = None) -> RLConfig:
+    import yaml
+
+    with open(path, "r", encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    for key, value in (overrides or {}).items():
+        data[key] = value
+    return config_from_dict(data)
