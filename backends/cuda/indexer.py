@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5_core import platform
 from glm5_core.backends.cuda import _util
 from glm5_core.backends.cuda.bitonic import merge_top
 from glm5_core.backends.cuda.launch import LaunchConfig
@@ -37,13 +38,16 @@ _INDEX_CEIL = 2 ** 31 - 1  # packed low word is _INDEX_CEIL - index (ascending i
 
 @triton.jit
 def _block_scores(q_HD, w_H, k_ptr, stride_ks, stride_kd, s0, n_keys,
-                  D: tl.constexpr, BS: tl.constexpr, D_PAD: tl.constexpr):
+                  D: tl.constexpr, BS: tl.constexpr, D_PAD: tl.constexpr, WIDEN: tl.constexpr):
     """Scores of keys s0 .. s0+BS-1 for one query; keys >= n_keys get a garbage score (masked by callers)."""
     offs_s = s0 + tl.arange(0, BS)
     offs_d = tl.arange(0, D_PAD)
     k_BD = tl.load(k_ptr + offs_s[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                    mask=(offs_s[:, None] < n_keys) & (offs_d[None, :] < D), other=0.0)
-    dots_HB = tl.dot(q_HD, tl.trans(k_BD), input_precision="ieee")  # [H_PAD, BS] fp32
+    if WIDEN:  # exact: 16-bit products are exact in fp32
+        dots_HB = tl.dot(q_HD.to(tl.float32), tl.trans(k_BD.to(tl.float32)), input_precision="ieee")
+    else:
+        dots_HB = tl.dot(q_HD, tl.trans(k_BD), input_precision="ieee")  # [H_PAD, BS] fp32 accumulation
     return tl.sum(w_H[:, None] * tl.maximum(dots_HB, 0.0), axis=0)  # [BS]
 
 
@@ -89,7 +93,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
                          stride_kb, stride_ks, stride_kd,
                          stride_wb, stride_wt, stride_wh,
                          H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, KP: tl.constexpr):
+                         BS: tl.constexpr, KP: tl.constexpr, WIDEN: tl.constexpr):
     row = tl.program_id(0)  # one query row: b * T + t
     row_b = row // T
     row_t = row % T
@@ -106,7 +110,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
     kth = tl.full([], -9223372036854775808, tl.int64)  # a key must beat this to matter
     n_staged = tl.zeros([], tl.int32)
     for s0 in range(0, n_keys, BS):
-        score = _block_scores(q_HD, w_H, k_row, stride_ks, stride_kd, s0, n_keys, D, BS, D_PAD)
+        score = _block_scores(q_HD, w_H, k_row, stride_ks, stride_kd, s0, n_keys, D, BS, D_PAD, WIDEN)
         offs_s = s0 + tl.arange(0, BS)
         packed = _pack(score, offs_s)
         keep = (offs_s < n_keys) & (packed > kth)
@@ -133,7 +137,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
                            stride_kb, stride_ks, stride_kd,
                            stride_wb, stride_wt, stride_wh,
                            H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                           BS: tl.constexpr):
+                           BS: tl.constexpr, WIDEN: tl.constexpr):
     row = tl.program_id(0)
     s0 = tl.program_id(1) * BS
     row_b = row // T
@@ -141,7 +145,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
     pos = tl.load(start_ptr + row_b) + row_t
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
-    score = _block_scores(q_HD, w_H, k_ptr + row_b * stride_kb, stride_ks, stride_kd, s0, S, D, BS, D_PAD)
+    score = _block_scores(q_HD, w_H, k_ptr + row_b * stride_kb, stride_ks, stride_kd, s0, S, D, BS, D_PAD, WIDEN)
     offs_s = s0 + tl.arange(0, BS)
     score = tl.where(offs_s <= pos, score, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * S + offs_s, score, mask=offs_s < S)
@@ -154,7 +158,9 @@ def _common_args(q, k, w):
 
 def _pads(q):
     H, D = q.shape[2], q.shape[3]
-    return dict(H=H, D=D, H_PAD=_util.next_pow2(H, 16), D_PAD=_util.next_pow2(D, 16))
+    # Triton's CPU interpreter has no bf16 dot: widen bf16 tiles to fp32 there (same products, exact).
+    widen = q.dtype == torch.bfloat16 and platform.triton_interpreter_enabled()
+    return dict(H=H, D=D, H_PAD=_util.next_pow2(H, 16), D_PAD=_util.next_pow2(D, 16), WIDEN=widen)
 
 
 def scratch_shape(num_rows: int, topk: int, key_block: int):
