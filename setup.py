@@ -3,20 +3,14 @@
 The top-level ``backends/<vendor>/`` folders are installed as ``glm5_core.backends.<vendor>``.
 Nothing here probes hardware: native extensions are built on first use (see ``backends/cpu``).
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 VENDORS = ("cpu", "cuda", "rocm", "ascend")
 
-PACKAGES = [
-    "glm5_core",
-    "glm5_core.ops",
-    "glm5_core.model",
-    "glm5_core.optim",
-    "glm5_core.train",
-    "glm5_core.rl",
-    "glm5_core.backends",
-    "glm5_core.csrc",
-] + [f"glm5_core.backends.{v}" for v in VENDORS]
+# Auto-discovery does not follow package_dir mappings: the vendor folders and csrc/ are listed explicitly.
+PACKAGES = find_packages(include=["glm5_core", "glm5_core.*"]) + ["glm5_core.csrc"] + [
+    f"glm5_core.backends.{p}" for p in find_packages(where="backends")
+]
 
 # csrc/ (C++ and CUDA sources) ships inside the package so the extensions can be built on first use.
 PACKAGE_DIR = {f"glm5_core.backends.{v}": f"backends/{v}" for v in VENDORS}
