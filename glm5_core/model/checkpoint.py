@@ -174,9 +174,7 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
         raise ValueError("checkpoint: missing model.embed_tokens.weight")
     if not embed.dtype.is_floating_point:
         raise ValueError(f"checkpoint: model.embed_tokens.weight: expected a floating dtype, got {embed.dtype}")
-    model.to(embed.dtype)
-    for bias in model.router_biases():  # the selection bias stays fp32 whatever the weights' dtype
-        bias.data = bias.data.float()
+    model.to(embed.dtype)  # the router's selection bias stays fp32 (Gate._apply)
     expected = checkpoint_state(model)
     _check_tensors(tensors, expected)
     missing, unexpected = model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings)

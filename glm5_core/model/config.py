@@ -15,6 +15,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 MODEL_TYPE = "glm_moe_dsa"
+ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 INDEXER_TYPES = ("full", "shared")
 
 # Keys whose value must equal what this implementation computes (the key -> (accepted values, why)).
@@ -148,6 +149,8 @@ class GLM5Config:
             if key in d and d[key] not in accepted:
                 raise ValueError(f"{key}: expected {' or '.join(repr(a) for a in accepted)} ({why}), got {d[key]!r}")
             d.pop(key, None)
+        if d.get("architectures") == list(ARCHITECTURES):
+            d.pop("architectures")  # to_hf_dict writes it
         kwargs: Dict[str, Any] = {}
         rope = d.pop("rope_parameters", None)
         if rope is not None:
@@ -174,17 +177,15 @@ class GLM5Config:
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
-        out: Dict[str, Any] = {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": MODEL_TYPE}
+        out: Dict[str, Any] = {"architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE}
         out.update(self.extra)
         out["model_type"] = MODEL_TYPE
-        out.update({"hidden_act": "silu", "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-                    "attention_bias": False})
+        out.update({key: accepted[0] for key, (accepted, _) in _FIXED_KEYS.items()})  # what is implemented
         for name in self.field_names():
             if name == "rope_theta":
                 continue
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, list) else value
-        out["indexer_types"] = self.layer_indexer_types()
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         return out
 

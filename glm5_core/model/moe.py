@@ -35,13 +35,40 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    def _apply(self, fn, recurse=True):
+        """Module.to / .half() / .double() move the selection bias but keep it fp32 (its contract dtype)."""
+        super()._apply(fn, recurse)
+        self.e_score_correction_bias = self.e_score_correction_bias.to(torch.float32)
+        return self
+
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights fp32 [N, K], expert ids int32 [N, K]); router logits in fp32 (fp64 for fp64)."""
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = F.linear(x.to(compute), self.weight.to(compute))  # [N, E]
+        if torch.onnx.is_in_onnx_export():
+            return self.route_for_export(logits)
         return moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",
                          n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
                          routed_scaling_factor=self.scaling, backend=self.backend)
+
+
+    def route_for_export(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """moe.route's contract written with torch.topk, which exports to ONNX TopK (whose spec breaks ties
+        to the lower index, as the contract does); the stable sort of the reference has no ONNX export."""
+        N, E = logits.shape
+        scores = torch.sigmoid(logits)  # [N, E]
+        select = scores + self.e_score_correction_bias.to(scores.dtype)  # [N, E]
+        if self.n_group > 1:
+            grouped = select.view(N, self.n_group, E // self.n_group)  # [N, G, E/G]
+            group_score = grouped.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)  # [N, G]
+            kept = group_score.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
+            keep = torch.zeros_like(group_score).scatter(1, kept, 1.0).bool()  # [N, G]
+            select = select.masked_fill(~keep.repeat_interleave(E // self.n_group, dim=1), float("-inf"))
+        ids = select.topk(self.top_k, dim=-1).indices  # [N, K]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + moe.RENORM_EPS)
+        return weights * self.scaling, ids.to(torch.int32)
 
 
 class MoE(nn.Module):

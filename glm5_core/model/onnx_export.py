@@ -1,0 +1,74 @@
+"""``glm5 export-onnx``: export the prefill forward (dense attention, logits only) of a checkpoint to ONNX.
+
+The graph maps ``input_ids`` int64 [batch, seq] to ``logits`` float32 [batch, seq, vocab], with batch and
+seq dynamic. The model is traced through the pure-torch reference ops (``backend="cpu"`` resolves every op to
+them on a CPU-only machine); the MoE layers switch to their export form (every expert on every token,
+weighted by the scattered routing weights) because dispatch's per-expert row counts are data-dependent.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from glm5_core.model.checkpoint import load_pretrained
+from glm5_core.model.modeling import GLM5ForCausalLM
+
+DEFAULT_OPSET = 17
+
+
+class PrefillLogits(nn.Module):
+    """input_ids [B, T] -> logits [B, T, V] with dense attention, no cache, no MTP."""
+
+    def __init__(self, model: GLM5ForCausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, attention="dense").logits
+
+
+def export_onnx(model: GLM5ForCausalLM, out_path: str, *, seq_len: int = 16, opset: int = DEFAULT_OPSET) -> str:
+    """Trace ``model``'s prefill forward with an example of ``seq_len`` tokens and write ``out_path``."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ValueError(f"seq_len: expected an int >= 2 (the example length to trace), got {seq_len!r}")
+    if seq_len > model.config.max_position_embeddings:
+        raise ValueError(f"seq_len: expected <= max_position_embeddings={model.config.max_position_embeddings}, "
+                         f"got {seq_len}")
+    wrapper = PrefillLogits(model).eval()
+    # an example that is not all one token, so no routing decision is degenerate while tracing
+    example = (torch.arange(2 * seq_len, dtype=torch.int64) % model.config.vocab_size).view(2, seq_len)
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out_path}.tmp-{os.getpid()}"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about Python values (validation checks)
+        torch.onnx.export(wrapper, (example,), tmp, dynamo=False, opset_version=opset,
+                          input_names=["input_ids"], output_names=["logits"],
+                          dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}})
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--out", required=True, help="output .onnx file")
+    parser.add_argument("--seq-len", type=int, default=16, help="example length traced (the graph takes any length)")
+    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help="ONNX opset (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_pretrained(args.checkpoint, backend="cpu").float()
+    path = export_onnx(model, args.out, seq_len=args.seq_len, opset=args.opset)
+    print(f"wrote {path} (input_ids int64 [batch, seq] -> logits float32 [batch, seq, {model.config.vocab_size}])")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(prog="glm5 export-onnx")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
