@@ -5,6 +5,7 @@
 //
 //   moe_select(select [N, E], K, G, topk_group) -> ids int64 [N, K]: group-limited top-k of the selection
 //       scores (a group scores as the sum of its top-2; best groups then best experts, ties to the lower id).
+//   moe_route(logits [N, E], bias [E], ...) -> (weights [N, K], ids int32 [N, K]): the whole routing contract.
 //   moe_dispatch(x [N, D], ids [N, K], E) -> (x_sorted [M, D], sort_idx int64 [M], counts int64 [E]):
 //       a stable counting sort by expert id, then a parallel row gather.
 //   moe_combine(y_sorted [M, D], sort_idx [M], weights [N, K]) -> out [N, D]: per token, the weighted sum of
@@ -14,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -77,6 +79,62 @@ at::Tensor moe_select(const at::Tensor& select, int64_t top_k, int64_t n_group, 
     select_kernel<scalar_t>(sel.data_ptr<scalar_t>(), N, E, top_k, n_group, topk_group, ids.data_ptr<int64_t>());
   });
   return ids;
+}
+
+// Full routing of each token in scalar per-row code (batch invariant bitwise: no vectorised tail that
+// depends on N): scores, biased selection, weights from the unbiased scores, renormalised in slot order.
+template <typename T>
+void route_kernel(const T* logits_NE, const T* bias_E, int64_t N, int64_t E, int64_t K, bool sigmoid, int64_t G,
+                  int64_t topk_group, bool renormalize, T scale, T* weights_NK, int32_t* ids_NK) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> scores(E), select(E);
+    std::vector<int64_t> chosen(K);
+    for (int64_t n = begin; n < end; ++n) {
+      const T* row = logits_NE + n * E;
+      if (sigmoid) {
+        for (int64_t e = 0; e < E; ++e) scores[e] = T(1) / (T(1) + std::exp(-row[e]));
+      } else {
+        T m = row[0];
+        for (int64_t e = 1; e < E; ++e) m = std::max(m, row[e]);
+        T total = 0;
+        for (int64_t e = 0; e < E; ++e) total = total + (scores[e] = std::exp(row[e] - m));
+        for (int64_t e = 0; e < E; ++e) scores[e] = scores[e] / total;
+      }
+      for (int64_t e = 0; e < E; ++e) select[e] = bias_E ? scores[e] + bias_E[e] : scores[e];
+      select_kernel<T>(select.data(), 1, E, K, G, topk_group, chosen.data());
+      T total = 0;
+      for (int64_t j = 0; j < K; ++j) total = total + scores[chosen[j]];
+      const T denom = total + T(1e-20);
+      for (int64_t j = 0; j < K; ++j) {
+        T w = scores[chosen[j]];
+        if (renormalize) w = w / denom;
+        weights_NK[n * K + j] = w * scale;
+        ids_NK[n * K + j] = static_cast<int32_t>(chosen[j]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, const c10::optional<at::Tensor>& bias,
+                                             int64_t top_k, bool sigmoid, int64_t n_group, int64_t topk_group,
+                                             bool renormalize, double routed_scaling_factor) {
+  TORCH_CHECK(logits.dim() == 2, "moe_route: logits must be [N, E]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
+              "moe_route: expected fp32 or fp64 logits");
+  const int64_t N = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group, "moe_route: bad groups");
+  TORCH_CHECK(top_k >= 1 && top_k <= (E / n_group) * topk_group, "moe_route: top_k exceeds the eligible experts");
+  auto lg = logits.contiguous();
+  at::Tensor b;
+  if (bias.has_value()) b = bias->to(lg.scalar_type()).contiguous();
+  auto weights = at::empty({N, top_k}, lg.options());
+  auto ids = at::empty({N, top_k}, lg.options().dtype(at::kInt));
+  AT_DISPATCH_FLOATING_TYPES(lg.scalar_type(), "moe_route", [&] {
+    route_kernel<scalar_t>(lg.data_ptr<scalar_t>(), b.defined() ? b.data_ptr<scalar_t>() : nullptr, N, E, top_k,
+                           sigmoid, n_group, topk_group, renormalize, static_cast<scalar_t>(routed_scaling_factor),
+                           weights.data_ptr<scalar_t>(), ids.data_ptr<int32_t>());
+  });
+  return {weights, ids};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& expert_ids,
@@ -154,12 +212,15 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& sort_idx, c
 
 TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
   m.def("moe_select(Tensor select, int top_k, int n_group, int topk_group) -> Tensor");
+  m.def("moe_route(Tensor logits, Tensor? bias, int top_k, bool sigmoid, int n_group, int topk_group, "
+        "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("moe_dispatch(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y_sorted, Tensor sort_idx, Tensor weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
   m.impl("moe_select", &moe_select);
+  m.impl("moe_route", &moe_route);
   m.impl("moe_dispatch", &moe_dispatch);
   m.impl("moe_combine", &moe_combine);
 }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_dispatch", "moe_combine", "ns_orthogonalize")
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "ns_orthogonalize")
 
 
 def _indexer_topk(q, k, w, start, topk):
@@ -21,6 +21,11 @@ def _sparse_decode(q_lat, q_pe, c_kv, k_pe, topk_idx, scale):
 
 def _moe_select(select, top_k, n_group, topk_group):
     return select.new_empty((select.shape[0], top_k), dtype=torch.int64)  # [N, K]
+
+
+def _moe_route(logits, bias, top_k, sigmoid, n_group, topk_group, renormalize, routed_scaling_factor):
+    N = logits.shape[0]
+    return logits.new_empty((N, top_k)), logits.new_empty((N, top_k), dtype=torch.int32)  # [N, K] each
 
 
 def _moe_dispatch(x, expert_ids, num_experts):
@@ -39,7 +44,7 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
 
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
-    impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select,
+    impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select, "moe_route": _moe_route,
              "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "ns_orthogonalize": _ns_orthogonalize}
     for name in NATIVE_OPS:

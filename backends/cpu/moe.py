@@ -1,7 +1,10 @@
 """cpu backend kernels for MoE: routing selection, dispatch and combine.
 
-``route`` keeps the elementwise maths (scores, bias, weights) in torch, so the weights are bitwise the
-reference's and stay differentiable; the native op does the group-limited top-k selection. ``dispatch``
+``route`` runs the whole routing contract natively, row by row in scalar code, so a token's ids and
+weights are bitwise the same whatever the batch (torch's vectorised sigmoid is not: its bits for a row
+depend on where the row falls in the batch). When the weights need a gradient (training), the scores and
+weights are computed with torch ops instead (differentiable, same formula) and only the group-limited
+top-k selection is native. ``dispatch``
 is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order.
 Legend as in ``glm5_core.ops.moe``.
 """
@@ -13,17 +16,29 @@ from glm5_core.ops import _checks
 from glm5_core.ops.moe import RENORM_EPS
 
 
+def _slot_order_sum(weights: torch.Tensor) -> torch.Tensor:
+    """Row sums [N, 1] added in slot order by elementwise ops, so a token's bits never depend on N
+    (a reduction kernel may vectorise across rows differently for another batch size)."""
+    total = weights[:, :1]
+    for j in range(1, weights.shape[1]):
+        total = total + weights[:, j:j + 1]
+    return total
+
+
 def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int = 1, topk_group: int = 1,
           renormalize: bool = True, routed_scaling_factor: float = 1.0):
     """Returns (weights fp32 [N, K] (fp64 for fp64 logits), expert ids int32 [N, K])."""
     ct = _checks.compute_dtype(logits.dtype)
     logits = logits.to(ct)
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return torch.ops.glm5_cpu.moe_route(logits, bias, top_k, score_func == "sigmoid", n_group, topk_group,
+                                            renormalize, float(routed_scaling_factor))
     scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
     select = scores if bias is None else scores + bias.to(ct)  # [N, E]
     ids = torch.ops.glm5_cpu.moe_select(select.detach(), top_k, n_group, topk_group)  # int64 [N, K]
-    weights = scores.gather(1, ids)  # unbiased
+    weights = scores.gather(1, ids)  # unbiased [N, K]
     if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
+        weights = weights / (_slot_order_sum(weights) + RENORM_EPS)
     weights = weights * routed_scaling_factor
     return weights, ids.to(torch.int32)
 

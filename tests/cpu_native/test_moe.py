@@ -61,3 +61,13 @@ def test_combine_thread_invariance(native, threads):
         torch.set_num_threads(n)
         outs.append(native_moe.combine(y, sort_idx, weights))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_route_batch_invariance_bitwise(native):
+    shape = SHAPES[3]
+    inputs = testing.make_route_inputs(shape, seed=9)
+    kwargs = dict(top_k=shape.K, n_group=shape.G, topk_group=shape.TG, routed_scaling_factor=2.5)
+    w_all, ids_all = native_moe.route(inputs["logits"], inputs["bias"], **kwargs)
+    for n0, n1 in ((0, 1), (1, 17), (17, 301)):
+        w, ids = native_moe.route(inputs["logits"][n0:n1], inputs["bias"], **kwargs)
+        assert torch.equal(ids, ids_all[n0:n1]) and torch.equal(w, w_all[n0:n1])
