@@ -22,8 +22,8 @@ from typing import Optional
 import torch
 
 from glm5_core.backends.ascend import dsa_layouts as L
-from glm5_core.backends.ascend.vendor import (HALF_DTYPES, OK, Decision, attach_supports, dtype_in,
-                                             first_failure, first_output, vendor_ops)
+from glm5_core.backends.ascend.vendor import (HALF_DTYPES, OK, Decision, attach_supports, dtype_in, first_output,
+                                             vendor_ops)
 from glm5_core.ops.dsa import indexer_topk_reference
 from glm5_core.ops.mla import project_output
 
@@ -92,7 +92,7 @@ def sparse_attention_limits(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, s
         return False, f"{op} takes {SPARSE_ATTENTION_HEADS} query heads, got {Hm}"
     if K < 1:
         return False, f"{op} needs sparse_size > 0, got topk_idx of width {K}"
-    return first_failure(dtype_in("q_nope", q_nope, HALF_DTYPES, op))
+    return dtype_in("q_nope", q_nope, HALF_DTYPES, op)
 
 
 def sparse_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5_core.backends.ascend import moe_layouts as L
-from glm5_core.backends.ascend.vendor import (OK, Decision, attach_supports, dtype_in, first_output, vendor_ops)
+from glm5_core.backends.ascend.vendor import Decision, attach_supports, dtype_in, first_output, vendor_ops
 from glm5_core.ops.moe import route_reference
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

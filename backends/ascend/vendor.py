@@ -7,7 +7,8 @@ instead, so the argument building is checked on machines without an NPU.
 A capability check returns ``(ok, why)``; the registry runs the reference, with ``why`` in ``explain()``,
 when a call is declined. Each kernel module splits its check in two: ``<op>_limits`` (the vendor op's
 documented limits: shapes, dtypes, sizes; device-independent, so CPU tests exercise it) and the
-``supports`` hook the registry calls, which adds "the tensors live on an NPU" and "no autograd needed".
+``supports`` hook the registry calls, which adds "the tensors live on an NPU", "this torch_npu has the
+operator" and "no autograd needed".
 """
 from __future__ import annotations
 
@@ -56,24 +57,27 @@ def dtype_in(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype], op_name
     return OK
 
 
-def first_failure(*decisions: Decision) -> Decision:
-    for decision in decisions:
-        if not decision[0]:
-            return decision
+def has_operator(op_name: str, npu: Optional[Any] = None) -> Decision:
+    """Older torch_npu releases lack the newer fused ops: decline with the version instead of failing."""
+    ops = vendor_ops(npu)
+    if not hasattr(ops, op_name):
+        return False, f"torch_npu {getattr(ops, '__version__', '?')} has no {op_name}"
     return OK
 
 
 def attach_supports(kernel: Callable, limits: Callable[..., Decision],
                     tensors_of: Callable[..., Sequence[Optional[torch.Tensor]]], op_name: str,
                     grad_matters: bool = True) -> Callable:
-    """Give ``kernel`` the registry's ``supports`` hook: NPU tensors, no autograd, then the op's limits."""
+    """Give ``kernel`` the registry's ``supports`` hook: NPU tensors, the operator present in this torch_npu,
+    no autograd needed, then the op's documented limits."""
 
     def supports(*args, **kwargs) -> Decision:
         tensors = tensors_of(*args, **kwargs)
-        checks = [on_npu(tensors)]
-        if grad_matters:
-            checks.append(inference_only(op_name, tensors))
-        decision = first_failure(*checks)
+        decision = on_npu(tensors)
+        if decision[0]:
+            decision = has_operator(op_name)  # torch_npu is imported by now: the probe did it
+        if decision[0] and grad_matters:
+            decision = inference_only(op_name, tensors)
         return decision if not decision[0] else limits(*args, **kwargs)
 
     kernel.supports = supports

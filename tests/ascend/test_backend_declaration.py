@@ -84,3 +84,14 @@ def test_inference_only_rule():
     assert not vendor.inference_only("op", [t])[0]
     with torch.no_grad():
         assert vendor.inference_only("op", [t]) == (True, "")
+
+
+def test_an_older_torch_npu_without_the_operator_is_declined_with_its_version():
+    class OldTorchNpu:
+        __version__ = "2.1.0.post3"
+
+    ok, why = vendor.has_operator("npu_lightning_indexer", OldTorchNpu())
+    assert not ok and "2.1.0.post3" in why and "npu_lightning_indexer" in why
+    from tests.ascend.vendor_semantics import AscendSemantics
+
+    assert vendor.has_operator("npu_lightning_indexer", AscendSemantics()) == (True, "")

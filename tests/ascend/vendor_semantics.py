@@ -17,7 +17,7 @@ torch_npu-npu_moe_finalize_routing.md; formulas also in CANN ops-transformer ``m
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
@@ -197,7 +197,7 @@ class AscendSemantics:
         require(key.dim() == 3 and key.shape[1] == block_size and key.shape[2] == 512,
                 f"paged key for BSND queries must be [blocks, block_size, 512], got {tuple(key.shape)}")
         require(value.shape == key.shape and torch.equal(value, key), "MLA value is the latent key cache")
-        require(tuple(key_rope.shape) == (key.shape[0], block_size, 64), f"key_rope must be [blocks, block_size, 64]")
+        require(tuple(key_rope.shape) == (key.shape[0], block_size, 64), "key_rope must be [blocks, block_size, 64]")
         require(tuple(query_rope.shape) == (B, S, N, 64), "query_rope shape")
         require(all(t.dtype == query.dtype for t in (key, value, query_rope, key_rope)), "one dtype for all inputs")
         if S == 1:
