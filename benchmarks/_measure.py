@@ -1,0 +1,73 @@
+"""Helpers for the benchmarks: which implementations to time, peak extra memory in a fresh process, and
+the fp32 GEMM rate.
+
+Peak extra memory: a child Python process builds the inputs, runs the op once on a tiny problem (so
+libraries, thread pools and the native extension are loaded), reads its resident-set high-water mark
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss``), runs the op once on the real inputs and reads the mark
+again. The difference is the most memory the op held beyond its inputs at any moment (page-granular,
+allocator caching included), a number no other process perturbs.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Callable
+
+import torch
+
+_CHILD = """
+import json, resource, torch
+torch.manual_seed(0)
+{setup}
+def run(inputs):
+{run}
+run(make({warm_args}))
+inputs = make({args})
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+run(inputs)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"peak_extra_bytes": (after - before) * 1024}}))
+"""
+
+
+def peak_extra_bytes(setup: str, run: str, args: str, warm_args: str, timeout: float = 1800.0) -> int:
+    """``setup`` defines ``make(*args) -> inputs``; ``run`` is the body of ``run(inputs)`` (indented by us)."""
+    code = _CHILD.format(setup=textwrap.dedent(setup), run=textwrap.indent(textwrap.dedent(run), "    "),
+                         args=args, warm_args=warm_args)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"memory probe failed: {result.stderr[-2000:]}")
+    return int(json.loads(result.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fp32_matmul_rate(rows: int, depth: int, cols: int, repeats: int = 3) -> float:
+    """FLOP/s of one fp32 [rows, depth] @ [depth, cols] GEMM, median of ``repeats``."""
+    a = torch.randn(rows, depth)
+    b = torch.randn(depth, cols)
+    seconds = median_seconds(lambda: a @ b, repeats)
+    return 2.0 * rows * depth * cols / seconds
+
+
+def implementations(op: str):
+    """The implementations of ``op`` worth timing here: the reference, and the cpu backend's kernel when
+    the native extension provides one (the cuda interpreter is not a speed path)."""
+    from glm5_core import registry
+
+    impls = {"reference": registry.reference(op)}
+    resolution = registry.resolve(op, "cpu")
+    if not resolution.is_reference:
+        impls["cpu"] = resolution.impl
+    return impls

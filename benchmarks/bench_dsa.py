@@ -1,0 +1,80 @@
+"""DSA lightning-indexer top-k: the reference (materialises [B, T, H, S] dot products) vs the cpu
+backend's fused streaming kernel.
+
+Issue-4 targets (``--bench-large``), one run, medians:
+  * 512 queries x 32K keys, 32 heads x 128 dims, fp32: cpu >= 1.3x faster than the reference and
+    >= 8x less peak extra memory;
+  * 512 queries x 128K keys: cpu < 2 GiB extra memory at >= 70% of the GEMM-bound time
+    (2*T*S*H*D / fp32 matmul rate measured in the same test).
+Queries are the last T positions (start_pos = S - T), so nearly every key is visible to every query.
+"""
+import pytest
+
+from _measure import fp32_matmul_rate, implementations, peak_extra_bytes
+from glm5_core import testing
+
+H, D, K = 32, 128, 2048
+SMALL = [(32, 8192)]
+LARGE = [(512, 32768)]
+GIB = 1 << 30
+
+_SETUP = """
+from glm5_core import registry, testing
+impl = registry.reference("dsa_indexer_topk") if {name!r} == "reference" else registry.resolve("dsa_indexer_topk", "cpu").impl
+def make(T, S):
+    return testing.make_indexer_inputs(testing.IndexerShape(B=1, T=T, S=S, H={H}, D={D}, K={K}), seed=0), S - T
+"""
+_RUN = """
+(x, start) = inputs
+impl(x["q"], x["k"], x["w"], topk={K}, start_pos=start)
+"""
+
+
+def _memory(name: str, T: int, S: int) -> int:
+    return peak_extra_bytes(_SETUP.format(name=name, H=H, D=D, K=K), _RUN.format(K=K), args=f"{T}, {S}",
+                            warm_args=f"4, {K}")
+
+
+def _bench(benchmark, name, impl, T, S, rounds, measure_memory):
+    shape = testing.IndexerShape(B=1, T=T, S=S, H=H, D=D, K=K)
+    x = testing.make_indexer_inputs(shape, seed=0)
+    benchmark.group = f"dsa_indexer_topk T{T} S{S} H{H} D{D} K{K}"
+    benchmark.extra_info.update(impl=name, T=T, S=S, H=H, D=D, K=K, flops=2 * T * S * H * D)
+    benchmark.pedantic(lambda: impl(x["q"], x["k"], x["w"], topk=K, start_pos=S - T), rounds=rounds,
+                       iterations=1, warmup_rounds=1)
+    if measure_memory:
+        benchmark.extra_info["peak_extra_bytes"] = _memory(name, T, S)
+    return benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("T,S", SMALL, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+def test_indexer_topk(benchmark, name, T, S):
+    impls = implementations("dsa_indexer_topk")
+    if name not in impls:
+        pytest.skip("native extension not built")
+    _bench(benchmark, name, impls[name], T, S, rounds=3, measure_memory=False)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("T,S", LARGE, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+def test_indexer_topk_large(benchmark, name, T, S):
+    impls = implementations("dsa_indexer_topk")
+    if name not in impls:
+        pytest.skip("native extension not built")
+    _bench(benchmark, name, impls[name], T, S, rounds=3, measure_memory=True)
+
+
+@pytest.mark.large
+def test_indexer_topk_128k_gemm_bound(benchmark):
+    """cpu kernel only (the reference would need ~9 GiB here): memory and fraction of the GEMM bound."""
+    impls = implementations("dsa_indexer_topk")
+    if "cpu" not in impls:
+        pytest.skip("native extension not built")
+    T, S = 512, 131072
+    median = _bench(benchmark, "cpu", impls["cpu"], T, S, rounds=3, measure_memory=True)
+    rate = fp32_matmul_rate(T * H, D, 8192)  # the same GEMM shape on an 8K-key slice
+    bound = 2 * T * S * H * D / rate
+    benchmark.extra_info.update(matmul_flops_per_s=rate, gemm_bound_s=bound, fraction_of_gemm_bound=bound / median)
+    assert benchmark.extra_info["peak_extra_bytes"] < 2 * GIB, "target: < 2 GiB extra memory at 128K keys"

@@ -1,0 +1,43 @@
+"""Training throughput (tokens/s) of configs/tiny.yaml, per stage kind, on every backend available here.
+
+One benchmark round = one optimizer step of the tiny config (forward, backward, clip, Muon + AdamW, router
+bias update) on ``batch_size * seq_len`` tokens; ``extra_info["tokens_per_s"]`` is those tokens over the
+median round time. Backends that cannot run here are skipped with the registry's reason, so the same file
+reports cuda / rocm / ascend numbers on machines that have them.
+
+    pytest benchmarks/bench_train.py --benchmark-json benchmarks/results/bench_train.json
+"""
+import pytest
+
+from glm5_core import registry
+from glm5_core.train import RunOptions, load_config
+from glm5_core.train.trainer import Trainer
+
+CONFIG = "configs/tiny.yaml"
+KINDS = ("dense", "indexer_warmup", "sparse")
+
+
+def _first_step_of(cfg, kind: str) -> int:
+    start = 0
+    for stage in cfg.stages:
+        if stage.kind == kind:
+            return start
+        start += stage.steps
+    raise AssertionError(f"{CONFIG} has no {kind} stage")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("backend", registry.BUILTIN_BACKENDS)
+def test_train_step_throughput(benchmark, backend, kind, tmp_path):
+    ok, reason = registry.get_backend(backend).available()
+    if not ok:
+        pytest.skip(f"{backend}: {reason}")
+    cfg = load_config(CONFIG)
+    trainer = Trainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
+    step = _first_step_of(cfg, kind)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len})"
+    benchmark.extra_info.update(backend=backend, stage=kind, tokens_per_step=tokens,
+                                device=str(trainer.dist.device))
+    benchmark.pedantic(lambda: trainer.train_step(step), rounds=5, iterations=1, warmup_rounds=1)
+    benchmark.extra_info["tokens_per_s"] = tokens / benchmark.stats.stats.median
