@@ -29,5 +29,17 @@ def build(cfg: GLM5Config, dtype: torch.dtype = torch.float64, seed: int = 0) ->
 
 
 @pytest.fixture
+def make_config():
+    """Factory fixture: small_config(**overrides)."""
+    return small_config
+
+
+@pytest.fixture
+def make_model():
+    """Factory fixture: build(cfg, dtype=float64, seed=0)."""
+    return build
+
+
+@pytest.fixture
 def small_model() -> GLM5ForCausalLM:
     return build(small_config())

@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 
 from glm5_core.model import GLM5ForCausalLM, load_pretrained, save_pretrained
 from glm5_core.model.checkpoint import INDEX_NAME
-from tests.model.conftest import build, small_config
 
 
 def _ids(model, T=13):
@@ -18,8 +17,8 @@ def _ids(model, T=13):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_is_bitwise(tmp_path, dtype):
-    model = build(small_config(), dtype)
+def test_round_trip_is_bitwise(tmp_path, dtype, make_model, make_config):
+    model = make_model(make_config(), dtype)
     with torch.no_grad():
         for bias in model.router_biases():  # non-zero selection biases must survive too
             bias.copy_(torch.linspace(-0.1, 0.1, bias.numel()))
@@ -34,8 +33,8 @@ def test_round_trip_is_bitwise(tmp_path, dtype):
         assert torch.equal(model(_ids(model), mtp_depths=1).logits, loaded(_ids(model), mtp_depths=1).logits)
 
 
-def test_layout_uses_hf_names_and_a_consistent_index(tmp_path):
-    model = build(small_config(), torch.float32)
+def test_layout_uses_hf_names_and_a_consistent_index(tmp_path, make_model, make_config):
+    model = make_model(make_config(), torch.float32)
     save_pretrained(model, tmp_path, max_shard_bytes=64 * 1024)
     index = json.loads((tmp_path / INDEX_NAME).read_text())
     config = json.loads((tmp_path / "config.json").read_text())
@@ -59,8 +58,8 @@ def test_layout_uses_hf_names_and_a_consistent_index(tmp_path):
     assert index["metadata"]["total_size"] == total
 
 
-def test_tied_embeddings_store_one_matrix(tmp_path):
-    model = build(small_config(tie_word_embeddings=True), torch.float32)
+def test_tied_embeddings_store_one_matrix(tmp_path, make_model, make_config):
+    model = make_model(make_config(tie_word_embeddings=True), torch.float32)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     save_pretrained(model, tmp_path)
     assert "lm_head.weight" not in json.loads((tmp_path / INDEX_NAME).read_text())["weight_map"]
@@ -70,8 +69,8 @@ def test_tied_embeddings_store_one_matrix(tmp_path):
 
 
 @pytest.fixture
-def saved(tmp_path):
-    model = build(small_config(), torch.float32)
+def saved(tmp_path, make_model, make_config):
+    model = make_model(make_config(), torch.float32)
     save_pretrained(model, tmp_path, max_shard_bytes=64 * 1024)
     index = json.loads((tmp_path / INDEX_NAME).read_text())
     return tmp_path, index
@@ -152,8 +151,8 @@ def test_bad_config_values_are_rejected_before_weights(saved):
         load_pretrained(path)
 
 
-def test_save_rejects_bad_arguments(tmp_path):
-    model = build(small_config(), torch.float32)
+def test_save_rejects_bad_arguments(tmp_path, make_model, make_config):
+    model = make_model(make_config(), torch.float32)
     with pytest.raises(ValueError, match="max_shard_bytes"):
         save_pretrained(model, tmp_path, max_shard_bytes=0)
     with pytest.raises(TypeError, match="model"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.conftest import build, small_config
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
 
@@ -24,8 +23,8 @@ def _decode_steps(model, ids, attention, prefill_len=1):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("prefill_len", [1, 7])
-def test_dense_decode_matches_prefill(dtype, prefill_len):
-    model = build(small_config(), dtype)
+def test_dense_decode_matches_prefill(dtype, prefill_len, make_model, make_config):
+    model = make_model(make_config(), dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids).logits
@@ -34,8 +33,8 @@ def test_dense_decode_matches_prefill(dtype, prefill_len):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_sparse_decode_matches_prefill_logits_and_keys(dtype):
-    model = build(small_config(), dtype)
+def test_sparse_decode_matches_prefill_logits_and_keys(dtype, make_model, make_config):
+    model = make_model(make_config(), dtype)
     T = 21  # > index_topk = 8, so the selection drops keys
     ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -50,8 +49,8 @@ def test_sparse_decode_matches_prefill_logits_and_keys(dtype):
             assert torch.equal(topk[t][layer][:, 0], prefill_idx[:, t]), f"step {t}, full layer {layer}"
 
 
-def test_sparse_equals_dense_when_topk_covers_every_key():
-    model = build(small_config(index_topk=32))
+def test_sparse_equals_dense_when_topk_covers_every_key(make_model, make_config):
+    model = make_model(make_config(index_topk=32))
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         sparse = model(ids, attention="sparse")
@@ -62,9 +61,9 @@ def test_sparse_equals_dense_when_topk_covers_every_key():
 
 
 @pytest.mark.parametrize("attention", ["dense", "sparse"])
-def test_ragged_batch_decode_matches_single_rows(attention):
+def test_ragged_batch_decode_matches_single_rows(attention, make_model, make_config):
     """Right-padded prompts of lengths 5 and 11 prefilled together, then decoded with start_pos [B]."""
-    model = build(small_config())
+    model = make_model(make_config())
     gen = torch.Generator().manual_seed(4)
     lengths, new_tokens = [5, 11], 6
     rows = [torch.randint(0, model.config.vocab_size, (1, n + new_tokens), generator=gen) for n in lengths]

@@ -1,0 +1,45 @@
+"""``glm5 export-onnx``: onnxruntime reproduces the torch prefill logits on shapes other than the traced one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from glm5_core.cli import main as glm5_main
+from glm5_core.model import load_pretrained, save_pretrained
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture
+def checkpoint(tmp_path, make_model, make_config):
+    cfg = make_config(num_hidden_layers=2, indexer_types=["full", "shared"], n_group=2, topk_group=1)
+    model = make_model(cfg, torch.float32)
+    with torch.no_grad():
+        for bias in model.router_biases():
+            bias.copy_(torch.linspace(0.1, -0.1, bias.numel()))
+    save_pretrained(model, tmp_path / "ckpt")
+    return tmp_path
+
+
+def test_export_onnx_cli_matches_torch_logits(checkpoint):
+    out = checkpoint / "model.onnx"
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "ckpt"), "--out", str(out), "--seq-len", "6"])
+    assert rc == 0 and out.is_file()
+    model = load_pretrained(checkpoint / "ckpt").eval()
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for shape, seed in (((1, 6), 0), ((3, 23), 1)):  # the traced shape, and another batch and length
+        ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+        (onnx_logits,) = session.run(None, {"input_ids": ids.numpy()})
+        with torch.no_grad():
+            torch_logits = model(ids).logits.numpy()
+        assert onnx_logits.shape == torch_logits.shape
+        np.testing.assert_allclose(onnx_logits, torch_logits, atol=2e-5, rtol=1e-4)
+
+
+def test_export_onnx_cli_reports_bad_arguments(checkpoint, capsys):
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "ckpt"), "--out", str(checkpoint / "m.onnx"),
+                    "--seq-len", "1"])
+    assert rc == 2 and "seq_len" in capsys.readouterr().err
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "missing"), "--out", str(checkpoint / "m.onnx")])
+    assert rc == 2 and "checkpoint directory" in capsys.readouterr().err
