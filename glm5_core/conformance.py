@@ -97,6 +97,10 @@ def _mla_checks() -> List[Check]:
                 for start_mode in ("last", "ragged") if op == "mla_decode" else ("first", "ragged"):
                     name = f"{op}[{DTYPE_NAMES[dtype]}-{shape}-start_{start_mode}]"
                     checks.append(Check("mla", name, (op,), _mla_check(op, shape, dtype, start_mode)))
+    for shape in testing.VENDOR_MLA_SHAPES:
+        for dtype in (torch.bfloat16, torch.float16):
+            checks.append(Check("mla", f"mla_decode[vendor-{DTYPE_NAMES[dtype]}-{shape}-start_last]", ("mla_decode",),
+                                _mla_check("mla_decode", shape, dtype, "last")))
     for shape in testing.MLA_SHAPES:
         checks.append(Check("mla", f"mla_expanded_vs_absorbed[fp64-{shape}]", ("mla_prefill", "mla_decode"),
                             _mla_forms_agree(shape), against_reference=False))
@@ -104,9 +108,11 @@ def _mla_checks() -> List[Check]:
 
 
 # --------------------------------------------------------------------------------------------- DSA
-def _topk_check(shape: testing.IndexerShape, dtype: torch.dtype, ties: Optional[str], ragged: bool) -> CheckFn:
+def _topk_check(shape: testing.IndexerShape, dtype: torch.dtype, ties: Optional[str], ragged: bool,
+                weights_dtype: torch.dtype = torch.float32) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
-        x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=3, ties=ties)
+        x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=3, ties=ties,
+                                        weights_dtype=weights_dtype)
         start = (torch.tensor([(shape.S - shape.T) // (b + 1) for b in range(shape.B)], device=device)
                  if ragged else shape.S - shape.T)
         idx = dsa.indexer_topk(x["q"], x["k"], x["w"], shape.K, start_pos=start, backend=backend)
@@ -162,11 +168,21 @@ def _dsa_checks() -> List[Check]:
                                 ("dsa_indexer_topk",), _topk_check(shape, dtype, None, True)))
             checks.append(Check("dsa", f"dsa_indexer_scores[{DTYPE_NAMES[dtype]}-{shape}]", ("dsa_indexer_scores",),
                                 _scores_check(shape, dtype)))
+    vendor = testing.VENDOR_INDEXER_SHAPE
+    for dtype in (torch.bfloat16, torch.float16):
+        for ties in (None, "integer"):
+            checks.append(Check("dsa", f"dsa_indexer_topk[vendor-{DTYPE_NAMES[dtype]}-{vendor}-ties_{ties}]",
+                                ("dsa_indexer_topk",), _topk_check(vendor, dtype, ties, False, weights_dtype=dtype)))
+        checks.append(Check("dsa", f"dsa_indexer_topk[vendor-{DTYPE_NAMES[dtype]}-{vendor}-ragged]",
+                            ("dsa_indexer_topk",), _topk_check(vendor, dtype, None, True, weights_dtype=dtype)))
     for op in ("dsa_sparse_prefill", "dsa_sparse_decode"):
         for shape, K in zip(testing.MLA_SHAPES, (1, 4, 9)):
             for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
                 checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}]", (op,),
                                     _sparse_check(op, shape, K, dtype)))
+        for shape in testing.VENDOR_MLA_SHAPES:
+            checks.append(Check("dsa", f"{op}[vendor-bf16-{shape}-K64]", (op,),
+                                _sparse_check(op, shape, 64, torch.bfloat16)))
     return checks
 
 
@@ -238,7 +254,7 @@ def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
 
 def _moe_checks() -> List[Check]:
     checks = []
-    for shape in testing.MOE_SHAPES:
+    for shape in testing.MOE_SHAPES + (testing.VENDOR_MOE_SHAPE,):
         for ties in (None, "integer"):
             for score_func in moe.SCORE_FUNCS:
                 checks.append(Check("moe", f"moe_route[fp32-{shape}-{score_func}-ties_{ties}]", ("moe_route",),
@@ -382,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from tqdm import tqdm
 
-        progress = tqdm(selected, desc=f"conformance[{backend}]", unit="check", leave=False)
+        progress = tqdm(selected, desc=f"conformance[{backend}]", unit="check", leave=False, disable=None)
     except ImportError:
         progress = selected
     for check in progress:

@@ -63,6 +63,11 @@ MLA_SHAPES = (
     MLAShape(B=2, T=5, S=13, H=3, Dn=12, Dr=6, Dv=10, C=24),
     MLAShape(B=3, T=17, S=17, H=2, Dn=16, Dr=8, Dv=16, C=40),
 )
+# GLM-5's latent widths (512 + 64), so vendor kernels with fixed head dims are exercised, not declined.
+VENDOR_MLA_SHAPES = (
+    MLAShape(B=2, T=1, S=300, H=32, Dn=16, Dr=64, Dv=16, C=512),
+    MLAShape(B=2, T=3, S=300, H=32, Dn=16, Dr=64, Dv=16, C=512),
+)
 
 
 def make_mla_inputs(shape: MLAShape, *, dtype=torch.float32, device="cpu", seed: int = 0) -> Dict[str, torch.Tensor]:
@@ -108,11 +113,13 @@ INDEXER_SHAPES = (
     IndexerShape(B=2, T=13, S=13, H=4, D=24, K=16),  # k larger than the visible keys of early rows
     IndexerShape(B=1, T=9, S=70, H=2, D=32, K=33),
 )
+# GLM-5's indexer head dim (128) and a vendor-sized head count, for kernels with fixed dims.
+VENDOR_INDEXER_SHAPE = IndexerShape(B=2, T=5, S=300, H=32, D=128, K=64)
 
 
 def make_indexer_inputs(shape: IndexerShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                        ties: Optional[str] = None) -> Dict[str, torch.Tensor]:
-    """q [B,T,H,D], k [B,S,D], w [B,T,H] (w in fp32). ``ties`` makes tie-heavy inputs:
+                        ties: Optional[str] = None, weights_dtype=torch.float32) -> Dict[str, torch.Tensor]:
+    """q [B,T,H,D], k [B,S,D], w [B,T,H] (w in ``weights_dtype``). ``ties`` makes tie-heavy inputs:
 
     - ``zero_relu``: q . k <= 0 everywhere (k >= 0, q <= 0), so every score is exactly 0;
     - ``duplicate_keys``: keys repeat with period 3, so equal scores appear at distinct indices;
@@ -125,7 +132,7 @@ def make_indexer_inputs(shape: IndexerShape, *, dtype=torch.float32, device="cpu
     if ties == "integer":
         q = randint_like_scores((s.B, s.T, s.H, s.D), seed=seed, low=-2, high=3, dtype=dtype, device=device)
         k = randint_like_scores((s.B, s.S, s.D), seed=seed + 1, low=-2, high=3, dtype=dtype, device=device)
-        w = randint_like_scores((s.B, s.T, s.H), seed=seed + 2, low=0, high=3, dtype=torch.float32, device=device)
+        w = randint_like_scores((s.B, s.T, s.H), seed=seed + 2, low=0, high=3, dtype=weights_dtype, device=device)
         return {"q": q, "k": k, "w": w}
     q = randn((s.B, s.T, s.H, s.D), seed=seed, dtype=torch.float32)
     k = randn((s.B, s.S, s.D), seed=seed + 1, dtype=torch.float32)
@@ -138,7 +145,8 @@ def make_indexer_inputs(shape: IndexerShape, *, dtype=torch.float32, device="cpu
         q = (q * 2).round().to(torch.bfloat16).float() / 2
         k = (k * 2).round().to(torch.bfloat16).float() / 2
         w = torch.ones_like(w)
-    return {"q": q.to(device=device, dtype=dtype), "k": k.to(device=device, dtype=dtype), "w": w.to(device)}
+    return {"q": q.to(device=device, dtype=dtype), "k": k.to(device=device, dtype=dtype),
+            "w": w.to(device=device, dtype=weights_dtype)}
 
 
 def make_sparse_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
@@ -182,6 +190,7 @@ MOE_SHAPES = (
     MoEShape(N=37, E=12, K=3, G=1, TG=1, D=24, F=10),
     MoEShape(N=29, E=16, K=4, G=4, TG=2, D=16, F=12),
 )
+VENDOR_MOE_SHAPE = MoEShape(N=64, E=256, K=8, G=1, TG=1, D=64, F=32)  # GLM-5's routing: 256 experts, top-8
 
 
 def make_route_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
