@@ -116,7 +116,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
         keep = (offs_s < n_keys) & (packed > kth)
         if n_staged + tl.sum(keep.to(tl.int32), axis=0) > KP:  # staging would overflow: merge first
             kth = _merge(scratch_row, n_staged, KP)
-            n_staged = tl.zeros([], tl.int32)
+            n_staged = tl.full([], 0, tl.int32)
             keep = keep & (packed > kth)
         slot = n_staged + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(scratch_row + KP + slot, packed, mask=keep)
