@@ -144,10 +144,12 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
         problems.append("data.path: expected a file or folder when data.source is 'path'")
     if cfg.data.source == "stdlib" and cfg.data.path:
         problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
-    if not cfg.model.get("preset", "tiny") in MODEL_PRESETS:
-        return problems
-    if cfg.loss.mtp_depths > 0 and cfg.model.get("num_nextn_predict_layers", 1) == 0:
-        problems.append("loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0")
+    model = cfg.model_config()
+    if cfg.loss.mtp_depths > 0 and model.num_nextn_predict_layers == 0:
+        problems.append(f"loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, got {cfg.loss.mtp_depths}")
+    if cfg.data.seq_len > model.max_position_embeddings:
+        problems.append(f"data.seq_len: expected <= model.max_position_embeddings ({model.max_position_embeddings}), "
+                        f"got {cfg.data.seq_len}")
     return problems
 
 

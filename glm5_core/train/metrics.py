@@ -69,6 +69,17 @@ class MetricsLogger:
             self._tb.close()
 
 
+def _stage_segments(records: List[dict]) -> List[tuple]:
+    """(stage, first step, last step) of each run of consecutive records in one stage."""
+    segments: List[list] = []
+    for r in records:
+        if segments and segments[-1][0] == r["stage"]:
+            segments[-1][2] = r["step"]
+        else:
+            segments.append([r["stage"], r["step"], r["step"]])
+    return [tuple(s) for s in segments]
+
+
 def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
     """Loss per step, one colour band per stage. Returns the PNG path, or None without matplotlib/records."""
     records = read_records(metrics_path)
@@ -82,17 +93,14 @@ def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    steps = [r["step"] for r in records]
     for key, label in (("lm_loss", "LM loss"), ("mtp_loss", "MTP loss"), ("indexer_kl", "indexer KL")):
         pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if pts:
             ax.plot(*zip(*pts), label=label, linewidth=1)
-    start = 0
-    for i, r in enumerate(records + [None]):
-        if r is None or r["stage"] != records[start]["stage"]:
-            ax.axvspan(steps[start], steps[i - 1], alpha=0.08, color=f"C{(start % 7) + 3}")
-            ax.text(steps[start], ax.get_ylim()[1], records[start]["stage"], va="top", fontsize=8)
-            start = i
+    top = ax.get_ylim()[1]
+    for n, (stage, first, last) in enumerate(_stage_segments(records)):
+        ax.axvspan(first, last, alpha=0.08, color=f"C{n + 3}")
+        ax.text(first, top, f" {stage}", va="top", fontsize=8)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.legend()

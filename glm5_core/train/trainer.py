@@ -29,7 +29,7 @@ from glm5_core.train import distributed as dist_utils
 from glm5_core.train.config import StageConfig, TrainConfig
 from glm5_core.train.data import build_packer
 from glm5_core.train.losses import mtp_loss, next_token_loss
-from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot_losses
+from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot_losses, read_records
 from glm5_core.train.schedule import StageSchedule
 
 SUMMARY_FILE = "summary.json"
@@ -44,11 +44,16 @@ class RunOptions:
 
 
 def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
+    """dense: all but the indexer; indexer_warmup: only the indexer; sparse: everything."""
     indexer_ids = {id(p) for p in model.indexer_parameters()}
     for p in model.parameters():
         is_indexer = id(p) in indexer_ids
-        p.requires_grad_(is_indexer if stage.kind == "indexer_warmup" else
-                         (not is_indexer) if stage.kind == "dense" else True)
+        if stage.kind == "dense":
+            p.requires_grad_(not is_indexer)
+        elif stage.kind == "indexer_warmup":
+            p.requires_grad_(is_indexer)
+        else:
+            p.requires_grad_(True)
 
 
 def _set_learning_rates(optimizer, lrs: Dict[str, float], muon_lr_ratio: float) -> None:
@@ -76,9 +81,6 @@ class Trainer:
         vocab = self.packer.stream.tokenizer.vocab_size
         if model_cfg.vocab_size < vocab:
             raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary ({vocab}), got {model_cfg.vocab_size}")
-        if cfg.data.seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(f"data.seq_len: expected <= model.max_position_embeddings={model_cfg.max_position_embeddings}, "
-                             f"got {cfg.data.seq_len}")
         torch.manual_seed(cfg.seed)
         self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
         self.model.reset_parameters(seed=cfg.seed)
@@ -94,6 +96,8 @@ class Trainer:
             self.start_step = state["step"]
         self.stop_step = self.schedule.total_steps if options.max_steps is None else \
             min(self.schedule.total_steps, options.max_steps)
+        self._stage_index: Optional[int] = None  # the stage the model is set up for
+        self._wrapped: torch.nn.Module = self.model  # DDP-wrapped for the current stage's trainable set
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
@@ -133,36 +137,37 @@ class Trainer:
         averaged["expert_load_max_over_mean"] = load_balance(counts)
         return averaged
 
+    def train_step(self, step: int) -> dict:
+        """Run global step ``step`` (0-based) of the schedule: enter its stage if needed, set the learning
+        rates, train on the next batch. Returns the step's metrics record."""
+        point = self.schedule.point(step)
+        if point.index != self._stage_index:
+            self._stage_index = point.index
+            _set_trainable(self.model, point.stage)
+            self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
+        lrs = self.schedule.lrs(step)
+        _set_learning_rates(self.optimizer, lrs, self.cfg.optimizer.muon.lr_ratio)
+        values = self._step(self._wrapped, point.stage, step)
+        return {"step": step + 1, "stage": point.stage.label, **values, "lr": lrs["main"], "indexer_lr": lrs["indexer"]}
+
     # ------------------------------------------------------------------------------------ the run
     def run(self) -> dict:
         cfg, d = self.cfg, self.dist
         logger = MetricsLogger(self.output_dir, enabled=d.is_main, tensorboard=cfg.logging.tensorboard,
                                resume_step=self.start_step)
-        if d.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
         bar = _progress(cfg, d, self.start_step, self.stop_step)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        wrapped, current_stage, rates = self.model, None, []
+        rates: List[float] = []
         started = time.perf_counter()
         self.model.train()
         for step in range(self.start_step, self.stop_step):
-            point = self.schedule.point(step)
-            if point.index != current_stage:
-                current_stage = point.index
-                _set_trainable(self.model, point.stage)
-                wrapped = dist_utils.wrap_ddp(self.model, d)
-            lrs = self.schedule.lrs(step)
-            _set_learning_rates(self.optimizer, lrs, cfg.optimizer.muon.lr_ratio)
             t0 = time.perf_counter()
-            values = self._step(wrapped, point.stage, step)
-            elapsed = time.perf_counter() - t0
-            rates.append(tokens_per_step / elapsed)
-            record = {"step": step + 1, "stage": point.stage.label, **values,
-                      "lr": lrs["main"], "indexer_lr": lrs["indexer"], "tokens_per_s": rates[-1],
-                      "tokens": (step + 1) * tokens_per_step}
+            record = self.train_step(step)
+            rates.append(tokens_per_step / (time.perf_counter() - t0))
+            record.update(tokens_per_s=rates[-1], tokens=(step + 1) * tokens_per_step)
             logger.log(record)
             if bar is not None:
-                bar.set_postfix(stage=point.stage.label, loss=f"{values['loss']:.3f}")
+                bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}")
                 bar.update(1)
             if _checkpoint_due(cfg, step + 1, self.stop_step):
                 self._save(step + 1)
@@ -186,8 +191,6 @@ class Trainer:
                    "median_tokens_per_s": statistics.median(rates) if rates else None,
                    "parameter_digests": digests}
         if self.dist.is_main:
-            from glm5_core.train.metrics import read_records
-
             records = read_records(self.output_dir / "metrics.jsonl")
             lm = [r["lm_loss"] for r in records if r.get("lm_loss") is not None]
             if lm:

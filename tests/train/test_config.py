@@ -12,8 +12,9 @@ def _problems(raw):
     return info.value.problems
 
 
-def test_the_shipped_configs_parse():
-    cfg = load_config("configs/tiny.yaml")
+@pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/small.yaml"])
+def test_the_shipped_configs_parse(path):
+    cfg = load_config(path)
     assert [s.kind for s in cfg.stages] == ["dense", "indexer_warmup", "sparse"]
     assert cfg.model_config().num_attention_heads >= 1
 
@@ -43,6 +44,10 @@ def test_the_shipped_configs_parse():
     ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, got 'huge'"),
     ({"data": {"source": "path"}}, "data.path: expected a file or folder when data.source is 'path'"),
     ({"loss": {"mtp_weight": -0.1}}, "loss.mtp_weight: expected a value in [0, inf], got -0.1"),
+    ({"data": {"seq_len": 4096}, "model": {"preset": "tiny", "max_position_embeddings": 512}},
+     "data.seq_len: expected <= model.max_position_embeddings (512), got 4096"),
+    ({"loss": {"mtp_depths": 2}, "model": {"preset": "tiny", "num_nextn_predict_layers": 0}},
+     "loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, got 2"),
 ])
 def test_each_bad_value_is_one_clear_line(patch, expected):
     problems = _problems(patch)
@@ -76,3 +81,11 @@ def test_cli_prints_the_problems_and_exits_2(tmp_path, capsys):
 def test_missing_config_file_is_named(tmp_path, capsys):
     assert main(["pretrain", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "--config: no such file" in capsys.readouterr().err
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_named(tmp_path):
+    from glm5_core.train import RunOptions, pretrain
+
+    cfg = parse_config({"model": {"preset": "tiny", "vocab_size": 100}, "output_dir": str(tmp_path)})
+    with pytest.raises(ValueError, match=r"model.vocab_size: expected >= the tokenizer's vocabulary \(257\), got 100"):
+        pretrain(cfg, RunOptions(backend="cpu"))
