@@ -69,7 +69,7 @@ class MLA(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
 
         keys_c_kv, keys_k_pe = c_kv, k_pe  # [B, S, C], [B, S, Dr]
-        if state.cache is not None and state.record_topk:
+        if state.cache is not None:
             keys_c_kv, keys_k_pe = state.cache.write_latent(self.layer_idx, c_kv, k_pe, state.start_pos)
             if state.fresh:
                 keys_c_kv, keys_k_pe = c_kv, k_pe  # identical values; keeps autograd through the prefill
@@ -106,7 +106,7 @@ class MLA(nn.Module):
         if not (state.attention == "sparse" or state.indexer_loss or state.cache is not None):
             return None, None
         q_i, k_i, w_i = self.indexer(x.detach(), q_latent.detach(), state.cos, state.sin)
-        if state.cache is not None and state.record_topk:
+        if state.cache is not None:
             keys_i = state.cache.write_index_keys(self.layer_idx, k_i, state.start_pos)  # [B, S, Di]
             if state.fresh:
                 keys_i = k_i

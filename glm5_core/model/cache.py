@@ -36,7 +36,10 @@ class KVCache:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max_len: expected <= max_position_embeddings={cfg.max_position_embeddings}, got {max_len}")
-        zeros = lambda width: torch.zeros(batch_size, max_len, width, dtype=dtype, device=device)  # noqa: E731
+
+        def zeros(width: int) -> torch.Tensor:
+            return torch.zeros(batch_size, max_len, width, dtype=dtype, device=device)
+
         types = cfg.layer_indexer_types()
         return cls(
             c_kv=[zeros(cfg.kv_lora_rank) for _ in range(cfg.num_hidden_layers)],

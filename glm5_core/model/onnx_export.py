@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -67,8 +66,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path} (input_ids int64 [batch, seq] -> logits float32 [batch, seq, {model.config.vocab_size}])")
     return 0
 
-
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="glm5 export-onnx")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -49,6 +49,21 @@ def test_sparse_decode_matches_prefill_logits_and_keys(dtype, make_model, make_c
             assert torch.equal(topk[t][layer][:, 0], prefill_idx[:, t]), f"step {t}, full layer {layer}"
 
 
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_chunked_prefill_matches_one_shot(attention, make_model, make_config):
+    """Two chunks (10 tokens, then 11 against the cache: the multi-query decode path) equal one prefill."""
+    model = make_model(make_config())
+    ids = torch.randint(0, model.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids, attention=attention)
+        cache = model.new_cache(2, 21)
+        first = model(ids[:, :10], attention=attention, cache=cache, start_pos=0)
+        second = model(ids[:, 10:], attention=attention, cache=cache, start_pos=10)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1), full.logits, atol=1e-10, rtol=1e-10)
+    for layer, idx in enumerate(full.topk_idx):
+        assert torch.equal(torch.cat([first.topk_idx[layer], second.topk_idx[layer]], 1), idx)
+
+
 def test_sparse_equals_dense_when_topk_covers_every_key(make_model, make_config):
     model = make_model(make_config(index_topk=32))
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))

@@ -186,6 +186,8 @@ def test_indexer_learns_only_from_kl_and_model_only_from_lm_loss(attention, make
         else:
             assert g_kl is None or not g_kl.any()
     assert any(g is not None and g.any() for p, g in zip(params, kl_grads) if id(p) in indexer)
+    gate = model.model.layers[1].mlp.gate.weight  # the router learns from the LM loss through the weights
+    assert lm_grads[next(i for i, p in enumerate(params) if p is gate)].any()
 
 
 def test_sparse_kl_equals_dense_kl_and_recall_is_one_when_topk_covers_all_keys(make_model, make_config):
