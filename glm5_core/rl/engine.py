@@ -185,8 +185,8 @@ class RolloutEngine:
             for slot in range(self.max_batch):
                 if self._slots[slot] is None and self._waiting:
                     admitted.append((slot, *self._waiting.popleft()))
-        for slot, request, future in admitted:
-            self._prefill(slot, request, future)
+        if admitted:
+            self._prefill(admitted)
         decoded = self.num_active() > 0
         if decoded:
             self._decode()
@@ -196,21 +196,43 @@ class RolloutEngine:
     def _forward(self, input_ids: torch.Tensor, cache, start_pos):
         return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
 
-    def _prefill(self, slot: int, request: GenerateRequest, future: concurrent.futures.Future) -> None:
-        ids = request.input_ids
-        reuse, entry = self.prefix_cache.lookup(request.rid, ids)
-        if entry is not None:
-            kv_slots.write_rows(self._cache, slot, entry.tensors, reuse)
-        view = kv_slots.slot_view(self._cache, slot)
-        new = torch.tensor([ids[reuse:]], dtype=torch.long)  # [1, T_new]
-        out = self._forward(new, view, reuse)
-        state = _Active(request, future, list(ids), kv_len=len(ids), cached=reuse)
-        self.stats.prefill_tokens += len(ids) - reuse
-        self.stats.cached_tokens += reuse
-        self.stats.requests += 1
-        self._slots[slot] = state
-        topk = [t[0, -1].tolist() for t in out.topk_idx] if self.record_topk else None
-        self._accept(slot, out.logits[:, -1], [topk])
+    def _prefill(self, admitted: List[Tuple[int, GenerateRequest, concurrent.futures.Future]]) -> None:
+        """Prefill newly admitted requests together: a scratch cache of one row per request receives each
+        trajectory's cached prefix, one right-padded forward computes the rest (ragged ``start_pos``), and the
+        rows are copied into the requests' slots."""
+        k = len(admitted)
+        reuse = []
+        scratch = self.model.new_cache(k, self.max_len)
+        for row, (_, request, _) in enumerate(admitted):
+            n, entry = self.prefix_cache.lookup(request.rid, request.input_ids)
+            if entry is not None:
+                kv_slots.write_rows(scratch, row, entry.tensors, n)
+            reuse.append(n)
+        new_lens = [len(r.input_ids) - n for (_, r, _), n in zip(admitted, reuse)]
+        T = max(new_lens)
+        if k > 1 and max(reuse) + T > self.max_len:  # the padded window would overrun the cache: one by one
+            for item in admitted:
+                self._prefill([item])
+            return
+        ids = torch.zeros(k, T, dtype=torch.long)  # [k, T] right-padded new tokens
+        for row, ((_, request, _), n) in enumerate(zip(admitted, reuse)):
+            ids[row, :new_lens[row]] = torch.tensor(request.input_ids[n:], dtype=torch.long)
+        start = reuse[0] if len(set(reuse)) == 1 else torch.tensor(reuse, dtype=torch.long)
+        out = self._forward(ids, scratch, start)
+        last = torch.tensor(new_lens, dtype=torch.long) - 1  # [k] last real position per row
+        logits = out.logits[torch.arange(k), last]  # [k, V]
+        slots, topk = [], []
+        for row, ((slot, request, future), n) in enumerate(zip(admitted, reuse)):
+            kv_slots.write_rows(self._cache, slot, kv_slots.read_rows(scratch, row, len(request.input_ids)),
+                                len(request.input_ids))
+            self._slots[slot] = _Active(request, future, list(request.input_ids), kv_len=len(request.input_ids),
+                                        cached=n)
+            self.stats.prefill_tokens += new_lens[row]
+            self.stats.cached_tokens += n
+            self.stats.requests += 1
+            slots.append(slot)
+            topk.append([t[row, int(last[row])].tolist() for t in out.topk_idx] if self.record_topk else None)
+        self._accept_many(slots, logits, topk)
 
     def _decode(self) -> None:
         S = self.max_batch
@@ -229,9 +251,6 @@ class RolloutEngine:
         rows = torch.tensor(active, dtype=torch.long)
         topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
         self._accept_many(active, out.logits[rows, 0], topk)
-
-    def _accept(self, slot: int, logits_1V: torch.Tensor, topk: List) -> None:
-        self._accept_many([slot], logits_1V, topk)
 
     def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
         states = [self._slots[i] for i in slots]

@@ -1,0 +1,107 @@
+import json
+import os
+import urllib.request
+
+import pytest
+import torch
+
+from glm5_core.rl.client import EngineClient, EngineRequestError
+from glm5_core.rl.engine import RolloutEngine
+from glm5_core.rl.protocol import Limits, parse_generate_request
+from glm5_core.rl.server import EngineServer
+
+LIMITS = Limits(vocab_size=100, max_input_tokens=10, max_new_tokens=5)
+
+
+def test_parse_valid_request():
+    req = parse_generate_request({"input_ids": [1, 99], "rid": "x", "return_logprob": True, "sampling_params": {
+        "temperature": 0.5, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [3]}}, LIMITS)
+    assert (req.input_ids, req.temperature, req.top_p, req.max_new_tokens, req.stop_token_ids) == \
+        ([1, 99], 0.5, 0.9, 5, (3,))
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"input_ids": [100]}, r"input_ids\[0\]"),
+    ({"input_ids": [-1]}, r"input_ids\[0\]"),
+    ({"input_ids": [1.0]}, r"input_ids\[0\]"),
+    ({"input_ids": [True]}, r"input_ids\[0\]"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": list(range(11))}, "input_ids"),
+    ({"input_ids": "abc"}, "input_ids"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 6}}, "max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"temperature": float("nan")}}, "temperature"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "top_p"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [100]}}, "stop_token_ids"),
+    ({"input_ids": [1], "sampling_params": {"n": 2}}, "unknown"),
+    ({"input_ids": [1], "extra": 1}, "unknown"),
+    ({"text": "hi"}, "text"),
+    ([1, 2], "request"),
+])
+def test_parse_rejects_bad_requests(body, field):
+    with pytest.raises(ValueError, match=field):
+        parse_generate_request(body, LIMITS)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_policy, tmp_path_factory):
+    weights_dir = str(tmp_path_factory.mktemp("weights"))
+    engine = RolloutEngine(tiny_policy, max_batch=4, max_len=64)
+    server = EngineServer(engine, weights_dir=weights_dir, max_body_bytes=4096).start()
+    yield server, weights_dir
+    server.shutdown()
+
+
+def test_server_binds_localhost_and_generates_sglang_shape(served):
+    server, _ = served
+    assert server._httpd.server_address[0] == "127.0.0.1"
+    client = EngineClient(server.url)
+    resp = client.generate({"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
+                            "return_logprob": True, "rid": "a"})
+    meta = resp["meta_info"]
+    assert len(resp["output_ids"]) == meta["completion_tokens"] <= 4
+    assert [e[1] for e in meta["output_token_logprobs"]] == resp["output_ids"]
+    assert all(e[0] <= 0.0 for e in meta["output_token_logprobs"])
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert meta["weight_version"] == 0 and meta["prompt_tokens"] == 3
+
+
+def test_server_rejects_bad_requests_with_400_and_oversized_with_413(served):
+    server, _ = served
+    client = EngineClient(server.url)
+    with pytest.raises(EngineRequestError, match="input_ids") as err:
+        client.generate({"input_ids": [10**6]})
+    assert err.value.status == 400
+    with pytest.raises(EngineRequestError) as err:
+        client.generate({"input_ids": [1] * 3000})
+    assert err.value.status == 413
+    req = urllib.request.Request(server.url + "/generate", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(req, timeout=10)
+    assert http_err.value.code == 400
+
+
+def test_weight_update_only_from_the_weights_dir(served, tiny_policy, tmp_path):
+    from safetensors.torch import save_file
+
+    server, weights_dir = served
+    client = EngineClient(server.url)
+    state = {k: v.detach().clone().contiguous() for k, v in tiny_policy.state_dict().items()}
+    outside = str(tmp_path / "v1.safetensors")
+    save_file(state, outside)
+    with pytest.raises(EngineRequestError, match="model_path"):
+        client.update_weights_from_disk(outside, 1)
+    inside = os.path.join(weights_dir, "v1.safetensors")
+    save_file(state, inside)
+    assert client.update_weights_from_disk(inside, 1)["success"]
+    resp = client.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})
+    assert resp["meta_info"]["weight_version"] == 1
+    bad = dict(state)
+    bad.pop(next(iter(bad)))
+    save_file(bad, os.path.join(weights_dir, "v2.safetensors"))
+    with pytest.raises(EngineRequestError, match="missing"):
+        client.update_weights_from_disk(os.path.join(weights_dir, "v2.safetensors"), 2)
+
+
+def test_client_refuses_remote_urls():
+    with pytest.raises(ValueError, match="url"):
+        EngineClient("http://10.0.0.1:80")
