@@ -1,8 +1,9 @@
 """Loader of the CUDA deterministic top-k in ``csrc/deterministic_topk.cu`` (JIT-built, cached).
 
-Built with ``torch.utils.cpp_extension.load`` on first use, only where a CUDA toolkit (nvcc) and a
+Built with ``torch.utils.cpp_extension.load`` on first use (a TORCH_LIBRARY operator,
+``torch.ops.glm5_cuda.deterministic_topk``), only where a CUDA toolkit (nvcc) and a
 CUDA build of torch are present; ``GLM5_SKIP_EXT=1`` skips it. ``load_extension()`` returns
-``(module or None, reason)`` and is cached for the process, so a failed build is tried once.
+``(operator or None, reason)`` and is cached for the process, so a failed build is tried once.
 """
 from __future__ import annotations
 
@@ -45,19 +46,19 @@ def load_extension():
 
     source = csrc.source_dir() / "deterministic_topk.cu"
     try:
-        module = cpp_extension.load(name=EXTENSION_NAME, sources=[str(source)], extra_include_paths=[str(source.parent)],
-                                    extra_cuda_cflags=nvcc_flags(), verbose=False)
+        cpp_extension.load(name=EXTENSION_NAME, sources=[str(source)], extra_include_paths=[str(source.parent)],
+                           extra_cuda_cflags=nvcc_flags(), is_python_module=False, verbose=False)
     except Exception as exc:  # a failed build must leave the Triton path usable
         return None, f"building {source.name} failed: {exc!r}"
-    return module, f"built {EXTENSION_NAME}"
+    return torch.ops.glm5_cuda.deterministic_topk, f"built {EXTENSION_NAME}"
 
 
 def topk_from_scores(scores: torch.Tensor, topk: int, start_pos=0) -> torch.Tensor:
     """The DSA top-k contract over materialised, causally masked scores fp32 [B, T, S] -> int32 [B, T, topk].
 
     Runs the CUDA radix-select kernel, then applies the contract's -1 padding past min(topk, pos + 1)."""
-    module, why = load_extension()
-    if module is None:
+    op, why = load_extension()
+    if op is None:
         raise RuntimeError(f"deterministic top-k extension unavailable: {why}")
     B, T, S = scores.shape
     k = min(topk, S)
@@ -65,7 +66,7 @@ def topk_from_scores(scores: torch.Tensor, topk: int, start_pos=0) -> torch.Tens
         raise ValueError(f"topk: the CUDA top-k supports k <= {MAX_K}, got {k}")
     rows = scores.reshape(B * T, S).float().contiguous()  # [R, S]
     with torch.cuda.device(rows.device):
-        picked = module.deterministic_topk(rows, k, torch.cuda.current_stream().cuda_stream).view(B, T, k)
+        picked = op(rows, k, torch.cuda.current_stream().cuda_stream).view(B, T, k)
     return pad_past_valid(picked, topk, start_pos)
 
 

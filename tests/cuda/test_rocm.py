@@ -1,0 +1,100 @@
+"""rocm backend: AMD launch configs over the shared kernels, and the aiter paths' argument building
+(exercised with torch stand-ins for the two aiter calls, which need an AMD GPU)."""
+import dataclasses
+
+import pytest
+import torch
+
+from glm5_core import registry, testing
+from glm5_core.ops import dsa, moe
+from tests.cuda.helpers import kernel
+
+
+def test_amd_configs_respect_wavefront_limits_and_share_the_indexer_layout():
+    from glm5_core.backends.cuda.launch import CUDA_CONFIGS
+    from glm5_core.backends.rocm.launch import MAX_NUM_WARPS, ROCM_CONFIGS
+
+    for field in dataclasses.fields(ROCM_CONFIGS):
+        config = getattr(ROCM_CONFIGS, field.name)
+        if field.name == "vendor":
+            continue
+        assert config.num_warps <= MAX_NUM_WARPS == 16
+        assert "waves_per_eu" in config.launch_kwargs()
+        assert "waves_per_eu" not in getattr(CUDA_CONFIGS, field.name).launch_kwargs()  # NVIDIA rejects it
+    assert ROCM_CONFIGS.indexer.blocks == CUDA_CONFIGS.indexer.blocks  # same scores, bit for bit
+
+
+def test_rocm_table_runs_the_shared_kernels(device):
+    rows = {r.op: r for r in registry.explain("rocm")}
+    assert rows["dsa_indexer_topk"].label.startswith("rocm: glm5_core.backends.cuda.indexer")
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=2, T=3, S=20, H=2, D=16, K=5), device=device)
+    cuda_idx = kernel("dsa_indexer_topk", "cuda")(x["q"], x["k"], x["w"], topk=5, start_pos=17)
+    rocm_idx = kernel("dsa_indexer_topk", "rocm")(x["q"], x["k"], x["w"], topk=5, start_pos=17)
+    assert torch.equal(cuda_idx, rocm_idx)
+
+
+def _fake_mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                         sm_scale=None):
+    """What aiter.mla.mla_decode_fwd computes (page size 1, one query per sequence), in torch."""
+    assert max_seqlen_q == 1 and bool((kv_last_page_lens == 1).all())
+    C = o.shape[-1]
+    for r in range(o.shape[0]):
+        keys = kv_buffer[kv_indices[kv_indptr[r]:kv_indptr[r + 1]].long(), 0, 0].float()  # [n, C+Dr]
+        if keys.shape[0] == 0:
+            o[r] = float("nan")  # undefined for an empty sequence: the wrapper must zero it
+            continue
+        probs = torch.softmax(q[r].float() @ keys.T * sm_scale, dim=-1)  # [H, n]
+        o[r] = (probs @ keys[:, :C]).to(o.dtype)
+
+
+def test_aiter_mla_decode_argument_building():
+    from glm5_core.backends.rocm import aiter_ops
+    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+
+    shape = testing.MLAShape(B=2, T=2, S=11, H=16, Dn=8, Dr=4, Dv=6, C=24)
+    x = testing.make_sparse_inputs(shape, 5, dtype=torch.float32, seed=1)
+    args = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv", "topk_idx")
+    out = aiter_ops.sparse_decode_with(_fake_mla_decode_fwd, *(x[a] for a in args), scale=0.3,
+                                       config=ROCM_CONFIGS.sparse_mla)
+    ref = dsa.sparse_attention_reference(*(x[a] for a in args), scale=0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    built = aiter_ops.build_mla_decode_args(torch.zeros(2, 2, 16, 24), x["q_pe"], x["c_kv"], x["k_pe"], x["topk_idx"])
+    assert built.kv_indptr.dtype == torch.int32 and built.kv_indptr[-1] == (x["topk_idx"] >= 0).sum()
+    assert built.empty_rows.tolist() == [True, False, False, False]
+
+
+def _fake_biased_grouped_topk(logits, bias, weights, ids, n_group, topk_group, renorm, scaling):
+    """An aiter-like routing that returns the right sets in scrambled order (ties resolved arbitrarily)."""
+    w, i = moe.route_reference(logits, bias, top_k=ids.shape[1], n_group=n_group, topk_group=topk_group,
+                               renormalize=renorm, routed_scaling_factor=scaling)
+    flip = torch.arange(ids.shape[1] - 1, -1, -1)
+    weights.copy_(w[:, flip])
+    ids.copy_(i[:, flip])
+    ids[0] = torch.arange(ids.shape[1] - 1, -1, -1, dtype=torch.int32) + 3  # tied row: a "wrong" pick
+
+
+def test_aiter_routing_is_reordered_and_ties_recomputed():
+    from glm5_core.backends.rocm import aiter_ops
+    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+
+    logits = testing.randn((9, 16), seed=3)
+    logits[0] = 0.0
+    bias = torch.zeros(16)
+    kwargs = dict(top_k=4, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5)
+    weights, ids = aiter_ops.route_with(_fake_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS.moe_route,
+                                        **kwargs)
+    ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+    assert aiter_ops.tie_rows(torch.sigmoid(logits) + bias, 4, 4, 2).tolist()[0] is True
+
+
+def test_aiter_paths_decline_what_aiter_cannot_take():
+    from glm5_core.backends.rocm import aiter_ops
+
+    assert not aiter_ops.route_supports(torch.zeros(2, 8), None, top_k=2)[0]
+    q = torch.zeros(1, 1, 12, 8, dtype=torch.bfloat16)
+    ok, why = aiter_ops.sparse_decode_supports(q, q[..., :4], torch.zeros(1, 3, 8, dtype=torch.bfloat16),
+                                               torch.zeros(1, 3, 4, dtype=torch.bfloat16), None, None,
+                                               torch.zeros(1, 1, 2, dtype=torch.int32))
+    assert not ok and "12" in why
