@@ -2,10 +2,12 @@
 the fp32 GEMM rate.
 
 Peak extra memory: a child Python process builds the inputs, runs the op once on a tiny problem (so
-libraries, thread pools and the native extension are loaded), reads its resident-set high-water mark
-(``resource.getrusage(RUSAGE_SELF).ru_maxrss``), runs the op once on the real inputs and reads the mark
-again. The difference is the most memory the op held beyond its inputs at any moment (page-granular,
-allocator caching included), a number no other process perturbs.
+libraries, thread pools and the native extension are loaded), reads its resident set size (RSS, from
+/proc/self/statm), then runs the op once on the real inputs while a sampling thread reads the RSS every
+millisecond. Peak sampled RSS minus the RSS before the call is the most memory the op held beyond its
+inputs (page-granular, allocator caching included; a peak shorter than the sampling period can be
+missed). The getrusage high-water mark is not used: transient peaks of input construction would mask
+the op's own.
 """
 from __future__ import annotations
 
@@ -19,17 +21,31 @@ from typing import Callable
 import torch
 
 _CHILD = """
-import json, resource, torch
+import json, os, threading, time, torch
 torch.manual_seed(0)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
 {setup}
 def run(inputs):
 {run}
 run(make({warm_args}))
 inputs = make({args})
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = rss()
+peak = [before]
+done = threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
 run(inputs)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"peak_extra_bytes": (after - before) * 1024}}))
+done.set()
+sampler.join()
+peak[0] = max(peak[0], rss())
+print(json.dumps({{"peak_extra_bytes": peak[0] - before}}))
 """
 
 

@@ -2,12 +2,13 @@
 
 One benchmark round = one optimizer step of the tiny config (forward, backward, clip, Muon + AdamW, router
 bias update) on ``batch_size * seq_len`` tokens; ``extra_info["tokens_per_s"]`` is those tokens over the
-median round time. Backends that cannot run here are skipped with the registry's reason, so the same file
+median round time, with the config's ``torch_threads`` (1) and, on cpu, with 2 threads for contrast. Backends that cannot run here are skipped with the registry's reason, so the same file
 reports cuda / rocm / ascend numbers on machines that have them.
 
     pytest benchmarks/bench_train.py --benchmark-json benchmarks/results/bench_train.json
 """
 import pytest
+import torch
 
 from glm5_core import registry
 from glm5_core.train import RunOptions, load_config
@@ -26,18 +27,30 @@ def _first_step_of(cfg, kind: str) -> int:
     raise AssertionError(f"{CONFIG} has no {kind} stage")
 
 
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [None, 2], ids=["config_threads", "2_threads"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("backend", registry.BUILTIN_BACKENDS)
-def test_train_step_throughput(benchmark, backend, kind, tmp_path):
+def test_train_step_throughput(benchmark, backend, kind, threads, tmp_path, restore_threads):
     ok, reason = registry.get_backend(backend).available()
     if not ok:
         pytest.skip(f"{backend}: {reason}")
     cfg = load_config(CONFIG)
+    if threads is not None:
+        if registry.get_backend(backend).device() != "cpu":
+            pytest.skip("the thread count only matters on cpu")
+        cfg.torch_threads = threads
     trainer = Trainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
     step = _first_step_of(cfg, kind)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len})"
     benchmark.extra_info.update(backend=backend, stage=kind, tokens_per_step=tokens,
-                                device=str(trainer.dist.device))
+                                device=str(trainer.dist.device), torch_threads=torch.get_num_threads())
     benchmark.pedantic(lambda: trainer.train_step(step), rounds=5, iterations=1, warmup_rounds=1)
     benchmark.extra_info["tokens_per_s"] = tokens / benchmark.stats.stats.median
