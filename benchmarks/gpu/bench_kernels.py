@@ -41,12 +41,19 @@ def device_peaks(device: str) -> Dict[str, float]:
     return {"name": name}
 
 
-def time_call(fn, device: str, reps: int, warmup: int) -> float:
-    """Median milliseconds of ``fn()``."""
+def time_call(fn, device: str, reps: int, warmup: int, target_ms: float = 1500.0) -> float:
+    """Median milliseconds of ``fn()``; slow calls get fewer repetitions (at least 3) to stay near target_ms."""
     for _ in range(warmup):
         fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
     samples = []
-    for _ in range(reps):
+    for _ in range(max(3, min(reps, int(target_ms / max(first_ms, 1e-3))))):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -73,13 +73,14 @@ def sparse_decode_case(device, tiny: bool) -> Case:
     idx = torch.stack([torch.randperm(S, device=device)[:K] for _ in range(B)]).view(B, 1, K).to(torch.int32)
     args = [x[a] for a in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")]
     scale = (Dn + Dr) ** -0.5
-    q_all = torch.cat([mla.absorb_query(x["q_nope"], x["w_uk"]), x["q_pe"]], -1).transpose(1, 2)  # [B, H, 1, C+Dr]
+    # Absorbed MQA for SDPA: the H heads are the query rows of one KV head, so nothing is expanded.
+    q_all = torch.cat([mla.absorb_query(x["q_nope"], x["w_uk"]), x["q_pe"]], -1)  # [B, 1, H, C+Dr]
     kv_all = torch.cat([x["c_kv"], x["k_pe"]], -1).unsqueeze(1)  # [B, 1, S, C+Dr]
     impls = {
         "cuda sparse decode": lambda: _cuda("dsa_sparse_decode")(*args, idx, scale=scale),
         "reference": lambda: dsa.sparse_attention_reference(*args, idx, scale=scale),
         "dense SDPA over the whole cache": lambda: F.scaled_dot_product_attention(
-            q_all, kv_all.expand(B, H, S, C + Dr), kv_all[..., :C].expand(B, H, S, C), scale=scale),
+            q_all, kv_all, kv_all[..., :C], scale=scale),
     }
     flops = 2.0 * B * H * K * (2 * C + Dr)
     return Case("dsa_sparse_decode", f"B{B} S{S} H{H} C{C}+{Dr} K{K} bf16", flops, B * K * (C + Dr) * 2, impls,
@@ -133,7 +134,7 @@ def permute_case(device, tiny: bool) -> Case:
 
 
 def experts_case(device, tiny: bool) -> Case:
-    E, M, D, F_ = (4, 64, 32, 48) if tiny else (32, 16384, 6144, 2048)
+    E, M, D, F_ = (4, 64, 32, 48) if tiny else (8, 1024, 6144, 2048)  # fp32-accumulated: keep it ~80 GFLOP
     dt = torch.bfloat16
     counts = torch.full((E,), M // E, device=device, dtype=torch.int64)
     x = _randn(M, D, dtype=dt, device=device)
