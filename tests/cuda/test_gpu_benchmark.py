@@ -16,6 +16,7 @@ def _load(name):
     try:
         spec = importlib.util.spec_from_file_location(name, BENCH_DIR / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
         spec.loader.exec_module(module)
         return module
     finally:
