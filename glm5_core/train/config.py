@@ -1,7 +1,7 @@
 """The pretraining run config: YAML -> typed dataclasses, every problem reported on its own line.
 
-Sections: ``model`` (a preset plus GLM5Config overrides), ``data``, ``optimizer``, ``schedule``, ``stages``,
-``loss``, ``router``, ``checkpoint``, ``logging``; top level ``seed`` and ``output_dir``.
+Top level: ``seed``, ``output_dir``, ``torch_threads``. Sections: ``model`` (a preset plus GLM5Config
+overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``.
 Stage kinds follow the DSA recipe (FACTS.md): ``dense`` (dense attention, LM + MTP loss, indexer idle),
 ``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
 ``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
@@ -29,6 +29,7 @@ class DataConfig:
     extensions: List[str] = field(factory=lambda: [".txt", ".md", ".py", ".jsonl"])  # folder: files to read
     tokenizer: str = "byte"  # "byte" or the path of an HF tokenizer.json
     eos_token: Optional[str] = None  # HF tokenizer: the token appended after each document
+    shuffle: bool = True  # read documents in a seeded permutation (per epoch) instead of corpus order
     seq_len: int = field(128, **positive())
     batch_size: int = field(8, **positive())  # sequences per step, over all ranks
 
@@ -88,6 +89,9 @@ class LoggingConfig:
 class TrainConfig:
     seed: int = field(0, **non_negative())
     output_dir: str = "runs/pretrain"
+    # CPU threads for torch's intra-op pool (0: torch's default). Small models on a few shared cores run
+    # faster on 1 thread; a resumed run must use the same count to repeat the uninterrupted one bitwise.
+    torch_threads: int = field(0, range=(0, 4096))
     model: Dict[str, Any] = field(factory=lambda: {"preset": "tiny"})
     data: DataConfig = field(factory=DataConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)

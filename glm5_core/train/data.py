@@ -6,7 +6,8 @@ Corpus: an indexable list of documents (bytes), in a fixed order:
   * a user path: one ``.jsonl`` file (one document per line, text under ``text_key``), one text file (one
     document), or a folder (every file with an allowed extension, sorted by relative path).
 Tokens: each document is encoded and followed by an end-of-document token; documents are concatenated into
-one stream that wraps around (epochs). A batch is ``B`` rows of ``T + 1`` tokens cut from the stream in
+one stream that wraps around (epochs), in corpus order or (``shuffle``) in a permutation of it drawn from
+Python's ``random.Random`` seeded by (seed, epoch), so every machine reads the same order. A batch is ``B`` rows of ``T + 1`` tokens cut from the stream in
 order, row ``i`` starting ``i * T`` after the batch start (inputs ``row[:-1]``, labels ``row[1:]``), and the
 stream advances by ``B * T``. The position (epoch, document, offset) after each batch is all a resumed run
 needs to continue with the same batches.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import sysconfig
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -163,15 +165,30 @@ class StreamPosition:
 
 
 class TokenStream:
-    """The documents' tokens, concatenated, read sequentially from a position; wraps to an new epoch."""
+    """The documents' tokens, concatenated, read sequentially from a position; wraps to a new epoch."""
 
-    def __init__(self, corpus, tokenizer, position: Optional[StreamPosition] = None):
+    def __init__(self, corpus, tokenizer, position: Optional[StreamPosition] = None, *,
+                 shuffle_seed: Optional[int] = None):
         self.corpus, self.tokenizer = corpus, tokenizer
         self.position = position or StreamPosition()
+        self.shuffle_seed = shuffle_seed
+        self._order_epoch: Optional[int] = None
+        self._order: List[int] = []
         self._cached_doc: Optional[int] = None
         self._cached: Optional[torch.Tensor] = None
 
-    def _doc_tokens(self, i: int) -> torch.Tensor:
+    def document_index(self, epoch: int, doc: int) -> int:
+        """Which corpus document is the ``doc``-th one read in ``epoch``."""
+        if self.shuffle_seed is None:
+            return doc
+        if self._order_epoch != epoch:
+            self._order = list(range(len(self.corpus)))
+            random.Random(self.shuffle_seed * 1_000_003 + epoch).shuffle(self._order)
+            self._order_epoch = epoch
+        return self._order[doc]
+
+    def _doc_tokens(self, epoch: int, doc: int) -> torch.Tensor:
+        i = self.document_index(epoch, doc)
         if self._cached_doc != i:
             self._cached = torch.tensor(self.tokenizer.encode(self.corpus[i]), dtype=torch.int64)
             self._cached_doc = i
@@ -182,7 +199,7 @@ class TokenStream:
         pos = dataclasses.replace(self.position)
         parts, need, empty_docs = [], n, 0
         while need > 0:
-            tokens = self._doc_tokens(pos.doc)
+            tokens = self._doc_tokens(pos.epoch, pos.doc)
             take = tokens[pos.offset:pos.offset + need]
             parts.append(take)
             need -= take.numel()
@@ -223,7 +240,8 @@ class SequencePacker:
         self.stream.position = pos
 
 
-def build_packer(data_cfg) -> SequencePacker:
+def build_packer(data_cfg, seed: int) -> SequencePacker:
     tokenizer = make_tokenizer(data_cfg.tokenizer, data_cfg.eos_token)
     corpus = make_corpus(data_cfg.source, data_cfg.path, text_key=data_cfg.text_key, extensions=data_cfg.extensions)
-    return SequencePacker(TokenStream(corpus, tokenizer), data_cfg.batch_size, data_cfg.seq_len)
+    stream = TokenStream(corpus, tokenizer, shuffle_seed=seed if data_cfg.shuffle else None)
+    return SequencePacker(stream, data_cfg.batch_size, data_cfg.seq_len)

@@ -76,11 +76,13 @@ class Trainer:
             raise ValueError(f"data.batch_size: expected a multiple of the world size {self.dist.world_size}, "
                              f"got {cfg.data.batch_size}")
         self.schedule = StageSchedule(cfg.stages, cfg.schedule)
-        self.packer = build_packer(cfg.data)
+        self.packer = build_packer(cfg.data, cfg.seed)
         model_cfg = cfg.model_config()
         vocab = self.packer.stream.tokenizer.vocab_size
         if model_cfg.vocab_size < vocab:
             raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary ({vocab}), got {model_cfg.vocab_size}")
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
         self.model.reset_parameters(seed=cfg.seed)

@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+import torch
 
 SMALL_MODEL = dict(
     preset="tiny", hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=64,
@@ -27,6 +28,7 @@ def small_raw(tmp_path):
         (corpus / f"doc{i:02d}.txt").write_text(text)
     return copy.deepcopy(dict(
         seed=3,
+        torch_threads=1,  # tiny matrices: one thread is far faster on a shared machine
         output_dir=str(tmp_path / "run"),
         model=dict(SMALL_MODEL),
         data=dict(source="path", path=str(corpus), seq_len=24, batch_size=2),
@@ -38,3 +40,11 @@ def small_raw(tmp_path):
         router=dict(bias_update_rate=1e-2),
         logging=dict(progress_bar=False, tensorboard=False, plot=False, recall_every_steps=1),
     ))
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """The driver sets torch's global thread count from the config; give other tests theirs back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

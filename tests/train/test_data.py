@@ -100,3 +100,30 @@ def test_stdlib_corpus_is_the_sorted_standard_library():
     assert rel == sorted(rel) and len(rel) > 100
     assert all(r.endswith(".py") and "site-packages" not in r for r in rel)
     assert "os.py" in rel
+
+
+def test_shuffled_order_is_a_seeded_permutation_per_epoch(tmp_path):
+    for i in range(12):
+        (tmp_path / f"d{i:02d}.txt").write_text(f"doc {i}")
+    corpus = make_corpus("path", str(tmp_path), extensions=[".txt"])
+    a = TokenStream(corpus, ByteTokenizer(), shuffle_seed=7)
+    b = TokenStream(corpus, ByteTokenizer(), shuffle_seed=7)
+    other = TokenStream(corpus, ByteTokenizer(), shuffle_seed=8)
+    epoch0 = [a.document_index(0, d) for d in range(12)]
+    epoch1 = [a.document_index(1, d) for d in range(12)]
+    assert sorted(epoch0) == list(range(12)) and sorted(epoch1) == list(range(12))
+    assert epoch0 != list(range(12)) and epoch0 != epoch1
+    assert epoch0 == [b.document_index(0, d) for d in range(12)]
+    assert epoch0 != [other.document_index(0, d) for d in range(12)]
+    # The stream reads the documents in that order, and resumes in it.
+    first_doc = corpus[epoch0[0]]
+    assert torch.equal(a.read(len(first_doc)), torch.tensor(list(first_doc)))
+    packer = SequencePacker(TokenStream(corpus, ByteTokenizer(), shuffle_seed=7), 2, 7)
+    expected = [packer.next_batch() for _ in range(6)]
+    resumed = SequencePacker(TokenStream(corpus, ByteTokenizer(), shuffle_seed=7), 2, 7)
+    for _ in range(2):
+        resumed.next_batch()
+    state = resumed.state_dict()
+    again = SequencePacker(TokenStream(corpus, ByteTokenizer(), shuffle_seed=7), 2, 7)
+    again.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(expected[2:], [again.next_batch() for _ in range(4)]))
