@@ -46,15 +46,27 @@ def build_env(env_cfg: Dict, seed: int):
 def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
 
-    if checkpoint:
+    if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
         from glm5_core.model import load_pretrained
 
-        return load_pretrained(checkpoint, backend=backend)
+        return load_pretrained(checkpoint, backend=backend)  # a save_pretrained directory
     preset = cfg.model.get("preset", "tiny")
     if preset != "tiny":
         raise ValueError(f"model.preset: expected 'tiny' (or pass --checkpoint), got {preset!r}")
     torch.manual_seed(cfg.seed)
-    return GLM5ForCausalLM(GLM5Config.tiny(**cfg.model.get("overrides", {})), backend=backend)
+    model = GLM5ForCausalLM(GLM5Config.tiny(**cfg.model.get("overrides", {})), backend=backend)
+    if checkpoint:  # a `glm5 pretrain` checkpoint folder: model.safetensors, architecture from model.preset
+        weights = os.path.join(checkpoint, "model.safetensors")
+        if not os.path.isfile(weights):
+            raise FileNotFoundError(f"--checkpoint: expected config.json (save_pretrained) or model.safetensors "
+                                    f"(glm5 pretrain) in {checkpoint!r}")
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"--checkpoint: weights do not fit model.preset: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    return model
 
 
 class RLRun:

@@ -78,20 +78,23 @@ class CalculatorEpisode(Episode):
 
 
 class CalculatorEnv(Environment):
-    def __init__(self, *, pareto_alpha: float = 1.2, max_numbers: int = 16, max_value: int = 9,
+    def __init__(self, *, pareto_alpha: float = 1.2, max_numbers: int = 16, min_numbers: int = 1, max_value: int = 9,
                  max_new_tokens: int = 8, keep_recent: int = 5, token_budget: int = 32768,
                  codec: ByteCodec = None, seed: int = 0):
         if not pareto_alpha > 0:
             raise ValueError(f"pareto_alpha: expected > 0, got {pareto_alpha!r}")
         if not isinstance(max_numbers, int) or max_numbers < 1:
             raise ValueError(f"max_numbers: expected an int >= 1, got {max_numbers!r}")
+        if not isinstance(min_numbers, int) or not 1 <= min_numbers <= max_numbers:
+            raise ValueError(f"min_numbers: expected an int in [1, max_numbers={max_numbers}], got {min_numbers!r}")
         self.pareto_alpha, self.max_numbers, self.max_value = pareto_alpha, max_numbers, max_value
+        self.min_numbers = min_numbers
         self.max_new_tokens, self.keep_recent, self.token_budget = max_new_tokens, keep_recent, token_budget
         self.codec = codec or ByteCodec()
         self._rng = random.Random(seed)
 
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
-        n = long_tailed_count(self._rng, self.pareto_alpha, self.max_numbers)
+        n = max(self.min_numbers, long_tailed_count(self._rng, self.pareto_alpha, self.max_numbers))
         numbers = [self._rng.randint(0, self.max_value) for _ in range(n)]
         return [CalculatorEpisode(group_id, list(numbers), self.codec, max_new_tokens=self.max_new_tokens,
                                   keep_recent=self.keep_recent, token_budget=self.token_budget)
