@@ -31,6 +31,8 @@ def backend_report() -> List[Dict]:
                 record["ops"][res.op] = {"impl": res.label, "reason": res.reason}
         except Exception as exc:  # a kernel table that cannot even be imported here
             record["ops_error"] = f"kernel table not loadable here: {exc!r}"
+        if ok and be.details is not None:
+            record["reason"] = f"{reason}; {be.details()}"
         records.append(record)
     return records
 

@@ -69,6 +69,7 @@ class Backend:
     attribute to decline calls outside its capabilities (they then run the reference).
     ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
+    ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
     """
 
     name: str
@@ -79,6 +80,7 @@ class Backend:
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     runtime_device: Optional[Callable[[], str]] = None
     description: str = ""
+    details: Optional[Callable[[], str]] = None  # extra status once the kernel table is loaded (e.g. build state)
 
     def available(self) -> Tuple[bool, str]:
         return self.probe()

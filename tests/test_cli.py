@@ -22,7 +22,7 @@ def test_backends_lists_every_backend_with_its_status():
     records = {r["backend"]: r for r in json.loads(proc.stdout)}
     for name, be in registry.backends().items():
         ok, reason = be.available()
-        assert records[name]["available"] == ok and records[name]["reason"] == reason
+        assert records[name]["available"] == ok and records[name]["reason"].startswith(reason)
         assert records[name]["dist_backend"] == be.dist_backend
     assert records["cpu"]["available"]
     assert set(records["cpu"]["ops"]) == set(registry.OP_NAMES)

@@ -75,4 +75,5 @@ BACKEND = Backend(
     kernel_table=kernel_table,
     missing=_MissingReasons(),
     description="CPU: C++/OpenMP kernels from csrc/ (built on first use), pure-torch reference elsewhere",
+    details=lambda: status().describe(),
 )
