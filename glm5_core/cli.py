@@ -55,6 +55,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     try:
         return int(module.run(args) or 0)
+    except BrokenPipeError:  # `glm5 backends | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except (BackendUnavailableError, BackendCoverageError, ValueError, TypeError, FileNotFoundError) as exc:
         if os.environ.get("GLM5_DEBUG"):
             raise
