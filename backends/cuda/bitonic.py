@@ -27,8 +27,8 @@ def _exchange(h, descending, n: tl.constexpr, j: tl.constexpr):
 @triton.jit
 def _sort_ascending(h, n: tl.constexpr):
     for s in tl.static_range(1, n + 1):
-        if s < n:
-            direction = tl.reshape(tl.arange(0, 2), [1] * (n - 1 - s) + [2] + [1] * s)  # bit s: blocks of 2^s alternate, so the next stage sees bitonic blocks
+        if s < n:  # bit s: blocks of 2^s alternate direction, so the next stage sees bitonic blocks
+            direction = tl.reshape(tl.arange(0, 2), [1] * (n - 1 - s) + [2] + [1] * s)
         else:
             direction = tl.zeros([1] * n, tl.int32)
         for i in tl.static_range(s):

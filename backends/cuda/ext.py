@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 

@@ -88,7 +88,8 @@ def sparse_decode_case(device, tiny: bool) -> Case:
 
 
 def sparse_prefill_case(device, tiny: bool) -> Case:
-    B, T, S, H, Dn, Dr, Dv, C, K = (1, 8, 32, 4, 16, 8, 16, 32, 8) if tiny else (1, 1024, 4096, 16, 192, 64, 256, 512, 512)
+    tiny_shape, h200_shape = (1, 8, 32, 4, 16, 8, 16, 32, 8), (1, 1024, 4096, 16, 192, 64, 256, 512, 512)
+    B, T, S, H, Dn, Dr, Dv, C, K = tiny_shape if tiny else h200_shape
     dt = torch.bfloat16
     x = _mla_inputs(B, T, S, H, Dn, Dr, Dv, C, dt, device)
     pos = torch.arange(S - T, S, device=device).view(1, T, 1)

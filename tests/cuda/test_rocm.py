@@ -2,7 +2,6 @@
 (exercised with torch stand-ins for the two aiter calls, which need an AMD GPU)."""
 import dataclasses
 
-import pytest
 import torch
 
 from glm5_core import registry, testing
