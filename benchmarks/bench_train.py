@@ -2,8 +2,9 @@
 
 One benchmark round = one optimizer step of the tiny config (forward, backward, clip, Muon + AdamW, router
 bias update) on ``batch_size * seq_len`` tokens; ``extra_info["tokens_per_s"]`` is those tokens over the
-median round time, with the config's ``torch_threads`` (1) and, on cpu, with 2 threads for contrast. Backends that cannot run here are skipped with the registry's reason, so the same file
-reports cuda / rocm / ascend numbers on machines that have them.
+median round time, with the config's ``torch_threads`` (1) and, on cpu, with 2 threads for contrast.
+Backends that cannot run here are skipped with the registry's reason, so the same file reports cuda / rocm /
+ascend numbers on machines that have them.
 
     pytest benchmarks/bench_train.py --benchmark-json benchmarks/results/bench_train.json
 """

@@ -44,7 +44,8 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_hyper(name: str, value, lo: float, hi: float = math.inf, *, hi_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value and (value < hi if hi_open else value <= hi)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = is_number and lo <= value and (value < hi if hi_open else value <= hi)
     if not ok:
         bracket = ")" if hi_open else "]"
         raise ValueError(f"{name}: expected a number in [{lo}, {hi}{bracket}, got {value!r}")
@@ -135,7 +136,10 @@ class Muon(torch.optim.Optimizer):
                     n = blocks.shape[0]
                     mine = ortho[offset:offset + n]  # [n, m, n_cols]
                     offset += n
-                    matrix = mine[0] if group["split_heads"] is None else muon_ops.merge_heads(mine, dim=group["split_dim"])
+                    if group["split_heads"] is None:
+                        matrix = mine[0]
+                    else:
+                        matrix = muon_ops.merge_heads(mine, dim=group["split_dim"])
                     p.mul_(1.0 - group["lr"] * group["weight_decay"])
                     p.add_(matrix.reshape(p.shape).to(p.dtype), alpha=-group["lr"] * scale)
         return loss

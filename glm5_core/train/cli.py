@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from glm5_core.train.config import load_config
-    from glm5_core.train.trainer import RunOptions, pretrain
+    from glm5_core.train.trainer import LAST_LOSS_WINDOW, RunOptions, pretrain
 
     cfg = load_config(args.config)
     if args.max_steps is not None and args.max_steps < 1:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                                        max_steps=args.max_steps))
     if "first_lm_loss" in summary:
         print(f"stages: {', '.join(summary['stages'])}; LM loss {summary['first_lm_loss']:.3f} (step 1) -> "
-              f"{summary['last_lm_loss']:.3f} (mean of the last 10 steps); "
+              f"{summary['last_lm_loss']:.3f} (mean of the last {LAST_LOSS_WINDOW} steps); "
               f"{summary['median_tokens_per_s']:.0f} tokens/s median on {summary['backend']} "
               f"x {summary['world_size']}; {summary['wall_s']:.0f} s; results in {output_dir}")
     return 0

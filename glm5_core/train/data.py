@@ -7,9 +7,9 @@ Corpus: an indexable list of documents (bytes), in a fixed order:
     document), or a folder (every file with an allowed extension, sorted by relative path).
 Tokens: each document is encoded and followed by an end-of-document token; documents are concatenated into
 one stream that wraps around (epochs), in corpus order or (``shuffle``) in a permutation of it drawn from
-Python's ``random.Random`` seeded by (seed, epoch), so every machine reads the same order. A batch is ``B`` rows of ``T + 1`` tokens cut from the stream in
-order, row ``i`` starting ``i * T`` after the batch start (inputs ``row[:-1]``, labels ``row[1:]``), and the
-stream advances by ``B * T``. The position (epoch, document, offset) after each batch is all a resumed run
+Python's ``random.Random`` seeded by (seed, epoch), so every machine reads the same order.
+A batch is ``B`` rows of ``T + 1`` tokens cut from the stream in order, row ``i`` starting ``i * T`` after
+the batch start (inputs ``row[:-1]``, labels ``row[1:]``), and the stream advances by ``B * T``. The position (epoch, document, offset) after each batch is all a resumed run
 needs to continue with the same batches.
 """
 from __future__ import annotations

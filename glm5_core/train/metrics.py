@@ -7,6 +7,7 @@ file always holds one record per step of the run's history.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -14,6 +15,7 @@ import torch
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+SMOOTHING = 20  # steps in the plot's moving mean
 
 
 def load_balance(expert_counts: torch.Tensor) -> Optional[float]:
@@ -69,6 +71,15 @@ class MetricsLogger:
             self._tb.close()
 
 
+def _moving_mean(values: List[float], window: int) -> List[float]:
+    """Mean of the last ``window`` values (fewer at the start); NaN where the value itself is NaN."""
+    out = []
+    for i, v in enumerate(values):
+        recent = [x for x in values[max(0, i - window + 1):i + 1] if not math.isnan(x)]
+        out.append(math.nan if math.isnan(v) else sum(recent) / len(recent))
+    return out
+
+
 def _stage_segments(records: List[dict]) -> List[tuple]:
     """(stage, first step, last step) of each run of consecutive records in one stage."""
     segments: List[list] = []
@@ -93,17 +104,21 @@ def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for key, label in (("lm_loss", "LM loss"), ("mtp_loss", "MTP loss"), ("indexer_kl", "indexer KL")):
-        pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if pts:
-            ax.plot(*zip(*pts), label=label, linewidth=1)
+    steps = [r["step"] for r in records]
+    for n, (key, label) in enumerate((("lm_loss", "LM loss"), ("mtp_loss", "MTP loss"), ("indexer_kl", "indexer KL"))):
+        values = [math.nan if r.get(key) is None else r[key] for r in records]  # NaN breaks the line
+        if all(math.isnan(v) for v in values):
+            continue
+        ax.plot(steps, values, label=label, linewidth=0.6, alpha=0.45, color=f"C{n}")
+        ax.plot(steps, _moving_mean(values, SMOOTHING), label=f"{label} ({SMOOTHING}-step mean)", linewidth=1.6,
+                color=f"C{n}")
     top = ax.get_ylim()[1]
     for n, (stage, first, last) in enumerate(_stage_segments(records)):
         ax.axvspan(first, last, alpha=0.08, color=f"C{n + 3}")
-        ax.text(first, top, f" {stage}", va="top", fontsize=8)
+        ax.text(first, top * (1.0 - 0.05 * (n % 2)), f" {stage}", va="top", fontsize=8)  # staggered: no overlap
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)

@@ -33,6 +33,7 @@ from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot
 from glm5_core.train.schedule import StageSchedule
 
 SUMMARY_FILE = "summary.json"
+LAST_LOSS_WINDOW = 50  # the summary's end loss: mean LM loss of this many last steps (batches vary a lot)
 
 
 @dataclasses.dataclass
@@ -197,7 +198,7 @@ class Trainer:
             lm = [r["lm_loss"] for r in records if r.get("lm_loss") is not None]
             if lm:
                 summary["first_lm_loss"] = lm[0]
-                summary["last_lm_loss"] = statistics.mean(lm[-10:])
+                summary["last_lm_loss"] = statistics.mean(lm[-LAST_LOSS_WINDOW:])
             summary["stages"] = sorted({r["stage"] for r in records}, key=[r["stage"] for r in records].index)
             if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
                 plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
