@@ -36,9 +36,9 @@ class LaunchConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one table per vendor, a module constant
 class KernelConfigs:
-    """One launch configuration per kernel family, plus the vendor's name (shown by ``glm5 backends``)."""
+    """One launch configuration per kernel family, plus the vendor's name (namespaces its custom ops)."""
 
     vendor: str
     indexer: LaunchConfig

@@ -25,9 +25,10 @@ def bind(fn: Callable, config: LaunchConfig, supports: Callable = None) -> Calla
 
 
 def build_kernel_table(configs: KernelConfigs) -> Dict[str, Callable]:
-    from glm5_core.backends.cuda import indexer, moe_experts, moe_permute, moe_route, newton_schulz, sparse_mla
+    from glm5_core.backends.cuda import (custom_ops, indexer, moe_experts, moe_permute, moe_route, newton_schulz,
+                                         sparse_mla)
 
-    return {
+    table = {
         "dsa_indexer_scores": bind(indexer.indexer_scores, configs.indexer, indexer.supports),
         "dsa_indexer_topk": bind(indexer.indexer_topk, configs.indexer, indexer.supports),
         "dsa_sparse_prefill": bind(sparse_mla.sparse_prefill, configs.sparse_mla, sparse_mla.supports),
@@ -39,3 +40,5 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Callable]:
         "moe_experts": bind(moe_experts.grouped_swiglu, configs.grouped_gemm, moe_experts.supports),
         "muon_orthogonalize": bind(newton_schulz.orthogonalize, configs.newton_schulz, newton_schulz.supports),
     }
+    table.update(custom_ops.register(configs))  # inference ops as torch.library custom ops (torch.compile)
+    return table

@@ -1,0 +1,26 @@
+"""The inference kernels are torch.library custom ops with fake implementations (torch.compile-ready)."""
+import torch
+
+from glm5_core import testing
+from tests.cuda.helpers import kernel
+
+
+def test_indexer_topk_op_passes_opcheck_and_traces(device):
+    kernel("dsa_indexer_topk")  # registers the ops
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=2, T=3, S=11, H=2, D=16, K=4), device=device)
+    start = torch.tensor([8, 5], dtype=torch.int32, device=device)
+    op = torch.ops.glm5_cuda.indexer_topk
+    torch.library.opcheck(op, (x["q"], x["k"], x["w"], start, 4), test_utils=("test_schema", "test_faketensor"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = op(*(mode.from_tensor(t) for t in (x["q"], x["k"], x["w"], start)), 4)
+    assert fake.shape == (2, 3, 4) and fake.dtype == torch.int32
+
+
+def test_sparse_decode_op_fake_shape(device):
+    kernel("dsa_sparse_decode")
+    shape = testing.MLAShape(B=1, T=2, S=9, H=3, Dn=8, Dr=4, Dv=6, C=16)
+    x = testing.make_sparse_inputs(shape, 4, device=device)
+    args = tuple(x[a] for a in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv", "topk_idx")) + (0.5,)
+    torch.library.opcheck(torch.ops.glm5_cuda.sparse_decode, args, test_utils=("test_schema", "test_faketensor"))
