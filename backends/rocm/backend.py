@@ -3,6 +3,7 @@ import importlib.util
 from typing import Callable, Dict
 
 from glm5_core import platform
+from glm5_core.backends.cuda.backend import interpreter_verdict
 from glm5_core.registry import Backend
 
 
@@ -11,6 +12,9 @@ def probe():
     if platform.triton_interpreter_enabled():
         if not ok:
             return False, f"TRITON_INTERPRET=1 but {why}"
+        late = interpreter_verdict()
+        if late:
+            return False, late
         return True, f"Triton interpreter on CPU tensors (TRITON_INTERPRET=1), {why}"
     gpu_ok, gpu_why = platform.gpu_probe("rocm")
     if not gpu_ok:
