@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from glm5_core import registry
-from glm5_core.model import GLM5ForCausalLM
+from glm5_core.model import GLM5ForCausalLM, save_pretrained
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import distributed as dist_utils
@@ -33,6 +33,7 @@ from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot
 from glm5_core.train.schedule import StageSchedule
 
 SUMMARY_FILE = "summary.json"
+EXPORT_DIR = "final"  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
 LAST_LOSS_WINDOW = 50  # the summary's end loss: mean LM loss of this many last steps (batches vary a lot)
 
 
@@ -200,6 +201,8 @@ class Trainer:
                 summary["first_lm_loss"] = lm[0]
                 summary["last_lm_loss"] = statistics.mean(lm[-LAST_LOSS_WINDOW:])
             summary["stages"] = sorted({r["stage"] for r in records}, key=[r["stage"] for r in records].index)
+            save_pretrained(self.model, self.output_dir / EXPORT_DIR)
+            summary["hf_checkpoint"] = str(self.output_dir / EXPORT_DIR)
             if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
                 plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
                 summary["plot"] = str(plotted) if plotted else None

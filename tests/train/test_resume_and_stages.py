@@ -107,3 +107,15 @@ def test_cli_runs_and_resumes(small_raw, tmp_path, capsys):
     assert "stages: dense, indexer_warmup, sparse" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == [5, 6]
+
+
+def test_run_ends_with_an_hf_layout_export_of_its_weights(small_raw, tmp_path):
+    from glm5_core.model import load_pretrained
+
+    run = tmp_path / "run"
+    summary = pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run), max_steps=2))
+    assert summary["hf_checkpoint"] == str(run / "final")
+    exported = load_pretrained(run / "final").state_dict()
+    trained = _model_at(run, 2)
+    assert exported.keys() == trained.keys()  # HF parameter names, router biases included
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
