@@ -1,14 +1,21 @@
 """Shared pytest configuration.
 
 Backends under test: ``GLM5_TEST_BACKENDS`` (comma-separated), else ``GLM5_BACKEND``, else every backend
-available here. A named backend that is unavailable is skipped with its reason, never an error, so
+available here (on a machine without a GPU that includes cuda and rocm under ``TRITON_INTERPRET=1``). A named backend that is unavailable is skipped with its reason, never an error, so
 ``GLM5_BACKEND=ascend pytest`` on a machine without NPUs skips the Ascend checks.
 """
+import importlib.util
 import os
 
 import pytest
+import torch
 
-from glm5_core import registry
+# Without a GPU, check the cuda / rocm Triton kernels on CPU tensors through Triton's interpreter. This must
+# happen before anything imports triton (Triton fixes interpreter-or-compiler at import).
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and importlib.util.find_spec("triton"):
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from glm5_core import registry  # noqa: E402
 
 
 def backends_under_test():
