@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import sys
 from typing import Tuple
 
 import torch
@@ -81,6 +82,42 @@ def npu_probe() -> Probe:
     visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
     suffix = f" (ASCEND_RT_VISIBLE_DEVICES={visible})" if visible else ""
     return True, f"{count} Ascend NPU(s){suffix}"
+
+
+def triton_interpreter_too_late() -> str:
+    """Why Triton's interpreter cannot run kernels in this process ('' when it can).
+
+    Triton decorates its own ``triton.language`` helpers when triton is imported: if that happened
+    before ``TRITON_INTERPRET=1`` was set, interpreted kernels fail on the first helper they call."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(getattr(standard, "zeros", None)).__name__ == "JITFunction":
+        return "TRITON_INTERPRET=1 was set after triton was imported; set it before Python starts"
+    return ""
+
+
+def triton_backend_probe(vendor: str) -> Probe:
+    """Availability of a Triton backend (``cuda`` or ``rocm``): a matching GPU and triton, or the
+    interpreter on CPU tensors when ``TRITON_INTERPRET=1``."""
+    ok, why = triton_probe()
+    if triton_interpreter_enabled():
+        if not ok:
+            return False, f"TRITON_INTERPRET=1 but {why}"
+        late = triton_interpreter_too_late()
+        if late:
+            return False, late
+        return True, f"Triton interpreter on CPU tensors (TRITON_INTERPRET=1), {why}"
+    gpu_ok, gpu_why = gpu_probe(vendor)
+    if not gpu_ok:
+        return False, gpu_why
+    if not ok:
+        return False, why
+    return True, f"{gpu_why}, {why}"
+
+
+def triton_runtime_device() -> str:
+    """Where a Triton backend's tensors live: ``cpu`` under the interpreter, else ``cuda`` (ROCm builds of
+    torch expose AMD GPUs under the ``cuda`` device type too)."""
+    return "cpu" if triton_interpreter_enabled() else "cuda"
 
 
 def detect_default_backend() -> str:

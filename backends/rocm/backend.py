@@ -1,32 +1,10 @@
 """Declaration of the ``rocm`` backend. Import-light: triton / aiter are imported only by ``kernel_table``."""
+import functools
 import importlib.util
 from typing import Callable, Dict
 
 from glm5_core import platform
-from glm5_core.backends.cuda.backend import interpreter_verdict
 from glm5_core.registry import Backend
-
-
-def probe():
-    ok, why = platform.triton_probe()
-    if platform.triton_interpreter_enabled():
-        if not ok:
-            return False, f"TRITON_INTERPRET=1 but {why}"
-        late = interpreter_verdict()
-        if late:
-            return False, late
-        return True, f"Triton interpreter on CPU tensors (TRITON_INTERPRET=1), {why}"
-    gpu_ok, gpu_why = platform.gpu_probe("rocm")
-    if not gpu_ok:
-        return False, gpu_why
-    if not ok:
-        return False, why
-    return True, f"{gpu_why}, {why}"
-
-
-def runtime_device() -> str:
-    # ROCm builds of torch expose AMD GPUs under the "cuda" device type.
-    return "cpu" if platform.triton_interpreter_enabled() else "cuda"
 
 
 def aiter_available() -> bool:
@@ -57,9 +35,9 @@ BACKEND = Backend(
     name="rocm",
     device_type="cuda",
     dist_backend="nccl",
-    probe=probe,
+    probe=functools.partial(platform.triton_backend_probe, "rocm"),
     kernel_table=kernel_table,
     missing=MISSING,
-    runtime_device=runtime_device,
+    runtime_device=platform.triton_runtime_device,
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
 )

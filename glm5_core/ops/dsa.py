@@ -27,7 +27,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
-from glm5_core.ops.mla import absorb_query, causal_mask, project_output
+from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
 
 StartPos = Union[int, torch.Tensor]
 
@@ -137,18 +137,10 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *
 
 
 def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> None:
-    sizes: Dict[str, int] = {}
-    _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
-    _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
-    _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
-    _checks.tensor("k_pe", k_pe, dims=("B", "S", "Dr"), sizes=sizes, legend="[B, S, Dr]")
-    _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
-    _checks.tensor("w_uv", w_uv, dims=("H", None, "C"), sizes=sizes, legend="[H, Dv, C]")
+    sizes = validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale)
     _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                    legend="[B, T, K] int32")
-    _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
-    _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv, topk_idx=topk_idx)
-    _checks.positive_float("scale", scale)
+    _checks.same_device(q_nope=q_nope, topk_idx=topk_idx)
     _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
 
 

@@ -43,7 +43,8 @@ def causal_mask(start_pos: StartPos, batch: int, num_queries: int, num_keys: int
     return keys.view(1, 1, num_keys) <= pos.unsqueeze(-1)  # [B, T, S]
 
 
-def _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos) -> Dict[str, int]:
+def validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale) -> Dict[str, int]:
+    """Shapes, dtypes, devices and scale of the six MLA inputs (shared with DSA's sparse attention)."""
     sizes: Dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
     _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
@@ -52,8 +53,14 @@ def _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos) -> Dict[st
     _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
     _checks.tensor("w_uv", w_uv, dims=("H", None, "C"), sizes=sizes, legend="[H, Dv, C]")
     _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
-    device = _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
+    _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
     _checks.positive_float("scale", scale)
+    return sizes
+
+
+def _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos) -> Dict[str, int]:
+    sizes = validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale)
+    device = q_nope.device
     if sizes["S"] < 1 or sizes["T"] < 1:
         raise ValueError(f"c_kv / q_nope: expected at least one key and one query, got S={sizes['S']}, T={sizes['T']}")
     _checks.start_positions(start_pos, sizes["B"], sizes["T"], sizes["S"], device)
