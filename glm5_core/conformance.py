@@ -16,14 +16,14 @@ import platform as py_platform
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from glm5_core import determinism, registry, testing
 from glm5_core.ops import dsa, mla, moe, muon
 
-FAMILIES = ("mla", "dsa", "moe", "muon", "determinism")
+FAMILIES = ("mla", "dsa", "moe", "muon", "gradients", "determinism")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 TOPK_REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -291,13 +291,90 @@ def _muon_checks() -> List[Check]:
             for coef in ("jordan", "polar_express")]
 
 
+# --------------------------------------------------------------------------------------------- gradients
+def _grad_inputs(op: str, device: str) -> Tuple[Callable, Callable, Dict[str, torch.Tensor]]:
+    """(entry point call, reference call, float inputs) for one differentiable op at a small odd shape."""
+    mla_shape = testing.MLA_SHAPES[1]
+    moe_shape = testing.MOE_SHAPES[2]
+    scale = (mla_shape.Dn + mla_shape.Dr) ** -0.5
+    if op == "mla_prefill":
+        x = testing.make_mla_inputs(testing.MLA_SHAPES[2], device=device, seed=21)  # T == S: a full prefill
+        return (lambda be, **t: mla.prefill(**t, scale=scale, backend=be),
+                lambda **t: mla.prefill_reference(**t, scale=scale), x)
+    if op == "dsa_sparse_prefill":
+        x = testing.make_sparse_inputs(mla_shape, 4, device=device, seed=21)
+        idx = x.pop("topk_idx")
+        return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=scale, backend=be),
+                lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=scale), x)
+    if op == "dsa_indexer_scores":
+        shape = testing.INDEXER_SHAPES[1]
+        x = testing.make_indexer_inputs(shape, device=device, seed=22)
+        start = shape.S - shape.T
+
+        def finite(scores):  # -inf entries carry no gradient; compare the visible scores
+            return scores.masked_fill(torch.isinf(scores), 0.0)
+
+        return (lambda be, **t: finite(dsa.indexer_scores(**t, start_pos=start, backend=be)),
+                lambda **t: finite(dsa.indexer_scores_reference(**t, start_pos=start)), x)
+    if op == "moe_route":
+        x = testing.make_route_inputs(moe_shape, device=device, seed=23)
+        bias = x.pop("bias")
+        kw = dict(top_k=moe_shape.K, n_group=moe_shape.G, topk_group=moe_shape.TG, routed_scaling_factor=2.5)
+        return (lambda be, **t: moe.route(**t, bias=bias, backend=be, **kw)[0],
+                lambda **t: moe.route_reference(**t, bias=bias, **kw)[0], x)
+    x = testing.make_expert_inputs(moe_shape, device=device, seed=24)
+    weights, ids = moe.route_reference(testing.make_route_inputs(moe_shape, device=device, seed=25)["logits"], None,
+                                       top_k=moe_shape.K)
+    if op == "moe_dispatch":
+        return (lambda be, **t: moe.dispatch(**t, expert_ids=ids, num_experts=moe_shape.E, backend=be)[0],
+                lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=moe_shape.E)[0], {"x": x["x"]})
+    x_sorted, sort_idx, counts = moe.dispatch_reference(x["x"], ids, num_experts=moe_shape.E)
+    if op == "moe_combine":
+        return (lambda be, **t: moe.combine(**t, sort_idx=sort_idx, backend=be),
+                lambda **t: moe.combine_reference(**t, sort_idx=sort_idx), {"y_sorted": x_sorted, "weights": weights})
+    return (lambda be, **t: moe.grouped_swiglu(**t, counts=counts, backend=be),
+            lambda **t: moe.grouped_swiglu_reference(**t, counts=counts),
+            {"x_sorted": x_sorted, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
+
+
+def _grad_check(op: str) -> CheckFn:
+    """The backend's output carries gradients whenever the reference's does, and they match (fp32)."""
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        entry, ref, inputs = _grad_inputs(op, device)
+
+        def grads(call, dtype):
+            leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
+            out = call(**leaves)
+            if not out.requires_grad:
+                return None
+            cotangent = testing.randn(out.shape, seed=31, dtype=dtype, device=out.device)
+            torch.autograd.backward(out, cotangent)
+            return torch.cat([leaves[k].grad.flatten() for k in sorted(leaves)])
+
+        got = grads(lambda **t: entry(backend, **t), torch.float32)
+        if got is None:
+            return testing.Comparison(False, float("inf"), 0.0, "output does not require grad: gradients are dropped")
+        return testing.compare_to_fp64(got, grads(ref, torch.float32), grads(ref, torch.float64), torch.float32)
+
+    return fn
+
+
+GRAD_OPS = ("mla_prefill", "dsa_indexer_scores", "dsa_sparse_prefill", "moe_route", "moe_dispatch", "moe_combine",
+            "moe_experts")
+
+
+def _grad_checks() -> List[Check]:
+    return [Check("gradients", f"{op}[backward-fp32]", (op,), _grad_check(op)) for op in GRAD_OPS]
+
+
 def _determinism_checks() -> List[Check]:
     return [Check("determinism", name, tuple(determinism.CHECK_OPS[name]), fn, against_reference=False)
             for name, fn in determinism.CHECKS.items()]
 
 
 _BUILDERS = {"mla": _mla_checks, "dsa": _dsa_checks, "moe": _moe_checks, "muon": _muon_checks,
-             "determinism": _determinism_checks}
+             "gradients": _grad_checks, "determinism": _determinism_checks}
 
 
 def checks(family: Optional[str] = None) -> List[Check]:

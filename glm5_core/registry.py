@@ -24,9 +24,12 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import itertools
 import os
 from importlib import metadata
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
 
 ENTRY_POINT_GROUP = "glm5_core.backends"
 BUILTIN_BACKENDS = ("cpu", "cuda", "rocm", "ascend")
@@ -66,7 +69,9 @@ class Backend:
     ``probe`` returns ``(available, reason)`` and must be cheap to call repeatedly (cache it).
     ``kernel_table`` is called only once the backend is available; it imports the kernel modules and
     returns ``{op_name: callable}``. A callable may carry a ``supports(*args, **kwargs) -> (bool, why)``
-    attribute to decline calls outside its capabilities (they then run the reference).
+    attribute to decline calls outside its capabilities (they then run the reference). A kernel is taken
+    to have no backward unless it sets ``differentiable = True``: calls that need gradients run the
+    (differentiable) reference instead of silently dropping them.
     ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
     ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
@@ -224,14 +229,31 @@ def resolve(op: str, backend: Optional[str] = None) -> Resolution:
     return Resolution(op, name, ref, "reference", reason)
 
 
-def call(op: str, *args, backend: Optional[str] = None, **kwargs):
-    """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
-    res = resolve(op, backend)
-    impl = res.impl
+def needs_grad(*args, **kwargs) -> bool:
+    """Autograd is recording and some tensor argument requires a gradient."""
+    return torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in itertools.chain(args, kwargs.values()))
+
+
+def _declined(impl: Callable, args, kwargs) -> str:
+    """Why a backend kernel cannot take this call ('' when it can)."""
+    if not getattr(impl, "differentiable", False) and needs_grad(*args, **kwargs):
+        return "the kernel has no backward and this call needs gradients"
     supports = getattr(impl, "supports", None)
     if supports is not None:
         ok, why = supports(*args, **kwargs)
         if not ok:
+            return why
+    return ""
+
+
+def call(op: str, *args, backend: Optional[str] = None, **kwargs):
+    """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
+    res = resolve(op, backend)
+    impl = res.impl
+    if not res.is_reference:
+        why = _declined(impl, args, kwargs)
+        if why:
             if strict_mode():
                 raise BackendCoverageError(
                     f"{op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback"

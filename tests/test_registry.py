@@ -138,3 +138,23 @@ def test_probes_are_cached():
     assert platform.gpu_probe.cache_info().currsize >= 0
     with pytest.raises(ValueError, match="vendor"):
         platform.gpu_probe("tpu")
+
+
+def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monkeypatch, fresh_registry):
+    _fake_backend_module(tmp_path, "vendorx_nograd")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_nograd
+
+    G = torch.randn(4, 6, requires_grad=True)
+    out = muon.orthogonalize(G, backend="vendorx")
+    assert vendorx_nograd.orthogonalize.calls == 0 and out.requires_grad  # the differentiable reference ran
+    with torch.no_grad():
+        muon.orthogonalize(G, backend="vendorx")
+    assert vendorx_nograd.orthogonalize.calls == 1
+    vendorx_nograd.orthogonalize.differentiable = True
+    muon.orthogonalize(G, backend="vendorx")
+    assert vendorx_nograd.orthogonalize.calls == 2
+    vendorx_nograd.orthogonalize.differentiable = False
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    with pytest.raises(registry.BackendCoverageError, match="no backward"):
+        muon.orthogonalize(G, backend="vendorx")

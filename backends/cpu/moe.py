@@ -43,6 +43,9 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     return weights, ids.to(torch.int32)
 
 
+route.differentiable = True  # with gradients, the weights come from torch ops on the native selection
+
+
 def _route_supports(logits, bias, **kwargs):
     if logits.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {logits.device}"
