@@ -69,12 +69,16 @@ def test_unknown_backend_is_a_value_error():
 
 
 def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, fresh_registry):
-    missing = [r.op for r in registry.explain("cpu") if r.is_reference]
-    if "muon_orthogonalize" not in missing:
-        pytest.skip("cpu implements muon_orthogonalize natively")
+    from glm5_core import testing
+    from glm5_core.ops import mla
+
+    if "mla_prefill" not in registry.missing_ops("cpu"):
+        pytest.skip("cpu implements mla_prefill natively")
+    x = testing.make_mla_inputs(testing.MLA_SHAPES[1])
+    mla.prefill(**x, scale=0.5, backend="cpu")
     monkeypatch.setenv("GLM5_STRICT", "1")
-    with pytest.raises(registry.BackendCoverageError, match="muon_orthogonalize"):
-        muon.orthogonalize(torch.randn(4, 4), backend="cpu")
+    with pytest.raises(registry.BackendCoverageError, match="mla_prefill"):
+        mla.prefill(**x, scale=0.5, backend="cpu")
 
 
 def _fake_backend_module(tmp_path, module, supports_line=""):
