@@ -3,7 +3,8 @@
 Files on disk are untrusted: only JSON and safetensors are read (never pickle); the loader checks the
 config values (GLM5Config.from_hf_dict), that the index is a {name: shard file} map over plain file names in
 the directory, that each shard holds exactly the names the index gives it, and that every tensor the model
-expects is present once with the expected shape and dtype. Unknown tensor names are rejected.
+expects is present once with the expected shape and dtype. Unknown tensor names are rejected. All of this
+is checked from the shards' headers before any tensor data is read or any parameter is allocated.
 Writes are atomic per file (temporary file, then rename).
 """
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Dict, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.modeling import GLM5ForCausalLM
+from glm5_core.model.rope import RotaryEmbedding
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -24,10 +26,16 @@ SINGLE_NAME = "model.safetensors"
 MAX_JSON_BYTES = 64 * 1024 * 1024
 DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_.\-]+\.safetensors$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d{1,9})\.mlp\.experts\.(\d{1,9})\.")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
 
 PathLike = Union[str, os.PathLike]
+TensorSpec = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) from a safetensors header
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
@@ -119,17 +127,22 @@ def _weight_map(path: str) -> Dict[str, str]:
     return weight_map
 
 
-def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tensor]:
+def _shard_files(path: str, weight_map: Dict[str, str]) -> List[str]:
+    files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+    for file in files:
+        if not os.path.isfile(os.path.join(path, file)):
+            raise FileNotFoundError(f"{INDEX_NAME}: shard {file} is listed but missing from {path}")
+    return files
+
+
+def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec]:
+    """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
-    tensors: Dict[str, torch.Tensor] = {}
-    for file in files:
-        full = os.path.join(path, file)
-        if not os.path.isfile(full):
-            raise FileNotFoundError(f"{INDEX_NAME}: shard {file} is listed but missing from {path}")
+    specs: Dict[str, TensorSpec] = {}
+    for file in _shard_files(path, weight_map):
         try:
-            with safe_open(full, framework="pt", device="cpu") as f:
+            with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
                 names = set(f.keys())
                 if weight_map:
                     listed = {k for k, v in weight_map.items() if v == file}
@@ -137,46 +150,106 @@ def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tens
                         extra, missing = sorted(names - listed), sorted(listed - names)
                         raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
                                          f"{extra[:5]}, in the index but not the file {missing[:5]}")
-                for name in names:
-                    if name in tensors:
+                for name in sorted(names):
+                    if name in specs:
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                    tensors[name] = f.get_tensor(name)
+                    tensor_slice = f.get_slice(name)
+                    dtype_name = tensor_slice.get_dtype()
+                    if dtype_name not in _SAFETENSORS_DTYPES:
+                        raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(_SAFETENSORS_DTYPES)}, "
+                                         f"got {dtype_name!r}")
+                    specs[name] = (tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[dtype_name])
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
+    return specs
+
+
+def _indices(names: Iterable[str], pattern: "re.Pattern[str]") -> Dict[int, Set[int]]:
+    """{first captured index: set of second captured indices (empty when the pattern has one group)}."""
+    out: Dict[int, Set[int]] = {}
+    for name in names:
+        match = pattern.match(name)
+        if match:
+            out.setdefault(int(match.group(1)), set()).update(int(g) for g in match.groups()[1:])
+    return out
+
+
+def _check_layout(cfg: GLM5Config, names: Iterable[str]) -> None:
+    """Layer and expert counts of the config against the names in the shards, before any module is built
+    (a config with 10**6 layers or experts would otherwise cost gigabytes of modules, even on ``meta``)."""
+    names = list(names)
+    n_layers = cfg.num_hidden_layers + (1 if cfg.num_nextn_predict_layers else 0)
+    layers = set(_indices(names, _LAYER_RE))
+    if layers != set(range(n_layers)):
+        shown = sorted(layers)
+        raise ValueError(f"checkpoint: config.json implies layers 0..{n_layers - 1} (num_hidden_layers="
+                         f"{cfg.num_hidden_layers}, num_nextn_predict_layers={cfg.num_nextn_predict_layers}), "
+                         f"the shards hold {len(shown)} layers {shown[:5]}{' ...' if len(shown) > 5 else ''}")
+    experts = _indices(names, _EXPERT_RE)
+    for layer in range(cfg.first_k_dense_replace, n_layers):
+        got = experts.get(layer, set())
+        if got != set(range(cfg.n_routed_experts)):
+            raise ValueError(f"checkpoint: config.json implies n_routed_experts={cfg.n_routed_experts} in layer "
+                             f"{layer}, the shards hold {len(got)} experts there")
+
+
+def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tensor]) -> None:
+    unknown = sorted(set(specs) - set(expected))
+    missing = sorted(set(expected) - set(specs))
+    if unknown or missing:
+        raise ValueError(f"checkpoint: tensor names do not match the config: unknown {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}, missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, want in expected.items():
+        shape, dtype = specs[name]
+        if shape != tuple(want.shape):
+            raise ValueError(f"checkpoint: {name}: expected shape {tuple(want.shape)} (from config.json), got {shape}")
+        if dtype != want.dtype:
+            raise ValueError(f"checkpoint: {name}: expected dtype {want.dtype}, got {dtype}")
+
+
+def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tensor]:
+    from safetensors import SafetensorError, safe_open
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for file in _shard_files(path, weight_map):
+        try:
+            with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
+                tensors.update({name: f.get_tensor(name) for name in f.keys()})
         except SafetensorError as exc:
             raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
     return tensors
 
 
-def _check_tensors(tensors: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
-    unknown = sorted(set(tensors) - set(expected))
-    missing = sorted(set(expected) - set(tensors))
-    if unknown or missing:
-        raise ValueError(f"checkpoint: tensor names do not match the config: unknown {unknown[:5]}"
-                         f"{' ...' if len(unknown) > 5 else ''}, missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, want in expected.items():
-        got = tensors[name]
-        if tuple(got.shape) != tuple(want.shape):
-            raise ValueError(f"checkpoint: {name}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}")
-        if got.dtype != want.dtype:
-            raise ValueError(f"checkpoint: {name}: expected dtype {want.dtype}, got {got.dtype}")
-
-
 def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCausalLM:
-    """Build a GLM5ForCausalLM from a checkpoint directory, in the checkpoint's dtype; eval mode not set."""
+    """Build a GLM5ForCausalLM from a checkpoint directory, in the checkpoint's dtype; eval mode not set.
+
+    Order: config values, index, shard headers (names, shapes, dtypes) against a ``meta``-device model of
+    the config; only then is tensor data read, once, and assigned to the model (nothing is allocated twice
+    and nothing is sized by config.json alone)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"path: expected a checkpoint directory, got {path!r}")
     cfg = load_config(path)
     weight_map = _weight_map(path)
-    tensors = _read_tensors(path, weight_map)
-    model = GLM5ForCausalLM(cfg, backend=backend)
-    embed = tensors.get("model.embed_tokens.weight")
+    specs = _read_headers(path, weight_map)
+    embed = specs.get("model.embed_tokens.weight")
     if embed is None:
         raise ValueError("checkpoint: missing model.embed_tokens.weight")
-    if not embed.dtype.is_floating_point:
-        raise ValueError(f"checkpoint: model.embed_tokens.weight: expected a floating dtype, got {embed.dtype}")
-    model.to(embed.dtype)  # the router's selection bias stays fp32 (Gate._apply)
-    expected = checkpoint_state(model)
-    _check_tensors(tensors, expected)
-    missing, unexpected = model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings)
+    if not embed[1].is_floating_point:
+        raise ValueError(f"checkpoint: model.embed_tokens.weight: expected a floating dtype, got {embed[1]}")
+    _check_layout(cfg, specs)
+    with torch.device("meta"):
+        model = GLM5ForCausalLM(cfg, backend=backend)
+    model.to(embed[1])  # the router's selection bias stays fp32 (Gate._apply)
+    _check_tensors(specs, checkpoint_state(model))
+
+    tensors = _read_tensors(path, weight_map)
+    missing, unexpected = model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # assign=True replaced the shared Parameter
+    # inv_freq is not stored: rebuild it and cast it as model.to(dtype) casts a model built on a device
+    model.model.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta).to(embed[1])
+    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not on_meta, f"not materialised by the checkpoint: {on_meta[:5]}"
     return model

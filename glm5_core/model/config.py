@@ -31,6 +31,16 @@ _FIXED_KEYS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 }
 _ROPE_TYPES = (None, "default")
 
+# Upper bounds far above any published model (GLM-5: vocab 154880, 78 layers, 256 experts, 202752 positions),
+# so a hostile config.json cannot ask for absurd sizes. Layers and experts are each a Python module, hence
+# tighter; any other size is at most MAX_SIZE.
+MAX_SIZE = 2 ** 24
+MAX_LAYERS = 2 ** 12
+MAX_EXPERTS = 2 ** 14
+_MAX_OF = {"num_hidden_layers": MAX_LAYERS, "first_k_dense_replace": MAX_LAYERS, "n_routed_experts": MAX_EXPERTS,
+           "n_shared_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS, "n_group": MAX_EXPERTS,
+           "topk_group": MAX_EXPERTS}
+
 
 @dataclasses.dataclass
 class GLM5Config:
@@ -90,9 +100,9 @@ class GLM5Config:
                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                     "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings")
         for name in positive:
-            _check_int(name, getattr(self, name), minimum=1)
+            _check_int(name, getattr(self, name), minimum=1, maximum=_MAX_OF.get(name, MAX_SIZE))
         for name in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
-            _check_int(name, getattr(self, name), minimum=0)
+            _check_int(name, getattr(self, name), minimum=0, maximum=_MAX_OF.get(name, MAX_SIZE))
         for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "initializer_range"):
             _check_positive_float(name, getattr(self, name))
         for name in ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "tie_word_embeddings"):
@@ -214,11 +224,13 @@ class GLM5Config:
         return dataclasses.replace(self, **changes).validate()
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int >= {minimum}, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected an int in [{minimum}, {maximum}], got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
 
 
 def _check_positive_float(name: str, value: Any) -> None:
