@@ -120,12 +120,14 @@ def triton_runtime_device() -> str:
     return "cpu" if triton_interpreter_enabled() else "cuda"
 
 
-def detect_default_backend() -> str:
-    """The built-in backend that matches the hardware: ascend > rocm > cuda > cpu."""
+def hardware_backends() -> Tuple[str, ...]:
+    """Built-in backends whose hardware is present, in order of preference (ascend, rocm, cuda); the
+    registry takes the first whose full probe (SDKs included) passes, else ``cpu``."""
+    found = []
     if npu_probe()[0]:
-        return "ascend"
+        found.append("ascend")
     if gpu_probe("rocm")[0]:
-        return "rocm"
+        found.append("rocm")
     if gpu_probe("cuda")[0]:
-        return "cuda"
-    return "cpu"
+        found.append("cuda")
+    return tuple(found)

@@ -4,7 +4,8 @@ Resolution of the backend for a call:
 
 1. the explicit ``backend=`` argument of the op;
 2. the innermost ``use_backend(...)`` context, else the ``GLM5_BACKEND`` environment variable;
-3. auto-detection from the hardware that is really here (``platform.detect_default_backend``).
+3. auto-detection: the first built-in backend whose hardware is here (``platform.hardware_backends``) and
+   whose probe passes, else ``cpu``.
 
 ``"auto"`` anywhere means "go on to the next rule". An explicitly requested backend that is not
 available raises :class:`BackendUnavailableError` with the reason; it never falls back silently.
@@ -137,6 +138,8 @@ def _discover() -> Dict[str, Backend]:
     except TypeError:  # Python < 3.10
         eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
     for ep in eps:
+        if ep.name in BUILTIN_BACKENDS and ep.value != f"glm5_core.backends.{ep.name}.backend:BACKEND":
+            continue  # a plugin cannot replace a built-in backend (its name is taken)
         try:
             backend = ep.load()
         except Exception as exc:  # a broken third-party plugin must not break the others
@@ -198,9 +201,18 @@ def resolve_backend_name(backend: Optional[str] = None) -> str:
                 raise TypeError(f"backend: expected a str, got {type(candidate).__name__}")
             get_backend(candidate)  # raises for unknown names
             return candidate
+    return _auto_backend()
+
+
+def _auto_backend() -> str:
+    """The first built-in backend whose hardware is here and whose probe passes (a GPU without triton
+    falls through to ``cpu``)."""
     from glm5_core import platform
 
-    return platform.detect_default_backend()
+    for name in platform.hardware_backends():
+        if get_backend(name).available()[0]:
+            return name
+    return "cpu"
 
 
 def require_available(name: str) -> Backend:

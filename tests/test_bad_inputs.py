@@ -144,3 +144,12 @@ def test_value_checks_can_be_switched_off_for_production_loops(monkeypatch):
     args["top_k"] = 0
     with pytest.raises(ValueError, match="top_k"):  # argument and shape checks stay on
         CALLS["moe.route"](**args)
+
+
+def test_combine_rejects_an_index_that_is_not_dispatch_permutation():
+    weights = torch.rand(3, 2)
+    y = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="sort_idx"):
+        moe.combine(y, torch.tensor([0, 1, 2, 3, 4, 4]), weights)
+    with pytest.raises(ValueError, match="sort_idx"):
+        moe.combine(y, torch.tensor([0, 1, 2, 3, 4, 6]), weights)

@@ -162,3 +162,28 @@ def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monke
     monkeypatch.setenv("GLM5_STRICT", "1")
     with pytest.raises(registry.BackendCoverageError, match="no backward"):
         muon.orthogonalize(G, backend="vendorx")
+
+
+def test_auto_skips_hardware_whose_backend_cannot_run(monkeypatch):
+    from glm5_core import platform
+
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    monkeypatch.setattr(platform, "hardware_backends", lambda: ("ascend", "cuda"))
+    expected = next((n for n in ("ascend", "cuda") if registry.get_backend(n).available()[0]), "cpu")
+    assert registry.resolve_backend_name() == expected
+
+
+def test_a_plugin_cannot_replace_a_builtin_backend(tmp_path, monkeypatch, fresh_registry):
+    pkg = tmp_path / "evil_glm5"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent("""
+        from glm5_core.registry import Backend
+        BACKEND = Backend(name="cpu", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "evil"),
+                          kernel_table=dict)
+    """))
+    dist = tmp_path / "evil_glm5-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: evil-glm5\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[glm5_core.backends]\ncpu = evil_glm5:BACKEND\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.get_backend("cpu").available()[1] != "evil"

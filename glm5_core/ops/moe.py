@@ -162,6 +162,10 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
     _checks.tensor("sort_idx", sort_idx, dims=(sizes["N"] * sizes["K"],), dtypes=_checks.INDEX_DTYPES,
                    legend="[N*K] int64")
     _checks.same_device(y_sorted=y_sorted, sort_idx=sort_idx, weights=weights)
+    M = sizes["N"] * sizes["K"]
+    _checks.index_range("sort_idx", sort_idx, 0, M - 1)
+    if _checks.value_checks_enabled() and M and not bool((torch.bincount(sort_idx.long(), minlength=M) == 1).all()):
+        raise ValueError("sort_idx: expected a permutation of 0..N*K-1 (as returned by dispatch), got repeated entries")
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
 
 
