@@ -15,6 +15,7 @@ Components, one per module:
   loss            double-sided importance-sampling policy loss with token masking
   trainer         log-prob recomputation, optimizer step, frozen indexer, weight push
   executors/      where engine workers run: local processes (default) or Ray actors
+  device          the backend's runtime device, where the policy and engine models are put
   driver          the sync / async loops
   metrics         JSONL + TensorBoard + PNG reward curve
 

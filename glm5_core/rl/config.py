@@ -1,10 +1,14 @@
-"""Typed run configuration of ``glm5 rl`` (YAML -> dataclasses; unknown keys are errors)."""
+"""Typed run configuration of ``glm5 rl`` (YAML -> dataclasses; unknown keys are errors).
+
+``rollout.temperature`` is the one sampling temperature of a run: the engines sample at it and the trainer
+recomputes log-probs at it (there is no separate trainer temperature; ``train.optim.temperature`` is
+rejected). It must be > 0: greedy rollouts record log-probs no policy ratio refers to."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Dict, Optional
 
-from glm5_core.rl.trainer import TrainerConfig
+from glm5_core.rl.trainer import TrainerConfig, check_training_temperature
 
 ENVIRONMENTS = ("arithmetic", "calculator")
 
@@ -69,6 +73,7 @@ class RLConfig:
             value = getattr(self.rollout, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name}: expected an int >= 1, got {value!r}")
+        check_training_temperature(self.rollout.temperature, "rollout.temperature")
         if self.train.batch_size % self.rollout.group_size:
             raise ValueError(f"train.batch_size: expected a multiple of rollout.group_size={self.rollout.group_size}, "
                              f"got {self.train.batch_size}")
@@ -81,6 +86,10 @@ class RLConfig:
 def _build(cls, data: Any, where: str):
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    if where.endswith("train.optim") and "temperature" in data:
+        raise ValueError(f"train.optim.temperature: the trainer recomputes log-probs at rollout.temperature (the "
+                         f"importance ratio needs both at one temperature); remove train.optim.temperature="
+                         f"{data['temperature']!r} and set rollout.temperature instead")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:

@@ -19,6 +19,7 @@ import torch
 
 from glm5_core.rl.buffer import TrajectoryBuffer
 from glm5_core.rl.config import RLConfig
+from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.envs.codec import ByteCodec
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
 from glm5_core.rl.replicas import ReplicaSet
@@ -44,12 +45,18 @@ def build_env(env_cfg: Dict, seed: int):
 
 
 def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
-    from glm5_core.model import GLM5Config, GLM5ForCausalLM
-
+    """The policy, on the runtime device of ``backend``."""
+    device = runtime_device(backend)
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
         from glm5_core.model import load_pretrained
 
-        return load_pretrained(checkpoint, backend=backend)  # a save_pretrained directory
+        return load_pretrained(checkpoint, backend=backend).to(device)  # a save_pretrained directory
+    return _policy_from_preset(cfg, checkpoint, backend).to(device)
+
+
+def _policy_from_preset(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+
     preset = cfg.model.get("preset", "tiny")
     if preset != "tiny":
         raise ValueError(f"model.preset: expected 'tiny' (or pass --checkpoint), got {preset!r}")
@@ -87,8 +94,8 @@ class RLRun:
         if cfg.train.teacher_checkpoint:
             from glm5_core.model import load_pretrained
 
-            teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend)
-        self.trainer = Trainer(self.model, cfg.train.optim, teacher=teacher)
+            teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
+        self.trainer = Trainer(self.model, cfg.train.optim, temperature=cfg.rollout.temperature, teacher=teacher)
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version

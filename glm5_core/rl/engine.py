@@ -2,13 +2,18 @@
 
 Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
 
-* One batched KVCache of S slots. A new request takes a free slot and is prefilled through a one-row view
-  of it, starting after whatever prefix the trajectory's prefix cache can supply; then every scheduler step
-  decodes one token for all active slots at once (ragged ``start_pos [S]``). A finished request frees its
-  slot at once and a waiting one takes it on the next step (continuous batching).
+* One batched KVCache of S slots. Requests admitted in one step are prefilled together in a scratch
+  cache of one row per request (seeded with whatever prefix the trajectory's prefix cache can supply);
+  their rows are then copied into free slots of the batched cache. Every scheduler step decodes one token
+  for all active slots at once (ragged ``start_pos [S]``). A finished request frees its slot at once and a
+  waiting one takes it on the next step (continuous batching).
 * Attention is ``"sparse"`` (DSA with the deterministic top-k, the same path the trainer recomputes).
 * Each sampled token carries its log-prob (temperature-scaled softmax, see ``sampling``) and the weight
-  version that produced it. Weight updates land between steps; the prefix cache is flushed then.
+  version that produced it. Weight updates land between steps; the prefix cache is flushed then. Each
+  slot remembers the weight version its KV was computed under (the oldest one, if an update landed
+  mid-generation); a finished slot whose KV predates the current weights is not stored in the prefix
+  cache, so the trajectory's next turn is prefilled in full under the new weights.
+* Every tensor the engine creates lives on the model's device.
 * Thread model: :meth:`submit` may be called from any thread; :meth:`step` runs on one scheduler thread
   (:meth:`start`) or is driven by the caller (:meth:`run_until_idle`).
 """
@@ -24,6 +29,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 
 from glm5_core.rl import kv_slots
+from glm5_core.rl.device import module_device
 from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
 from glm5_core.rl.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, GenerateRequest, GenerateResult,
                                    Limits)
@@ -55,6 +61,7 @@ class _Active:
     tokens: List[int]  # context + generated so far
     kv_len: int  # positions of ``tokens`` already in the cache
     cached: int
+    kv_version: int  # oldest weight version any of the slot's cached positions was computed under
     outputs: List[int] = dataclasses.field(default_factory=list)
     logprobs: List[float] = dataclasses.field(default_factory=list)
     versions: List[int] = dataclasses.field(default_factory=list)
@@ -71,6 +78,7 @@ class RolloutEngine:
         if not 2 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
         self.model = model.eval()
+        self.device = module_device(model)
         self.max_batch = max_batch
         self.max_len = max_len
         self.limits = Limits(vocab_size=config.vocab_size, max_input_tokens=max_len - 1,
@@ -84,7 +92,7 @@ class RolloutEngine:
         self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
         self._pending_weights: Optional[Tuple[Dict[str, torch.Tensor], int]] = None
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
@@ -204,7 +212,7 @@ class RolloutEngine:
         reuse = []
         scratch = self.model.new_cache(k, self.max_len)
         for row, (_, request, _) in enumerate(admitted):
-            n, entry = self.prefix_cache.lookup(request.rid, request.input_ids)
+            n, entry = self.prefix_cache.lookup(request.rid, request.input_ids, min_version=self.version)
             if entry is not None:
                 kv_slots.write_rows(scratch, row, entry.tensors, n)
             reuse.append(n)
@@ -214,19 +222,20 @@ class RolloutEngine:
             for item in admitted:
                 self._prefill([item])
             return
-        ids = torch.zeros(k, T, dtype=torch.long)  # [k, T] right-padded new tokens
+        ids = torch.zeros(k, T, dtype=torch.long)  # [k, T] right-padded new tokens, built on the host
         for row, ((_, request, _), n) in enumerate(zip(admitted, reuse)):
             ids[row, :new_lens[row]] = torch.tensor(request.input_ids[n:], dtype=torch.long)
-        start = reuse[0] if len(set(reuse)) == 1 else torch.tensor(reuse, dtype=torch.long)
-        out = self._forward(ids, scratch, start)
+        start = reuse[0] if len(set(reuse)) == 1 else torch.tensor(reuse, dtype=torch.long, device=self.device)
+        out = self._forward(ids.to(self.device), scratch, start)
         last = torch.tensor(new_lens, dtype=torch.long) - 1  # [k] last real position per row
-        logits = out.logits[torch.arange(k), last]  # [k, V]
+        logits = out.logits[torch.arange(k, device=self.device), last.to(self.device)]  # [k, V]
         slots, topk = [], []
         for row, ((slot, request, future), n) in enumerate(zip(admitted, reuse)):
             kv_slots.write_rows(self._cache, slot, kv_slots.read_rows(scratch, row, len(request.input_ids)),
                                 len(request.input_ids))
+            # the reused prefix passed lookup(min_version=self.version): all of the slot's KV is current
             self._slots[slot] = _Active(request, future, list(request.input_ids), kv_len=len(request.input_ids),
-                                        cached=n)
+                                        cached=n, kv_version=self.version)
             self.stats.prefill_tokens += new_lens[row]
             self.stats.cached_tokens += n
             self.stats.requests += 1
@@ -242,20 +251,20 @@ class RolloutEngine:
             if state is not None:
                 last[slot, 0] = state.tokens[-1]
                 pos[slot] = state.kv_len
-        out = self._forward(last, self._cache, pos)
+        out = self._forward(last.to(self.device), self._cache, pos.to(self.device))
         active = [i for i, s in enumerate(self._slots) if s is not None]
         for i in active:
-            self._slots[i].kv_len += 1
+            self._slots[i].kv_len += 1  # versions only grow: the slot's oldest KV version is unchanged
         self.stats.decode_steps += 1
         self.stats.decode_slot_steps += len(active)
-        rows = torch.tensor(active, dtype=torch.long)
+        rows = torch.tensor(active, dtype=torch.long, device=self.device)
         topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
         self._accept_many(active, out.logits[rows, 0], topk)
 
     def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
         states = [self._slots[i] for i in slots]
-        temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32)
-        top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32)
+        temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32, device=self.device)
         tokens, logprobs = sample(logits_BV, temperature, top_p, self._generator)
         for slot, state, tok, lp, tk in zip(slots, states, tokens.tolist(), logprobs.tolist(), topk):
             state.tokens.append(tok)
@@ -273,9 +282,11 @@ class RolloutEngine:
     def _finish(self, slot: int, reason: str) -> None:
         state = self._slots[slot]
         self._slots[slot] = None
-        # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
-        self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
-                                kv_slots.read_rows(self._cache, slot, state.kv_len))
+        if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
+            self.prefix_cache.drop(state.request.rid)
+        else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
+            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
+                                    kv_slots.read_rows(self._cache, slot, state.kv_len), version=state.kv_version)
         self._finish_result(state, reason)
 
     def _finish_result(self, state: _Active, reason: str) -> None:

@@ -1,8 +1,9 @@
-"""Slot-level views of the model's KVCache (a dataclass of per-layer lists of ``[B, L, W]`` tensors).
+"""Row-level copies in and out of the model's KVCache (a dataclass of per-layer lists of ``[B, L, W]`` tensors).
 
-The engine keeps one batched cache of ``max_batch`` slots; a request is prefilled through a one-row *view*
-of its slot (writes land in the batched cache, no copy), and its rows are cloned into / out of the prefix
-cache. Only the dataclass fields of the cache are touched, so any cache of that shape works.
+The engine keeps one batched cache of ``max_batch`` slots. Requests are prefilled in a separate scratch
+cache (one row per request); :func:`write_rows` / :func:`read_rows` copy rows from the prefix cache into
+the scratch cache, from the scratch cache into the request's slot, and (cloned) from a finished slot into
+the prefix cache. Only the dataclass fields of the cache are touched, so any cache of that shape works.
 """
 from __future__ import annotations
 
@@ -16,16 +17,6 @@ def _fields(cache) -> List[str]:
     if not dataclasses.is_dataclass(cache):
         raise TypeError(f"cache: expected a dataclass KV cache, got {type(cache).__name__}")
     return [f.name for f in dataclasses.fields(cache)]
-
-
-def slot_view(cache, slot: int):
-    """The same cache type restricted to row ``slot`` (a view: writes go to ``cache``)."""
-    changes = {}
-    for name in _fields(cache):
-        value = getattr(cache, name)
-        if isinstance(value, list):
-            changes[name] = [None if t is None else t[slot:slot + 1] for t in value]
-    return dataclasses.replace(cache, **changes)
 
 
 def tensors(cache) -> List[torch.Tensor]:

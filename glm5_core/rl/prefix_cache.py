@@ -2,8 +2,10 @@
 
 A later turn of the same trajectory usually sends the previous context + the previous answer + new
 environment tokens; the engine copies the longest common prefix back into a batch slot and prefills only
-the rest. Entries are evicted least-recently-used; all entries are flushed when weights change (their KV
-was computed by the old policy).
+the rest. Entries are evicted least-recently-used. Each entry records the weight version its KV was
+computed under (the oldest, if weights changed while it was generated): the engine flushes the cache when
+weights change, does not store KV that predates its current weights, and :meth:`lookup` with
+``min_version`` ignores any entry older than that version, so no stale KV is ever reused.
 
 Legend: n cached positions; tensors are ``[1, n, W]`` slices of the model's KV cache, one per cache field.
 """
@@ -21,6 +23,7 @@ import torch
 class PrefixEntry:
     tokens: List[int]  # the tokens whose KV is stored (position i holds tokens[i])
     tensors: List[torch.Tensor]  # [1, n, W] per cache field, in the engine's field order
+    version: int = 0  # weight version the KV was computed under (the oldest one, if it spans several)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -39,20 +42,24 @@ class TrajectoryPrefixCache:
         self._entries: "collections.OrderedDict[str, PrefixEntry]" = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def store(self, key: str, tokens: List[int], tensors: List[torch.Tensor]) -> None:
+    def store(self, key: str, tokens: List[int], tensors: List[torch.Tensor], version: int = 0) -> None:
         if self.max_entries == 0:
             return
         with self._lock:
-            self._entries[key] = PrefixEntry(list(tokens), tensors)
+            self._entries[key] = PrefixEntry(list(tokens), tensors, int(version))
             self._entries.move_to_end(key)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
-    def lookup(self, key: str, input_ids: Sequence[int]) -> Tuple[int, Optional[PrefixEntry]]:
+    def lookup(self, key: str, input_ids: Sequence[int], min_version: int = 0) -> Tuple[int, Optional[PrefixEntry]]:
         """(reusable length, entry): at most ``len(input_ids) - 1`` positions, so the last input token is
-        always computed (its logits start the generation)."""
+        always computed (its logits start the generation). An entry computed under a weight version older
+        than ``min_version`` is stale: it is dropped and nothing is reused."""
         with self._lock:
             entry = self._entries.get(key)
+            if entry is not None and entry.version < min_version:
+                del self._entries[key]
+                entry = None
             if entry is None:
                 return 0, None
             self._entries.move_to_end(key)

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List
 
 from glm5_core.rl.envs.base import Environment, Episode
 from glm5_core.rl.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.trainer import check_training_temperature
 from glm5_core.rl.trajectory import Trajectory
 
 
@@ -24,7 +25,7 @@ class RolloutRunner:
         self.env = env
         self.generate_fn = generate_fn
         self.group_size = group_size
-        self.temperature = temperature
+        self.temperature = check_training_temperature(temperature, "temperature")  # its trajectories are trained on
         self.top_p = top_p
         self.max_len = max_len
         self.forget_fn = forget_fn or (lambda tid: None)

@@ -38,7 +38,8 @@ def sample(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.
     """Draw one token per row. Returns (tokens int64 [B], logprobs fp32 [B]).
 
     Rows with temperature 0 decode greedily (lowest id among equal maxima) and record the temperature-1
-    log-prob of the chosen token."""
+    log-prob of the chosen token: that value is no sampling probability, so greedy rows are for
+    evaluation only (training rollouts reject temperature 0, see ``trainer.check_training_temperature``)."""
     logits = logits_BV.float()
     greedy = temperature_B <= 0
     temp = torch.where(greedy, torch.ones_like(temperature_B), temperature_B).float()  # [B]

@@ -5,17 +5,24 @@ Legend: B samples in a micro-batch, T padded length (targets shifted: position t
 
 During RL the DSA indexer is frozen (no gradient, no indexer loss) and attention runs in ``"sparse"`` mode
 with the deterministic top-k, so the trainer selects exactly the keys the engine selected. MoE router
-biases are not updated (no aux-loss-free step during RL).
+biases (``e_score_correction_bias``, buffers, so never in the optimizer) are not updated: the trainer
+takes no aux-loss-free step during RL.
+
+Log-probs are recomputed at the rollout's sampling temperature (``rollout.temperature``, passed in as
+``temperature``), the single temperature both sides of the importance ratio pi_theta / pi_rollout use.
+Every tensor the trainer builds is created on the policy's device.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from glm5_core.rl.advantages import distillation_advantage, group_normalized
+from glm5_core.rl.device import module_device
 from glm5_core.rl.loss import double_sided_is_loss
 from glm5_core.rl.sampling import token_logprobs
 from glm5_core.rl.trajectory import Sample, Trajectory
@@ -28,7 +35,6 @@ class TrainerConfig:
     betas: Tuple[float, float] = (0.9, 0.99)
     eps_low: float = 0.2
     eps_high: float = 0.28
-    temperature: float = 1.0
     micro_batch_size: int = 16
     grad_clip: float = 1.0
     push_every: int = 1
@@ -46,8 +52,20 @@ class TrainerConfig:
         return self
 
 
-def pad_samples(samples: Sequence[Sample]) -> Dict[str, torch.Tensor]:
-    """Right-pad samples into input ids [B, T] and shifted targets / masks / rollout log-probs [B, T-1]."""
+def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
+    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float > 0.
+
+    Temperature 0 (greedy) records temperature-1 log-probs of an argmax, which no policy ratio refers to."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"{name}: expected a finite number > 0 for training rollouts (greedy decoding, "
+                         f"temperature 0, is for evaluation only), got {temperature!r}")
+    return float(temperature)
+
+
+def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tensor]:
+    """Right-pad samples into input ids [B, T] and shifted targets / masks / rollout log-probs [B, T-1],
+    on ``device`` (default cpu)."""
     T = max(len(s.tokens) for s in samples)
     B = len(samples)
     ids = torch.zeros(B, T, dtype=torch.long)
@@ -60,6 +78,7 @@ def pad_samples(samples: Sequence[Sample]) -> Dict[str, torch.Tensor]:
         rollout[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
     if bool(mask[:, 0].any()):
         raise ValueError("samples: the first token of a sample cannot be a sampled token (no context)")
+    ids, mask, rollout = (t.to(device) for t in (ids, mask, rollout))  # built on the host, moved once
     return {"input_ids": ids, "targets": ids[:, 1:], "loss_mask": mask[:, 1:], "rollout_logprobs": rollout[:, 1:]}
 
 
@@ -71,16 +90,21 @@ def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float) -> 
 
 
 class Trainer:
-    def __init__(self, model, config: TrainerConfig, *, teacher=None):
+    """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0."""
+
+    def __init__(self, model, config: TrainerConfig, *, temperature: float, teacher=None):
         self.model = model
         self.config = config.validate()
+        self.temperature = check_training_temperature(temperature)
+        self.device = module_device(model)
         if config.distill_coef > 0 and teacher is None:
             raise ValueError("trainer.distill_coef > 0 needs a teacher checkpoint")
+        if teacher is not None and module_device(teacher) != self.device:
+            raise ValueError(f"teacher: expected a model on the policy's device {self.device}, "
+                             f"got one on {module_device(teacher)}")
         self.teacher = teacher.eval() if teacher is not None else None
-        frozen = {id(p) for p in model.indexer_parameters()}
-        for name, p in model.named_parameters():
-            if id(p) in frozen or name.endswith("e_score_correction_bias"):
-                p.requires_grad_(False)
+        for p in model.indexer_parameters():
+            p.requires_grad_(False)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
@@ -101,12 +125,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(items), cfg.micro_batch_size):
             chunk = items[start:start + cfg.micro_batch_size]
-            batch = pad_samples([s for s, _ in chunk])
-            logp, _ = sequence_logprobs(self.model, batch["input_ids"], cfg.temperature)
-            adv = torch.tensor([a for _, a in chunk], dtype=torch.float32).unsqueeze(1).expand_as(logp).clone()
+            batch = pad_samples([s for s, _ in chunk], self.device)
+            logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature)
+            adv_B = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=self.device)
+            adv = adv_B.unsqueeze(1).expand_as(logp).clone()  # [B, T-1]
             if self.teacher is not None and cfg.distill_coef > 0:
                 with torch.no_grad():
-                    teacher_logp, _ = sequence_logprobs(self.teacher, batch["input_ids"], cfg.temperature)
+                    teacher_logp, _ = sequence_logprobs(self.teacher, batch["input_ids"], self.temperature)
                 distill = distillation_advantage(teacher_logp, logp.detach())
                 adv = adv + cfg.distill_coef * distill
                 stats["distill_adv"] += float((distill * batch["loss_mask"]).sum())

@@ -21,16 +21,24 @@ class WorkerSpec:
     torch_threads: int = 1
 
 
+def build_model(spec: WorkerSpec):
+    """The engine's policy (random init, weights come from ``spec.weights_path``) on the backend's device."""
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.rl.device import runtime_device
+
+    model = GLM5ForCausalLM(GLM5Config.from_hf_dict(spec.model_config), backend=spec.backend)
+    return model.to(runtime_device(spec.backend))
+
+
 def build_server(spec: WorkerSpec):
     """Model + engine + (not yet started) HTTP server for ``spec``."""
     import torch
 
-    from glm5_core.model import GLM5Config, GLM5ForCausalLM
     from glm5_core.rl.engine import RolloutEngine
     from glm5_core.rl.server import EngineServer, load_weights_file
 
     torch.set_num_threads(max(1, int(spec.torch_threads)))
-    model = GLM5ForCausalLM(GLM5Config.from_hf_dict(spec.model_config), backend=spec.backend)
+    model = build_model(spec)
     engine = RolloutEngine(model, max_batch=spec.max_batch, max_len=spec.max_len,
                            prefix_cache_entries=spec.prefix_cache_entries, seed=spec.seed,
                            record_topk=spec.record_topk)

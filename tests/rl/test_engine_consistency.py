@@ -89,3 +89,31 @@ def test_engine_rejects_bad_configuration(tiny_policy):
     engine = RolloutEngine(tiny_policy, max_len=16)
     with pytest.raises(ValueError, match="input_ids"):
         engine.submit(GenerateRequest("x", list(range(20))))
+
+
+def test_kv_computed_before_a_mid_generation_weight_update_is_not_reused(tiny_policy):
+    engine = RolloutEngine(tiny_policy, max_batch=2, max_len=128, seed=0)
+    (req,) = make_requests(1, prompt_len=15, max_new=6, prefix="s")
+    engine.submit(req)
+    engine.step()  # prefill + one decode under version 0
+    engine.update_weights({k: v.clone() for k, v in tiny_policy.state_dict().items()}, version=1)
+    engine.run_until_idle()  # the rest of the answer decodes under version 1 on top of version-0 KV
+    assert len(engine.prefix_cache) == 0  # the finished slot mixed versions 0 and 1: nothing stored
+    first = engine.stats.prefill_tokens
+    follow = GenerateRequest(req.rid, req.input_ids + [7] * 4 + [40, 41], max_new_tokens=2)
+    (res,) = engine.generate([follow])
+    assert res.cached_tokens == 0
+    assert engine.stats.prefill_tokens - first == len(follow.input_ids)  # full prefill under version 1
+    # a turn that ran entirely under version 1 is cached again
+    (res2,) = engine.generate([GenerateRequest(req.rid, follow.input_ids + res.output_ids + [42], max_new_tokens=1)])
+    assert res2.cached_tokens == len(follow.input_ids) + len(res.output_ids) - 1
+
+
+def test_prefix_cache_lookup_ignores_entries_older_than_min_version():
+    from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
+
+    cache = TrajectoryPrefixCache(4)
+    cache.store("t", [1, 2, 3, 4], [torch.zeros(1, 4, 2)], version=2)
+    assert cache.lookup("t", [1, 2, 3, 9], min_version=2)[0] == 3
+    assert cache.lookup("t", [1, 2, 3, 9], min_version=3) == (0, None)
+    assert len(cache) == 0  # the stale entry is gone
