@@ -28,9 +28,9 @@ DEFAULT_SHARD_BYTES = 2 * 1024 ** 3
 _SHARD_RE = re.compile(r"^[A-Za-z0-9_.\-]+\.safetensors$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d{1,9})\.mlp\.experts\.(\d{1,9})\.")
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
 
@@ -135,6 +135,19 @@ def _shard_files(path: str, weight_map: Dict[str, str]) -> List[str]:
     return files
 
 
+def header_specs(handle, file: str) -> Dict[str, TensorSpec]:
+    """{name: (shape, dtype)} of an open ``safetensors.safe_open`` handle, from its header only."""
+    specs: Dict[str, TensorSpec] = {}
+    for name in sorted(handle.keys()):
+        tensor_slice = handle.get_slice(name)
+        dtype_name = tensor_slice.get_dtype()
+        if dtype_name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(SAFETENSORS_DTYPES)}, "
+                             f"got {dtype_name!r}")
+        specs[name] = (tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES[dtype_name])
+    return specs
+
+
 def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec]:
     """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
     from safetensors import SafetensorError, safe_open
@@ -150,15 +163,10 @@ def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec
                         extra, missing = sorted(names - listed), sorted(listed - names)
                         raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
                                          f"{extra[:5]}, in the index but not the file {missing[:5]}")
-                for name in sorted(names):
+                for name, spec in header_specs(f, file).items():
                     if name in specs:
                         raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                    tensor_slice = f.get_slice(name)
-                    dtype_name = tensor_slice.get_dtype()
-                    if dtype_name not in _SAFETENSORS_DTYPES:
-                        raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(_SAFETENSORS_DTYPES)}, "
-                                         f"got {dtype_name!r}")
-                    specs[name] = (tuple(tensor_slice.get_shape()), _SAFETENSORS_DTYPES[dtype_name])
+                    specs[name] = spec
         except SafetensorError as exc:
             raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
     return specs

@@ -12,15 +12,19 @@ A checkpoint is written into a temporary folder, every file fsynced, then rename
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_model, save_file, save_model
+
+from glm5_core.model.checkpoint import header_specs
+from glm5_core.optim.muon import Muon
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -54,32 +58,114 @@ def _flatten_optimizer(state: Dict[str, dict]):
     return tensors, {"param_groups": json.dumps(groups)}
 
 
-def _unflatten_optimizer(path: Path, expected: Dict[str, dict]) -> Dict[str, dict]:
+# Group keys that tie a saved group to this optimizer's group (ids, schedule role, Muon Split); they must be equal.
+_GROUP_IDENTITY = ("params", "name", "role", "optimizer", "split_heads", "split_dim")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    return type(value).__name__
+
+
+def _check_groups(part: str, got: Any, want: List[dict]) -> None:
+    """Saved param groups (JSON) against this optimizer's: same ids and identity, same kinds of values."""
+    if not isinstance(got, list) or len(got) != len(want) or not all(isinstance(g, dict) for g in got):
+        sizes = [len(g.get("params", ())) for g in got if isinstance(g, dict)] if isinstance(got, list) else got
+        raise ValueError(f"checkpoint: optimizer part {part!r} has param groups of sizes {sizes}, this model needs "
+                         f"{[len(g['params']) for g in want]} (was the model or optimizer config changed?)")
+    for i, (saved, current) in enumerate(zip(got, want)):
+        if set(saved) != set(current):
+            raise ValueError(f"checkpoint: optimizer part {part!r} group {i}: expected keys {sorted(current)}, "
+                             f"got {sorted(saved)}")
+        for key, expected in current.items():
+            value = saved[key]
+            if key in _GROUP_IDENTITY:
+                if value != (list(expected) if isinstance(expected, tuple) else expected):
+                    raise ValueError(f"checkpoint: optimizer part {part!r} group {i} {key}: expected {expected!r}, "
+                                     f"got {value!r} (was the model or optimizer config changed?)")
+            elif _json_kind(value) != _json_kind(expected) or (
+                    _json_kind(value) == "number" and not math.isfinite(value)):
+                raise ValueError(f"checkpoint: optimizer part {part!r} group {i} {key}: expected a finite "
+                                 f"{_json_kind(expected)} like {expected!r}, got {value!r}")
+
+
+def _state_keys(opt: torch.optim.Optimizer, group: dict) -> Optional[set]:
+    """The state keys ``opt`` keeps per stepped parameter; None for an optimizer this module does not know."""
+    if isinstance(opt, torch.optim.AdamW):
+        return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+    if isinstance(opt, Muon):
+        return {"momentum_buffer"}
+    return None
+
+
+def _check_state(where: str, entries: Dict[str, torch.Tensor], param: torch.Tensor, keys: Optional[set]) -> None:
+    """One parameter's saved state: the keys its optimizer keeps, a scalar step, the rest shaped like it."""
+    if keys is not None and set(entries) != keys:
+        raise ValueError(f"checkpoint: optimizer state of {where}: expected keys {sorted(keys)}, got {sorted(entries)}")
+    for key, value in entries.items():
+        if key == "step":
+            if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or \
+                    not math.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"checkpoint: optimizer state of {where} step: expected a finite scalar >= 0, got "
+                                 f"{value.dtype} of shape {tuple(value.shape)}"
+                                 f"{f' = {float(value)}' if value.numel() == 1 else ''}")
+        elif tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
+            raise ValueError(f"checkpoint: optimizer state of {where} {key}: expected {param.dtype} of shape "
+                             f"{tuple(param.shape)}, got {value.dtype} of shape {tuple(value.shape)}")
+
+
+def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> Dict[str, dict]:
+    """Read and validate ``optimizer.safetensors`` against ``optimizer`` (a HybridOptimizer) before any of it is
+    loaded: group ids and identity, state keys, and each state tensor's shape and dtype against its parameter."""
+    expected = optimizer.state_dict()
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         try:
             groups = json.loads(meta["param_groups"])
         except (KeyError, json.JSONDecodeError):
             raise ValueError(f"checkpoint: {path} lacks valid param_groups metadata") from None
+        if not isinstance(groups, dict):
+            raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, got {type(groups).__name__}")
         out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
         for name in f.keys():
             part, pid, key = (name.split("/") + ["", ""])[:3]
-            if part not in out or not pid.isdigit() or not key:
+            if part not in out or not pid.isdigit() or len(pid) > 9 or not key:
                 raise ValueError(f"checkpoint: unexpected optimizer tensor {name!r} in {path}")
             out[part]["state"].setdefault(int(pid), {})[key] = f.get_tensor(name)
     for part, sd in out.items():
-        want = [len(g["params"]) for g in expected[part]["param_groups"]]
-        got = sd["param_groups"]
-        if not isinstance(got, list) or [len(g.get("params", ())) for g in got] != want:
-            raise ValueError(f"checkpoint: optimizer part {part!r} has param groups of sizes "
-                             f"{[len(g.get('params', ())) for g in got] if isinstance(got, list) else got}, "
-                             f"this model needs {want} (was the model or optimizer config changed?)")
-        n_params = sum(want)
-        bad = [pid for pid in sd["state"] if pid >= n_params]
-        if bad:
-            raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {bad[0]}, "
-                             f"this model has {n_params}")
+        want = expected[part]["param_groups"]
+        _check_groups(part, sd["param_groups"], want)
+        opt = optimizer.optimizers[part]
+        by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
+                 for pid, param in zip(g["params"], group["params"])}
+        for pid, entries in sd["state"].items():
+            if pid not in by_id:
+                raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {pid}, "
+                                 f"this model has {len(by_id)}")
+            param, group = by_id[pid]
+            where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
+            _check_state(where, entries, param, _state_keys(opt, group))
     return out
+
+
+def _check_model_file(path: Path, model: torch.nn.Module) -> None:
+    """Names, shapes and dtypes in ``model.safetensors``'s header against ``model``, before reading its data."""
+    expected = model.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        specs = header_specs(f, path.name)
+    unexpected = sorted(set(specs) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint: model tensors do not match this model (unexpected {unexpected[:3]})")
+    for name, (shape, dtype) in specs.items():
+        want = expected[name]
+        if shape != tuple(want.shape) or dtype != want.dtype:
+            raise ValueError(f"checkpoint: model tensors do not match this model ({name}: expected {want.dtype} of "
+                             f"shape {tuple(want.shape)}, got {dtype} of shape {shape})")
 
 
 # ---------------------------------------------------------------------------------- RNG
@@ -159,7 +245,9 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
                     device_type: str) -> Dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint folder ``path``; return the trainer state
-    (``step``, ``data``). Everything read is validated before use."""
+    (``step``, ``data``). Everything read is validated before use: the model file's header and the whole
+    optimizer state before either is loaded, so a mismatched or crafted file is a ValueError naming the
+    tensor, not a failure inside the optimizer's next step."""
     try:
         state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -175,6 +263,9 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
                          "the data order would differ, so resume with the same world size")
     if not isinstance(state.get("data"), dict):
         raise ValueError(f"checkpoint: {path} lacks the data position")
+    _check_model_file(path / "model.safetensors", model)
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    optimizer_state = _unflatten_optimizer(path / "optimizer.safetensors", optimizer, param_names)
     try:
         missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except RuntimeError as exc:  # shape mismatches
@@ -182,7 +273,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     if missing or unexpected:
         raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
-    optimizer.load_state_dict(_unflatten_optimizer(path / "optimizer.safetensors", optimizer.state_dict()))
+    optimizer.load_state_dict(optimizer_state)
     _restore_rng(path / "rng.safetensors", device_type)
     rng = state.get("python_rng")
     try:

@@ -233,10 +233,27 @@ class SequencePacker:
         return self.stream.position.as_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        pos = StreamPosition(**{k: state[k] for k in ("epoch", "doc", "offset")})
-        if not all(isinstance(v, int) and v >= 0 for v in pos.as_dict().values()) or pos.doc >= len(self.stream.corpus):
+        """Resume at a saved position ({epoch, doc, offset}, as ``state_dict`` wrote it); validated first."""
+        keys = [f.name for f in dataclasses.fields(StreamPosition)]
+        if not isinstance(state, dict):
+            raise ValueError(f"checkpoint: data position: expected an object with keys {keys}, "
+                             f"got {type(state).__name__}")
+        missing, unexpected = [k for k in keys if k not in state], sorted(set(state) - set(keys), key=str)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint: data position: expected keys {keys}, missing {missing}, "
+                             f"unexpected {unexpected}")
+        for key in keys:
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"checkpoint: data position {key}: expected an int >= 0, got {value!r}")
+        pos = StreamPosition(**{k: state[k] for k in keys})
+        if pos.doc >= len(self.stream.corpus):
             raise ValueError(f"checkpoint: data position {state} is outside the corpus of "
                              f"{len(self.stream.corpus)} documents (was the data config changed?)")
+        n_tokens = self.stream._doc_tokens(pos.epoch, pos.doc).numel()
+        if pos.offset >= max(n_tokens, 1):  # read() moves to the next document once one is consumed
+            raise ValueError(f"checkpoint: data position offset: expected < {max(n_tokens, 1)} (the tokens of "
+                             f"document {pos.doc}), got {pos.offset} (was the data config changed?)")
         self.stream.position = pos
 
 
