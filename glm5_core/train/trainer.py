@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -216,7 +217,9 @@ def _progress(cfg: TrainConfig, d, start: int, stop: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=stop, initial=start, desc="pretrain", unit="step", dynamic_ncols=True)
+    interactive = sys.stderr.isatty()  # in a log file, one line every 30 s instead of one per step
+    return tqdm(total=stop, initial=start, desc="pretrain", unit="step", dynamic_ncols=True,
+                mininterval=0.1 if interactive else 30.0)
 
 
 def pretrain(cfg: TrainConfig, options: Optional[RunOptions] = None) -> dict:
