@@ -172,7 +172,7 @@ class Trainer:
             record.update(tokens_per_s=rates[-1], tokens=(step + 1) * tokens_per_step)
             logger.log(record)
             if bar is not None:
-                bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}")
+                bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}", refresh=False)
                 bar.update(1)
             if _checkpoint_due(cfg, step + 1, self.stop_step):
                 self._save(step + 1)
