@@ -35,7 +35,7 @@ def test_ray_workers_serve_and_get_replaced(local_ray, tmp_path):
 
     def spec(name):
         return WorkerSpec(model_config=cfg.to_hf_dict(), weights_path=weights, weight_version=0,
-                          weights_dir=str(tmp_path), max_batch=2, max_len=64)
+                          weights_dir=str(tmp_path), max_batch=2, max_len=64, backend="cpu")
 
     replicas = ReplicaSet(RayExecutor(spec), ConsistentHashRouter(), ["engine0"], poll_seconds=0.2).start()
     try:
