@@ -198,8 +198,7 @@ def _route_check(shape: testing.MoEShape, dtype: torch.dtype, ties: Optional[str
             return testing.Comparison(False, float("inf"), 0.0,
                                       f"expert ids differ from the reference ({ids.dtype}; first row "
                                       f"{ids.cpu()[0].tolist()} vs {ref_ids[0].tolist()})")
-        _, ref64_ids = moe.route_reference(x["logits"].double(), x["bias"].double(), **kw)
-        ref64_w = moe.route_reference(x["logits"].double(), x["bias"].double(), **kw)[0]
+        ref64_w, ref64_ids = moe.route_reference(x["logits"].double(), x["bias"].double(), **kw)
         if not torch.equal(ref64_ids.cpu().long(), ref_ids.cpu().long()):  # near-tie flipped by rounding: compare
             ref64_w = ref_w.double()  # weights of the same experts instead
         return testing.compare_to_fp64(weights, ref_w, ref64_w, torch.float32)
@@ -207,11 +206,16 @@ def _route_check(shape: testing.MoEShape, dtype: torch.dtype, ties: Optional[str
     return fn
 
 
+def _reference_routing(shape: testing.MoEShape, device: str, seed: int):
+    """(weights [N, K], ids [N, K]) from the reference router on seeded logits, scale 2.5."""
+    logits = testing.make_route_inputs(shape, device=device, seed=seed)["logits"]
+    return moe.route_reference(logits, None, top_k=shape.K, routed_scaling_factor=2.5)
+
+
 def _dispatch_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=7)
-        _, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=8)["logits"], None,
-                                     top_k=shape.K)
+        _, ids = _reference_routing(shape, device, seed=8)
         got = moe.dispatch(x["x"], ids, num_experts=shape.E, backend=backend)
         want = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
         names = ("x_sorted", "sort_idx", "counts")
@@ -226,8 +230,7 @@ def _dispatch_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
 def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=9)
-        weights, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=10)["logits"], None,
-                                           top_k=shape.K, routed_scaling_factor=2.5)
+        weights, ids = _reference_routing(shape, device, seed=10)
         y_sorted, sort_idx, _ = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
         out = moe.combine(y_sorted, sort_idx, weights, backend=backend)
         ref = moe.combine_reference
@@ -240,8 +243,7 @@ def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
 def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=11)
-        _, ids = moe.route_reference(testing.make_route_inputs(shape, device=device, seed=12)["logits"], None,
-                                     top_k=shape.K)
+        _, ids = _reference_routing(shape, device, seed=12)
         x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
         w = (x["w_gate"], x["w_up"], x["w_down"])
         out = moe.grouped_swiglu(x_sorted, counts, *w, backend=backend)
