@@ -17,6 +17,7 @@ NATIVE_KERNELS: Mapping[str, str] = {
     "moe_route": "glm5_core.backends.cpu.moe:route",
     "moe_dispatch": "glm5_core.backends.cpu.moe:dispatch",
     "moe_combine": "glm5_core.backends.cpu.moe:combine",
+    "moe_experts": "glm5_core.backends.cpu.moe:experts",
     "muon_orthogonalize": "glm5_core.backends.cpu.muon:orthogonalize",
 }
 
@@ -26,7 +27,6 @@ REFERENCE_BY_CHOICE: Mapping[str, str] = {
     "mla_decode": "no native kernel: dense absorbed decode is GEMV-bound in the reference; use DSA sparse decode",
     "dsa_indexer_scores": "no native kernel: the full [B, T, S] score matrix is the output (the fused top-k avoids it)",
     "dsa_sparse_prefill": "no native kernel: training needs the reference's autograd",
-    "moe_experts": "no native kernel: per-expert MKL GEMMs dominate and the reference already runs them",
 }
 
 

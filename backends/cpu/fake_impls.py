@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "ns_orthogonalize")
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "moe_experts",
+              "ns_orthogonalize")
 
 
 def _indexer_topk(q, k, w, start, topk):
@@ -38,6 +39,10 @@ def _moe_combine(y_sorted, sort_idx, weights):
     return y_sorted.new_empty((weights.shape[0], y_sorted.shape[1]))  # [N, D]
 
 
+def _moe_experts(x_sorted, counts, w_gate, w_up, w_down):
+    return x_sorted.new_empty(x_sorted.shape)  # [M, D]
+
+
 def _ns_orthogonalize(X_wide, coeffs, loop_batch):
     return X_wide.new_empty(X_wide.shape)  # [P, m, n]
 
@@ -45,7 +50,7 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select, "moe_route": _moe_route,
-             "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
+             "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine, "moe_experts": _moe_experts,
              "ns_orthogonalize": _ns_orthogonalize}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

@@ -5,7 +5,9 @@ weights are bitwise the same whatever the batch (torch's vectorised sigmoid is n
 depend on where the row falls in the batch). When the weights need a gradient (training), the scores and
 weights are computed with torch ops instead (differentiable, same formula) and only the group-limited
 top-k selection is native. ``dispatch``
-is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order.
+is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order;
+``experts`` runs whole experts in parallel, one thread each, with single-threaded GEMMs (the reference's
+multi-threaded BLAS calls are too small to split well across cores).
 Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
@@ -69,6 +71,22 @@ def _dispatch_supports(x, expert_ids, *, num_experts: int):
 
 
 dispatch.supports = _dispatch_supports
+
+
+def experts(x_sorted, counts, w_gate, w_up, w_down):
+    """y [M, D] in x_sorted's dtype (computed in fp32, fp64 for fp64 inputs, as the reference)."""
+    return torch.ops.glm5_cpu.moe_experts(x_sorted, counts, w_gate, w_up, w_down)
+
+
+def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w_gate, w_up, w_down)):
+        return False, "the native experts have no backward (the reference is differentiable)"
+    if x_sorted.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {x_sorted.device}"
+    return True, ""
+
+
+experts.supports = _experts_supports
 
 
 def combine(y_sorted, sort_idx, weights):

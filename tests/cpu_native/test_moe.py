@@ -71,3 +71,61 @@ def test_route_batch_invariance_bitwise(native):
     for n0, n1 in ((0, 1), (1, 17), (17, 301)):
         w, ids = native_moe.route(inputs["logits"][n0:n1], inputs["bias"], **kwargs)
         assert torch.equal(ids, ids_all[n0:n1]) and torch.equal(w, w_all[n0:n1])
+
+
+def _expert_case(shape, dtype, seed=7):
+    """x_sorted [M, D] with a crowded expert 0 and (usually) empty experts, plus its counts [E]."""
+    ids = torch.randint(0, shape.E, (shape.N, shape.K), generator=testing.generator(seed))
+    ids[: shape.N // 2, 0] = 0
+    counts = torch.bincount(ids.flatten(), minlength=shape.E)
+    weights = testing.make_expert_inputs(shape, dtype=dtype, seed=seed)
+    x_sorted = testing.randn((shape.N * shape.K, shape.D), seed=seed + 9, dtype=dtype)
+    return x_sorted, counts, weights["w_gate"], weights["w_up"], weights["w_down"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
+def test_experts_match_reference(native, shape, dtype):
+    args = _expert_case(shape, dtype)
+    got = native_moe.experts(*args)
+    want = moe.grouped_swiglu_reference(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    atol, rtol = testing.TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_experts_fp64_against_naive_loop(native):
+    """Every routed row through its own expert, one row at a time: the contract without any grouping."""
+    shape = SHAPES[3]
+    x_sorted, counts, wg, wu, wd = _expert_case(shape, torch.float64)
+    got = native_moe.experts(x_sorted, counts, wg, wu, wd)
+    expert_of_row = torch.repeat_interleave(torch.arange(shape.E), counts)  # [M]
+    for r in range(0, x_sorted.shape[0], 97):
+        e, x = int(expert_of_row[r]), x_sorted[r]
+        want = (torch.nn.functional.silu(wg[e] @ x) * (wu[e] @ x)) @ wd[e].T
+        torch.testing.assert_close(got[r], want, atol=1e-12, rtol=1e-12)
+
+
+def test_experts_thread_invariance_and_all_rows_in_one_expert(native, threads):
+    shape = SHAPES[3]
+    x_sorted, counts, wg, wu, wd = _expert_case(shape, torch.float32)
+    outs = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        outs.append(native_moe.experts(x_sorted, counts, wg, wu, wd))
+    assert torch.equal(outs[0], outs[1])  # one thread per expert: the schedule never changes a row's bits
+    one = torch.zeros_like(counts)
+    one[-1] = x_sorted.shape[0]  # the last expert takes every row, the others none
+    torch.testing.assert_close(native_moe.experts(x_sorted, one, wg, wu, wd),
+                               moe.grouped_swiglu_reference(x_sorted, one, wg, wu, wd), atol=1e-5, rtol=1e-5)
+
+
+def test_experts_reject_bad_counts_and_defer_gradients(native):
+    shape = SHAPES[1]
+    x_sorted, counts, wg, wu, wd = _expert_case(shape, torch.float32)
+    bad = counts.clone()
+    bad[0] += 1
+    with pytest.raises(RuntimeError, match="sum"):
+        native_moe.experts(x_sorted, bad, wg, wu, wd)
+    ok, why = native_moe.experts.supports(x_sorted.requires_grad_(True), counts, wg, wu, wd)
+    assert not ok and "backward" in why
