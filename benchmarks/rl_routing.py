@@ -2,15 +2,22 @@
 
 Each trajectory of the calculator task runs >= 4 turns; every turn resends the whole context. With DP-aware
 routing (consistent hashing of the trajectory id) a turn lands where the previous one ran and the prefix
-cache covers all but the new tokens; round-robin sends each request to the next replica in turn.
+cache covers all but the new tokens; round-robin sends each request to the next replica in turn and reuses
+only what the engine kept from the trajectory's last visit there (longest common prefix).
 
-Each engine's prefix cache holds ``--cache-entries`` trajectories; the default is the engine's share of the
-trajectories in flight (concurrency / replicas), i.e. a KV pool sized for the load DP-aware routing gives it.
-Round-robin makes every engine see every trajectory, so its entries are evicted before they are reused.
-``--cache-entries 0`` means unbounded (round-robin then still reuses the entry from the trajectory's last
-visit to that engine); both settings are recorded.
+Cache budget, identical for both routers: each engine's prefix cache holds ``--cache-entries`` trajectories
+(default: the engine's share of the trajectories in flight, concurrency / replicas; an entry is at most
+``max_len`` = 512 positions, so the budget is at most as many KV positions as the engine's own 8 batch slots)
+and optionally ``--cache-tokens`` KV positions. The cache holds only trajectories not running on that engine
+(an admitted request's entry moves into its slot) and a finished trajectory's entries are freed on every
+engine (session close), so the budget is spent on trajectories that will come back. ``--cache-entries 0``
+means unbounded; both settings are recorded.
 
-    python benchmarks/rl_routing.py [--trajectories 32] [--min-turns 4] [--cache-entries N]
+``breakdown`` in each row splits the prefill: turn-1 prompts, later turns, the ideal for later turns (only
+the tokens added since the previous turn + the recomputed last token), and misses by cause.
+
+    python benchmarks/rl_routing.py [--trajectories 32] [--min-turns 4] [--max-new-tokens 24]
+                                    [--cache-entries N] [--cache-tokens N]
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -25,6 +33,7 @@ import torch
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.rl.engine import RolloutEngine
 from glm5_core.rl.envs.calculator import CalculatorEnv
+from glm5_core.rl.prefix_cache import common_prefix_length
 from glm5_core.rl.protocol import parse_generate_request
 from glm5_core.rl.rollout import RolloutRunner
 from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
@@ -32,22 +41,35 @@ from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
 
 def measure(router_kind: str, model, args) -> dict:
     entries = args.cache_entries if args.cache_entries > 0 else 10**6
-    engines = {f"engine{i}": RolloutEngine(model, max_batch=8, max_len=512, seed=i, prefix_cache_entries=entries).start()
+    engines = {f"engine{i}": RolloutEngine(model, max_batch=8, max_len=512, seed=i, prefix_cache_entries=entries,
+                                           prefix_cache_tokens=args.cache_tokens or None).start()
                for i in range(2)}
     router = ConsistentHashRouter(engines) if router_kind == "dp_aware" else RoundRobinRouter(engines)
+
+    def end_trajectory(tid):  # both routers: the finished trajectory's entries are freed on every engine
+        router.forget(tid)
+        for engine in engines.values():
+            engine.end_trajectory(tid)
+
+    log = []  # (trajectory id, engine, input_ids, output_ids, cached tokens), one per request
+    log_lock = threading.Lock()
 
     def generate(tid, request):
         name = router.acquire(tid)
         try:
             engine = engines[name]
-            return engine.submit(parse_generate_request(request, engine.limits)).result().to_json()
+            response = engine.submit(parse_generate_request(request, engine.limits)).result().to_json()
         finally:
             router.release(tid, name)
+        with log_lock:
+            log.append((tid, name, list(request["input_ids"]), list(response["output_ids"]),
+                        int(response["meta_info"]["cached_tokens"])))
+        return response
 
     env = CalculatorEnv(seed=args.seed, min_numbers=args.min_turns, max_numbers=args.min_turns + 2, keep_recent=args.keep_recent,
                         pareto_alpha=1.2, max_new_tokens=args.max_new_tokens)
     runner = RolloutRunner(env, generate, group_size=1, temperature=1.0, top_p=1.0, max_len=512,
-                           max_workers=args.concurrency, forget_fn=router.forget)
+                           max_workers=args.concurrency, forget_fn=end_trajectory)
     t0 = time.perf_counter()
     trajectories = runner.run_groups(args.trajectories)
     elapsed = time.perf_counter() - t0
@@ -56,9 +78,41 @@ def measure(router_kind: str, model, args) -> dict:
         e.shutdown()
     prefill = sum(e.stats.prefill_tokens for e in engines.values())
     cached = sum(e.stats.cached_tokens for e in engines.values())
-    return {"router": router_kind, "prefill_tokens": prefill, "cached_tokens": cached,
+    evictions = sum(e.prefix_cache.evictions for e in engines.values())
+    return {"router": router_kind, "prefill_tokens": prefill, "cached_tokens": cached, "cache_evictions": evictions,
             "turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-            "turns_min": min(t.num_turns for t in trajectories), "seconds": elapsed}
+            "turns_min": min(t.num_turns for t in trajectories), "seconds": elapsed, "breakdown": breakdown(log)}
+
+
+def breakdown(log) -> dict:
+    """Where the prefill tokens go. Per request, ``ideal`` is what a perfect cache on the engine that ran the
+    trajectory's previous turn could reuse: the common prefix with that turn's stored tokens (its input and
+    all but its last sampled token, which has no KV yet), minus the last input token. A later turn that
+    reused less is a miss: ``other_engine`` when routed away from the previous turn's engine (it may still
+    reuse an older visit there), ``evicted`` when routed to the same engine but its entry was gone."""
+    out = {"first_turn_prefill": 0, "first_turns": 0, "later_prefill": 0, "later_turns": 0,
+           "later_ideal_prefill": 0, "misses": {"other_engine": 0, "evicted": 0},
+           "miss_extra_prefill": {"other_engine": 0, "evicted": 0}, "context_rewrites": 0}
+    previous = {}
+    for tid, engine, input_ids, output_ids, cached in log:  # each trajectory's requests are in order
+        prefill = len(input_ids) - cached
+        if tid not in previous:
+            out["first_turn_prefill"] += prefill
+            out["first_turns"] += 1
+        else:
+            prev_engine, prev_stored = previous[tid]
+            lcp = common_prefix_length(prev_stored, input_ids)
+            out["context_rewrites"] += lcp < len(prev_stored)
+            ideal = min(lcp, len(input_ids) - 1)
+            out["later_prefill"] += prefill
+            out["later_turns"] += 1
+            out["later_ideal_prefill"] += len(input_ids) - ideal
+            if cached < ideal:
+                cause = "other_engine" if engine != prev_engine else "evicted"
+                out["misses"][cause] += 1
+                out["miss_extra_prefill"][cause] += ideal - cached
+        previous[tid] = (engine, input_ids + output_ids[:-1])
+    return out
 
 
 def main() -> int:
@@ -71,6 +125,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per model turn (agent step)")
     parser.add_argument("--cache-entries", type=int, default=-1,
                         help="prefix-cache entries per engine (default concurrency/2; 0 = unbounded)")
+    parser.add_argument("--cache-tokens", type=int, default=0,
+                        help="cached KV positions per engine (0 = no token budget, only --cache-entries)")
     parser.add_argument("--out", default="benchmarks/results/rl_routing.json")
     args = parser.parse_args()
     if args.cache_entries < 0:
@@ -81,7 +137,8 @@ def main() -> int:
     rows = [measure("round_robin", model, args), measure("dp_aware", model, args)]
     ratio = rows[1]["prefill_tokens"] / rows[0]["prefill_tokens"]
     result = {"command": "python " + " ".join(sys.argv), "replicas": 2, "rows": rows,
-              "cache_entries_per_engine": args.cache_entries or "unbounded", "concurrency": args.concurrency,
+              "cache_entries_per_engine": args.cache_entries or "unbounded",
+              "cache_tokens_per_engine": args.cache_tokens or "unbounded", "concurrency": args.concurrency,
               "max_new_tokens": args.max_new_tokens, "min_turns": args.min_turns, "keep_recent": args.keep_recent,
               "dp_aware_over_round_robin_prefill": ratio, "target": "<= 1/3", "passed": ratio <= 1 / 3}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

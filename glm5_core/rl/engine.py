@@ -12,7 +12,11 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   version that produced it. Weight updates land between steps; the prefix cache is flushed then. Each
   slot remembers the weight version its KV was computed under (the oldest one, if an update landed
   mid-generation); a finished slot whose KV predates the current weights is not stored in the prefix
-  cache, so the trajectory's next turn is prefilled in full under the new weights.
+  cache, so the trajectory's next turn is prefilled in full under the new weights. The prefix cache is
+  budgeted in entries and optionally in cached positions (``prefix_cache_tokens``). It holds only
+  trajectories that are not running here: an admitted request's entry leaves the cache (its KV now lives in
+  the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
+  finished trajectory's entry.
 * Every tensor the engine creates lives on the model's device.
 * Thread model: :meth:`submit` may be called from any thread; :meth:`step` runs on one scheduler thread
   (:meth:`start`) or is driven by the caller (:meth:`run_until_idle`).
@@ -70,7 +74,8 @@ class _Active:
 
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
-                 seed: int = 0, weight_version: int = 0, record_topk: bool = False, max_new_tokens_cap: int = 1024):
+                 prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024):
         config = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
@@ -86,7 +91,7 @@ class RolloutEngine:
         self.record_topk = record_topk
         self.version = int(weight_version)
         self.stats = EngineStats()
-        self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries)
+        self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
         self._cache = model.new_cache(max_batch, max_len)
         self._slots: List[Optional[_Active]] = [None] * max_batch
         self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
@@ -124,6 +129,11 @@ class RolloutEngine:
             self._cond.notify_all()
         if self._thread is None:
             self._apply_pending_weights()
+
+    def end_trajectory(self, rid: str) -> None:
+        """The trajectory ``rid`` is over (like closing an SGLang session): free its prefix-cache entry now
+        instead of leaving dead KV to push live trajectories out of the cache."""
+        self.prefix_cache.drop(rid)
 
     def num_active(self) -> int:
         return sum(s is not None for s in self._slots)
@@ -222,6 +232,8 @@ class RolloutEngine:
             for item in admitted:
                 self._prefill([item])
             return
+        for _, request, _ in admitted:  # the KV moves into the slot (a superset, stored back at finish): a copy
+            self.prefix_cache.drop(request.rid)  # left in the cache would only take room from waiting trajectories
         ids = torch.zeros(k, T, dtype=torch.long)  # [k, T] right-padded new tokens, built on the host
         for row, ((_, request, _), n) in enumerate(zip(admitted, reuse)):
             ids[row, :new_lens[row]] = torch.tensor(request.input_ids[n:], dtype=torch.long)

@@ -3,9 +3,12 @@ prefix cache holds the trajectory's previous turns and prefill costs only the ne
 
 Consistent hashing with virtual nodes: each replica owns ``virtual_nodes`` points on a 64-bit ring; a key
 goes to the first point clockwise from its hash, skipping unhealthy replicas. Removing a replica moves only
-the keys it owned. Light rebalancing: a *new* key whose home replica carries more than ``imbalance_factor``
-times the mean in-flight load walks on along the ring to the next replica under that bound; keys already
-pinned stay put (their cache lives there).
+the keys it owned. Light rebalancing: a *new* key whose home replica would hold more than ``imbalance_factor``
+times the mean number of live trajectories walks on along the ring to the next replica under that bound; keys
+already pinned stay put (their cache lives there). A trajectory is live from its first request until
+:meth:`ConsistentHashRouter.forget`, including while its environment step runs between turns: its prefix-cache
+entry occupies the replica all that time, so live trajectories (not requests in flight) are what must be
+balanced for the replicas' caches to hold them.
 """
 from __future__ import annotations
 
@@ -110,15 +113,28 @@ class ConsistentHashRouter:
                 if not walk:
                     raise RuntimeError("router: no healthy replica")
                 name = walk[0]
-                total = sum(self._load[n] for n in walk)
+                live = self._live_counts()
+                total = sum(live[n] for n in walk)
                 bound = self.imbalance_factor * (total + 1) / len(walk)
                 for candidate in walk:
-                    if self._load[candidate] + 1 <= bound:
+                    if live[candidate] + 1 <= bound:
                         name = candidate
                         break
                 self._pinned[key] = name
             self._load[name] += 1
             return name
+
+    def _live_counts(self) -> Dict[str, int]:
+        """Live (pinned) trajectories per replica; the caller holds the lock."""
+        live = {name: 0 for name in self._healthy}
+        for name in self._pinned.values():
+            live[name] += 1
+        return live
+
+    def live_trajectories(self) -> Dict[str, int]:
+        """Trajectories pinned to each replica (first request seen, not yet forgotten)."""
+        with self._lock:
+            return self._live_counts()
 
     def release(self, key: str, name: str) -> None:
         with self._lock:
@@ -131,6 +147,7 @@ class ConsistentHashRouter:
             self._pinned.pop(key, None)
 
     def load(self) -> Dict[str, int]:
+        """Requests in flight per replica."""
         with self._lock:
             return dict(self._load)
 

@@ -74,3 +74,22 @@ def test_bad_arguments():
 def test_round_robin_alternates_whatever_the_key():
     rr = RoundRobinRouter(["a", "b"])
     assert [rr.acquire("same") for _ in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_live_trajectories_between_turns_count_for_rebalancing():
+    """A trajectory waiting on its environment has no request in flight, but its cache entry still lives on
+    its replica: new keys must be balanced against live trajectories, not requests in flight."""
+    router = ConsistentHashRouter(["a", "b"], imbalance_factor=1.0)
+    keys = [k for k in KEYS if router.home(k) == "a"][:10]
+    for k in keys:  # one request each, released before the next trajectory starts
+        router.release(k, router.acquire(k))
+    live = router.live_trajectories()
+    assert live == {"a": 5, "b": 5} and router.load() == {"a": 0, "b": 0}
+    for k in keys:  # pinned: later turns stay where their cache is
+        name = router.acquire(k)
+        router.release(k, name)
+        assert router.live_trajectories()[name] == 5
+    for k in keys:
+        router.forget(k)
+    assert router.live_trajectories() == {"a": 0, "b": 0}
+    assert router.acquire(keys[0]) == "a"  # nothing live: the key goes home again
