@@ -18,7 +18,7 @@ from glm5_core.rl.driver import RLRun
 
 KEEP = ("steps", "elapsed_s", "trained_tokens", "trained_tokens_per_s", "context_tokens_per_s",
         "trainer_idle_ratio", "rollout_idle_ratio", "staleness_histogram", "dropped_stale", "prefill_tokens",
-        "prefill_tokens_saved")
+        "prefill_tokens_saved", "engine_busy_s", "engine_prefill_s")
 
 
 def main() -> int:

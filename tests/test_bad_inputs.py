@@ -153,3 +153,24 @@ def test_combine_rejects_an_index_that_is_not_dispatch_permutation():
         moe.combine(y, torch.tensor([0, 1, 2, 3, 4, 4]), weights)
     with pytest.raises(ValueError, match="sort_idx"):
         moe.combine(y, torch.tensor([0, 1, 2, 3, 4, 6]), weights)
+
+
+def test_skip_value_checks_is_scoped_to_its_context_and_thread():
+    import threading
+
+    from glm5_core.ops import _checks, moe
+
+    logits = torch.zeros(3, 4)
+    logits[1, 2] = math.nan
+    with pytest.raises(ValueError, match="logits"):
+        moe.route(logits, None, top_k=2, backend="reference")
+    seen_in_other_thread = []
+    with _checks.skip_value_checks():
+        assert not _checks.value_checks_enabled()
+        worker = threading.Thread(target=lambda: seen_in_other_thread.append(_checks.value_checks_enabled()))
+        worker.start()
+        worker.join()
+    assert seen_in_other_thread == [True]  # other threads keep their checks
+    assert _checks.value_checks_enabled()  # restored on exit
+    with pytest.raises(ValueError, match="logits"):
+        moe.route(logits, None, top_k=2, backend="reference")

@@ -14,6 +14,7 @@ from glm5_core.registry import Backend
 NATIVE_KERNELS: Mapping[str, str] = {
     "dsa_indexer_topk": "glm5_core.backends.cpu.dsa:indexer_topk",
     "dsa_sparse_decode": "glm5_core.backends.cpu.dsa:sparse_decode",
+    "dsa_sparse_prefill": "glm5_core.backends.cpu.dsa:sparse_prefill",
     "moe_route": "glm5_core.backends.cpu.moe:route",
     "moe_dispatch": "glm5_core.backends.cpu.moe:dispatch",
     "moe_combine": "glm5_core.backends.cpu.moe:combine",
@@ -26,7 +27,6 @@ REFERENCE_BY_CHOICE: Mapping[str, str] = {
     "mla_prefill": "no native kernel: the reference's batched GEMMs (MKL) already bound it",
     "mla_decode": "no native kernel: dense absorbed decode is GEMV-bound in the reference; use DSA sparse decode",
     "dsa_indexer_scores": "no native kernel: the full [B, T, S] score matrix is the output (the fused top-k avoids it)",
-    "dsa_sparse_prefill": "no native kernel: training needs the reference's autograd",
 }
 
 

@@ -1,7 +1,9 @@
-"""cpu backend kernels for DSA: the fused streaming indexer top-k and sparse MLA decode.
+"""cpu backend kernels for DSA: the fused streaming indexer top-k and sparse MLA attention.
 
-Both take exactly the arguments of their reference (``glm5_core.ops.dsa``), already validated, and
-call the native ``torch.ops.glm5_cpu`` ops. Legend as in ``glm5_core.ops.dsa``.
+Each takes exactly the arguments of its reference (``glm5_core.ops.dsa``), already validated, and calls
+the native ``torch.ops.glm5_cpu`` ops. Sparse prefill and sparse decode share one contract (absorbed MLA
+over the selected latent rows, any number of queries) and one kernel; it has no backward, so a prefill
+that needs gradients (training) runs the reference. Legend as in ``glm5_core.ops.dsa``.
 """
 from __future__ import annotations
 
@@ -51,8 +53,17 @@ def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: floa
 def _sparse_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
     tensors = (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False, "the native sparse decode has no backward (inference only)"
+        return False, "the native sparse MLA kernel has no backward (inference only)"
     return _on_cpu(*tensors, topk_idx)
 
 
 sparse_decode.supports = _sparse_supports
+
+
+def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
+    """[B, T, Hm, Dv]: the same kernel as decode (rows are independent queries, batch invariant), so an
+    inference prefill and the decode steps after it compute every query the same way."""
+    return sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale)
+
+
+sparse_prefill.supports = _sparse_supports

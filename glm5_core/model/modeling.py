@@ -70,6 +70,7 @@ class GLM5ForCausalLM(nn.Module):
         self.backend = backend
         self.model = GLM5Model(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.num_moe_layers = len(self.moe_layers())  # fixed by the architecture; a module walk per forward is not
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -95,6 +96,16 @@ class GLM5ForCausalLM(nn.Module):
     def moe_layers(self) -> List[MoE]:
         """MoE layers in expert_counts row order (main layers, then the MTP layer)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def reuse_stacked_expert_weights(self, enabled: bool = True) -> "GLM5ForCausalLM":
+        """Inference servers: keep each MoE layer's stacked expert weights between no-grad forwards
+        (see ``MoE._stacked``; weights written through ``param.data`` are not detected). Returns self."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        for layer in self.moe_layers():
+            layer.reuse_stacked_weights = enabled
+            layer._stacked_cache.clear()
+        return self
 
     def indexer_parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.model.layers:
@@ -161,9 +172,8 @@ class GLM5ForCausalLM(nn.Module):
         B, T = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = self.model.rotary(positions_of(start_pos, B, T, input_ids.device), embeds.dtype)  # [B, T, Dr/2]
-        moe_rows = self.moe_layers()
         state = ForwardState(attention=attention, start_pos=start_pos, cache=cache, indexer_loss=bool(indexer_loss),
-                             cos=cos, sin=sin, expert_counts=[None] * len(moe_rows))
+                             cos=cos, sin=sin, expert_counts=[None] * self.num_moe_layers)
         hidden = embeds
         for layer in self.model.main_layers():
             hidden = layer(hidden, state)

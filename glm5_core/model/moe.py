@@ -13,7 +13,7 @@ path runs every expert on every token and weights the outputs with the routing w
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -78,12 +78,30 @@ class MoE(nn.Module):
         self.backend = backend
         self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, backend)
+        self.reuse_stacked_weights = False  # see _stacked
+        self._stacked_cache: Dict[str, Tuple[tuple, torch.Tensor]] = {}
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
 
     def _stacked(self, name: str) -> torch.Tensor:
-        return torch.stack([getattr(e, name).weight for e in self.experts])  # [E, F, D] or [E, D, F]
+        """The experts' ``name`` weights as one tensor, [E, F, D] or [E, D, F].
+
+        Rebuilt on every call by default. An inference server that owns its weights (the rollout engine)
+        turns on ``reuse_stacked_weights``: with autograd off the stacked copy is then kept until a weight
+        changes, detected from every expert weight's storage address and in-place version counter (which
+        ``load_state_dict``, optimizer steps and ``.to()`` all change; a write through ``param.data`` does
+        not, which is why the reuse is opt-in). It costs one extra copy of the expert weights.
+        """
+        weights = [getattr(e, name).weight for e in self.experts]
+        if not self.reuse_stacked_weights or (torch.is_grad_enabled() and weights[0].requires_grad):
+            return torch.stack(weights)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        cached = self._stacked_cache.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.stack(weights))
+            self._stacked_cache[name] = cached
+        return cached[1]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""

@@ -2,6 +2,8 @@
 names the argument, what was expected and what came."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -82,10 +84,25 @@ def positive_float(name: str, value, *, allow_zero: bool = False) -> float:
     return value
 
 
+_SKIP_VALUE_CHECKS = contextvars.ContextVar("glm5_skip_value_checks", default=False)
+
+
+@contextlib.contextmanager
+def skip_value_checks():
+    """Turn the value checks off in this thread / context only: for loops whose op inputs are built by
+    trusted code (a rollout engine's decode step), where the checks are pure overhead."""
+    token = _SKIP_VALUE_CHECKS.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_VALUE_CHECKS.reset(token)
+
+
 def value_checks_enabled() -> bool:
     """Checks that read tensor values (NaN, index ranges) cost a device sync each. They are on by default,
-    off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators) and while torch.compile traces."""
-    if os.environ.get("GLM5_CHECK_VALUES", "1") == "0":
+    off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators), inside
+    :func:`skip_value_checks` and while torch.compile traces."""
+    if _SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0":
         return False
     compiler = getattr(torch, "compiler", None)
     return not (compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())

@@ -235,6 +235,7 @@ class RLRun:
                 "dropped_stale": self.buffer.dropped_stale, "env_failures": self.runner.env_failures,
                 "replacements": self.replicas.replacements, "failed_requests": self.replicas.failed_requests,
                 "prefill_tokens": counters["prefill_tokens"], "prefill_tokens_saved": counters["cached_tokens"],
+                "engine_busy_s": counters["busy_seconds"], "engine_prefill_s": counters["prefill_seconds"],
                 "eval_reward_start": eval0, "eval_reward_end": eval_end,
                 "issued_trajectories": len(self.runner.issued_ids), "trained_trajectories": len(self.buffer.taken_ids),
             }

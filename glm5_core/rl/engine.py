@@ -32,6 +32,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
+from glm5_core.ops import _checks
 from glm5_core.rl import kv_slots
 from glm5_core.rl.device import module_device
 from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
@@ -44,6 +45,7 @@ from glm5_core.rl.sampling import sample
 class EngineStats:
     started_at: float = dataclasses.field(default_factory=time.monotonic)
     busy_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # part of busy_seconds spent in prefill forwards (incl. prefix-cache copies)
     prefill_tokens: int = 0  # positions actually computed by prefill
     cached_tokens: int = 0  # positions reused from the prefix cache
     generated_tokens: int = 0
@@ -83,6 +85,8 @@ class RolloutEngine:
         if not 2 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
         self.model = model.eval()
+        if hasattr(model, "reuse_stacked_expert_weights"):
+            model.reuse_stacked_expert_weights(True)  # the engine changes weights only via load_state_dict
         self.device = module_device(model)
         self.max_batch = max_batch
         self.max_len = max_len
@@ -204,7 +208,9 @@ class RolloutEngine:
                 if self._slots[slot] is None and self._waiting:
                     admitted.append((slot, *self._waiting.popleft()))
         if admitted:
+            t_prefill = time.monotonic()
             self._prefill(admitted)
+            self.stats.prefill_seconds += time.monotonic() - t_prefill
         decoded = self.num_active() > 0
         if decoded:
             self._decode()
@@ -212,7 +218,10 @@ class RolloutEngine:
             self.stats.busy_seconds += time.monotonic() - t0
 
     def _forward(self, input_ids: torch.Tensor, cache, start_pos):
-        return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
+        # The engine builds every op input itself (token ids checked at submit, positions from its own
+        # bookkeeping): the per-op value checks (a device sync each) would only slow the decode loop.
+        with _checks.skip_value_checks():
+            return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
 
     def _prefill(self, admitted: List[Tuple[int, GenerateRequest, concurrent.futures.Future]]) -> None:
         """Prefill newly admitted requests together: a scratch cache of one row per request receives each

@@ -100,6 +100,9 @@ def idle_ratio_from_engines(before: Dict[str, Dict], after: Dict[str, Dict]) -> 
     return None if wall <= 0 else max(0.0, 1.0 - busy / wall)
 
 
-def prefill_counters(infos: Dict[str, Dict]) -> Dict[str, int]:
+def prefill_counters(infos: Dict[str, Dict]) -> Dict[str, float]:
+    """Engine totals since start: prefill tokens computed / reused, busy and prefill seconds."""
     return {"prefill_tokens": sum(int(i.get("prefill_tokens", 0)) for i in infos.values()),
-            "cached_tokens": sum(int(i.get("cached_tokens", 0)) for i in infos.values())}
+            "cached_tokens": sum(int(i.get("cached_tokens", 0)) for i in infos.values()),
+            "busy_seconds": sum(float(i.get("busy_seconds", 0.0)) for i in infos.values()),
+            "prefill_seconds": sum(float(i.get("prefill_seconds", 0.0)) for i in infos.values())}

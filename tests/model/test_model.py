@@ -225,3 +225,27 @@ def test_bad_input_ids(small_model, make_model, make_config):
     with pytest.raises(ValueError, match="mtp_depths"):
         no_mtp(torch.zeros(1, 4, dtype=torch.int64), mtp_depths=1)
     assert isinstance(no_mtp.model.layers[1].mlp, MoE) and no_mtp.model.mtp is None
+
+
+def test_reused_stacked_expert_weights_follow_every_weight_change(make_model, make_config):
+    """The inference-server reuse of stacked expert weights must never serve stale weights."""
+    cfg = make_config()
+    model = make_model(cfg).reuse_stacked_expert_weights(True)
+    fresh = make_model(cfg, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)  # fills the reuse
+        model.load_state_dict(fresh.state_dict())  # new weights: the reused stack must follow
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits, atol=0, rtol=0)
+        layer = model.moe_layers()[0]
+        layer.experts[1].down_proj.weight.mul_(2.0)  # an in-place optimizer-style update of one expert
+        fresh.moe_layers()[0].experts[1].down_proj.weight.mul_(2.0)
+        torch.testing.assert_close(model(ids).logits, fresh(ids).logits, atol=0, rtol=0)
+    model.train()
+    loss = model(ids).logits.sum()  # with autograd on, the stack is rebuilt and gradients reach the experts
+    loss.backward()
+    assert all(e.gate_proj.weight.grad is not None for e in model.moe_layers()[0].experts)
+    model.reuse_stacked_expert_weights(False)
+    assert not any(m.reuse_stacked_weights or m._stacked_cache for m in model.moe_layers())
+    with pytest.raises(TypeError, match="enabled"):
+        model.reuse_stacked_expert_weights("yes")
