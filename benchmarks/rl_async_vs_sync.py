@@ -1,7 +1,7 @@
 """Async vs sync RL on the multi-turn calculator task (long-tailed turn counts): trained tokens per second
 and trainer idle ratio, measured in one invocation with the same config except ``mode``.
 
-    python benchmarks/rl_async_vs_sync.py [--steps 12] [--config configs/rl_multiturn.yaml]
+    python benchmarks/rl_async_vs_sync.py [--steps 12] [--config configs/rl_multiturn.yaml] [--max-staleness TAU]
 
 Targets (issue 7): async >= 1.5x sync trained tokens/s; async trainer idle ratio <= 15%.
 """
@@ -26,13 +26,21 @@ def main() -> int:
     parser.add_argument("--config", default="configs/rl_multiturn.yaml")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=1, help="alternate sync/async this many times; medians")
+    parser.add_argument("--max-staleness", type=int, default=None, help="override the config's train.max_staleness")
     parser.add_argument("--out", default="benchmarks/results/rl_async_vs_sync.json")
     args = parser.parse_args()
+    overrides = {"max_steps": args.steps}
+    if args.max_staleness is not None:
+        import yaml
+
+        with open(args.config, "r", encoding="utf-8") as f:
+            train = dict((yaml.safe_load(f) or {}).get("train", {}))
+        overrides["train"] = dict(train, max_staleness=args.max_staleness)
     runs = {"sync": [], "async": []}
     for _ in range(args.repeats):
         for mode in ("sync", "async"):
             with tempfile.TemporaryDirectory() as tmp:
-                cfg = load_config(args.config, {"mode": mode, "max_steps": args.steps, "output_dir": tmp})
+                cfg = load_config(args.config, dict(overrides, mode=mode, output_dir=tmp))
                 summary = RLRun(cfg, log=lambda m: None).run()
             runs[mode].append({k: summary[k] for k in KEEP})
             print(mode, json.dumps(runs[mode][-1]), flush=True)
