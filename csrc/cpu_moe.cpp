@@ -13,6 +13,8 @@
 //   moe_experts(x_sorted [M, D], counts [E], w_gate [E, F, D], w_up [E, F, D], w_down [E, D, F]) -> y [M, D]:
 //       SwiGLU of each expert over its contiguous rows; experts run in parallel, one thread each, every
 //       GEMM single-threaded (see experts_kernel).
+//   moe_fused_experts(x [N, D], weights [N, K], ids [N, K], w_gate, w_up, w_down) -> out [N, D]: dispatch,
+//       experts and combine in one op, each expert gathering its own rows (no [M, D] input copy).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -143,23 +146,31 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, const c10
   return {weights, ids};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& expert_ids,
-                                                            int64_t num_experts) {
-  TORCH_CHECK(x.dim() == 2 && expert_ids.dim() == 2 && x.size(0) == expert_ids.size(0), "moe_dispatch: bad shapes");
-  const int64_t K = expert_ids.size(1), M = expert_ids.numel(), D = x.size(1);
+// Stable counting sort of the flat assignments m = n * K + j by expert id: (sort_idx int64 [M], counts int64 [E]).
+std::tuple<at::Tensor, at::Tensor> sort_by_expert(const at::Tensor& expert_ids, int64_t num_experts, const char* op) {
+  const int64_t M = expert_ids.numel();
   auto flat = expert_ids.to(at::kLong).contiguous();
   const int64_t* e_M = flat.data_ptr<int64_t>();
-  auto counts = at::zeros({num_experts}, x.options().dtype(at::kLong));
+  auto counts = at::zeros({num_experts}, flat.options());
   int64_t* count_E = counts.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(e_M[m] >= 0 && e_M[m] < num_experts, "moe_dispatch: expert id out of range");
+    TORCH_CHECK(e_M[m] >= 0 && e_M[m] < num_experts, op, ": expert id out of range");
     ++count_E[e_M[m]];
   }
   std::vector<int64_t> next(num_experts, 0);  // exclusive prefix sum: first row of each expert
   for (int64_t e = 1; e < num_experts; ++e) next[e] = next[e - 1] + count_E[e - 1];
-  auto sort_idx = at::empty({M}, x.options().dtype(at::kLong));
+  auto sort_idx = at::empty({M}, flat.options());
   int64_t* order = sort_idx.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m) order[next[e_M[m]]++] = m;  // stable: token order, then slot order
+  return {sort_idx, counts};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& expert_ids,
+                                                            int64_t num_experts) {
+  TORCH_CHECK(x.dim() == 2 && expert_ids.dim() == 2 && x.size(0) == expert_ids.size(0), "moe_dispatch: bad shapes");
+  const int64_t K = expert_ids.size(1), M = expert_ids.numel(), D = x.size(1);
+  auto [sort_idx, counts] = sort_by_expert(expert_ids, num_experts, "moe_dispatch");
+  const int64_t* order = sort_idx.data_ptr<int64_t>();
   auto xc = x.contiguous();
   auto x_sorted = empty_large({M, D}, x.options());
   const int64_t row_bytes = D * xc.element_size();
@@ -221,7 +232,11 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& sort_idx, c
 // concurrently, each GEMM on one thread (BLAS and ATen run serially inside an OpenMP parallel region),
 // keeps every core in a long GEMM. Experts are taken largest first (dynamic schedule) so the tail is a
 // small expert. A row's result depends only on its expert's rows, never on the schedule or thread count.
-void experts_kernel(const at::Tensor& x_MD, const std::vector<int64_t>& count_E, const at::Tensor& w_gate_EFD,
+// rows_of(first, n) -> the n input rows of the expert whose sorted rows start at ``first``, [n, D], in the
+// compute dtype; called from inside the parallel region (it must not start a parallel region itself).
+using RowSource = std::function<at::Tensor(int64_t first, int64_t n)>;
+
+void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_E, const at::Tensor& w_gate_EFD,
                     const at::Tensor& w_up_EFD, const at::Tensor& w_down_EDF, at::Tensor& y_MD) {
   const int64_t E = static_cast<int64_t>(count_E.size());
   std::vector<int64_t> first_row(E, 0);  // exclusive prefix sum of the counts
@@ -231,46 +246,76 @@ void experts_kernel(const at::Tensor& x_MD, const std::vector<int64_t>& count_E,
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count_E[a] > count_E[b]; });
   const int64_t tasks = static_cast<int64_t>(order.size());
   const at::ScalarType ct = y_MD.scalar_type();
-  const bool cast = x_MD.scalar_type() != ct;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min<int>(at::get_num_threads(), tasks)))
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t e = order[t];
-    at::Tensor x_rows = x_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
-    at::Tensor wg = w_gate_EFD[e], wu = w_up_EFD[e], wd = w_down_EDF[e];  // [F, D], [F, D], [D, F]
-    if (cast) {
-      x_rows = x_rows.to(ct);
-      wg = wg.to(ct), wu = wu.to(ct), wd = wd.to(ct);
-    }
+    at::Tensor x_rows = rows_of(first_row[e], count_E[e]);  // [n, D]
+    at::Tensor wg = w_gate_EFD[e].to(ct), wu = w_up_EFD[e].to(ct), wd = w_down_EDF[e].to(ct);  // no-op when ct
     at::Tensor hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));  // [n, F]
     at::Tensor y_rows = y_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
     at::mm_out(y_rows, hidden, wd.t());
   }
 }
 
-at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, const at::Tensor& w_gate,
-                       const at::Tensor& w_up, const at::Tensor& w_down) {
-  TORCH_CHECK(x_sorted.dim() == 2 && counts.dim() == 1 && w_gate.dim() == 3 && w_up.dim() == 3 && w_down.dim() == 3,
-              "moe_experts: bad ranks");
-  const int64_t M = x_sorted.size(0), D = x_sorted.size(1), E = w_gate.size(0), F = w_gate.size(1);
-  TORCH_CHECK(counts.size(0) == E && w_gate.size(2) == D && w_up.sizes() == w_gate.sizes() && w_down.size(0) == E &&
-                  w_down.size(1) == D && w_down.size(2) == F,
-              "moe_experts: shapes disagree");
-  TORCH_CHECK(w_gate.scalar_type() == x_sorted.scalar_type() && w_up.scalar_type() == x_sorted.scalar_type() &&
-                  w_down.scalar_type() == x_sorted.scalar_type(),
-              "moe_experts: dtypes disagree");
+at::ScalarType compute_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+std::vector<int64_t> checked_counts(const at::Tensor& counts, int64_t M, const char* op) {
   auto c = counts.to(at::kLong).contiguous();
-  std::vector<int64_t> count_E(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + E);
+  std::vector<int64_t> count_E(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
   int64_t total = 0;
   for (int64_t n : count_E) {
-    TORCH_CHECK(n >= 0, "moe_experts: negative count");
+    TORCH_CHECK(n >= 0, op, ": negative count");
     total += n;
   }
-  TORCH_CHECK(total == M, "moe_experts: counts do not sum to the rows of x_sorted");
-  const at::ScalarType ct = x_sorted.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(total == M, op, ": counts do not sum to the routed rows");
+  return count_E;
+}
+
+void check_expert_weights(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                          const at::Tensor& w_down, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && w_gate.dim() == 3 && w_up.dim() == 3 && w_down.dim() == 3, op, ": bad ranks");
+  const int64_t D = x.size(1), E = w_gate.size(0), F = w_gate.size(1);
+  TORCH_CHECK(w_gate.size(2) == D && w_up.sizes() == w_gate.sizes() && w_down.size(0) == E && w_down.size(1) == D &&
+                  w_down.size(2) == F,
+              op, ": shapes disagree");
+  TORCH_CHECK(w_gate.scalar_type() == x.scalar_type() && w_up.scalar_type() == x.scalar_type() &&
+                  w_down.scalar_type() == x.scalar_type(),
+              op, ": dtypes disagree");
+}
+
+at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, const at::Tensor& w_gate,
+                       const at::Tensor& w_up, const at::Tensor& w_down) {
+  check_expert_weights(x_sorted, w_gate, w_up, w_down, "moe_experts");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == w_gate.size(0), "moe_experts: counts must be [E]");
+  const int64_t M = x_sorted.size(0), D = x_sorted.size(1);
+  std::vector<int64_t> count_E = checked_counts(counts, M, "moe_experts");
+  const at::ScalarType ct = compute_type(x_sorted);
   auto y = empty_large({M, D}, x_sorted.options().dtype(ct));
   auto x = x_sorted.contiguous();
-  experts_kernel(x, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
+  experts_kernel([&](int64_t first, int64_t n) { return x.narrow(0, first, n).to(ct); }, count_E,
+                 w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
   return y.scalar_type() == x_sorted.scalar_type() ? y : y.to(x_sorted.scalar_type());
+}
+
+// dispatch -> experts -> combine without the [M, D] copy of the routed inputs: each expert task gathers its
+// tokens' rows itself (x is N x D, cache-resident next to the M x D copy). Same arithmetic as the three ops:
+// expert outputs rounded to x's dtype, then combined per token in slot order.
+at::Tensor moe_fused_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                             const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down) {
+  check_expert_weights(x, w_gate, w_up, w_down, "moe_fused_experts");
+  TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && weights.sizes() == expert_ids.sizes(),
+              "moe_fused_experts: expert_ids and weights must be [N, K]");
+  const int64_t K = expert_ids.size(1), M = expert_ids.numel(), D = x.size(1);
+  auto [sort_idx, counts] = sort_by_expert(expert_ids, w_gate.size(0), "moe_fused_experts");
+  std::vector<int64_t> count_E = checked_counts(counts, M, "moe_fused_experts");
+  auto token_of_row = at::div(sort_idx, K, "floor");  // [M] token of each sorted row
+  const at::ScalarType ct = compute_type(x);
+  auto y = empty_large({M, D}, x.options().dtype(ct));
+  auto xc = x.contiguous();
+  experts_kernel([&](int64_t first, int64_t n) { return at::index_select(xc, 0, token_of_row.narrow(0, first, n)).to(ct); },
+                 count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
+  if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+  return moe_combine(y, sort_idx, weights);
 }
 
 }  // namespace
@@ -282,6 +327,8 @@ TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
   m.def("moe_dispatch(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y_sorted, Tensor sort_idx, Tensor weights) -> Tensor");
   m.def("moe_experts(Tensor x_sorted, Tensor counts, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor");
+  m.def("moe_fused_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor w_gate, Tensor w_up, "
+        "Tensor w_down) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
@@ -290,6 +337,7 @@ TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
   m.impl("moe_dispatch", &moe_dispatch);
   m.impl("moe_combine", &moe_combine);
   m.impl("moe_experts", &moe_experts);
+  m.impl("moe_fused_experts", &moe_fused_experts);
 }
 
 }  // namespace glm5

@@ -254,6 +254,19 @@ def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
     return fn
 
 
+def _fused_experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=26)
+        weights, ids = _reference_routing(shape, device, seed=27)
+        args = (x["x"], weights.to(dtype), ids, x["w_gate"], x["w_up"], x["w_down"])
+        out = moe.fused_experts(*args, backend=backend)
+        ref = moe.fused_experts_reference
+        return testing.compare_to_fp64(out, ref(*args), ref(*(t.double() if t.is_floating_point() else t
+                                                              for t in args)), dtype)
+
+    return fn
+
+
 def _moe_checks() -> List[Check]:
     checks = []
     for shape in testing.MOE_SHAPES + (testing.VENDOR_MOE_SHAPE,):
@@ -268,6 +281,8 @@ def _moe_checks() -> List[Check]:
             checks.append(Check("moe", f"moe_dispatch[{tag}]", ("moe_dispatch",), _dispatch_check(shape, dtype)))
             checks.append(Check("moe", f"moe_combine[{tag}]", ("moe_combine",), _combine_check(shape, dtype)))
             checks.append(Check("moe", f"moe_experts[{tag}]", ("moe_experts",), _experts_check(shape, dtype)))
+            checks.append(Check("moe", f"moe_fused_experts[{tag}]", ("moe_fused_experts",),
+                                _fused_experts_check(shape, dtype)))
     return checks
 
 
@@ -330,6 +345,10 @@ def _grad_inputs(op: str, device: str) -> Tuple[Callable, Callable, Dict[str, to
     if op == "moe_dispatch":
         return (lambda be, **t: moe.dispatch(**t, expert_ids=ids, num_experts=moe_shape.E, backend=be)[0],
                 lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=moe_shape.E)[0], {"x": x["x"]})
+    if op == "moe_fused_experts":
+        return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be),
+                lambda **t: moe.fused_experts_reference(**t, expert_ids=ids),
+                {"x": x["x"], "weights": weights, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
     x_sorted, sort_idx, counts = moe.dispatch_reference(x["x"], ids, num_experts=moe_shape.E)
     if op == "moe_combine":
         return (lambda be, **t: moe.combine(**t, sort_idx=sort_idx, backend=be),
@@ -363,7 +382,7 @@ def _grad_check(op: str) -> CheckFn:
 
 
 GRAD_OPS = ("mla_prefill", "dsa_indexer_scores", "dsa_sparse_prefill", "moe_route", "moe_dispatch", "moe_combine",
-            "moe_experts")
+            "moe_experts", "moe_fused_experts")
 
 
 def _grad_checks() -> List[Check]:

@@ -47,9 +47,18 @@ REFERENCES: Mapping[str, str] = {
     "moe_dispatch": "glm5_core.ops.moe:dispatch_reference",
     "moe_combine": "glm5_core.ops.moe:combine_reference",
     "moe_experts": "glm5_core.ops.moe:grouped_swiglu_reference",
+    "moe_fused_experts": "glm5_core.ops.moe:fused_experts_reference",
     "muon_orthogonalize": "glm5_core.ops.muon:orthogonalize_reference",
 }
 OP_NAMES: Tuple[str, ...] = tuple(REFERENCES)
+
+# Composite ops (as torch's CompositeImplicitAutograd): a backend may register a fused kernel; one that
+# does not runs the composite, which calls the backend's kernels for the parts (never the whole reference).
+# Value: "module:function" taking the op's arguments plus ``backend=``; it is differentiable when the parts
+# are (each part falls back on its own).
+COMPOSITES: Mapping[str, str] = {
+    "moe_fused_experts": "glm5_core.ops.moe:fused_experts_composite",
+}
 
 _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
 
@@ -227,14 +236,35 @@ def _label(name: str, fn: Callable) -> str:
     return f"{name}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
+@functools.lru_cache(maxsize=None)
+def _composite(op: str, backend: str) -> Callable:
+    target = _import_target(COMPOSITES[op])
+
+    def composite(*args, **kwargs):
+        return target(*args, backend=backend, **kwargs)
+
+    composite.differentiable = True
+    composite.__module__, composite.__qualname__ = target.__module__, target.__qualname__
+    return composite
+
+
+def _own_or_composite(op: str, name: str, table: Mapping[str, Callable]) -> Optional[Resolution]:
+    if op in table:
+        return Resolution(op, name, table[op], _label(name, table[op]), "")
+    if op in COMPOSITES:
+        impl = _composite(op, name)
+        return Resolution(op, name, impl, _label(name, impl), f"{name} has no fused kernel: its own kernels for the parts")
+    return None
+
+
 def resolve(op: str, backend: Optional[str] = None) -> Resolution:
     """Which implementation runs ``op`` on ``backend`` (after the resolution order)."""
     ref = reference(op)
     name = resolve_backend_name(backend)
     be = require_available(name)
-    table = _kernel_table(name)
-    if op in table:
-        return Resolution(op, name, table[op], _label(name, table[op]), "")
+    own = _own_or_composite(op, name, _kernel_table(name))
+    if own is not None:
+        return own
     reason = be.missing.get(op, f"{name} does not implement {op}")
     if strict_mode():
         raise BackendCoverageError(f"{op}: {reason}, and GLM5_STRICT=1 forbids the reference fallback")
@@ -284,8 +314,9 @@ def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Reso
     table = _kernel_table(name)
     rows = []
     for op in OP_NAMES:
-        if op in table:
-            rows.append(Resolution(op, name, table[op], _label(name, table[op]), ""))
+        own = _own_or_composite(op, name, table)
+        if own is not None:
+            rows.append(own)
         else:
             rows.append(Resolution(op, name, reference(op), "reference", be.missing.get(op, f"{name} does not implement {op}")))
     return rows

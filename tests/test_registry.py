@@ -187,3 +187,23 @@ def test_a_plugin_cannot_replace_a_builtin_backend(tmp_path, monkeypatch, fresh_
     (dist / "entry_points.txt").write_text("[glm5_core.backends]\ncpu = evil_glm5:BACKEND\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert registry.get_backend("cpu").available()[1] != "evil"
+
+
+def test_a_backend_without_a_fused_kernel_runs_the_composite_of_its_own_kernels(tmp_path, monkeypatch, fresh_registry):
+    from glm5_core import testing
+    from glm5_core.ops import moe
+
+    _fake_backend_module(tmp_path, "vendorx_composite")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = {r.op: r for r in registry.explain("vendorx")}
+    fused = rows["moe_fused_experts"]
+    assert not fused.is_reference and fused.label == "vendorx: glm5_core.ops.moe.fused_experts_composite"
+    assert "no fused kernel" in fused.reason
+    shape = testing.MOE_SHAPES[1]
+    w = testing.make_expert_inputs(shape, seed=3)
+    weights, ids = moe.route_reference(testing.make_route_inputs(shape, seed=4)["logits"], None, top_k=shape.K)
+    args = (w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
+    torch.testing.assert_close(moe.fused_experts(*args, backend="vendorx"), moe.fused_experts_reference(*args))
+    monkeypatch.setenv("GLM5_STRICT", "1")  # the composite is no fallback; its parts are, and strict names them
+    with pytest.raises(registry.BackendCoverageError, match="moe_dispatch"):
+        moe.fused_experts(*args, backend="vendorx")

@@ -19,6 +19,7 @@ NATIVE_KERNELS: Mapping[str, str] = {
     "moe_dispatch": "glm5_core.backends.cpu.moe:dispatch",
     "moe_combine": "glm5_core.backends.cpu.moe:combine",
     "moe_experts": "glm5_core.backends.cpu.moe:experts",
+    "moe_fused_experts": "glm5_core.backends.cpu.moe:fused_experts",
     "muon_orthogonalize": "glm5_core.backends.cpu.muon:orthogonalize",
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "moe_experts",
-              "ns_orthogonalize")
+              "moe_fused_experts", "ns_orthogonalize")
 
 
 def _indexer_topk(q, k, w, start, topk):
@@ -43,6 +43,10 @@ def _moe_experts(x_sorted, counts, w_gate, w_up, w_down):
     return x_sorted.new_empty(x_sorted.shape)  # [M, D]
 
 
+def _moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
+    return x.new_empty(x.shape)  # [N, D]
+
+
 def _ns_orthogonalize(X_wide, coeffs, loop_batch):
     return X_wide.new_empty(X_wide.shape)  # [P, m, n]
 
@@ -51,6 +55,7 @@ def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select, "moe_route": _moe_route,
              "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine, "moe_experts": _moe_experts,
+             "moe_fused_experts": _moe_fused_experts,
              "ns_orthogonalize": _ns_orthogonalize}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

@@ -7,7 +7,8 @@ weights are computed with torch ops instead (differentiable, same formula) and o
 top-k selection is native. ``dispatch``
 is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order;
 ``experts`` runs whole experts in parallel, one thread each, with single-threaded GEMMs (the reference's
-multi-threaded BLAS calls are too small to split well across cores).
+multi-threaded BLAS calls are too small to split well across cores); ``fused_experts`` is dispatch + experts
++ combine in one op whose expert tasks gather their own rows.
 Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
@@ -87,6 +88,22 @@ def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
 
 
 experts.supports = _experts_supports
+
+
+def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
+    """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs)."""
+    return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down)
+
+
+def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
+        return False, "the native fused experts have no backward (the reference is differentiable)"
+    if x.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {x.device}"
+    return True, ""
+
+
+fused_experts.supports = _fused_supports
 
 
 def combine(y_sorted, sort_idx, weights):

@@ -111,10 +111,10 @@ class MoE(nn.Module):
         if torch.onnx.is_in_onnx_export():
             routed, counts = self._all_experts(flat, weights, ids)
         else:
-            x_sorted, sort_idx, counts = moe.dispatch(flat, ids, num_experts=self.n_experts, backend=self.backend)
-            y_sorted = moe.grouped_swiglu(x_sorted, counts, self._stacked("gate_proj"), self._stacked("up_proj"),
-                                          self._stacked("down_proj"), backend=self.backend)  # [N*K, D]
-            routed = moe.combine(y_sorted, sort_idx, weights.to(y_sorted.dtype), backend=self.backend)  # [N, D]
+            routed = moe.fused_experts(flat, weights.to(flat.dtype), ids, self._stacked("gate_proj"),
+                                       self._stacked("up_proj"), self._stacked("down_proj"),
+                                       backend=self.backend)  # [N, D]
+            counts = torch.bincount(ids.reshape(-1).long(), minlength=self.n_experts)  # [E] tokens per expert
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.view(B, T, D), counts.detach()

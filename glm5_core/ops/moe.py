@@ -15,6 +15,10 @@ Dispatch sorts the M = N*K (token, slot) assignments by expert id, stably, so wi
 stay in token order (then slot order); ``sort_idx[m]`` is the flat assignment index ``n * K + j`` of
 sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine is its deterministic
 inverse: a gather, then a weighted sum over the K slots in slot order (no atomics).
+
+``fused_experts`` is dispatch -> grouped SwiGLU -> combine as one op (the routed MoE FFN of a layer). It is
+a composite op: a backend without a fused kernel runs its own three kernels (see ``registry.COMPOSITES``),
+one with a fused kernel (cpu) skips materialising the [M, D] routed copy of the inputs.
 """
 from __future__ import annotations
 
@@ -108,6 +112,21 @@ def grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down):
     return torch.cat(outputs).to(x_sorted.dtype)
 
 
+def fused_experts_reference(x, weights, expert_ids, w_gate, w_up, w_down):
+    """The routed FFN: combine(grouped_swiglu(dispatch(x)), weights). Returns [N, D] in x's dtype."""
+    x_sorted, sort_idx, counts = dispatch_reference(x, expert_ids, num_experts=w_gate.shape[0])
+    return combine_reference(grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down), sort_idx, weights)
+
+
+def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, backend: str):
+    """``fused_experts`` on a backend without a fused kernel: its dispatch, experts and combine kernels
+    (each with its own reference fallback)."""
+    x_sorted, sort_idx, counts = registry.call("moe_dispatch", x, expert_ids, num_experts=w_gate.shape[0],
+                                               backend=backend)
+    y_sorted = registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
+    return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
+
+
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",
           n_group: int = 1, topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
           backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -184,6 +203,24 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
         raise ValueError(f"counts: expected non-negative counts summing to M={sizes['M']}, "
                          f"got sum {int(counts.sum())}, min {int(counts.min())}")
     return registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, w_gate: torch.Tensor,
+                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
+    in slot order. Equals ``combine(grouped_swiglu(dispatch(x)), weights)``. Returns [N, D]."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
+    _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
+    _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[N, K] int32")
+    _checks.tensor("w_gate", w_gate, dims=("E", "F", "D"), sizes=sizes, legend="[E, F, D]")
+    _checks.tensor("w_up", w_up, dims=("E", "F", "D"), sizes=sizes, legend="[E, F, D]")
+    _checks.tensor("w_down", w_down, dims=("E", "D", "F"), sizes=sizes, legend="[E, D, F]")
+    _checks.same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _checks.same_device(x=x, weights=weights, expert_ids=expert_ids, w_gate=w_gate, w_up=w_up, w_down=w_down)
+    _checks.index_range("expert_ids", expert_ids, 0, sizes["E"] - 1)
+    return registry.call("moe_fused_experts", x, weights, expert_ids, w_gate, w_up, w_down, backend=backend)
 
 
 def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -129,3 +129,34 @@ def test_experts_reject_bad_counts_and_defer_gradients(native):
         native_moe.experts(x_sorted, bad, wg, wu, wd)
     ok, why = native_moe.experts.supports(x_sorted.requires_grad_(True), counts, wg, wu, wd)
     assert not ok and "backward" in why
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
+def test_fused_experts_equal_the_three_native_ops(native, shape, dtype):
+    """Same arithmetic as dispatch -> experts -> combine (bitwise), and the reference within tolerance."""
+    ids = torch.randint(0, shape.E, (shape.N, shape.K), generator=testing.generator(21)).to(torch.int32)
+    ids[: shape.N // 2, 0] = 0  # a crowded expert, (usually) empty ones; repeats within a token are allowed
+    w = testing.make_expert_inputs(shape, dtype=dtype, seed=23)
+    weights = testing.randn((shape.N, shape.K), seed=24).to(dtype)
+    got = native_moe.fused_experts(w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
+    x_sorted, sort_idx, counts = native_moe.dispatch(w["x"], ids, num_experts=shape.E)
+    y = native_moe.experts(x_sorted, counts, w["w_gate"], w["w_up"], w["w_down"])
+    assert got.dtype == dtype and torch.equal(got, native_moe.combine(y, sort_idx, weights))
+    want = moe.fused_experts_reference(w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
+    atol, rtol = testing.TOLERANCES[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_fused_experts_thread_invariance(native, threads):
+    shape = SHAPES[3]
+    w = testing.make_expert_inputs(shape, seed=30)
+    weights, ids = moe.route_reference(testing.make_route_inputs(shape, seed=31)["logits"], None, top_k=shape.K)
+    outs = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        outs.append(native_moe.fused_experts(w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"]))
+    assert torch.equal(outs[0], outs[1])
+    ok, why = native_moe.fused_experts.supports(w["x"].requires_grad_(True), weights, ids, w["w_gate"], w["w_up"],
+                                                w["w_down"])
+    assert not ok and "backward" in why
