@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include "cpu_alloc.h"
@@ -25,7 +26,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <limits>
 #include <vector>
 
@@ -211,7 +214,8 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& sort_idx, c
   const int64_t* order_M = order.data_ptr<int64_t>();
   std::vector<int64_t> row_of(M, -1);  // flat assignment -> sorted row
   for (int64_t r = 0; r < M; ++r) {
-    TORCH_CHECK(order_M[r] >= 0 && order_M[r] < M && row_of[order_M[r]] < 0, "moe_combine: sort_idx is not a permutation");
+    TORCH_CHECK(order_M[r] >= 0 && order_M[r] < M && row_of[order_M[r]] < 0,
+                "moe_combine: sort_idx is not a permutation");
     row_of[order_M[r]] = r;
   }
   auto y = y_sorted.contiguous();
@@ -231,7 +235,9 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& sort_idx, c
 // are too small to amortise (~80 GFLOP/s on 2 cores vs ~180 for a square GEMM). Running whole experts
 // concurrently, each GEMM on one thread (BLAS and ATen run serially inside an OpenMP parallel region),
 // keeps every core in a long GEMM. Experts are taken largest first (dynamic schedule) so the tail is a
-// small expert. A row's result depends only on its expert's rows, never on the schedule or thread count.
+// small expert. A row's result depends only on its expert's rows and the BLAS call that computes them,
+// never on which thread ran the expert (with a single non-empty expert the region has one thread and
+// BLAS may thread that GEMM itself).
 // rows_of(first, n) -> the n input rows of the expert whose sorted rows start at ``first``, [n, D], in the
 // compute dtype; called from inside the parallel region (it must not start a parallel region itself).
 using RowSource = std::function<at::Tensor(int64_t first, int64_t n)>;
@@ -246,15 +252,28 @@ void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count_E[a] > count_E[b]; });
   const int64_t tasks = static_cast<int64_t>(order.size());
   const at::ScalarType ct = y_MD.scalar_type();
+  // Worker threads do not inherit ATen's thread-local state (inference mode, grad mode, dispatch keys):
+  // each task installs the caller's. An exception must not leave an OpenMP region (that aborts the
+  // process): the first one is kept and rethrown after the region.
+  const at::ThreadLocalState caller_state;
+  std::exception_ptr failure;
+  std::mutex failure_lock;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min<int>(at::get_num_threads(), tasks)))
   for (int64_t t = 0; t < tasks; ++t) {
-    const int64_t e = order[t];
-    at::Tensor x_rows = rows_of(first_row[e], count_E[e]);  // [n, D]
-    at::Tensor wg = w_gate_EFD[e].to(ct), wu = w_up_EFD[e].to(ct), wd = w_down_EDF[e].to(ct);  // no-op when ct
-    at::Tensor hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));  // [n, F]
-    at::Tensor y_rows = y_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
-    at::mm_out(y_rows, hidden, wd.t());
+    try {
+      at::ThreadLocalStateGuard state_guard(caller_state);
+      const int64_t e = order[t];
+      at::Tensor x_rows = rows_of(first_row[e], count_E[e]);  // [n, D]
+      at::Tensor wg = w_gate_EFD[e].to(ct), wu = w_up_EFD[e].to(ct), wd = w_down_EDF[e].to(ct);  // no-op when ct
+      at::Tensor hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));  // [n, F]
+      at::Tensor y_rows = y_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
+      at::mm_out(y_rows, hidden, wd.t());
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(failure_lock);
+      if (!failure) failure = std::current_exception();
+    }
   }
+  if (failure) std::rethrow_exception(failure);
 }
 
 at::ScalarType compute_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
@@ -312,8 +331,10 @@ at::Tensor moe_fused_experts(const at::Tensor& x, const at::Tensor& weights, con
   const at::ScalarType ct = compute_type(x);
   auto y = empty_large({M, D}, x.options().dtype(ct));
   auto xc = x.contiguous();
-  experts_kernel([&](int64_t first, int64_t n) { return at::index_select(xc, 0, token_of_row.narrow(0, first, n)).to(ct); },
-                 count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
+  auto gather_rows = [&](int64_t first, int64_t n) {
+    return at::index_select(xc, 0, token_of_row.narrow(0, first, n)).to(ct);  // [n, D]
+  };
+  experts_kernel(gather_rows, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   return moe_combine(y, sort_idx, weights);
 }

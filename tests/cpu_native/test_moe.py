@@ -160,3 +160,34 @@ def test_fused_experts_thread_invariance(native, threads):
     ok, why = native_moe.fused_experts.supports(w["x"].requires_grad_(True), weights, ids, w["w_gate"], w["w_up"],
                                                 w["w_down"])
     assert not ok and "backward" in why
+
+
+INFERENCE_MODE_SCRIPT = """
+import torch
+from glm5_core import testing
+from glm5_core.backends.cpu import backend, moe as native_moe
+assert backend.status().built
+shape = testing.MoEShape(N=40, E=6, K=2, G=1, TG=1, D=16, F=8)
+w = testing.make_expert_inputs(shape, seed=1)
+ids = torch.randint(0, shape.E, (shape.N, shape.K), generator=testing.generator(2))
+weights = testing.randn((shape.N, shape.K), seed=3)
+args = (w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
+with torch.no_grad():
+    want = native_moe.fused_experts(*args)
+with torch.inference_mode():
+    got = native_moe.fused_experts(*args)
+    x_sorted, sort_idx, counts = native_moe.dispatch(w["x"], ids, num_experts=shape.E)
+    y = native_moe.experts(x_sorted, counts, w["w_gate"], w["w_up"], w["w_down"])
+assert torch.equal(got, want) and torch.equal(native_moe.combine(y, sort_idx, weights), want)
+print("inference mode ok")
+"""
+
+
+def test_experts_run_under_inference_mode(native):
+    """The expert tasks run ATen ops on OpenMP threads: they must see the caller's inference mode (an error
+    inside the parallel region would abort the whole process, hence the subprocess)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", INFERENCE_MODE_SCRIPT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "inference mode ok" in done.stdout, done.stderr[-2000:]
