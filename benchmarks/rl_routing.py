@@ -1,4 +1,4 @@
-"""DP-aware routing vs round-robin: prefill tokens computed on engine replicas (2 by default) for multi-turn trajectories.
+"""DP-aware routing vs round-robin: prefill tokens on engine replicas (2 by default), multi-turn trajectories.
 
 Each trajectory of the calculator task runs >= 4 turns; every turn resends the whole context. With DP-aware
 routing (consistent hashing of the trajectory id) a turn lands where the previous one ran and the prefix
@@ -66,7 +66,8 @@ def measure(router_kind: str, model, args) -> dict:
                         int(response["meta_info"]["cached_tokens"])))
         return response
 
-    env = CalculatorEnv(seed=args.seed, min_numbers=args.min_turns, max_numbers=args.min_turns + 2, keep_recent=args.keep_recent,
+    env = CalculatorEnv(seed=args.seed, min_numbers=args.min_turns, max_numbers=args.min_turns + 2,
+                        keep_recent=args.keep_recent,
                         pareto_alpha=1.2, max_new_tokens=args.max_new_tokens)
     runner = RolloutRunner(env, generate, group_size=1, temperature=1.0, top_p=1.0, max_len=512,
                            max_workers=args.concurrency, forget_fn=end_trajectory)

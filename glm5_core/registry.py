@@ -59,6 +59,9 @@ OP_NAMES: Tuple[str, ...] = tuple(REFERENCES)
 COMPOSITES: Mapping[str, str] = {
     "moe_fused_experts": "glm5_core.ops.moe:fused_experts_composite",
 }
+COMPOSITE_PARTS: Mapping[str, Tuple[str, ...]] = {
+    "moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine"),
+}
 
 _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
 
@@ -236,7 +239,6 @@ def _label(name: str, fn: Callable) -> str:
     return f"{name}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-@functools.lru_cache(maxsize=None)
 def _composite(op: str, backend: str) -> Callable:
     target = _import_target(COMPOSITES[op])
 
@@ -253,7 +255,8 @@ def _own_or_composite(op: str, name: str, table: Mapping[str, Callable]) -> Opti
         return Resolution(op, name, table[op], _label(name, table[op]), "")
     if op in COMPOSITES:
         impl = _composite(op, name)
-        return Resolution(op, name, impl, _label(name, impl), f"{name} has no fused kernel: its own kernels for the parts")
+        return Resolution(op, name, impl, _label(name, impl),
+                          f"{name} has no fused kernel: its own kernels for the parts")
     return None
 
 
@@ -295,7 +298,9 @@ def call(op: str, *args, backend: Optional[str] = None, **kwargs):
     impl = res.impl
     if not res.is_reference:
         why = _declined(impl, args, kwargs)
-        if why:
+        if why and op in COMPOSITES:  # a declining fused kernel (a composite never declines): the backend's parts
+            impl = _composite(op, res.backend)
+        elif why:
             if strict_mode():
                 raise BackendCoverageError(
                     f"{op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback"
@@ -322,6 +327,15 @@ def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Reso
     return rows
 
 
+def runs_reference(op: str, backend: Optional[str] = None) -> bool:
+    """``op`` computes with the reference on ``backend``: no kernel of its own, or (a composite without a
+    fused kernel) every part falls back."""
+    res = resolve(op, backend)
+    if op in COMPOSITE_PARTS and not res.is_reference and op not in _kernel_table(res.backend):
+        return all(runs_reference(part, backend) for part in COMPOSITE_PARTS[op])
+    return res.is_reference
+
+
 def missing_ops(backend: str) -> List[str]:
     """Ops that ``backend`` leaves to the reference."""
-    return [r.op for r in explain(backend) if r.is_reference]
+    return [op for op in OP_NAMES if runs_reference(op, backend)]

@@ -189,21 +189,76 @@ def test_a_plugin_cannot_replace_a_builtin_backend(tmp_path, monkeypatch, fresh_
     assert registry.get_backend("cpu").available()[1] != "evil"
 
 
-def test_a_backend_without_a_fused_kernel_runs_the_composite_of_its_own_kernels(tmp_path, monkeypatch, fresh_registry):
+def _fake_moe_backend(tmp_path, module, with_fused):
+    """A vendor backend with a counting moe_combine kernel and, optionally, a fused kernel that declines."""
+    pkg = tmp_path / module
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(f"""
+        from glm5_core.registry import Backend
+        from glm5_core.ops import moe
+
+        def combine(y_sorted, sort_idx, weights):
+            combine.calls += 1
+            return moe.combine_reference(y_sorted, sort_idx, weights)
+        combine.calls = 0
+
+        def fused(*args):
+            fused.calls += 1
+            return moe.fused_experts_reference(*args)
+        fused.calls = 0
+        fused.supports = lambda *args: (False, "only for experts of width 1000")
+
+        TABLE = {{"moe_combine": combine}}
+        if {with_fused}:
+            TABLE["moe_fused_experts"] = fused
+        BACKEND = Backend(name="vendorm", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "simulated"),
+                          kernel_table=lambda: TABLE)
+    """))
+    dist = tmp_path / f"{module}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[glm5_core.backends]\nvendorm = {module}:BACKEND\n")
+
+
+def _moe_layer_args():
     from glm5_core import testing
     from glm5_core.ops import moe
 
-    _fake_backend_module(tmp_path, "vendorx_composite")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    rows = {r.op: r for r in registry.explain("vendorx")}
-    fused = rows["moe_fused_experts"]
-    assert not fused.is_reference and fused.label == "vendorx: glm5_core.ops.moe.fused_experts_composite"
-    assert "no fused kernel" in fused.reason
     shape = testing.MOE_SHAPES[1]
     w = testing.make_expert_inputs(shape, seed=3)
     weights, ids = moe.route_reference(testing.make_route_inputs(shape, seed=4)["logits"], None, top_k=shape.K)
-    args = (w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
-    torch.testing.assert_close(moe.fused_experts(*args, backend="vendorx"), moe.fused_experts_reference(*args))
+    return (w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"])
+
+
+@pytest.mark.parametrize("with_fused", (False, True))
+def test_composite_runs_the_backends_own_parts(tmp_path, monkeypatch, fresh_registry, with_fused):
+    """Without a fused kernel, or when the fused kernel declines a call, moe_fused_experts runs the backend's
+    own dispatch / experts / combine (here: its counting combine), never the whole reference."""
+    from glm5_core.ops import moe
+
+    module = f"vendorm_{int(with_fused)}"
+    _fake_moe_backend(tmp_path, module, with_fused)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vendor = __import__(module)
+    fused_row = {r.op: r for r in registry.explain("vendorm")}["moe_fused_experts"]
+    if with_fused:
+        assert fused_row.label == f"vendorm: {module}.fused"
+    else:
+        assert fused_row.label == "vendorm: glm5_core.ops.moe.fused_experts_composite"
+        assert "no fused kernel" in fused_row.reason
+    args = _moe_layer_args()
+    torch.testing.assert_close(moe.fused_experts(*args, backend="vendorm"), moe.fused_experts_reference(*args))
+    assert vendor.combine.calls == 1 and vendor.fused.calls == 0
+    assert not registry.runs_reference("moe_fused_experts", "vendorm") and "moe_fused_experts" not in \
+        registry.missing_ops("vendorm")
     monkeypatch.setenv("GLM5_STRICT", "1")  # the composite is no fallback; its parts are, and strict names them
     with pytest.raises(registry.BackendCoverageError, match="moe_dispatch"):
-        moe.fused_experts(*args, backend="vendorx")
+        moe.fused_experts(*args, backend="vendorm")
+
+
+def test_a_composite_whose_parts_all_fall_back_counts_as_reference(tmp_path, monkeypatch, fresh_registry):
+    _fake_backend_module(tmp_path, "vendorx_noparts")  # only a Muon kernel
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert registry.runs_reference("moe_fused_experts", "vendorx")
+    assert "moe_fused_experts" in registry.missing_ops("vendorx")
+    assert not registry.runs_reference("muon_orthogonalize", "vendorx")

@@ -13,6 +13,7 @@ path runs every expert on every token and weights the outputs with the routing w
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -79,7 +80,7 @@ class MoE(nn.Module):
         self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, backend)
         self.reuse_stacked_weights = False  # see _stacked
-        self._stacked_cache: Dict[str, Tuple[tuple, torch.Tensor]] = {}
+        self._stacked_cache: Dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
@@ -87,21 +88,22 @@ class MoE(nn.Module):
     def _stacked(self, name: str) -> torch.Tensor:
         """The experts' ``name`` weights as one tensor, [E, F, D] or [E, D, F].
 
-        Rebuilt on every call by default. An inference server that owns its weights (the rollout engine)
-        turns on ``reuse_stacked_weights``: with autograd off the stacked copy is then kept until a weight
-        changes, detected from every expert weight's storage address and in-place version counter (which
-        ``load_state_dict``, optimizer steps and ``.to()`` all change; a write through ``param.data`` does
-        not, which is why the reuse is opt-in). It costs one extra copy of the expert weights.
+        Rebuilt on every call by default. An inference server that owns its weights (the rollout engine's
+        worker) turns on ``reuse_stacked_weights``: with autograd off the stacked copy is then kept while every
+        expert weight is the same tensor object (held weakly: a replaced parameter, e.g. after ``.to()`` or
+        ``load_state_dict(assign=True)``, never matches) with the same storage, dtype and in-place version
+        counter (``load_state_dict`` and optimizer steps bump it). A write through ``param.data`` bumps
+        nothing, which is why the reuse is opt-in. It costs one extra copy of the expert weights.
         """
         weights = [getattr(e, name).weight for e in self.experts]
-        if not self.reuse_stacked_weights or (torch.is_grad_enabled() and weights[0].requires_grad):
+        if not self.reuse_stacked_weights or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
             return torch.stack(weights)
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in weights)
+        key = [(w.data_ptr(), w._version, w.dtype) for w in weights]
         cached = self._stacked_cache.get(name)
-        if cached is None or cached[0] != key:
-            cached = (key, torch.stack(weights))
+        if cached is None or cached[1] != key or any(ref() is not w for ref, w in zip(cached[0], weights)):
+            cached = ([weakref.ref(w) for w in weights], key, torch.stack(weights))
             self._stacked_cache[name] = cached
-        return cached[1]
+        return cached[2]
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""

@@ -77,7 +77,7 @@ class _Active:
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
-                 record_topk: bool = False, max_new_tokens_cap: int = 1024):
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False):
         config = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
@@ -85,8 +85,8 @@ class RolloutEngine:
         if not 2 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
         self.model = model.eval()
-        if hasattr(model, "reuse_stacked_expert_weights"):
-            model.reuse_stacked_expert_weights(True)  # the engine changes weights only via load_state_dict
+        if reuse_stacked_weights:  # for a model only this engine writes (load_state_dict), e.g. a worker's own
+            model.reuse_stacked_expert_weights(True)
         self.device = module_device(model)
         self.max_batch = max_batch
         self.max_len = max_len
@@ -108,7 +108,8 @@ class RolloutEngine:
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
         if len(request.input_ids) > self.limits.max_input_tokens:
-            raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, got {len(request.input_ids)}")
+            raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, "
+                             f"got {len(request.input_ids)}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:

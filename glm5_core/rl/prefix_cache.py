@@ -5,8 +5,9 @@ environment tokens; the engine copies the longest common prefix back into a batc
 the rest. Two budgets bound the cache, like a serving engine's KV pool: ``max_entries`` trajectories and
 (optionally) ``max_tokens`` cached positions in total, since an entry's memory grows with its length; the
 least-recently-used entries are evicted until both hold, and an entry longer than ``max_tokens`` on its own
-is not kept. :meth:`drop` frees a trajectory's entry at once (the trajectory ended: its KV is dead). Each entry records the weight version its KV was
-computed under (the oldest, if weights changed while it was generated): the engine flushes the cache when
+is not kept. :meth:`drop` frees a trajectory's entry at once (the trajectory ended: its KV is dead). Each
+entry records the weight version its KV was computed under (the oldest, if weights changed while it was
+generated): the engine flushes the cache when
 weights change, does not store KV that predates its current weights, and :meth:`lookup` with
 ``min_version`` ignores any entry older than that version, so no stale KV is ever reused.
 

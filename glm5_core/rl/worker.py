@@ -41,7 +41,7 @@ def build_server(spec: WorkerSpec):
     model = build_model(spec)
     engine = RolloutEngine(model, max_batch=spec.max_batch, max_len=spec.max_len,
                            prefix_cache_entries=spec.prefix_cache_entries, seed=spec.seed,
-                           record_topk=spec.record_topk)
+                           record_topk=spec.record_topk, reuse_stacked_weights=True)  # the worker owns the model
     engine.update_weights(load_weights_file(spec.weights_path), spec.weight_version)
     return EngineServer(engine, weights_dir=spec.weights_dir)
 

@@ -38,7 +38,7 @@ def test_explain_names_the_native_kernels(native):
 
     rows = {r.op: r for r in registry.explain("cpu")}
     for op in ("dsa_indexer_topk", "dsa_sparse_decode", "moe_route", "moe_dispatch", "moe_combine",
-               "moe_experts", "muon_orthogonalize"):
+               "moe_experts", "moe_fused_experts", "dsa_sparse_prefill", "muon_orthogonalize"):
         assert rows[op].label.startswith("cpu: glm5_core.backends.cpu."), rows[op]
     assert "native extension built" in rows["mla_prefill"].reason
 
@@ -49,12 +49,16 @@ def test_fake_impls_trace_shapes(native):
     shape = testing.IndexerShape(B=2, T=3, S=9, H=2, D=8, K=4)
     inputs = testing.make_indexer_inputs(shape)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        idx = torch.ops.glm5_cpu.indexer_topk(inputs["q"], inputs["k"], inputs["w"], torch.zeros(2, dtype=torch.int64), 4)
-        x_sorted, sort_idx, counts = torch.ops.glm5_cpu.moe_dispatch(torch.empty(5, 3), torch.zeros(5, 2, dtype=torch.int64), 4)
-        y = torch.ops.glm5_cpu.moe_experts(x_sorted, counts, torch.empty(4, 2, 3), torch.empty(4, 2, 3), torch.empty(4, 3, 2))
+        ops = torch.ops.glm5_cpu
+        idx = ops.indexer_topk(inputs["q"], inputs["k"], inputs["w"], torch.zeros(2, dtype=torch.int64), 4)
+        ids = torch.zeros(5, 2, dtype=torch.int64)
+        x_sorted, sort_idx, counts = ops.moe_dispatch(torch.empty(5, 3), ids, 4)
+        w_gate, w_up, w_down = torch.empty(4, 2, 3), torch.empty(4, 2, 3), torch.empty(4, 3, 2)
+        y = ops.moe_experts(x_sorted, counts, w_gate, w_up, w_down)
+        fused = ops.moe_fused_experts(torch.empty(5, 3), torch.empty(5, 2), ids, w_gate, w_up, w_down)
     assert idx.shape == (2, 3, 4) and idx.dtype == torch.int32
     assert x_sorted.shape == (10, 3) and sort_idx.shape == (10,) and counts.shape == (4,)
-    assert y.shape == (10, 3)
+    assert y.shape == (10, 3) and fused.shape == (5, 3)
 
 
 def test_compiles_without_graph_break(native):

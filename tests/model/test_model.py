@@ -241,10 +241,15 @@ def test_reused_stacked_expert_weights_follow_every_weight_change(make_model, ma
         layer.experts[1].down_proj.weight.mul_(2.0)  # an in-place optimizer-style update of one expert
         fresh.moe_layers()[0].experts[1].down_proj.weight.mul_(2.0)
         torch.testing.assert_close(model(ids).logits, fresh(ids).logits, atol=0, rtol=0)
+        for seed in (4, 5):  # replaced parameter objects (whatever addresses and version counters they get)
+            other = make_model(cfg, seed=seed)
+            model.load_state_dict(other.state_dict(), assign=True)
+            torch.testing.assert_close(model(ids).logits, other(ids).logits, atol=0, rtol=0)
     model.train()
+    model.moe_layers()[0].experts[0].gate_proj.weight.requires_grad_(False)  # one frozen expert, others train
     loss = model(ids).logits.sum()  # with autograd on, the stack is rebuilt and gradients reach the experts
     loss.backward()
-    assert all(e.gate_proj.weight.grad is not None for e in model.moe_layers()[0].experts)
+    assert all(e.gate_proj.weight.grad is not None for e in model.moe_layers()[0].experts[1:])
     model.reuse_stacked_expert_weights(False)
     assert not any(m.reuse_stacked_weights or m._stacked_cache for m in model.moe_layers())
     with pytest.raises(TypeError, match="enabled"):
