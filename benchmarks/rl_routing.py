@@ -11,8 +11,7 @@ Cache budget, identical for both routers: each engine's prefix cache holds ``--c
 and optionally ``--cache-tokens`` KV positions. The cache holds only trajectories not running on that engine
 (an admitted request's entry moves into its slot) and a finished trajectory's entries are freed on every
 engine (session close, ``RolloutEngine.end_trajectory``), so the budget is spent on trajectories that will come
-back. (``glm5 rl`` does not send that close over HTTP: its engines keep 256 entries each, far above the
-trajectories in flight, and evict dead ones least-recently-used.) ``--cache-entries 0``
+back (``glm5 rl`` does the same over HTTP, ``POST /end_trajectories``, batched). ``--cache-entries 0``
 means unbounded; both settings are recorded.
 
 ``breakdown`` in each row splits the prefill: turn-1 prompts, later turns, the ideal for later turns (only

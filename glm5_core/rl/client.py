@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 class EngineUnavailable(RuntimeError):
@@ -50,6 +50,9 @@ class EngineClient:
 
     def update_weights_from_disk(self, path: str, version: int) -> Dict:
         return self._call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+
+    def end_trajectories(self, rids: List[str]) -> Dict:
+        return self._call("POST", "/end_trajectories", {"rids": list(rids)})
 
     def info(self, timeout: float = 10.0) -> Dict:
         return self._call("GET", "/get_server_info", timeout=timeout)

@@ -22,7 +22,7 @@ from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.envs.codec import ByteCodec
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
-from glm5_core.rl.replicas import ReplicaSet
+from glm5_core.rl.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.rollout import RolloutRunner
 from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
 from glm5_core.rl.trainer import Trainer
@@ -106,11 +106,17 @@ class RLRun:
         self.replicas = ReplicaSet(self.executor, self.router, [f"engine{i}" for i in range(r.num_engines)])
         self.buffer = TrajectoryBuffer(batch_size=cfg.train.batch_size, group_size=r.group_size,
                                        max_staleness=cfg.train.max_staleness)
+        self.closer = TrajectoryCloser(self.replicas.end_trajectories)
         self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
-                                    max_workers=r.episode_threads, forget_fn=self.router.forget)
+                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done)
         self.metrics = MetricsLogger(self.out_dir)
         self.summary: Dict = {}
+
+    def _trajectory_done(self, trajectory_id: str) -> None:
+        """A trajectory ended: unpin it from its replica and (batched) free its engines' prefix-cache entries."""
+        self.router.forget(trajectory_id)
+        self.closer.add(trajectory_id)
 
     def _spec(self, name: str) -> WorkerSpec:
         r = self.cfg.rollout

@@ -92,6 +92,17 @@ class ReplicaSet:
             except EngineUnavailable:
                 self.router.mark_unhealthy(name)
 
+    def end_trajectories(self, rids: List[str]) -> None:
+        """Finished trajectories: every replica frees their prefix-cache entries (best effort: a replica that
+        does not answer has lost its cache anyway, or keeps dead entries until LRU eviction)."""
+        if not rids:
+            return
+        for name in self.names:
+            try:
+                self.clients[name].end_trajectories(rids)
+            except (EngineUnavailable, EngineRequestError):
+                pass
+
     def info(self) -> Dict[str, Dict]:
         out = {}
         for name in self.names:
@@ -106,3 +117,30 @@ class ReplicaSet:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.executor.shutdown()
+
+
+class TrajectoryCloser:
+    """Collects finished trajectory ids and sends them to ``send`` (``ReplicaSet.end_trajectories``) in
+    batches of ``batch``, so a short-trajectory task does not pay one HTTP round trip per trajectory.
+    Thread-safe; :meth:`flush` sends what is left."""
+
+    def __init__(self, send, *, batch: int = 16):
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: expected an int >= 1, got {batch!r}")
+        self._send = send
+        self._batch = batch
+        self._pending: List[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, trajectory_id: str) -> None:
+        with self._lock:
+            self._pending.append(trajectory_id)
+            if len(self._pending) < self._batch:
+                return
+            ready, self._pending = self._pending, []
+        self._send(ready)
+
+    def flush(self) -> None:
+        with self._lock:
+            ready, self._pending = self._pending, []
+        self._send(ready)

@@ -2,7 +2,9 @@
 
 Routes: ``POST /generate`` (see ``protocol``), ``POST /update_weights_from_disk`` ``{"model_path",
 "weight_version"}`` (a safetensors file inside the directory the server was started with),
-``POST /flush_cache``, ``GET /health``, ``GET /get_server_info`` (engine counters and weight version).
+``POST /flush_cache``, ``POST /end_trajectories`` ``{"rids": [...]}`` (finished trajectories: free their
+prefix-cache entries, like closing SGLang sessions), ``GET /health``, ``GET /get_server_info`` (engine counters
+and weight version).
 
 The server binds to 127.0.0.1 only. Bodies are capped (``max_body_bytes``) and requests validated before
 they reach the engine; a bad request is a 400 with the ``ValueError`` message, never a crash.
@@ -20,6 +22,7 @@ from glm5_core.rl.protocol import parse_generate_request
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+MAX_END_TRAJECTORIES = 4096  # ids per /end_trajectories request
 
 
 def load_weights_file(path: str) -> Dict[str, Any]:
@@ -91,6 +94,16 @@ class EngineServer:
         self.engine.update_weights(load_weights_file(real), version)
         return 200, {"success": True, "weight_version": version}
 
+    def handle_end_trajectories(self, body: Any) -> Tuple[int, Dict]:
+        rids = body.get("rids") if isinstance(body, dict) else None
+        if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
+            raise ValueError(f"rids: expected a list of trajectory ids (str), got {type(rids).__name__}")
+        if len(rids) > MAX_END_TRAJECTORIES:
+            raise ValueError(f"rids: expected at most {MAX_END_TRAJECTORIES} ids per request, got {len(rids)}")
+        for rid in rids:
+            self.engine.end_trajectory(rid)
+        return 200, {"success": True, "ended": len(rids)}
+
     def handle_info(self) -> Tuple[int, Dict]:
         info = self.engine.stats.as_dict()
         info.update(weight_version=self.engine.version, max_batch=self.engine.max_batch,
@@ -139,6 +152,7 @@ class EngineServer:
                     "/generate": server.handle_generate,
                     "/update_weights_from_disk": server.handle_update_weights,
                     "/flush_cache": lambda body: (server.engine.prefix_cache.flush() or 200, {"success": True}),
+                    "/end_trajectories": server.handle_end_trajectories,
                 }
                 try:
                     if self.path not in routes:

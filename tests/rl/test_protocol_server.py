@@ -105,3 +105,40 @@ def test_weight_update_only_from_the_weights_dir(served, tiny_policy, tmp_path):
 def test_client_refuses_remote_urls():
     with pytest.raises(ValueError, match="url"):
         EngineClient("http://10.0.0.1:80")
+
+
+def test_end_trajectories_frees_prefix_cache_entries_and_validates(served):
+    server, _ = served
+    client = EngineClient(server.url)
+    for rid in ("keep", "done1", "done2"):
+        client.generate({"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 2}, "rid": rid})
+    cache = server.engine.prefix_cache
+    assert all(cache.lookup(rid, [7, 8, 9, 1])[1] is not None for rid in ("keep", "done1", "done2"))
+    assert client.end_trajectories(["done1", "done2", "never-seen"]) == {"success": True, "ended": 3}
+    assert cache.lookup("keep", [7, 8, 9, 1])[1] is not None
+    assert cache.lookup("done1", [7, 8, 9, 1])[1] is None and cache.lookup("done2", [7, 8, 9, 1])[1] is None
+    for body in ({"rids": "done1"}, {"rids": [1, 2]}, ["done1"]):
+        req = urllib.request.Request(server.url + "/end_trajectories", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=10)
+        assert http_err.value.code == 400 and b"rids" in http_err.value.read()
+
+
+def test_trajectory_closer_sends_in_batches_and_flushes_the_rest():
+    import threading
+
+    from glm5_core.rl.replicas import TrajectoryCloser
+
+    sent = []
+    closer = TrajectoryCloser(sent.append, batch=4)
+    threads = [threading.Thread(target=lambda i=i: closer.add(f"t{i}")) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [len(batch) for batch in sent] == [4, 4]
+    closer.flush()
+    assert sorted(sum(sent, [])) == sorted(f"t{i}" for i in range(10)) and len(sent[-1]) == 2
+    with pytest.raises(ValueError, match="batch"):
+        TrajectoryCloser(sent.append, batch=0)
