@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 
+from _results import write_json
 from glm5_core.rl.config import load_config
 from glm5_core.rl.driver import RLRun
 
@@ -56,10 +56,7 @@ def main() -> int:
               "sync_trainer_idle_ratio": median("sync", "trainer_idle_ratio"),
               "targets": {"speedup": ">= 1.5", "async_trainer_idle_ratio": "<= 0.15"},
               "passed": speedup >= 1.5 and idle <= 0.15}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    write_json(args.out, result, shown={k: v for k, v in result.items() if k != "runs"})
     return 0
 
 

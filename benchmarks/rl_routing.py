@@ -23,14 +23,13 @@ the tokens added since the previous turn + the recomputed last token), and misse
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import threading
 import time
 
 import torch
 
+from _results import write_json
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.rl.engine import RolloutEngine
 from glm5_core.rl.envs.calculator import CalculatorEnv
@@ -145,10 +144,7 @@ def main() -> int:
               "max_new_tokens": args.max_new_tokens, "min_turns": args.min_turns, "keep_recent": args.keep_recent,
               "dp_aware_over_round_robin_prefill": ratio, "target": "<= 1/3 with 2 replicas",
               "passed": args.replicas == 2 and ratio <= 1 / 3}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps(result, indent=2))
+    write_json(args.out, result)
     return 0
 
 

@@ -23,11 +23,12 @@ import argparse
 import heapq
 import json
 import math
-import os
 import random
 import sys
 import time
 from typing import Dict, List
+
+from _results import write_json
 
 
 def calibrate(engine_batch: int) -> Dict[str, float]:
@@ -119,7 +120,7 @@ def simulate_async(args, cost, rng) -> Dict[str, float]:
     engines = [Engine(args.slots, cost) for _ in range(args.rollout)]
     total = args.iterations * args.batch
     pool = lengths(rng, total + args.rollout * args.slots * (args.staleness + 2), args.median, args.sigma, args.cap)
-    started = finished_count = 0
+    started = 0
     version = 0
     ready_tokens: List[int] = []
     events = []  # (time, kind, engine index)
@@ -199,10 +200,7 @@ def main() -> int:
     out = {"command": "python " + " ".join(sys.argv), "cost_model": cost, "workload": {
         k: getattr(args, k) for k in ("rollout", "train", "slots", "batch", "iterations", "median", "sigma", "cap",
                                       "staleness", "push_seconds")}, "results": results}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
-    print(json.dumps(out, indent=2))
+    write_json(args.out, out)
     return 0
 
 
