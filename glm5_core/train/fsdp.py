@@ -1,0 +1,192 @@
+"""FSDP2 (``fully_shard``) data parallelism for the pretraining driver, and the DTensor helpers around it.
+
+Units (each all-gathers its parameters before its forward, frees them after it, and reduce-scatters its
+gradients after its backward):
+  * every main decoder layer;
+  * apart from its layer, every DSA indexer. Its loss (the KL) leaves the layer through ``ForwardState``,
+    not through the layer's output, and its inputs are detached: FSDP's backward hooks, which hang on a
+    unit's inputs and outputs, would reshard the layer (and reduce-scatter its gradients) before or after
+    the indexer's gradients arrive. As a unit of its own the indexer is gathered again when the gradients
+    of its outputs arrive and reduce-scattered at the end of the backward (its inputs need no gradient);
+  * the MTP module: its decoder body, and apart from it ``enorm``, ``hnorm``, ``eh_proj`` and
+    ``shared_head.norm``, because ``MTPLayer.predict`` calls those outside the layer's own ``forward``
+    (and the driver calls ``shared_head.norm`` after ``predict`` returns), so FSDP's forward hooks on the
+    layer would not cover them;
+  * the root: embeddings, the final norm and ``lm_head`` (used by the main head and every MTP depth), kept
+    gathered from the root's forward to the end of the backward.
+Parameters become DTensors sharded on dim 0 over a 1-D DeviceMesh of every rank (rows that do not divide by
+the world size leave the last ranks a shorter or empty shard). Buffers (router biases, rotary frequencies)
+stay plain tensors on every rank: the driver keeps them equal by applying the same update everywhere.
+
+Stage changes need no re-wrapping: FSDP2 copies each sharded parameter's ``requires_grad`` onto the gathered
+parameter at every all-gather, and reduce-scatters only the parameters that received a gradient (the
+frozen ones get none), the same set on every rank because every rank trains the same stage.
+
+All of ``torch.distributed`` is imported inside the functions: ``import glm5_core`` does not need it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List
+
+import torch
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+def fully_shard_function() -> Callable:
+    """``fully_shard`` of this torch: ``torch.distributed.fsdp`` (torch >= 2.6), else the composable one (2.4, 2.5)."""
+    if not torch.distributed.is_available():
+        raise ValueError(f"parallel.strategy: 'fsdp2' needs a torch built with torch.distributed; "
+                         f"torch {torch.__version__} is not")
+    try:
+        from torch.distributed.fsdp import fully_shard
+        return fully_shard
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._composable.fsdp import fully_shard
+        return fully_shard
+    except ImportError:
+        raise ValueError(f"parallel.strategy: 'fsdp2' needs torch >= 2.4 (fully_shard; 2.6 or newer "
+                         f"recommended), got torch {torch.__version__}") from None
+
+
+def _dtensor_class():
+    if not torch.distributed.is_available():
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor (a collective: every rank of its mesh must call it); ``t`` itself
+    for a plain tensor."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) laid out as DTensor ``like``: this rank's part, as a DTensor, cut
+    locally without communication; ``full`` itself when ``like`` is a plain tensor."""
+    if not is_dtensor(like):
+        return full
+    try:
+        from torch.distributed.tensor import distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import distribute_tensor
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def full_state_dict(model: nn.Module, *, keep: bool = True) -> Dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every DTensor gathered to its whole tensor, detached, on the CPU.
+
+    A collective under FSDP2: every rank must call it, in the same order. ``keep=False`` (the ranks that do
+    not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Entries
+    that share one tensor (tied weights) share one gathered tensor, so ``safetensors.torch.save_model``
+    drops the same duplicate names as it does for an unsharded model."""
+    gathered: Dict[int, torch.Tensor] = {}
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        if id(t) not in gathered:  # the same collectives on every rank, kept or not
+            whole = full_tensor(t.detach()).cpu()
+            gathered[id(t)] = whole if keep else None
+        if keep:
+            out[name] = gathered[id(t)]
+    return out
+
+
+class StateHolder:
+    """A ready state dict behind the one method ``safetensors.torch.save_model`` calls."""
+
+    def __init__(self, state: Dict[str, torch.Tensor]):
+        self._state = state
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return dict(self._state)
+
+
+def sharding_units(model: nn.Module) -> List[nn.Module]:
+    """The submodules that get their own ``fully_shard``, innermost first (the root comes last, separately)."""
+    layers = model.model.main_layers()
+    mtp = model.model.mtp
+    units: List[nn.Module] = []
+    for layer in layers + ([mtp] if mtp is not None else []):
+        if layer.self_attn.indexer is not None:
+            units.append(layer.self_attn.indexer)
+    if mtp is not None:
+        units += [mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.shared_head.norm]
+    return units + layers + ([mtp] if mtp is not None else [])
+
+
+class _Boxed:
+    """An argument FSDP's hooks must not look into (see :func:`_pass_dataclasses_through`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _box(module, args, kwargs):
+    box = lambda v: _Boxed(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+    return tuple(box(a) for a in args), {k: box(v) for k, v in kwargs.items()}
+
+
+def _unbox(module, args, kwargs):
+    unbox = lambda v: v.value if isinstance(v, _Boxed) else v
+    return tuple(unbox(a) for a in args), {k: unbox(v) for k, v in kwargs.items()}
+
+
+def _pass_dataclasses_through(unit: nn.Module) -> None:
+    """Hand dataclass arguments (the model's ``ForwardState``) to ``unit`` as the very same object.
+
+    FSDP2's pre-forward hook wraps every input tensor that needs a gradient, looking inside dataclasses
+    too, and passes on a *copy* of a dataclass that holds one. Layers report back through ``ForwardState``
+    (``kl_terms`` etc.): once an earlier layer's KL term is in it, a later unit would append to a copy and
+    its KL would silently drop out of the loss. So each unit boxes such arguments just before FSDP's hook
+    (``prepend``) and unboxes them right after it. Tensors inside the state are not this unit's inputs:
+    their gradients reach the units that made them through those units' own outputs."""
+    unit.register_forward_pre_hook(_box, prepend=True, with_kwargs=True)
+    unit.register_forward_pre_hook(_unbox, with_kwargs=True)
+
+
+def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Module:
+    """Apply FSDP2 to a GLM5ForCausalLM in place (units: see the module docstring); returns it.
+
+    Needs the default process group (``torchrun``); the model must already be on this rank's device."""
+    fully_shard = fully_shard_function()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not torch.distributed.is_initialized():
+        raise ValueError("parallel.strategy: 'fsdp2' needs a process group (run under torchrun with WORLD_SIZE > 1)")
+    mesh = init_device_mesh(device_type, (world_size,))
+    for unit in sharding_units(model):
+        fully_shard(unit, mesh=mesh)
+        _pass_dataclasses_through(unit)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def clip_grad_norm(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over plain or DTensor gradients; returns the global norm as a plain tensor.
+
+    With sharded gradients each rank holds part of every gradient: the per-shard norms combine into the
+    norm of the whole gradients (DTensor's partial reduction), so every rank scales by the same factor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(is_dtensor(g) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = full_tensor(torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+    return total
