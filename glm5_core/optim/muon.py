@@ -15,6 +15,12 @@ Scale modes (the shape is the matrix that was orthogonalised, i.e. the head bloc
     "original" (Keller Jordan / torch) sqrt(max(1, rows / cols))
 Every parameter group may set ``split_heads`` (H) and ``split_dim`` (0: row blocks, 1: column blocks).
 Matrices of one shape are stacked and orthogonalised in one batched call.
+
+Sharded parameters (DTensors, e.g. under FSDP2): Newton-Schulz needs whole matrices (and Muon Split whole
+head blocks), so for dim-0 shards over a 1-D mesh each matrix is gathered whole on one owner rank
+(round-robin within a bucket), orthogonalised there with the owner's other matrices of that shape, and
+scattered back as row shards (:class:`ShardedRows`); any other DTensor layout is gathered on every rank.
+Momentum, weight decay and the update itself stay elementwise on the local shards.
 """
 from __future__ import annotations
 
@@ -109,6 +115,36 @@ class Muon(torch.optim.Optimizer):
             return matrix.unsqueeze(0)  # [1, rows, cols]
         return muon_ops.split_heads(matrix, group["split_heads"], dim=group["split_dim"])  # [H, d, n] or [H, m, d]
 
+    @staticmethod
+    def _block_shape(shape: torch.Size, group: dict) -> Tuple[int, int]:
+        """The shape of the matrices ``_blocks`` cuts a parameter of ``shape`` into (no tensor needed)."""
+        rows, cols = shape[0], math.prod(shape[1:])
+        heads = group["split_heads"]
+        if heads is None:
+            return rows, cols
+        return (rows // heads, cols) if group["split_dim"] == 0 else (rows, cols // heads)
+
+    def _orthogonalized(self, members: List[Tuple[torch.Tensor, torch.Tensor]], group: dict
+                        ) -> Dict[int, torch.Tensor]:
+        """Whole updates [(param, update in param's shape)] of one block shape -> {id(param): orthogonalised
+        update in the param's shape and dtype}, all blocks stacked into one batched call."""
+        if not members:
+            return {}
+        blocks = [self._blocks(update, group) for _, update in members]
+        stacked = torch.cat(blocks, dim=0)  # [sum of blocks, m, n]
+        ortho = muon_ops.orthogonalize(stacked, steps=group["ns_steps"], coefficients=group["coefficients"],
+                                       backend=self.backend)
+        out: Dict[int, torch.Tensor] = {}
+        for (p, _), mine in zip(members, torch.split(ortho, [b.shape[0] for b in blocks])):  # mine [n, m, n_cols]
+            matrix = mine[0] if group["split_heads"] is None else muon_ops.merge_heads(mine, dim=group["split_dim"])
+            out[id(p)] = matrix.reshape(p.shape).to(p.dtype)
+        return out
+
+    @staticmethod
+    def _apply(target: torch.Tensor, update: torch.Tensor, group: dict, scale: float) -> None:
+        target.mul_(1.0 - group["lr"] * group["weight_decay"])
+        target.add_(update, alpha=-group["lr"] * scale)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -117,32 +153,128 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            # Stack every block of one shape (and dtype/device) into one batched orthogonalisation.
+            # One bucket per block shape (and dtype/device): its blocks are orthogonalised in one batched call.
             buckets: Dict[Tuple, List[Tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
             for p in params:
                 if p.grad.is_sparse:
                     raise ValueError("params: Muon does not support sparse gradients")
-                blocks = self._blocks(self._momentum_update(p, group), group)
-                buckets[(tuple(blocks.shape[1:]), blocks.dtype, blocks.device)].append((p, blocks))
+                buckets[(self._block_shape(p.shape, group), p.dtype, p.device)].append(
+                    (p, self._momentum_update(p, group)))
             for (shape, _, _), members in buckets.items():
-                stacked = torch.cat([blocks for _, blocks in members], dim=0)  # [sum of blocks, m, n]
-                ortho = muon_ops.orthogonalize(stacked, steps=group["ns_steps"], coefficients=group["coefficients"],
-                                               backend=self.backend)
-                scale = update_scale(shape[0], shape[1], group["scale_mode"])
-                offset = 0
-                for p, blocks in members:
-                    n = blocks.shape[0]
-                    mine = ortho[offset:offset + n]  # [n, m, n_cols]
-                    offset += n
-                    if group["split_heads"] is None:
-                        matrix = mine[0]
-                    else:
-                        matrix = muon_ops.merge_heads(mine, dim=group["split_dim"])
-                    p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                    p.add_(matrix.reshape(p.shape).to(p.dtype), alpha=-group["lr"] * scale)
+                self._step_bucket(members, group, update_scale(shape[0], shape[1], group["scale_mode"]))
         return loss
+
+    def _step_bucket(self, members: List[Tuple[torch.Tensor, torch.Tensor]], group: dict, scale: float) -> None:
+        """Orthogonalise and apply the updates of one bucket: plain parameters here; parameters sharded on
+        dim 0 (FSDP2) round-robin, each rank orthogonalising whole matrices of its share (see ShardedRows);
+        other DTensor layouts gathered whole on every rank."""
+        plain, rows, other = [], [], []
+        for p, update in members:
+            layout = ShardedRows.of(p)
+            if layout is not None:
+                rows.append((p, update, layout))
+            elif _is_dtensor(p):
+                other.append((p, update))
+            else:
+                plain.append((p, update))
+        whole = list(plain) + [(p, update.full_tensor()) for p, update in other]
+        owned = [(p, layout.gather(update.to_local(), owner=k % layout.world_size))
+                 for k, (p, update, layout) in enumerate(rows)]
+        ortho = self._orthogonalized(whole + [(p, full) for p, full in owned if full is not None], group)
+        for p, _ in plain:
+            self._apply(p, ortho[id(p)], group, scale)
+        for p, _ in other:
+            self._apply(p, _local_part(ortho[id(p)], p), group, scale)
+        for k, (p, _, layout) in enumerate(rows):
+            self._apply(p.to_local(), layout.scatter(ortho.get(id(p)), owner=k % layout.world_size), group, scale)
+
+
+# ---------------------------------------------------------------------------------- sharded parameters
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def _local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (equal on every rank) laid out as DTensor ``like``, cut locally without communication."""
+    try:
+        from torch.distributed.tensor import distribute_tensor
+    except ImportError:  # torch < 2.5
+        from torch.distributed._tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+class ShardedRows:
+    """A DTensor parameter sharded on dim 0 over a 1-D mesh (FSDP2's layout): rows split as ``torch.chunk``
+    splits them, ``chunk = ceil(rows / world)`` rows per rank, the last ranks shorter or empty.
+
+    Muon on such parameters (Moonlight's distributed Muon, with the work spread): the k-th parameter of a
+    bucket is owned by rank ``k % world``. ``gather`` brings the owner the whole update (the other ranks'
+    shards, padded to ``chunk`` rows); the owner orthogonalises its share of the bucket in one batched call;
+    ``scatter`` sends every rank its rows of the result. Each rank thus runs Newton-Schulz on about 1/world
+    of the matrices, and each matrix crosses the network twice (gather, scatter) instead of to every rank."""
+
+    def __init__(self, group, rank: int, world_size: int, p: torch.Tensor, local_rows: int):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.rows, self.trailing = p.shape[0], tuple(p.shape[1:])
+        self.dtype, self.device = p.dtype, p.device
+        rows = self.rows
+        self.chunk = -(-rows // world_size)
+        self.local_rows = local_rows
+        expected = max(0, min(self.chunk, rows - rank * self.chunk))
+        assert local_rows == expected, f"shard of {local_rows} rows, torch.chunk layout gives {expected}"
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> Optional["ShardedRows"]:
+        if not _is_dtensor(p) or p.device_mesh.ndim != 1 or len(p.placements) != 1:
+            return None
+        placement = p.placements[0]
+        if not (placement.is_shard() and placement.dim == 0):
+            return None
+        import torch.distributed as dist
+
+        group = p.device_mesh.get_group(0)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), p, p.to_local().shape[0])
+
+    def _global(self, rank: int) -> int:
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self.group, rank)
+
+    def _padded(self, local: torch.Tensor) -> torch.Tensor:
+        out = local.new_zeros((self.chunk,) + tuple(local.shape[1:]))  # [chunk, ...]
+        out[:local.shape[0]] = local
+        return out
+
+    def gather(self, local: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
+        """This rank's rows [local_rows, ...] -> the whole tensor [rows, ...] on ``owner``, None elsewhere."""
+        import torch.distributed as dist
+
+        padded = self._padded(local)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == owner else None
+        dist.gather(padded, parts, dst=self._global(owner), group=self.group)
+        return torch.cat(parts)[:self.rows] if parts is not None else None  # [rows, ...]
+
+    def scatter(self, whole: Optional[torch.Tensor], owner: int) -> torch.Tensor:
+        """The whole tensor [rows, ...] on ``owner`` (None elsewhere) -> this rank's rows [local_rows, ...]."""
+        import torch.distributed as dist
+
+        mine = torch.empty((self.chunk,) + self.trailing, dtype=self.dtype, device=self.device)  # [chunk, ...]
+        parts = None
+        if self.rank == owner:
+            assert whole is not None and tuple(whole.shape) == (self.rows,) + self.trailing
+            padded = whole.new_zeros((self.chunk * self.world_size,) + self.trailing)
+            padded[:self.rows] = whole
+            parts = list(padded.split(self.chunk))  # world x [chunk, ...]
+        dist.scatter(mine, parts, src=self._global(owner), group=self.group)
+        return mine[:self.local_rows]
 
 
 def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float,
