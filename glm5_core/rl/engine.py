@@ -104,6 +104,7 @@ class RolloutEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
 
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
@@ -114,6 +115,8 @@ class RolloutEngine:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("engine is shutting down")
+            if self.failure is not None:
+                raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
             self._waiting.append((request, future))
             self._cond.notify_all()
         return future
@@ -129,7 +132,12 @@ class RolloutEngine:
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise ValueError(f"state_dict[{name!r}]: expected shape {tuple(expected[name].shape)}, "
                                  f"got {tuple(tensor.shape)}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
         with self._cond:
+            newest = max(self.version, self._pending_weights[1] if self._pending_weights else self.version)
+            if int(version) < newest:
+                raise ValueError(f"weight_version: expected >= {newest} (versions only move forward), got {version}")
             self._pending_weights = (state_dict, int(version))
             self._cond.notify_all()
         if self._thread is None:
@@ -139,6 +147,12 @@ class RolloutEngine:
         """The trajectory ``rid`` is over (like closing an SGLang session): free its prefix-cache entry now
         instead of leaving dead KV to push live trajectories out of the cache."""
         self.prefix_cache.drop(rid)
+
+    def healthy(self) -> bool:
+        """False once the scheduler thread has failed or exited: a supervisor should replace this engine."""
+        if self.failure is not None:
+            return False
+        return self._thread is None or self._thread.is_alive() or self._stopping
 
     def num_active(self) -> int:
         return sum(s is not None for s in self._slots)
@@ -184,7 +198,25 @@ class RolloutEngine:
                     self._cond.wait(timeout=0.5)
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # a poisoned step (e.g. NaN logits): fail every request, never hang them
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.failure = exc
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for slot, state in enumerate(self._slots):
+            if state is not None:
+                self._slots[slot] = None
+                if not state.future.done():
+                    state.future.set_exception(exc)
+        for _, future in waiting:
+            if not future.done():
+                future.set_exception(exc)
+        self.prefix_cache.flush()
 
     def _apply_pending_weights(self) -> None:
         with self._cond:
@@ -210,7 +242,13 @@ class RolloutEngine:
                     admitted.append((slot, *self._waiting.popleft()))
         if admitted:
             t_prefill = time.monotonic()
-            self._prefill(admitted)
+            try:
+                self._prefill(admitted)
+            except Exception as exc:  # requests no longer waiting and maybe not in a slot yet: fail them here
+                for _, _, future in admitted:
+                    if not future.done():
+                        future.set_exception(exc)
+                raise
             self.stats.prefill_seconds += time.monotonic() - t_prefill
         decoded = self.num_active() > 0
         if decoded:

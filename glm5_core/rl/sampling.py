@@ -13,10 +13,12 @@ from typing import Optional, Tuple
 
 import torch
 
+GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
+
 
 def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature)[tokens] in fp32: [B, V], [B] -> [B]. Works on any leading dims."""
-    scaled = logits_BV.float() / max(float(temperature), 1e-6)
+    scaled = logits_BV.float() / max(float(temperature), GREEDY_BELOW)
     logp = torch.log_softmax(scaled, dim=-1)
     return logp.gather(-1, tokens_B.long().unsqueeze(-1)).squeeze(-1)
 
@@ -37,11 +39,11 @@ def sample(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.
            generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. Returns (tokens int64 [B], logprobs fp32 [B]).
 
-    Rows with temperature 0 decode greedily (lowest id among equal maxima) and record the temperature-1
-    log-prob of the chosen token: that value is no sampling probability, so greedy rows are for
-    evaluation only (training rollouts reject temperature 0, see ``trainer.check_training_temperature``)."""
+    Rows with temperature below ``GREEDY_BELOW`` (0 included) decode greedily (lowest id among equal maxima)
+    and record the temperature-1 log-prob of the chosen token: that value is no sampling probability, so greedy
+    rows are for evaluation only (training rollouts reject them, see ``trainer.check_training_temperature``)."""
     logits = logits_BV.float()
-    greedy = temperature_B <= 0
+    greedy = temperature_B < GREEDY_BELOW
     temp = torch.where(greedy, torch.ones_like(temperature_B), temperature_B).float()  # [B]
     scaled = logits / temp.unsqueeze(-1)  # [B, V]
     logp_full = torch.log_softmax(scaled, dim=-1)

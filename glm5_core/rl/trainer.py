@@ -24,7 +24,7 @@ import torch
 from glm5_core.rl.advantages import distillation_advantage, group_normalized
 from glm5_core.rl.device import module_device
 from glm5_core.rl.loss import double_sided_is_loss
-from glm5_core.rl.sampling import token_logprobs
+from glm5_core.rl.sampling import GREEDY_BELOW, token_logprobs
 from glm5_core.rl.trajectory import Sample, Trajectory
 
 
@@ -53,13 +53,13 @@ class TrainerConfig:
 
 
 def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
-    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float > 0.
+    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float >= GREEDY_BELOW.
 
     Temperature 0 (greedy) records temperature-1 log-probs of an argmax, which no policy ratio refers to."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"{name}: expected a finite number > 0 for training rollouts (greedy decoding, "
-                         f"temperature 0, is for evaluation only), got {temperature!r}")
+            or not math.isfinite(temperature) or temperature < GREEDY_BELOW:
+        raise ValueError(f"{name}: expected a finite number >= {GREEDY_BELOW} for training rollouts (greedy "
+                         f"decoding, temperature 0, is for evaluation only), got {temperature!r}")
     return float(temperature)
 
 
