@@ -8,6 +8,11 @@ Layout of ``<output_dir>/checkpoints/step_00000042/``:
   trainer_state.json      step, data position, Python RNG state, world size, format version
 A checkpoint is written into a temporary folder, every file fsynced, then renamed into place; ``latest``
 (a one-line file naming the newest checkpoint) is replaced atomically afterwards.
+
+Tensors are always whole: a sharded (FSDP2) run gathers every DTensor (all ranks take part) and rank 0
+writes the very files a DDP or single-process run writes. Loading cuts each whole tensor back to this
+rank's shard, so a checkpoint resumes under either strategy and any world size that divides the batch
+(bitwise repetition of the uninterrupted run needs the same world size and strategy).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from safetensors.torch import load_model, save_file, save_model
 
 from glm5_core.model.checkpoint import header_specs
 from glm5_core.optim.muon import Muon
+from glm5_core.train.fsdp import StateHolder, full_state_dict, full_tensor, is_dtensor, local_part
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -45,7 +51,9 @@ def _write_json(path: Path, obj: Any) -> None:
 # ---------------------------------------------------------------------------------- optimizer state
 
 
-def _flatten_optimizer(state: Dict[str, dict]):
+def _flatten_optimizer(state: Dict[str, dict], keep: bool = True):
+    """Optimizer state as flat whole tensors + JSON metadata. A collective when the state holds DTensors
+    (every rank calls it; ``keep=False`` gathers and drops, for the ranks that do not write)."""
     tensors: Dict[str, torch.Tensor] = {}
     groups: Dict[str, Any] = {}
     for part, sd in state.items():
@@ -54,7 +62,9 @@ def _flatten_optimizer(state: Dict[str, dict]):
             for key, value in entries.items():
                 if not isinstance(value, torch.Tensor):
                     value = torch.tensor(value)
-                tensors[f"{part}/{pid}/{key}"] = value.detach().contiguous().cpu()
+                whole = full_tensor(value.detach())
+                if keep:
+                    tensors[f"{part}/{pid}/{key}"] = whole.contiguous().cpu()
     return tensors, {"param_groups": json.dumps(groups)}
 
 
@@ -150,6 +160,8 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
             param, group = by_id[pid]
             where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
             _check_state(where, entries, param, _state_keys(opt, group))
+            if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
+                sd["state"][pid] = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
     return out
 
 
@@ -166,6 +178,27 @@ def _check_model_file(path: Path, model: torch.nn.Module) -> None:
         if shape != tuple(want.shape) or dtype != want.dtype:
             raise ValueError(f"checkpoint: model tensors do not match this model ({name}: expected {want.dtype} of "
                              f"shape {tuple(want.shape)}, got {dtype} of shape {shape})")
+
+
+@torch.no_grad()
+def _load_sharded_model(model: torch.nn.Module, path: Path):
+    """Copy each whole tensor of ``path`` into this rank's shard of the model (plain tensors whole); the
+    file has one name per tied group, as ``save_model`` wrote it. Returns (missing, unexpected) names."""
+    state = model.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        saved_ids = {id(state[n]) for n in names if n in state}
+        missing = [n for n, t in state.items() if n not in names and id(t) not in saved_ids]
+        unexpected = sorted(names - set(state))
+        if missing or unexpected:
+            return missing, unexpected
+        for name in sorted(names):
+            target, whole = state[name], f.get_tensor(name)
+            if is_dtensor(target):
+                target.to_local().copy_(local_part(whole, target).to_local())
+            else:
+                target.copy_(whole)
+    return [], []
 
 
 # ---------------------------------------------------------------------------------- RNG
@@ -197,17 +230,23 @@ def _restore_rng(path: Path, device_type: str) -> None:
 
 
 def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer, data_state: dict,
-                    world_size: int, device_type: str, keep_last: int) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep_last``. Returns its folder."""
+                    world_size: int, device_type: str, keep_last: int, write: bool = True) -> Optional[Path]:
+    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep_last``. Returns its folder.
+
+    With sharded (DTensor) parameters every rank must call this: the tensors are gathered whole, and only
+    the rank with ``write=True`` writes (the others return None)."""
+    model_state = full_state_dict(model, keep=write)
+    optimizer_tensors, optimizer_meta = _flatten_optimizer(optimizer.state_dict(), keep=write)
+    if not write:
+        return None
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    tensors, meta = _flatten_optimizer(optimizer.state_dict())
-    save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=meta)
+    save_model(StateHolder(model_state), str(tmp / "model.safetensors"))  # drops tied duplicates as for the model
+    save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"), metadata=optimizer_meta)
     save_file(_rng_tensors(device_type), str(tmp / "rng.safetensors"))
     _write_json(tmp / "trainer_state.json", {
         "format_version": FORMAT_VERSION, "step": step, "data": data_state, "world_size": world_size,
@@ -258,16 +297,21 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:
         raise ValueError(f"checkpoint: step expected an int in [0, {total_steps}], got {step!r}")
-    if state.get("world_size") != world_size:
-        raise ValueError(f"checkpoint: written by {state.get('world_size')} processes, resumed with {world_size}; "
-                         "the data order would differ, so resume with the same world size")
+    saved_world = state.get("world_size")
+    if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
+        raise ValueError(f"checkpoint: world_size expected an int >= 1, got {saved_world!r}")
+    # Every rank reads the same global batch and takes its rows of it, so the data order does not depend on
+    # the world size: any world size that divides the batch (checked by the trainer) may resume.
     if not isinstance(state.get("data"), dict):
         raise ValueError(f"checkpoint: {path} lacks the data position")
     _check_model_file(path / "model.safetensors", model)
     param_names = {id(p): name for name, p in model.named_parameters()}
     optimizer_state = _unflatten_optimizer(path / "optimizer.safetensors", optimizer, param_names)
     try:
-        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        if any(is_dtensor(t) for t in model.state_dict().values()):
+            missing, unexpected = _load_sharded_model(model, path / "model.safetensors")
+        else:
+            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
     if missing or unexpected:

@@ -2,12 +2,14 @@
 
     glm5 pretrain --config configs/tiny.yaml [--backend cpu] [--output-dir runs/x] [--resume [PATH]] [--max-steps N]
     torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml     # DDP, one process per device
+    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml --parallel fsdp2   # sharded
 """
 from __future__ import annotations
 
 import argparse
 
 from glm5_core.cli import add_backend_argument
+from glm5_core.train.config import PARALLEL_STRATEGIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
                         help="continue from a checkpoint folder, a checkpoints root or a run folder "
                              "(no PATH: the output dir's latest checkpoint)")
+    parser.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default=None,
+                        help="data parallelism under torchrun: ddp (replicated) or fsdp2 (sharded parameters, "
+                             "gradients and optimizer state); overrides the config's parallel.strategy")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many steps of the schedule (a checkpoint is written there)")
 
@@ -27,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from glm5_core.train.trainer import LAST_LOSS_WINDOW, RunOptions, pretrain
 
     cfg = load_config(args.config)
+    if args.parallel is not None:
+        cfg.parallel.strategy = args.parallel
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps: expected an int >= 1, got {args.max_steps}")
     output_dir = args.output_dir or cfg.output_dir

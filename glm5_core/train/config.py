@@ -1,7 +1,8 @@
 """The pretraining run config: YAML -> typed dataclasses, every problem reported on its own line.
 
 Top level: ``seed``, ``output_dir``, ``torch_threads``. Sections: ``model`` (a preset plus GLM5Config
-overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``.
+overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``,
+``parallel``.
 Stage kinds follow the DSA recipe (FACTS.md): ``dense`` (dense attention, LM + MTP loss, indexer idle),
 ``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
 ``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
@@ -19,6 +20,7 @@ from glm5_core.train.schema import ConfigError, build, field, non_negative, posi
 
 STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
 MODEL_PRESETS = ("tiny",)
+PARALLEL_STRATEGIES = ("ddp", "fsdp2")
 
 
 @dataclasses.dataclass
@@ -86,6 +88,15 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
+class ParallelConfig:
+    """How the ranks of a ``torchrun`` job share the work: ``ddp`` replicates the model and all-reduces
+    gradients; ``fsdp2`` shards parameters, gradients and optimizer state on dim 0 (FSDP2's ``fully_shard``).
+    Both give every rank ``data.batch_size / world`` rows per step and save the same checkpoint format."""
+
+    strategy: str = field("ddp", choices=PARALLEL_STRATEGIES)
+
+
+@dataclasses.dataclass
 class TrainConfig:
     seed: int = field(0, **non_negative())
     output_dir: str = "runs/pretrain"
@@ -101,6 +112,7 @@ class TrainConfig:
     router: RouterConfig = field(factory=RouterConfig)
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
     logging: LoggingConfig = field(factory=LoggingConfig)
+    parallel: ParallelConfig = field(factory=ParallelConfig)
 
     @property
     def total_steps(self) -> int:

@@ -2,8 +2,9 @@
 
 The distributed backend comes from the kernel backend's declaration (gloo on cpu, nccl on cuda/rocm,
 hccl on ascend). Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything is a no-op.
-Gradients are averaged by DistributedDataParallel; expert counts are summed so every rank applies the
-same aux-loss-free bias update.
+Gradients are averaged by DistributedDataParallel (``parallel.strategy: ddp``) or reduce-scattered by
+FSDP2 (``fsdp2``, see ``fsdp.py``); expert counts are summed so every rank applies the same aux-loss-free
+bias update to its (replicated) router-bias buffers.
 """
 from __future__ import annotations
 
@@ -75,9 +76,14 @@ def mean_across_ranks(values: List[float], ctx: DistContext) -> List[float]:
 
 
 def parameter_digest(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter and buffer, in name order: equal digests mean bitwise-equal models."""
+    """SHA-256 over every parameter and buffer, in name order: equal digests mean bitwise-equal models.
+
+    Sharded (FSDP2) tensors are gathered whole first, so digests compare across strategies and runs; every
+    rank must call it then (a collective)."""
+    from glm5_core.train.fsdp import full_state_dict
+
     h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
+    for name, t in sorted(full_state_dict(model).items()):
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

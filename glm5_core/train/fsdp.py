@@ -32,9 +32,6 @@ from typing import Callable, Dict, List
 import torch
 from torch import nn
 
-STRATEGIES = ("ddp", "fsdp2")
-
-
 def fully_shard_function() -> Callable:
     """``fully_shard`` of this torch: ``torch.distributed.fsdp`` (torch >= 2.6), else the composable one (2.4, 2.5)."""
     if not torch.distributed.is_available():

@@ -27,6 +27,7 @@ from glm5_core.model import GLM5ForCausalLM, save_pretrained
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import distributed as dist_utils
+from glm5_core.train import fsdp
 from glm5_core.train.config import StageConfig, TrainConfig
 from glm5_core.train.data import build_packer
 from glm5_core.train.losses import mtp_loss, next_token_loss
@@ -90,6 +91,10 @@ class Trainer:
         self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
         self.model.reset_parameters(seed=cfg.seed)
         self.model.to(self.dist.device)
+        # fsdp2 on one process has nothing to shard: the model stays whole, as with ddp.
+        self.sharded = cfg.parallel.strategy == "fsdp2" and self.dist.enabled
+        if self.sharded:
+            fsdp.shard_model(self.model, self.dist.device.type, self.dist.world_size)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
                                          lr=cfg.schedule.lr, backend=self.backend.name)
         self.start_step = 0
@@ -102,7 +107,9 @@ class Trainer:
         self.stop_step = self.schedule.total_steps if options.max_steps is None else \
             min(self.schedule.total_steps, options.max_steps)
         self._stage_index: Optional[int] = None  # the stage the model is set up for
-        self._wrapped: torch.nn.Module = self.model  # DDP-wrapped for the current stage's trainable set
+        # ddp: DDP-wrapped for the current stage's trainable set; fsdp2: the sharded model itself (FSDP2
+        # follows requires_grad changes without re-wrapping)
+        self._wrapped: torch.nn.Module = self.model
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
@@ -128,7 +135,7 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = None
         if cfg.optimizer.grad_clip > 0 and trainable:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, cfg.optimizer.grad_clip))
+            grad_norm = float(fsdp.clip_grad_norm(trainable, cfg.optimizer.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         counts = dist_utils.all_reduce_sum(out.expert_counts.clone(), d)  # [moe layers, E]
@@ -149,7 +156,8 @@ class Trainer:
         if point.index != self._stage_index:
             self._stage_index = point.index
             _set_trainable(self.model, point.stage)
-            self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
+            if not self.sharded:
+                self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
         lrs = self.schedule.lrs(step)
         _set_learning_rates(self.optimizer, lrs, self.cfg.optimizer.muon.lr_ratio)
         values = self._step(self._wrapped, point.stage, step)
@@ -182,16 +190,30 @@ class Trainer:
         return self._finish(time.perf_counter() - started, rates)
 
     def _save(self, done: int) -> None:
-        if self.dist.is_main:
-            ckpt.save_checkpoint(self.output_dir / "checkpoints", step=done, model=self.model,
-                                 optimizer=self.optimizer, data_state=self.packer.state_dict(),
-                                 world_size=self.dist.world_size, device_type=self.dist.device.type,
-                                 keep_last=self.cfg.checkpoint.keep_last)
+        # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
+        ckpt.save_checkpoint(self.output_dir / "checkpoints", step=done, model=self.model,
+                             optimizer=self.optimizer, data_state=self.packer.state_dict(),
+                             world_size=self.dist.world_size, device_type=self.dist.device.type,
+                             keep_last=self.cfg.checkpoint.keep_last, write=self.dist.is_main)
         dist_utils.barrier(self.dist)
+
+    def _export_model(self) -> Optional[GLM5ForCausalLM]:
+        """The model to export in HF layout on rank 0 (None elsewhere): the model itself, or under fsdp2 an
+        unsharded copy built from the gathered weights (every rank must call this)."""
+        if not self.sharded:
+            return self.model if self.dist.is_main else None
+        state = fsdp.full_state_dict(self.model, keep=self.dist.is_main)
+        if not self.dist.is_main:
+            return None
+        whole = GLM5ForCausalLM(self.cfg.model_config(), backend=self.backend.name)
+        whole.load_state_dict(state, strict=True)
+        return whole
 
     def _finish(self, wall_s: float, rates: List[float]) -> dict:
         digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
+        export = self._export_model()
         summary = {"backend": self.backend.name, "world_size": self.dist.world_size,
+                   "parallel": self.cfg.parallel.strategy if self.dist.enabled else "none",
                    "steps": [self.start_step, self.stop_step], "wall_s": wall_s,
                    "median_tokens_per_s": statistics.median(rates) if rates else None,
                    "parameter_digests": digests}
@@ -202,7 +224,7 @@ class Trainer:
                 summary["first_lm_loss"] = lm[0]
                 summary["last_lm_loss"] = statistics.mean(lm[-LAST_LOSS_WINDOW:])
             summary["stages"] = sorted({r["stage"] for r in records}, key=[r["stage"] for r in records].index)
-            save_pretrained(self.model, self.output_dir / EXPORT_DIR)
+            save_pretrained(export, self.output_dir / EXPORT_DIR)
             summary["hf_checkpoint"] = str(self.output_dir / EXPORT_DIR)
             if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
                 plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
