@@ -7,6 +7,9 @@ Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p
 "token_weight_versions"}}`` (the last is our addition: the version of each token when a weight update landed
 mid-generation).
 
+SGLang sampling parameters that clients send by default (``top_k: -1``, ``skip_special_tokens``, ...) are
+accepted at their neutral values and refused otherwise (``NEUTRAL_PARAMS``).
+
 Requests come from the network, so :func:`parse_generate_request` checks everything: types, token ids in
 ``[0, vocab_size)``, lengths capped, sampling parameters in range. Failures are ``ValueError`` naming the field.
 """
@@ -52,12 +55,38 @@ def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: 
 
 def _number(params: Dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
     value = params.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"sampling_params.{name}: expected a finite number, got {value!r}")
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        finite = False
+    if not finite:
+        raise ValueError(f"sampling_params.{name}: expected a finite number, got {value!r:.80}")
     if value < lo or value > hi or (lo_open and value == lo):
         bracket = "(" if lo_open else "["
         raise ValueError(f"sampling_params.{name}: expected a value in {bracket}{lo}, {hi}], got {value!r}")
     return float(value)
+
+
+# SGLang sampling parameters that SGLang clients (slime among them) send by default: accepted when they ask for
+# nothing (the value that turns the feature off), refused otherwise, so no request is silently served differently.
+# Detokenisation options are accepted as any bool: this engine is token-in-token-out and returns no text.
+NEUTRAL_PARAMS: Dict[str, Tuple[Any, ...]] = {
+    "top_k": (-1, 0), "min_p": (0, 0.0), "min_new_tokens": (0,), "n": (1,),
+    "repetition_penalty": (1, 1.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+    "ignore_eos": (False,), "stop": (None, [], ""),
+    "skip_special_tokens": (True, False), "spaces_between_special_tokens": (True, False), "no_stop_trim": (True, False),
+}
+
+
+def _check_neutral(params: Dict) -> None:
+    for name, neutral in NEUTRAL_PARAMS.items():
+        if name not in params:
+            continue
+        value = params[name]
+        # bools are ints in Python: True must not pass for top_k 1 nor 1 for True
+        if not any(type(value) is type(n) and value == n for n in neutral):
+            raise ValueError(f"sampling_params.{name}: not supported by this engine except as one of "
+                             f"{list(neutral)}, got {value!r:.80}")
 
 
 def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
@@ -72,25 +101,29 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
         raise ValueError("stream: streaming is not supported")
     input_ids = _int_list("input_ids", body.get("input_ids"), vocab_size=limits.vocab_size,
                           max_len=limits.max_input_tokens, min_len=1)
-    params = body.get("sampling_params", {}) or {}
+    params = body.get("sampling_params")
+    params = {} if params is None else params
     if not isinstance(params, dict):
         raise ValueError(f"sampling_params: expected an object, got {type(params).__name__}")
-    unknown = set(params) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids"}
+    unknown = set(params) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids"} - set(NEUTRAL_PARAMS)
     if unknown:
         raise ValueError(f"sampling_params: unknown fields {sorted(unknown)}")
+    _check_neutral(params)
     temperature = _number(params, "temperature", 1.0, 0.0, 100.0)
     top_p = _number(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     max_new = params.get("max_new_tokens", min(16, limits.max_new_tokens))
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= limits.max_new_tokens:
         raise ValueError(f"sampling_params.max_new_tokens: expected an int in [1, {limits.max_new_tokens}], got {max_new!r}")
-    stops = _int_list("sampling_params.stop_token_ids", params.get("stop_token_ids", []) or [],
+    stops = params.get("stop_token_ids")
+    stops = _int_list("sampling_params.stop_token_ids", [] if stops is None else stops,
                       vocab_size=limits.vocab_size, max_len=limits.max_stop_tokens, min_len=0)
     return_logprob = body.get("return_logprob", False)
     if not isinstance(return_logprob, bool):
         raise ValueError(f"return_logprob: expected a bool, got {return_logprob!r}")
-    rid = body.get("rid") or uuid.uuid4().hex
-    if not isinstance(rid, str) or len(rid) > 256:
-        raise ValueError(f"rid: expected a str of at most 256 characters, got {rid!r:.80}")
+    rid = body.get("rid")
+    rid = uuid.uuid4().hex if rid is None else rid
+    if not isinstance(rid, str) or not 1 <= len(rid) <= 256:
+        raise ValueError(f"rid: expected a str of 1 to 256 characters, got {rid!r:.80}")
     return GenerateRequest(rid, input_ids, temperature, top_p, int(max_new), tuple(stops), return_logprob)
 
 
