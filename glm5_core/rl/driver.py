@@ -8,9 +8,10 @@ async: a producer thread keeps groups in flight and fills the buffer; the traine
 """
 from __future__ import annotations
 
-import dataclasses
+import collections
 import json
 import os
+import statistics
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -29,6 +30,7 @@ from glm5_core.rl.trainer import Trainer
 from glm5_core.rl.worker import WorkerSpec
 
 StepHook = Callable[[int, "RLRun"], None]
+PRODUCER_DRAIN_S = 300.0  # after the last step, how long trajectories in flight may take to finish
 
 
 def build_env(env_cfg: Dict, seed: int):
@@ -149,11 +151,15 @@ class RLRun:
         def one(i_ep):
             i, ep = i_ep
             limits = ep.turn_limits()
-            resp = self.replicas.generate(f"eval-{self.trainer.version}-{i}", {
-                "input_ids": ep.context_tokens(), "return_logprob": False,
-                "sampling_params": {"temperature": r.temperature, "top_p": r.top_p,
-                                    "max_new_tokens": limits.max_new_tokens,
-                                    "stop_token_ids": list(limits.stop_token_ids)}})
+            tid = f"eval-{self.trainer.version}-{i}"
+            try:
+                resp = self.replicas.generate(tid, {
+                    "input_ids": ep.context_tokens(), "return_logprob": False, "rid": tid,
+                    "sampling_params": {"temperature": r.temperature, "top_p": r.top_p,
+                                        "max_new_tokens": limits.max_new_tokens,
+                                        "stop_token_ids": list(limits.stop_token_ids)}})
+            finally:  # unpin it and free its prefix-cache entry, like any finished trajectory
+                self._trajectory_done(tid)
             ep.observe(resp["output_ids"])
             return ep.reward
 
@@ -184,7 +190,8 @@ class RLRun:
             if cfg.mode == "async":
                 producer = threading.Thread(target=self.runner.run_forever, name="rl-producer", daemon=True, kwargs=dict(
                     sink=self.buffer.put, max_inflight_groups=cfg.rollout.max_inflight_groups,
-                    backlog=self.buffer.num_ready, max_buffered=cfg.rollout.max_buffered, errors=producer_errors))
+                    backlog=self.buffer.num_ready, max_buffered=cfg.rollout.max_buffered, errors=producer_errors,
+                    drain_timeout=PRODUCER_DRAIN_S))
                 producer.start()
             while self.trainer.version < cfg.max_steps and time.monotonic() < deadline:
                 t0 = time.monotonic()
@@ -194,13 +201,15 @@ class RLRun:
                         raise producer_errors[0]
                     if batch is None:
                         break
-                else:
-                    for t in self.runner.run_groups(cfg.train.batch_size // cfg.rollout.group_size):
+                else:  # only the groups still missing from the batch (failed groups leave it short)
+                    missing = max(0, cfg.train.batch_size - self.buffer.num_ready())
+                    for t in self.runner.run_groups(-(-missing // cfg.rollout.group_size)):
                         self.buffer.put(t)
                     batch = self.buffer.take(self.trainer.version, timeout=0)
                     if batch is None:  # every group failed or was stale
                         continue
                 waited += time.monotonic() - t0
+                staleness = [self.trainer.version - t.oldest_version for t in batch]  # versions behind the trainer
                 stats = self.trainer.train_step(batch)
                 if self.trainer.should_push():
                     self._push_weights()
@@ -212,7 +221,8 @@ class RLRun:
                            turns=sum(t.num_turns for t in batch) / len(batch),
                            trainer_idle_ratio=waited / elapsed, elapsed_s=elapsed,
                            trained_tokens_per_s=trained_tokens / elapsed,
-                           staleness_mean=sum(self.trainer.version - 1 - t.oldest_version for t in batch) / len(batch),
+                           staleness_mean=statistics.mean(staleness),
+                           staleness_histogram={str(k): n for k, n in sorted(collections.Counter(staleness).items())},
                            dropped_stale=self.buffer.dropped_stale, replacements=self.replicas.replacements)
                 step = self.trainer.version
                 if cfg.eval.every and step % cfg.eval.every == 0:
@@ -226,8 +236,10 @@ class RLRun:
                     hook(step, self)
             elapsed = time.monotonic() - t_start
             self.runner.stop()
-            if producer is not None:
-                producer.join(timeout=120)
+            if producer is not None:  # it finishes the trajectories in flight (drain) before it returns
+                producer.join(timeout=PRODUCER_DRAIN_S + 30)
+                if producer.is_alive():
+                    producer_errors.append(TimeoutError(f"rollout producer still draining after {PRODUCER_DRAIN_S} s"))
             info_end = self.replicas.info()
             eval_end = self.evaluate()
             counters = prefill_counters(info_end)
@@ -244,6 +256,7 @@ class RLRun:
                 "engine_busy_s": counters["busy_seconds"], "engine_prefill_s": counters["prefill_seconds"],
                 "eval_reward_start": eval0, "eval_reward_end": eval_end,
                 "issued_trajectories": len(self.runner.issued_ids), "trained_trajectories": len(self.buffer.taken_ids),
+                "producer_errors": [f"{type(e).__name__}: {e}" for e in producer_errors],
             }
             if eval_end is not None:
                 self.metrics.log(self.trainer.version, {"eval_reward": eval_end})

@@ -38,8 +38,10 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, step)
             hist = values.get("staleness_histogram")
             if isinstance(hist, dict) and hist:
+                import numpy
+
                 flat = [int(k) for k, n in hist.items() for _ in range(int(n))]
-                self._tb.add_histogram("staleness", __import__("numpy").array(flat), step)
+                self._tb.add_histogram("staleness", numpy.array(flat), step)
 
     def reward_curve(self, path: Optional[str] = None, title: str = "reward") -> Optional[str]:
         """PNG of the batch reward (and eval reward where logged) against the trainer step."""

@@ -109,11 +109,15 @@ class RolloutRunner:
                     errors.append(exc)
                     self._stop.set()
         # drain: trajectories already started are finished and handed over (the buffer keeps them untrained)
-        for f in concurrent.futures.as_completed(list(inflight), timeout=drain_timeout):
-            try:
-                sink(f.result())
-            except BaseException as exc:
-                errors.append(exc)
+        try:
+            for f in concurrent.futures.as_completed(list(inflight), timeout=drain_timeout):
+                try:
+                    sink(f.result())
+                except BaseException as exc:
+                    errors.append(exc)
+        except concurrent.futures.TimeoutError:
+            unfinished = sum(not f.done() for f in inflight)
+            errors.append(TimeoutError(f"{unfinished} trajectories still running {drain_timeout} s after the stop"))
 
     def stop(self) -> None:
         self._stop.set()
