@@ -12,11 +12,25 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineRequestError(RuntimeError):
-    """The engine answered with an error status."""
+    """The engine answered with an error status. ``retry_after`` (seconds, from the ``Retry-After`` header) is
+    set when the server was only too busy to take the request: the same request may be sent again later."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: Optional[float] = None):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.retry_after = retry_after
+
+    @property
+    def busy(self) -> bool:
+        return self.status == 503 and self.retry_after is not None
+
+
+def _retry_after(headers) -> Optional[float]:
+    value = headers.get("Retry-After") if headers is not None else None
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
 class EngineClient:
@@ -38,7 +52,7 @@ class EngineClient:
                 message = json.loads(exc.read()).get("error", "")
             except Exception:
                 message = exc.reason
-            raise EngineRequestError(exc.code, message) from None
+            raise EngineRequestError(exc.code, message, _retry_after(exc.headers)) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"{self.url}{route}: {exc}") from None
 
@@ -51,14 +65,18 @@ class EngineClient:
     def update_weights_from_disk(self, path: str, version: int) -> Dict:
         return self._call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
 
-    def end_trajectories(self, rids: List[str]) -> Dict:
-        return self._call("POST", "/end_trajectories", {"rids": list(rids)})
+    def end_trajectories(self, rids: List[str], timeout: Optional[float] = None) -> Dict:
+        return self._call("POST", "/end_trajectories", {"rids": list(rids)}, timeout=timeout)
 
     def info(self, timeout: float = 10.0) -> Dict:
         return self._call("GET", "/get_server_info", timeout=timeout)
 
     def health(self, timeout: float = 2.0) -> bool:
+        """True when the engine serves: it answers ``/health`` with ok, or it is alive but at its connection cap
+        (a busy 503 with ``Retry-After``). False when it does not answer or reports a failed engine (503)."""
         try:
             return bool(self._call("GET", "/health", timeout=timeout).get("ok"))
-        except (EngineUnavailable, EngineRequestError):
+        except EngineRequestError as exc:
+            return exc.busy
+        except EngineUnavailable:
             return False

@@ -64,6 +64,7 @@ class ConsistentHashRouter:
             self._pinned = {k: r for k, r in self._pinned.items() if r != name}
 
     def mark_unhealthy(self, name: str) -> None:
+        """Skip ``name`` and unpin its trajectories; idempotent (several failed requests may report one replica)."""
         with self._lock:
             if name in self._healthy:
                 self._healthy[name] = False
@@ -170,7 +171,10 @@ class RoundRobinRouter:
             self._names.remove(name)
 
     def mark_unhealthy(self, name: str) -> None:
-        self.remove_replica(name)
+        """Take ``name`` out of the rotation; idempotent (several failed requests may report one replica)."""
+        with self._lock:
+            if name in self._names:
+                self._names.remove(name)
 
     def mark_healthy(self, name: str) -> None:
         self.add_replica(name)

@@ -1,9 +1,19 @@
 """What a rollout-engine worker runs, whichever executor started it: build the policy from a config and a
-safetensors weights file, wrap it in a :class:`RolloutEngine` and serve it over HTTP on 127.0.0.1."""
+safetensors weights file, wrap it in a :class:`RolloutEngine` and serve it over HTTP on 127.0.0.1.
+
+A local worker process watches its parent (:func:`exit_with_parent`): when the driver dies without shutting
+it down (SIGKILL, OOM killer) the worker is re-parented, notices, and exits instead of holding its memory and
+port forever."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+EXIT_ORPHANED = 3  # exit status of a worker whose parent died
 
 
 @dataclasses.dataclass
@@ -46,8 +56,35 @@ def build_server(spec: WorkerSpec):
     return EngineServer(engine, weights_dir=spec.weights_dir)
 
 
-def process_main(spec: WorkerSpec, conn) -> None:
-    """Entry point of a local worker process: report the port through ``conn``, then serve until killed."""
+def _exit_orphaned() -> None:
+    print(f"rl worker {os.getpid()}: parent process died, exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_ORPHANED)  # nobody is left to shut the server down cleanly
+
+
+def exit_with_parent(parent_pid: int, *, poll_seconds: float = 0.5,
+                     on_orphaned: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start a daemon thread that calls ``on_orphaned`` (default: exit the process with ``EXIT_ORPHANED``) once
+    this process's parent is no longer ``parent_pid`` (it died and the process was re-parented), checking
+    every ``poll_seconds``. A parent that died before the thread started is caught on the first check."""
+    if isinstance(parent_pid, bool) or not isinstance(parent_pid, int) or parent_pid < 1:
+        raise ValueError(f"parent_pid: expected a process id >= 1, got {parent_pid!r}")
+    action = on_orphaned or _exit_orphaned
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        action()
+
+    thread = threading.Thread(target=watch, name="rl-worker-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def process_main(spec: WorkerSpec, conn, parent_pid: Optional[int] = None) -> None:
+    """Entry point of a local worker process: report the port through ``conn``, then serve until killed.
+    With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     try:
         server = build_server(spec)
     except BaseException as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
+from glm5_core.rl.executors.boot_weights import BootWeights
 from glm5_core.rl.worker import WorkerSpec
 
 
@@ -49,9 +50,11 @@ class RayExecutor:
         self._actor_cls = _actor_class()
         self._actors: Dict[str, object] = {}
         self._pids: Dict[str, int] = {}
+        self.boot_weights = BootWeights()  # weights pinned per replica before it boots (see boot_weights)
 
     def start(self, name: str) -> str:
-        actor = self._actor_cls.options(name=None, max_restarts=0).remote(self._spec_fn(name))
+        spec = self.boot_weights.pin(name, self._spec_fn)
+        actor = self._actor_cls.options(name=None, max_restarts=0).remote(spec)
         port = self._ray.get(actor.port.remote(), timeout=self._start_timeout)
         self._pids[name] = self._ray.get(actor.pid.remote(), timeout=self._start_timeout)
         self._actors[name] = actor
@@ -89,3 +92,4 @@ class RayExecutor:
             except Exception:
                 pass
         self._actors.clear()
+        self.boot_weights.remove_all()
