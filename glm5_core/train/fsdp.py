@@ -177,13 +177,17 @@ def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Modul
 
 
 def clip_grad_norm(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` over plain or DTensor gradients; returns the global norm as a plain tensor.
+    """``clip_grad_norm_`` over plain or DTensor gradients; returns the global 2-norm as a plain tensor.
 
-    With sharded gradients each rank holds part of every gradient: the per-shard norms combine into the
-    norm of the whole gradients (DTensor's partial reduction), so every rank scales by the same factor."""
+    With sharded gradients each rank holds part of every gradient: each per-gradient norm is a partial
+    DTensor, and gathering their norm gives the norm of the whole gradients on every rank, so every rank
+    scales its shards by the same factor (torch's rule: ``min(1, max_norm / (norm + 1e-6))``)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not any(is_dtensor(g) for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    total = full_tensor(torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
+    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # DTensors, partial over the shards
+    total = full_tensor(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    for g in grads:
+        g.mul_(coef)
     return total

@@ -9,6 +9,10 @@ Per stage (``StageConfig.kind``):
 Router biases move by the aux-loss-free rule after every step that trains the main model, from expert counts
 summed over the ranks. Everything that decides a step's numbers (the stage, the learning rates, the batch)
 is a function of the step and the restored state, so a resumed run repeats an uninterrupted one bitwise.
+
+Data parallelism under torchrun (``parallel.strategy``): ``ddp`` re-wraps the model in DDP at each stage
+change (the trainable set changes); ``fsdp2`` shards it once (``fsdp.py``) and steps Muon / AdamW on the
+shards. Both save whole-tensor checkpoints in one format (``checkpoint.py``).
 """
 from __future__ import annotations
 
