@@ -19,7 +19,7 @@ Matrices of one shape are stacked and orthogonalised in one batched call.
 Sharded parameters (DTensors, e.g. under FSDP2): Newton-Schulz needs whole matrices (and Muon Split whole
 head blocks), so for dim-0 shards over a 1-D mesh each matrix is gathered whole on one owner rank
 (round-robin within a bucket), orthogonalised there with the owner's other matrices of that shape, and
-scattered back as row shards (:class:`ShardedRows`); any other DTensor layout is gathered on every rank.
+scattered back as row shards (:class:`RowShards`); any other DTensor layout is gathered on every rank.
 Momentum, weight decay and the update itself stay elementwise on the local shards.
 """
 from __future__ import annotations
@@ -166,27 +166,29 @@ class Muon(torch.optim.Optimizer):
 
     def _step_bucket(self, members: List[Tuple[torch.Tensor, torch.Tensor]], group: dict, scale: float) -> None:
         """Orthogonalise and apply the updates of one bucket: plain parameters here; parameters sharded on
-        dim 0 (FSDP2) round-robin, each rank orthogonalising whole matrices of its share (see ShardedRows);
+        dim 0 (FSDP2) by owner ranks, each orthogonalising whole matrices of its share (:class:`RowShards`);
         other DTensor layouts gathered whole on every rank."""
-        plain, rows, other = [], [], []
+        plain, other = [], []
+        sharded: Dict[int, RowShards] = {}  # per process group
         for p, update in members:
             layout = ShardedRows.of(p)
             if layout is not None:
-                rows.append((p, update, layout))
+                sharded.setdefault(id(layout.group), RowShards()).add(p, update.to_local(), layout)
             elif _is_dtensor(p):
                 other.append((p, update))
             else:
                 plain.append((p, update))
         whole = list(plain) + [(p, update.full_tensor()) for p, update in other]
-        owned = [(p, layout.gather(update.to_local(), owner=k % layout.world_size))
-                 for k, (p, update, layout) in enumerate(rows)]
-        ortho = self._orthogonalized(whole + [(p, full) for p, full in owned if full is not None], group)
+        for shards in sharded.values():
+            whole += shards.gather_to_owners()  # this rank's share, whole
+        ortho = self._orthogonalized(whole, group)
         for p, _ in plain:
             self._apply(p, ortho[id(p)], group, scale)
         for p, _ in other:
             self._apply(p, _local_part(ortho[id(p)], p), group, scale)
-        for k, (p, _, layout) in enumerate(rows):
-            self._apply(p.to_local(), layout.scatter(ortho.get(id(p)), owner=k % layout.world_size), group, scale)
+        for shards in sharded.values():
+            for p, local in shards.scatter_from_owners(ortho):
+                self._apply(p.to_local(), local, group, scale)
 
 
 # ---------------------------------------------------------------------------------- sharded parameters
@@ -212,23 +214,15 @@ def _local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedRows:
-    """A DTensor parameter sharded on dim 0 over a 1-D mesh (FSDP2's layout): rows split as ``torch.chunk``
-    splits them, ``chunk = ceil(rows / world)`` rows per rank, the last ranks shorter or empty.
-
-    Muon on such parameters (Moonlight's distributed Muon, with the work spread): the k-th parameter of a
-    bucket is owned by rank ``k % world``. ``gather`` brings the owner the whole update (the other ranks'
-    shards, padded to ``chunk`` rows); the owner orthogonalises its share of the bucket in one batched call;
-    ``scatter`` sends every rank its rows of the result. Each rank thus runs Newton-Schulz on about 1/world
-    of the matrices, and each matrix crosses the network twice (gather, scatter) instead of to every rank."""
+    """The layout of a DTensor parameter sharded on dim 0 over a 1-D mesh (FSDP2's): rows split as
+    ``torch.chunk`` splits them, ``chunk = ceil(rows / world)`` per rank, the last ranks shorter or empty."""
 
     def __init__(self, group, rank: int, world_size: int, p: torch.Tensor, local_rows: int):
         self.group, self.rank, self.world_size = group, rank, world_size
         self.rows, self.trailing = p.shape[0], tuple(p.shape[1:])
-        self.dtype, self.device = p.dtype, p.device
-        rows = self.rows
-        self.chunk = -(-rows // world_size)
+        self.chunk = -(-self.rows // world_size)
         self.local_rows = local_rows
-        expected = max(0, min(self.chunk, rows - rank * self.chunk))
+        expected = max(0, min(self.chunk, self.rows - rank * self.chunk))
         assert local_rows == expected, f"shard of {local_rows} rows, torch.chunk layout gives {expected}"
 
     @classmethod
@@ -243,38 +237,81 @@ class ShardedRows:
         group = p.device_mesh.get_group(0)
         return cls(group, dist.get_rank(group), dist.get_world_size(group), p, p.to_local().shape[0])
 
-    def _global(self, rank: int) -> int:
+    @property
+    def padded_numel(self) -> int:
+        return self.chunk * math.prod(self.trailing)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """Up to ``chunk`` rows [n, ...] -> [chunk * prod(trailing)], zero rows appended."""
+        out = rows.new_zeros((self.chunk,) + self.trailing)  # [chunk, ...]
+        out[:rows.shape[0]] = rows
+        return out.reshape(-1)
+
+
+class RowShards:
+    """Muon on dim-0 shards (Moonlight's distributed Muon, with the Newton-Schulz work spread): the k-th
+    parameter of a bucket is owned by rank ``k % world``. ``gather_to_owners`` brings every owner the whole
+    updates of its parameters, ``scatter_from_owners`` sends every rank its rows of the orthogonalised
+    results. One gather and one scatter per owner rank carry all of a bucket's matrices (each rank's shards
+    padded to ``chunk`` rows and concatenated), so a bucket costs 2 x world collectives whatever its size;
+    each rank orthogonalises ~1/world of the matrices, and each matrix crosses the network twice."""
+
+    def __init__(self):
+        self.members: List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]] = []  # (param, local update, layout)
+
+    def add(self, p: torch.Tensor, local_update: torch.Tensor, layout: ShardedRows) -> None:
+        self.members.append((p, local_update, layout))
+
+    @property
+    def _layout(self) -> ShardedRows:
+        return self.members[0][2]
+
+    def _owned_by(self, owner: int) -> List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]]:
+        return self.members[owner::self._layout.world_size]
+
+    def gather_to_owners(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """[(param, whole update [rows, ...])] for the parameters this rank owns."""
         import torch.distributed as dist
 
-        return dist.get_global_rank(self.group, rank)
+        first = self._layout
+        mine: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for owner in range(first.world_size):
+            owned = self._owned_by(owner)
+            if not owned:
+                continue
+            sent = torch.cat([layout.pad(local) for _, local, layout in owned])  # [sum of padded numels]
+            parts = [torch.empty_like(sent) for _ in range(first.world_size)] if first.rank == owner else None
+            dist.gather(sent, parts, dst=dist.get_global_rank(first.group, owner), group=first.group)
+            if parts is None:
+                continue
+            sizes = [layout.padded_numel for _, _, layout in owned]
+            per_rank = [part.split(sizes) for part in parts]  # world x members x [padded numel]
+            for i, (p, _, layout) in enumerate(owned):
+                whole = torch.cat([pieces[i].view((layout.chunk,) + layout.trailing) for pieces in per_rank])
+                mine.append((p, whole[:layout.rows]))  # [rows, ...]
+        return mine
 
-    def _padded(self, local: torch.Tensor) -> torch.Tensor:
-        out = local.new_zeros((self.chunk,) + tuple(local.shape[1:]))  # [chunk, ...]
-        out[:local.shape[0]] = local
+    def scatter_from_owners(self, ortho: Dict[int, torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``ortho``: {id(param): whole result} for the parameters this rank owns -> [(param, this rank's
+        rows of its result [local_rows, ...])] for every parameter of the bucket."""
+        import torch.distributed as dist
+
+        first = self._layout
+        out: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for owner in range(first.world_size):
+            owned = self._owned_by(owner)
+            if not owned:
+                continue
+            sizes = [layout.padded_numel for _, _, layout in owned]
+            received = torch.empty(sum(sizes), dtype=owned[0][1].dtype, device=owned[0][1].device)
+            parts = None
+            if first.rank == owner:
+                parts = [torch.cat([layout.pad(ortho[id(p)][r * layout.chunk:(r + 1) * layout.chunk])
+                                    for p, _, layout in owned]) for r in range(first.world_size)]
+            dist.scatter(received, parts, src=dist.get_global_rank(first.group, owner), group=first.group)
+            for (p, _, layout), piece in zip(owned, received.split(sizes)):
+                out.append((p, piece.view((layout.chunk,) + layout.trailing)[:layout.local_rows]))
         return out
-
-    def gather(self, local: torch.Tensor, owner: int) -> Optional[torch.Tensor]:
-        """This rank's rows [local_rows, ...] -> the whole tensor [rows, ...] on ``owner``, None elsewhere."""
-        import torch.distributed as dist
-
-        padded = self._padded(local)
-        parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == owner else None
-        dist.gather(padded, parts, dst=self._global(owner), group=self.group)
-        return torch.cat(parts)[:self.rows] if parts is not None else None  # [rows, ...]
-
-    def scatter(self, whole: Optional[torch.Tensor], owner: int) -> torch.Tensor:
-        """The whole tensor [rows, ...] on ``owner`` (None elsewhere) -> this rank's rows [local_rows, ...]."""
-        import torch.distributed as dist
-
-        mine = torch.empty((self.chunk,) + self.trailing, dtype=self.dtype, device=self.device)  # [chunk, ...]
-        parts = None
-        if self.rank == owner:
-            assert whole is not None and tuple(whole.shape) == (self.rows,) + self.trailing
-            padded = whole.new_zeros((self.chunk * self.world_size,) + self.trailing)
-            padded[:self.rows] = whole
-            parts = list(padded.split(self.chunk))  # world x [chunk, ...]
-        dist.scatter(mine, parts, src=self._global(owner), group=self.group)
-        return mine[:self.local_rows]
 
 
 def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float,

@@ -7,7 +7,9 @@ gradients after its backward):
     not through the layer's output, and its inputs are detached: FSDP's backward hooks, which hang on a
     unit's inputs and outputs, would reshard the layer (and reduce-scatter its gradients) before or after
     the indexer's gradients arrive. As a unit of its own the indexer is gathered again when the gradients
-    of its outputs arrive and reduce-scattered at the end of the backward (its inputs need no gradient);
+    of its outputs arrive and reduce-scattered at the end of the backward (its inputs need no gradient).
+    (Left inside the layer's unit, the backward fails on torch 2.13 with "The tensor has a non-zero number
+    of elements, but its data is not allocated yet": the KL's backward reads the freed gathered weights);
   * the MTP module: its decoder body, and apart from it ``enorm``, ``hnorm``, ``eh_proj`` and
     ``shared_head.norm``, because ``MTPLayer.predict`` calls those outside the layer's own ``forward``
     (and the driver calls ``shared_head.norm`` after ``predict`` returns), so FSDP's forward hooks on the
@@ -17,6 +19,9 @@ gradients after its backward):
 Parameters become DTensors sharded on dim 0 over a 1-D DeviceMesh of every rank (rows that do not divide by
 the world size leave the last ranks a shorter or empty shard). Buffers (router biases, rotary frequencies)
 stay plain tensors on every rank: the driver keeps them equal by applying the same update everywhere.
+
+Every unit that takes the ``ForwardState`` hands it to the layer as the same object (see
+:func:`_pass_dataclasses_through`): FSDP2 would otherwise pass a copy and lose the KL terms layers report.
 
 Stage changes need no re-wrapping: FSDP2 copies each sharded parameter's ``requires_grad`` onto the gathered
 parameter at every all-gather, and reduce-scatters only the parameters that received a gradient (the
@@ -31,6 +36,7 @@ from typing import Callable, Dict, List
 
 import torch
 from torch import nn
+
 
 def fully_shard_function() -> Callable:
     """``fully_shard`` of this torch: ``torch.distributed.fsdp`` (torch >= 2.6), else the composable one (2.4, 2.5)."""
