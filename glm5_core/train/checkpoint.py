@@ -284,7 +284,8 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
                     device_type: str) -> Dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint folder ``path``; return the trainer state
-    (``step``, ``data``). Everything read is validated before use: the model file's header and the whole
+    (``step``, ``data``). ``world_size`` is this run's; the checkpoint's may differ (see the module
+    docstring). Everything read is validated before use: the model file's header and the whole
     optimizer state before either is loaded, so a mismatched or crafted file is a ValueError naming the
     tensor, not a failure inside the optimizer's next step."""
     try:

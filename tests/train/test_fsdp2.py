@@ -102,6 +102,10 @@ def test_fsdp2_ends_where_ddp_ends_and_its_ranks_agree(runs):
     fsdp2, ddp = load_file(str(_checkpoint(root / "fsdp2", 4) / "model.safetensors")), \
         load_file(str(_checkpoint(root / "ddp", 4) / "model.safetensors"))
     _assert_close_models(fsdp2, ddp, TOL)
+    from glm5_core.model import load_pretrained
+
+    exported = load_pretrained(root / "fsdp2" / "final").state_dict()  # HF export built from the gathered weights
+    assert exported.keys() == fsdp2.keys() and all(torch.equal(exported[k], fsdp2[k]) for k in fsdp2)
     before = load_file(str(_checkpoint(root / "ddp", 3) / "model.safetensors"))
     moved = max(float((ddp[k] - before[k]).abs().max()) for k in ddp)
     assert moved > 100 * TOL, f"the sparse step moved the weights by only {moved:.3g}"
