@@ -210,7 +210,10 @@ def _local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
     except ImportError:  # torch < 2.5
         from torch.distributed._tensor import distribute_tensor
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    try:
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    except TypeError:  # torch < 2.6 has no src_data_rank: rank 0 scatters its (equal) copy instead
+        return distribute_tensor(full, like.device_mesh, like.placements)
 
 
 class ShardedRows:

@@ -89,7 +89,10 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
     except ImportError:  # torch < 2.5
         from torch.distributed._tensor import distribute_tensor
-    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    try:
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    except TypeError:  # torch < 2.6 has no src_data_rank: rank 0 scatters its (equal) copy instead
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
 
 
 def full_state_dict(model: nn.Module, *, keep: bool = True) -> Dict[str, torch.Tensor]:
@@ -142,14 +145,20 @@ class _Boxed:
         self.value = value
 
 
+def _box_one(value):
+    return _Boxed(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+def _unbox_one(value):
+    return value.value if isinstance(value, _Boxed) else value
+
+
 def _box(module, args, kwargs):
-    box = lambda v: _Boxed(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
-    return tuple(box(a) for a in args), {k: box(v) for k, v in kwargs.items()}
+    return tuple(_box_one(a) for a in args), {k: _box_one(v) for k, v in kwargs.items()}
 
 
 def _unbox(module, args, kwargs):
-    unbox = lambda v: v.value if isinstance(v, _Boxed) else v
-    return tuple(unbox(a) for a in args), {k: unbox(v) for k, v in kwargs.items()}
+    return tuple(_unbox_one(a) for a in args), {k: _unbox_one(v) for k, v in kwargs.items()}
 
 
 def _pass_dataclasses_through(unit: nn.Module) -> None:

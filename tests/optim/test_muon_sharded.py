@@ -37,6 +37,7 @@ def _worker(rank: int, init_file: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         for dtype, nesterov in CASES:
             _compare(mesh, dtype, nesterov)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
 
