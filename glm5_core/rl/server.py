@@ -78,13 +78,25 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address, handler_class, *, max_connections: int):
         self.max_connections = max_connections
+        self.open_connections = 0  # served now (under _slots_lock)
         self.rejected_connections = 0  # written by the accept loop only
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._slots_lock = threading.Lock()
         self._busy = _busy_response(max_connections)
         super().__init__(address, handler_class)
 
+    def _take_slot(self) -> bool:
+        with self._slots_lock:
+            if self.open_connections >= self.max_connections:
+                return False
+            self.open_connections += 1
+            return True
+
+    def _free_slot(self) -> None:
+        with self._slots_lock:
+            self.open_connections -= 1
+
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
+        if not self._take_slot():
             self.rejected_connections += 1
             self._reject(request)
             self.shutdown_request(request)
@@ -92,14 +104,14 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)  # starts the handler thread
         except BaseException:
-            self._slots.release()
+            self._free_slot()
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._free_slot()
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], OSError):  # the client went away or stalled mid-reply: nothing to report
@@ -223,7 +235,9 @@ class EngineServer:
     def handle_info(self) -> Tuple[int, Dict]:
         info = self.engine.stats.as_dict()
         info.update(weight_version=self.engine.version, max_batch=self.engine.max_batch,
-                    max_len=self.engine.max_len, active=self.engine.num_active(), pid=os.getpid())
+                    max_len=self.engine.max_len, active=self.engine.num_active(), pid=os.getpid(),
+                    open_connections=self._httpd.open_connections,
+                    rejected_connections=self._httpd.rejected_connections)
         return 200, info
 
     def _handler_class(self):

@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import urllib.request
 
@@ -101,6 +102,34 @@ def test_weight_update_only_from_the_weights_dir(served, tiny_policy, tmp_path):
     save_file(bad, os.path.join(weights_dir, "v2.safetensors"))
     with pytest.raises(EngineRequestError, match="missing"):
         client.update_weights_from_disk(os.path.join(weights_dir, "v2.safetensors"), 2)
+
+
+def test_weight_update_rejects_older_versions_non_finite_and_unreadable_files_with_400(served, tiny_policy):
+    from safetensors.torch import save_file
+
+    server, weights_dir = served
+    client = EngineClient(server.url)
+    state = {k: v.detach().clone().contiguous() for k, v in tiny_policy.state_dict().items()}
+    current = os.path.join(weights_dir, "v7.safetensors")
+    save_file(state, current)
+    assert client.update_weights_from_disk(current, 7)["weight_version"] == 7
+    with pytest.raises(EngineRequestError, match="weight_version") as err:
+        client.update_weights_from_disk(current, 6)  # versions only move forward
+    assert err.value.status == 400
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    poisoned = dict(state, **{name: torch.full_like(state[name], float("nan"))})
+    save_file(poisoned, os.path.join(weights_dir, "v8.safetensors"))
+    with pytest.raises(EngineRequestError, match="finite") as err:
+        client.update_weights_from_disk(os.path.join(weights_dir, "v8.safetensors"), 8)
+    assert err.value.status == 400
+    with open(os.path.join(weights_dir, "v9.safetensors"), "wb") as f:
+        f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    with pytest.raises(EngineRequestError, match="cannot read") as err:
+        client.update_weights_from_disk(os.path.join(weights_dir, "v9.safetensors"), 9)
+    assert err.value.status == 400
+    resp = client.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})
+    assert resp["meta_info"]["weight_version"] == 7 and all(math.isfinite(e[0]) for e in
+                                                            resp["meta_info"]["output_token_logprobs"])
 
 
 def test_client_refuses_remote_urls():

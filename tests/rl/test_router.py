@@ -93,3 +93,16 @@ def test_live_trajectories_between_turns_count_for_rebalancing():
         router.forget(k)
     assert router.live_trajectories() == {"a": 0, "b": 0}
     assert router.acquire(keys[0]) == "a"  # nothing live: the key goes home again
+
+
+@pytest.mark.parametrize("make", [lambda: RoundRobinRouter(["a", "b"]), lambda: ConsistentHashRouter(["a", "b"])])
+def test_mark_unhealthy_twice_is_harmless(make):
+    """Two in-flight requests on one dead replica both report it (or a request and the supervisor do)."""
+    router = make()
+    router.mark_unhealthy("a")
+    router.mark_unhealthy("a")
+    assert router.healthy_replicas() == ["b"]
+    assert {router.acquire(f"k{i}") for i in range(6)} == {"b"}
+    router.mark_healthy("a")
+    router.mark_healthy("a")
+    assert sorted(router.healthy_replicas()) == ["a", "b"]
