@@ -18,6 +18,8 @@ Fault handling:
   or keeps an idle connection open, is dropped after it, not served by a thread forever.
 * At most ``max_connections`` connections are served at once (one thread each); past that a new connection
   is answered ``503`` with ``Retry-After: 1`` at once and closed (clients treat it as "busy, retry later").
+  The accept loop never reads the request, so a client that was still sending it may see a connection reset
+  instead; :class:`~glm5_core.rl.replicas.ReplicaSet` retries both, and ``/health`` counts busy as alive.
 * A ``/generate`` that does not finish within ``request_timeout`` is a 504. The request is *not* withdrawn from
   the engine (the engine has no cancellation): it runs to its ``max_new_tokens`` (capped by the engine's
   limits) and its result is discarded.

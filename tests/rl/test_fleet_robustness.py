@@ -2,6 +2,7 @@
 cap, engine timeouts), the replica supervisor and request retries, the best-effort trajectory closer, and local
 worker processes (failed starts, orphaned workers, boot weights pruned before a restart)."""
 import json
+import multiprocessing
 import os
 import select
 import signal
@@ -415,7 +416,7 @@ def test_a_worker_that_dies_before_reporting_is_a_failed_start(tmp_path):
     executor = LocalProcessExecutor(lambda name: spec, start_timeout=120)
     with pytest.raises(RuntimeError, match=r"exited \(exit code 3\) before reporting"):
         executor.start("engine0")
-    assert not [p for p in __import__("multiprocessing").active_children() if p.name.startswith("rl-engine")]
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("rl-engine")]  # reaped
     executor.shutdown()
 
 
