@@ -105,6 +105,7 @@ class RolloutEngine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
+        self._aborted: set = set()  # futures of running requests whose callers gave up (see abort)
 
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
@@ -148,6 +149,18 @@ class RolloutEngine:
         instead of leaving dead KV to push live trajectories out of the cache."""
         self.prefix_cache.drop(rid)
 
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stop the request behind ``future`` (its caller gave up, e.g. an HTTP timeout): a waiting request is
+        dropped, a running one finishes with ``finish_reason`` abort at the next step, freeing its slot."""
+        if future.cancel():  # it was waiting: take it out of the queue now
+            with self._cond:
+                self._waiting = collections.deque(item for item in self._waiting if item[1] is not future)
+        elif not future.done():  # running: flag it for the scheduler
+            with self._cond:
+                self._aborted.add(future)
+                if future.done():  # it finished meanwhile: nothing left to stop
+                    self._aborted.discard(future)
+
     def healthy(self) -> bool:
         """False once the scheduler thread has failed or exited: a supervisor should replace this engine."""
         if self.failure is not None:
@@ -176,7 +189,8 @@ class RolloutEngine:
             self._finish_result(state, FINISH_ABORT)
         while self._waiting:
             request, future = self._waiting.popleft()
-            future.set_result(GenerateResult(request.rid, [], [], [], FINISH_ABORT, len(request.input_ids), 0))
+            if future.set_running_or_notify_cancel():
+                future.set_result(GenerateResult(request.rid, [], [], [], FINISH_ABORT, len(request.input_ids), 0))
 
     def run_until_idle(self) -> None:
         """Drive the scheduler from the calling thread until no work is left (no scheduler thread)."""
@@ -214,8 +228,10 @@ class RolloutEngine:
                 if not state.future.done():
                     state.future.set_exception(exc)
         for _, future in waiting:
-            if not future.done():
+            if future.set_running_or_notify_cancel():
                 future.set_exception(exc)
+        with self._cond:
+            self._aborted.clear()
         self.prefix_cache.flush()
 
     def _apply_pending_weights(self) -> None:
@@ -237,9 +253,11 @@ class RolloutEngine:
         self._apply_pending_weights()
         admitted = []
         with self._cond:
-            for slot in range(self.max_batch):
-                if self._slots[slot] is None and self._waiting:
-                    admitted.append((slot, *self._waiting.popleft()))
+            free = [slot for slot in range(self.max_batch) if self._slots[slot] is None]
+            while free and self._waiting:
+                request, future = self._waiting.popleft()
+                if future.set_running_or_notify_cancel():  # False: its caller gave up while it waited
+                    admitted.append((free.pop(0), request, future))
         if admitted:
             t_prefill = time.monotonic()
             try:
@@ -334,7 +352,9 @@ class RolloutEngine:
             if tk is not None:
                 state.topk.append(tk)
             self.stats.generated_tokens += 1
-            if tok in state.request.stop_token_ids:
+            if state.future in self._aborted:
+                self._finish(slot, FINISH_ABORT)
+            elif tok in state.request.stop_token_ids:
                 self._finish(slot, FINISH_STOP)
             elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
                 self._finish(slot, FINISH_LENGTH)
@@ -342,6 +362,9 @@ class RolloutEngine:
     def _finish(self, slot: int, reason: str) -> None:
         state = self._slots[slot]
         self._slots[slot] = None
+        if self._aborted:
+            with self._cond:
+                self._aborted.discard(state.future)
         if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
             self.prefix_cache.drop(state.request.rid)
         else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]

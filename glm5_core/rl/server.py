@@ -20,9 +20,8 @@ Fault handling:
   is answered ``503`` with ``Retry-After: 1`` at once and closed (clients treat it as "busy, retry later").
   The accept loop never reads the request, so a client that was still sending it may see a connection reset
   instead; :class:`~glm5_core.rl.replicas.ReplicaSet` retries both, and ``/health`` counts busy as alive.
-* A ``/generate`` that does not finish within ``request_timeout`` is a 504. The request is *not* withdrawn from
-  the engine (the engine has no cancellation): it runs to its ``max_new_tokens`` (capped by the engine's
-  limits) and its result is discarded.
+* A ``/generate`` that does not finish within ``request_timeout`` is a 504, and the request is withdrawn from
+  the engine (:meth:`RolloutEngine.abort`): dropped if still waiting, stopped at the next step if running.
 """
 from __future__ import annotations
 
@@ -197,7 +196,7 @@ class EngineServer:
         try:
             result = future.result(timeout=self.request_timeout)
         except concurrent.futures.TimeoutError:
-            # The engine has no cancellation: the request runs on (bounded by max_new_tokens), result dropped.
+            self.engine.abort(future)  # nobody will read the result: free the slot (a retry goes elsewhere)
             raise RequestTimeoutError(f"request {request.rid}: not finished within {self.request_timeout}s") from None
         return 200, result.to_json(request.return_logprob)
 

@@ -93,3 +93,29 @@ def test_weight_updates_must_be_finite_and_move_forward(tiny_policy):
     engine.update_weights(state, 5)
     assert engine.version == 5
 
+
+
+def test_abort_drops_a_waiting_request_and_stops_a_running_one(tiny_policy):
+    engine = RolloutEngine(tiny_policy, max_batch=1, max_len=64)  # driven by hand: no scheduler thread
+    running = engine.submit(_request("running", n=30))
+    waiting = engine.submit(_request("waiting", n=30))
+    engine.step()  # admits "running" (prefill + one decode step); "waiting" has no slot
+    engine.abort(waiting)
+    engine.abort(running)
+    assert waiting.cancelled()
+    engine.step()
+    result = running.result(timeout=0)
+    assert result.finish_reason == "abort" and 1 <= len(result.output_ids) < 30
+    assert engine.num_active() == 0 and not engine.has_work()
+    assert engine.stats.requests == 1  # the cancelled request was never prefilled
+    later = engine.submit(_request("later", n=3))
+    engine.run_until_idle()
+    assert later.result(timeout=0).finish_reason == "length" and not engine._aborted
+
+
+def test_abort_after_the_request_finished_changes_nothing(tiny_policy):
+    engine = RolloutEngine(tiny_policy, max_batch=1, max_len=64)
+    done = engine.submit(_request("a", n=2))
+    engine.run_until_idle()
+    engine.abort(done)
+    assert done.result(timeout=0).finish_reason == "length" and not engine._aborted
