@@ -27,7 +27,8 @@ class RolloutConfig:
     routing: str = "dp_aware"  # or "round_robin"
     virtual_nodes: int = 150
     imbalance_factor: float = 1.5
-    prefix_cache_entries: int = 256
+    prefix_cache_entries: int = 256  # per engine: trajectories whose KV is kept between turns (0: none)
+    prefix_cache_tokens: Optional[int] = None  # per engine: cached KV positions in all (None: no token budget)
     episode_threads: int = 64
 
 
@@ -73,6 +74,11 @@ class RLConfig:
             value = getattr(self.rollout, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"rollout.{name}: expected an int >= 1, got {value!r}")
+        entries, tokens = self.rollout.prefix_cache_entries, self.rollout.prefix_cache_tokens
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0:
+            raise ValueError(f"rollout.prefix_cache_entries: expected an int >= 0, got {entries!r}")
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"rollout.prefix_cache_tokens: expected null or an int >= 1, got {tokens!r}")
         check_training_temperature(self.rollout.temperature, "rollout.temperature")
         if self.train.batch_size % self.rollout.group_size:
             raise ValueError(f"train.batch_size: expected a multiple of rollout.group_size={self.rollout.group_size}, "

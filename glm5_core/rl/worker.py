@@ -26,6 +26,7 @@ class WorkerSpec:
     max_batch: int = 8
     max_len: int = 256
     prefix_cache_entries: int = 256
+    prefix_cache_tokens: Optional[int] = None
     record_topk: bool = False
     seed: int = 0
     torch_threads: int = 1
@@ -50,7 +51,8 @@ def build_server(spec: WorkerSpec):
     torch.set_num_threads(max(1, int(spec.torch_threads)))
     model = build_model(spec)
     engine = RolloutEngine(model, max_batch=spec.max_batch, max_len=spec.max_len,
-                           prefix_cache_entries=spec.prefix_cache_entries, seed=spec.seed,
+                           prefix_cache_entries=spec.prefix_cache_entries,
+                           prefix_cache_tokens=spec.prefix_cache_tokens, seed=spec.seed,
                            record_topk=spec.record_topk, reuse_stacked_weights=True)  # the worker owns the model
     engine.update_weights(load_weights_file(spec.weights_path), spec.weight_version)
     return EngineServer(engine, weights_dir=spec.weights_dir)

@@ -119,3 +119,16 @@ def test_config_errors_name_the_field(tmp_path):
         tiny_config(tmp_path, rollout={"engines": 2})
     with pytest.raises(ValueError, match="env.name"):
         tiny_config(tmp_path, env={"name": "chess"})
+    for bad in ({"prefix_cache_entries": -1}, {"prefix_cache_tokens": 0}, {"prefix_cache_tokens": True}):
+        with pytest.raises(ValueError, match=f"rollout.{next(iter(bad))}"):
+            tiny_config(tmp_path, rollout=bad)
+
+
+def test_the_prefix_cache_budget_reaches_the_workers_engines(tmp_path):
+    from glm5_core.rl.worker import build_server
+
+    run = RLRun(tiny_config(tmp_path, rollout={"num_engines": 1, "group_size": 2, "prefix_cache_entries": 7,
+                                               "prefix_cache_tokens": 300}), log=lambda m: None)
+    server = build_server(run._spec("engine0"))
+    cache = server.engine.prefix_cache
+    assert (cache.max_entries, cache.max_tokens) == (7, 300)
