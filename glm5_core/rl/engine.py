@@ -94,6 +94,7 @@ class RolloutEngine:
                              max_new_tokens=min(max_new_tokens_cap, max_len - 1))
         self.record_topk = record_topk
         self.version = int(weight_version)
+        self._newest_version = self.version  # the newest version accepted by update_weights
         self.stats = EngineStats()
         self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
         self._cache = model.new_cache(max_batch, max_len)
@@ -136,9 +137,12 @@ class RolloutEngine:
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
         with self._cond:
-            newest = max(self.version, self._pending_weights[1] if self._pending_weights else self.version)
-            if int(version) < newest:
-                raise ValueError(f"weight_version: expected >= {newest} (versions only move forward), got {version}")
+            if self.failure is not None:
+                raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
+            if int(version) < self._newest_version:
+                raise ValueError(f"weight_version: expected >= {self._newest_version} (versions only move forward), "
+                                 f"got {version}")
+            self._newest_version = int(version)  # accepted: later pushes compare with it, even mid-apply
             self._pending_weights = (state_dict, int(version))
             self._cond.notify_all()
         if self._thread is None:
@@ -362,9 +366,6 @@ class RolloutEngine:
     def _finish(self, slot: int, reason: str) -> None:
         state = self._slots[slot]
         self._slots[slot] = None
-        if self._aborted:
-            with self._cond:
-                self._aborted.discard(state.future)
         if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
             self.prefix_cache.drop(state.request.rid)
         else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
@@ -378,3 +379,6 @@ class RolloutEngine:
                                 topk_trace=state.topk if self.record_topk else None)
         if not state.future.done():
             state.future.set_result(result)
+        if self._aborted:  # after set_result: an abort() racing with this finish sees the future done
+            with self._cond:
+                self._aborted.discard(state.future)

@@ -70,10 +70,12 @@ def _number(params: Dict, name: str, default: float, lo: float, hi: float, *, lo
 # SGLang sampling parameters that SGLang clients (slime among them) send by default: accepted when they ask for
 # nothing (the value that turns the feature off), refused otherwise, so no request is silently served differently.
 # Detokenisation options are accepted as any bool: this engine is token-in-token-out and returns no text.
+# The engine knows no EOS token (it stops on ``stop_token_ids`` only), so ``ignore_eos`` must be true, or false
+# with explicit ``stop_token_ids`` (the client names its EOS there).
 NEUTRAL_PARAMS: Dict[str, Tuple[Any, ...]] = {
     "top_k": (-1, 0), "min_p": (0, 0.0), "min_new_tokens": (0,), "n": (1,),
     "repetition_penalty": (1, 1.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-    "ignore_eos": (False,), "stop": (None, [], ""),
+    "ignore_eos": (True,), "stop": (None, [], ""),
     "skip_special_tokens": (True, False), "spaces_between_special_tokens": (True, False), "no_stop_trim": (True, False),
 }
 
@@ -83,6 +85,8 @@ def _check_neutral(params: Dict) -> None:
         if name not in params:
             continue
         value = params[name]
+        if name == "ignore_eos" and value is False and params.get("stop_token_ids"):
+            continue  # the engine knows no EOS token: it stops on stop_token_ids only, which the client gave
         # bools are ints in Python: True must not pass for top_k 1 nor 1 for True
         if not any(type(value) is type(n) and value == n for n in neutral):
             raise ValueError(f"sampling_params.{name}: not supported by this engine except as one of "

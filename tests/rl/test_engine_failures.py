@@ -119,3 +119,37 @@ def test_abort_after_the_request_finished_changes_nothing(tiny_policy):
     engine.run_until_idle()
     engine.abort(done)
     assert done.result(timeout=0).finish_reason == "length" and not engine._aborted
+
+
+def test_an_older_version_pushed_while_newer_weights_are_being_applied_is_refused(tiny_policy, monkeypatch):
+    engine = RolloutEngine(tiny_policy, max_batch=1, max_len=32, weight_version=3)
+    state = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
+    load = tiny_policy.load_state_dict
+    refused = []
+
+    def load_while_an_old_push_arrives(*args, **kwargs):  # the window: pending cleared, version not yet set
+        try:
+            engine.update_weights(state, 4)
+        except ValueError as exc:
+            refused.append(str(exc))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_policy, "load_state_dict", load_while_an_old_push_arrives)
+    engine.update_weights(state, 6)  # no scheduler thread: applied at once
+    monkeypatch.setattr(tiny_policy, "load_state_dict", load)
+    assert engine.version == 6 and refused and "expected >= 6" in refused[0]
+    engine.step()  # nothing pending: the refused push left no trace
+    assert engine.version == 6
+
+
+def test_a_failed_engine_refuses_weight_updates(tiny_policy, monkeypatch):
+    engine = RolloutEngine(tiny_policy, max_batch=1, max_len=32)
+    monkeypatch.setattr(engine, "_decode", lambda: (_ for _ in ()).throw(OSError("boom")))
+    future = engine.submit(_request("x"))
+    engine.start()
+    with pytest.raises(OSError):
+        future.result(timeout=60)
+    engine._thread.join(timeout=30)
+    with pytest.raises(RuntimeError, match="scheduler failed"):
+        engine.update_weights({k: v.clone() for k, v in tiny_policy.state_dict().items()}, 1)
+    engine.shutdown()

@@ -15,7 +15,7 @@ def test_slime_style_defaults_are_accepted_and_change_nothing():
     slime = _parse(rid="t", sampling_params={
         "temperature": 0.7, "max_new_tokens": 9, "top_k": -1, "min_p": 0.0, "stop": [], "n": 1,
         "skip_special_tokens": False, "spaces_between_special_tokens": False, "no_stop_trim": True,
-        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": False,
+        "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "ignore_eos": True,
         "min_new_tokens": 0})
     assert slime == plain
 
@@ -23,7 +23,7 @@ def test_slime_style_defaults_are_accepted_and_change_nothing():
 @pytest.mark.parametrize("name", sorted(NEUTRAL_PARAMS))
 def test_features_we_do_not_implement_are_refused_not_ignored(name):
     active = {"top_k": 20, "min_p": 0.1, "min_new_tokens": 3, "n": 4, "repetition_penalty": 1.2,
-              "frequency_penalty": 0.5, "presence_penalty": 0.5, "ignore_eos": True, "stop": ["\n"],
+              "frequency_penalty": 0.5, "presence_penalty": 0.5, "ignore_eos": False, "stop": ["\n"],
               "skip_special_tokens": "yes", "spaces_between_special_tokens": 1, "no_stop_trim": None}[name]
     with pytest.raises(ValueError, match=f"sampling_params.{name}"):
         _parse(sampling_params={name: active})
@@ -48,3 +48,11 @@ def test_absent_and_null_fields_take_their_defaults():
     request = _parse(sampling_params=None, rid=None)
     assert request.temperature == 1.0 and request.stop_token_ids == () and len(request.rid) == 32
     assert _parse(sampling_params={"stop_token_ids": None}).stop_token_ids == ()
+
+
+def test_ignore_eos_false_needs_the_stop_tokens_spelled_out():
+    """SGLang stops at the tokenizer's EOS unless ignore_eos; this engine knows no EOS, only stop_token_ids."""
+    with pytest.raises(ValueError, match="ignore_eos"):
+        _parse(sampling_params={"ignore_eos": False})
+    request = _parse(sampling_params={"ignore_eos": False, "stop_token_ids": [2]})
+    assert request.stop_token_ids == (2,)
