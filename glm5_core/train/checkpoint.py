@@ -10,7 +10,9 @@ A checkpoint is written into a temporary folder, every file fsynced, then rename
 (a one-line file naming the newest checkpoint) is replaced atomically afterwards.
 
 Tensors are always whole: a sharded (FSDP2) run gathers every DTensor (all ranks take part) and rank 0
-writes the very files a DDP or single-process run writes. Loading cuts each whole tensor back to this
+writes the very files a DDP or single-process run writes. Tied weights (``tie_word_embeddings``) are stored
+once, under the sorted-first name of their group (:func:`glm5_core.train.fsdp.stored_name`), whatever the
+strategy; loading fills every name of a group from it. Loading cuts each whole tensor back to this
 rank's shard, so a checkpoint resumes under either strategy and any world size that divides the batch
 (bitwise repetition of the uninterrupted run needs the same world size and strategy).
 """
@@ -21,16 +23,17 @@ import math
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import save_file
 
 from glm5_core.model.checkpoint import header_specs
 from glm5_core.optim.muon import Muon
-from glm5_core.train.fsdp import StateHolder, full_state_dict, full_tensor, is_dtensor, local_part
+from glm5_core.train.fsdp import full_state_dict, full_tensor, is_dtensor, local_part, stored_name, tied_groups
 
 FORMAT_VERSION = 1
 LATEST = "latest"
@@ -180,20 +183,40 @@ def _check_model_file(path: Path, model: torch.nn.Module) -> None:
                              f"shape {tuple(want.shape)}, got {dtype} of shape {shape})")
 
 
+def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torch.Tensor]:
+    """The whole model tensors a checkpoint stores: one name per tied group (its :func:`stored_name`).
+    A collective under FSDP2 (see :func:`full_state_dict`); empty with ``keep=False``."""
+    state = full_state_dict(model, keep=keep)
+    for group in tied_groups(model):
+        for name in group:
+            if name != stored_name(group):
+                state.pop(name, None)
+    return {name: t.contiguous() for name, t in state.items()}
+
+
 @torch.no_grad()
-def _load_sharded_model(model: torch.nn.Module, path: Path):
-    """Copy each whole tensor of ``path`` into this rank's shard of the model (plain tensors whole); the
-    file has one name per tied group, as ``save_model`` wrote it. Returns (missing, unexpected) names."""
-    state = model.state_dict()
+def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str]]:
+    """Copy each whole tensor of ``path`` into the model: into this rank's shard for a DTensor, whole into a
+    plain tensor. A tied group is filled from whichever of its names the file holds (one, as saved; several
+    only if they are equal). Returns (missing, unexpected) names; reads nothing when either is non-empty."""
+    targets = model.state_dict(keep_vars=True)  # Parameters and buffers themselves: tied names share one
+    groups: Dict[int, List[str]] = {}
+    for name, t in targets.items():
+        groups.setdefault(id(t), []).append(name)
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
-        saved_ids = {id(state[n]) for n in names if n in state}
-        missing = [n for n, t in state.items() if n not in names and id(t) not in saved_ids]
-        unexpected = sorted(names - set(state))
+        unexpected = sorted(names - set(targets))
+        missing = sorted(stored_name(g) for g in groups.values() if names.isdisjoint(g))
         if missing or unexpected:
             return missing, unexpected
-        for name in sorted(names):
-            target, whole = state[name], f.get_tensor(name)
+        for group in groups.values():
+            present = sorted(names.intersection(group))
+            whole = f.get_tensor(present[0])
+            for other in present[1:]:
+                if not torch.equal(f.get_tensor(other), whole):
+                    raise ValueError(f"checkpoint: model tensors {present[0]!r} and {other!r} are tied in this "
+                                     f"model but differ in {path.name}")
+            target = targets[group[0]]
             if is_dtensor(target):
                 target.to_local().copy_(local_part(whole, target).to_local())
             else:
@@ -213,16 +236,41 @@ def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
     return out
 
 
+def _device_rng_states(states: Dict[str, torch.Tensor], device_type: str, device_count: int) -> List[torch.Tensor]:
+    """The saved RNG states of devices 0, 1, ... (keys ``<device_type>_<index>``, ordered by the integer
+    index: ``cuda_2`` before ``cuda_10``) that this node can take: the first ``min(saved, device_count)``.
+    A checkpoint written on a node with more devices restores those and warns about the rest."""
+    prefix = f"{device_type}_"
+    by_index: Dict[int, torch.Tensor] = {}
+    for key, state in states.items():
+        if not key.startswith(prefix):
+            continue
+        index = key[len(prefix):]
+        if not index.isdigit() or len(index) > 6:
+            raise ValueError(f"checkpoint: unexpected RNG state {key!r} (expected {prefix}<device index>)")
+        by_index[int(index)] = state
+    if sorted(by_index) != list(range(len(by_index))):
+        raise ValueError(f"checkpoint: {device_type} RNG states of devices {sorted(by_index)[:8]}, expected "
+                         f"devices 0..{len(by_index) - 1}")
+    if len(by_index) > device_count:
+        warnings.warn(f"checkpoint: holds RNG states of {len(by_index)} {device_type} devices, this node has "
+                      f"{device_count}: restoring devices 0..{device_count - 1}, ignoring the rest", stacklevel=3)
+    return [by_index[i] for i in range(min(len(by_index), device_count))]
+
+
 def _restore_rng(path: Path, device_type: str) -> None:
     with safe_open(str(path), framework="pt") as f:
         states = {k: f.get_tensor(k) for k in f.keys()}
+    if "torch_cpu" not in states:
+        raise ValueError(f"checkpoint: {path} lacks the torch_cpu RNG state")
+    module = getattr(torch, device_type, None) if device_type != "cpu" else None
     try:
         torch.set_rng_state(states["torch_cpu"])
-        module = getattr(torch, device_type, None) if device_type != "cpu" else None
-        device_states = [states[k] for k in sorted(states) if k.startswith(f"{device_type}_")]
-        if module is not None and device_states and hasattr(module, "set_rng_state_all"):
-            module.set_rng_state_all(device_states)
-    except (KeyError, RuntimeError) as exc:
+        if module is not None and hasattr(module, "set_rng_state_all"):
+            device_states = _device_rng_states(states, device_type, module.device_count())
+            if device_states:
+                module.set_rng_state_all(device_states)
+    except (RuntimeError, TypeError, IndexError) as exc:  # wrong sizes or dtypes of the saved states
         raise ValueError(f"checkpoint: {path} does not hold valid RNG states ({exc})") from None
 
 
@@ -235,7 +283,7 @@ def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer,
 
     With sharded (DTensor) parameters every rank must call this: the tensors are gathered whole, and only
     the rank with ``write=True`` writes (the others return None)."""
-    model_state = full_state_dict(model, keep=write)
+    model_state = _model_tensors_to_save(model, keep=write)
     optimizer_tensors, optimizer_meta = _flatten_optimizer(optimizer.state_dict(), keep=write)
     if not write:
         return None
@@ -245,7 +293,7 @@ def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(StateHolder(model_state), str(tmp / "model.safetensors"))  # drops tied duplicates as for the model
+    save_file(model_state, str(tmp / "model.safetensors"))
     save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"), metadata=optimizer_meta)
     save_file(_rng_tensors(device_type), str(tmp / "rng.safetensors"))
     _write_json(tmp / "trainer_state.json", {
@@ -309,10 +357,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     param_names = {id(p): name for name, p in model.named_parameters()}
     optimizer_state = _unflatten_optimizer(path / "optimizer.safetensors", optimizer, param_names)
     try:
-        if any(is_dtensor(t) for t in model.state_dict().values()):
-            missing, unexpected = _load_sharded_model(model, path / "model.safetensors")
-        else:
-            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        missing, unexpected = _load_model(model, path / "model.safetensors")
     except RuntimeError as exc:  # shape mismatches
         raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
     if missing or unexpected:

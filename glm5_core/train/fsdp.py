@@ -95,32 +95,39 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
 
 
+def tied_groups(model: nn.Module) -> List[List[str]]:
+    """The names of ``model.state_dict()`` that hold one tensor (tied weights), each group in state-dict order.
+
+    Found from ``state_dict(keep_vars=True)``, whose values are the Parameter and buffer objects themselves,
+    shared by tied names (FSDP2 sets one sharded Parameter on every module that shares it); plain
+    ``state_dict()`` detaches every entry into a fresh tensor, so identities there never match."""
+    by_object: Dict[int, List[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # the dict keeps every object alive: ids are unique
+        by_object.setdefault(id(t), []).append(name)
+    return [names for names in by_object.values() if len(names) > 1]
+
+
+def stored_name(group: List[str]) -> str:
+    """The one name a checkpoint stores a tied group under: the first in sorted order (the name
+    ``safetensors.torch.save_model`` keeps, so the file also loads with ``safetensors.torch.load_model``)."""
+    return min(group)
+
+
 def full_state_dict(model: nn.Module, *, keep: bool = True) -> Dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered to its whole tensor, detached, on the CPU.
 
     A collective under FSDP2: every rank must call it, in the same order. ``keep=False`` (the ranks that do
-    not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Entries
-    that share one tensor (tied weights) share one gathered tensor, so ``safetensors.torch.save_model``
-    drops the same duplicate names as it does for an unsharded model."""
+    not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Every
+    name is present; tied names (see :func:`tied_groups`) map to one gathered tensor, gathered once."""
     gathered: Dict[int, torch.Tensor] = {}
     out: Dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in gathered:  # the same collectives on every rank, kept or not
             whole = full_tensor(t.detach()).cpu()
             gathered[id(t)] = whole if keep else None
         if keep:
             out[name] = gathered[id(t)]
     return out
-
-
-class StateHolder:
-    """A ready state dict behind the one method ``safetensors.torch.save_model`` calls."""
-
-    def __init__(self, state: Dict[str, torch.Tensor]):
-        self._state = state
-
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        return dict(self._state)
 
 
 def sharding_units(model: nn.Module) -> List[nn.Module]:
