@@ -33,8 +33,11 @@ def _retry_after(headers) -> Optional[float]:
         return None
 
 
+DEFAULT_TIMEOUT_S = 630.0  # above the server's request_timeout (600 s): a slow request comes back as its 504
+
+
 class EngineClient:
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S):
         if not url.startswith("http://127.0.0.1:") and not url.startswith("http://localhost:"):
             raise ValueError(f"url: expected a local http://127.0.0.1:PORT address, got {url!r}")
         self.url = url.rstrip("/")

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from glm5_core.rl.buffer import TrajectoryBuffer
+from glm5_core.rl.client import EngineRequestError, EngineUnavailable
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.envs.codec import ByteCodec
@@ -154,18 +155,23 @@ class RLRun:
             limits = ep.turn_limits()
             tid = f"eval-{self.trainer.version}-{i}"
             try:
-                resp = self.replicas.generate(tid, {
+                response = self.replicas.generate(tid, {
                     "input_ids": ep.context_tokens(), "return_logprob": False, "rid": tid,
                     "sampling_params": {"temperature": r.temperature, "top_p": r.top_p,
                                         "max_new_tokens": limits.max_new_tokens,
                                         "stop_token_ids": list(limits.stop_token_ids)}})
+            except (EngineUnavailable, EngineRequestError) as exc:
+                if isinstance(exc, EngineRequestError) and exc.status < 500:
+                    raise
+                return None  # the fleet gave up on this sample: the mean goes over the others
             finally:  # unpin it and free its prefix-cache entry, like any finished trajectory
                 self._trajectory_done(tid)
-            ep.observe(resp["output_ids"])
+            ep.observe(response["output_ids"])
             return ep.reward
 
-        rewards = list(self.runner._pool.map(one, enumerate(episodes)))
-        return sum(rewards) / len(rewards)
+        rewards = [r for r in self.runner._pool.map(one, enumerate(episodes)) if r is not None]
+        self.closer.flush()  # free the evaluation's cache entries now, not with the next training batch
+        return sum(rewards) / len(rewards) if rewards else None
 
     # -- main loop ----------------------------------------------------------------------------------------
     def _push_weights(self) -> None:
@@ -252,6 +258,7 @@ class RLRun:
                 "rollout_idle_ratio": idle_ratio_from_engines(info_start, info_end),
                 "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.staleness_histogram.items())},
                 "dropped_stale": self.buffer.dropped_stale, "env_failures": self.runner.env_failures,
+                "rollout_failures": self.runner.rollout_failures,
                 "replacements": self.replicas.replacements, "failed_restarts": self.replicas.failed_restarts,
                 "failed_requests": self.replicas.failed_requests,
                 "prefill_tokens": counters["prefill_tokens"], "prefill_tokens_saved": counters["cached_tokens"],

@@ -135,7 +135,8 @@ class ReplicaSet:
                     continue
                 if exc.status != 503:  # it ran and failed: maybe this request is what breaks engines
                     server_errors += 1
-                self._request_failed(name, exc)
+                # a 504 is a slow replica, not a broken one: keep it (and its trajectories' caches) on the ring
+                self._request_failed(None if exc.status == 504 else name, exc)
                 if server_errors >= self._max_server_errors or time.monotonic() > deadline:
                     raise
             except EngineUnavailable as exc:

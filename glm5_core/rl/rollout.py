@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Callable, Dict, List
 
+from glm5_core.rl.client import EngineRequestError, EngineUnavailable
 from glm5_core.rl.envs.base import Environment, Episode
 from glm5_core.rl.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.trainer import check_training_temperature
@@ -34,6 +35,7 @@ class RolloutRunner:
         self._lock = threading.Lock()
         self.issued_ids: List[str] = []
         self.env_failures = 0
+        self.rollout_failures = 0  # trajectories whose generation failed on every replica tried (dropped)
         self._stop = threading.Event()
 
     def _new_group(self) -> List[Episode]:
@@ -45,7 +47,7 @@ class RolloutRunner:
     def play(self, episode: Episode, trajectory_id: str) -> Trajectory:
         """Run one episode to the end through a TITO gateway."""
         gateway = TITOGateway(trajectory_id, self.generate_fn)
-        failed = False
+        failed = rollout_failed = False
         try:
             while True:
                 context = episode.context_tokens()
@@ -56,7 +58,13 @@ class RolloutRunner:
                 params = {"temperature": self.temperature, "top_p": self.top_p,
                           "max_new_tokens": min(limits.max_new_tokens, budget),
                           "stop_token_ids": list(limits.stop_token_ids)}
-                response = gateway.generate(context, params)
+                try:
+                    response = gateway.generate(context, params)
+                except (EngineUnavailable, EngineRequestError) as exc:
+                    if isinstance(exc, EngineRequestError) and exc.status < 500:
+                        raise  # the request's own fault (a bug here), the same on any replica
+                    rollout_failed = failed = True  # the fleet gave up on it (retries spent): drop, go on
+                    break
                 try:
                     if episode.observe(response["output_ids"]):
                         break
@@ -68,7 +76,10 @@ class RolloutRunner:
             self.forget_fn(trajectory_id)
         if failed:
             with self._lock:
-                self.env_failures += 1
+                if rollout_failed:
+                    self.rollout_failures += 1
+                else:
+                    self.env_failures += 1
         return Trajectory(trajectory_id, episode.group_id, gateway.finished_samples(), reward,
                           num_turns=episode.num_turns, info=episode.info(), env_failed=failed)
 

@@ -75,6 +75,7 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
     ``503 Retry-After: 1`` from the accept loop itself (never blocking it) and is closed."""
 
     daemon_threads = True
+    block_on_close = False  # shutdown must not wait for idle keep-alive connections (up to socket_timeout)
     request_queue_size = 1024
 
     def __init__(self, address, handler_class, *, max_connections: int):
@@ -166,9 +167,10 @@ class EngineServer:
         self._httpd.serve_forever()
 
     def shutdown(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        """Engine first: requests in flight end now (finish_reason abort) instead of holding the handlers."""
         self.engine.shutdown()
+        self._httpd.shutdown()
+        self._httpd.server_close()  # does not wait for handler threads (block_on_close is off)
 
     # -- route handlers (return (status, json body)) --------------------------------------------------------
     def engine_failure(self) -> Optional[str]:
@@ -237,6 +239,8 @@ class EngineServer:
         info = self.engine.stats.as_dict()
         info.update(weight_version=self.engine.version, max_batch=self.engine.max_batch,
                     max_len=self.engine.max_len, active=self.engine.num_active(), pid=os.getpid(),
+                    prefix_cache_entries=len(self.engine.prefix_cache),
+                    prefix_cache_tokens=self.engine.prefix_cache.num_tokens,
                     open_connections=self._httpd.open_connections,
                     rejected_connections=self._httpd.rejected_connections)
         return 200, info

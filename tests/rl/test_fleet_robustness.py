@@ -1,6 +1,7 @@
 """Fault handling of the rollout fleet: the HTTP server (health of a failed engine, stalled clients, connection
 cap, engine timeouts), the replica supervisor and request retries, the best-effort trajectory closer, and local
 worker processes (failed starts, orphaned workers, boot weights pruned before a restart)."""
+import inspect
 import json
 import multiprocessing
 import os
@@ -280,6 +281,21 @@ def test_an_unavailable_engine_is_left_without_counting_against_the_request():
     key = next(f"t{i}" for i in range(1000) if replicas.router._walk(f"t{i}") == ["a", "b", "c"])
     assert replicas.generate(key, GENERATE) == ok
     assert replicas.router.healthy_replicas() == ["c"] and replicas.failed_requests == 2
+
+
+def test_a_slow_replica_stays_on_the_ring_after_a_504():
+    ok = {"output_ids": [5], "meta_info": {}}
+    slow = ScriptedClient(EngineRequestError(504, "request t0: not finished within 600s"), ok)
+    replicas = replica_set({"a": slow}, max_server_errors=2)
+    replicas.router.acquire("t1")  # another trajectory pinned to the slow replica keeps its pin (and cache)
+    assert replicas.generate("t0", GENERATE) == ok
+    assert replicas.router.healthy_replicas() == ["a"] and replicas.failed_requests == 1
+    assert replicas.router.live_trajectories() == {"a": 2}
+
+
+def test_a_client_waits_longer_than_the_server_so_a_slow_request_comes_back_as_its_504():
+    server_timeout = inspect.signature(EngineServer.__init__).parameters["request_timeout"].default
+    assert EngineClient("http://127.0.0.1:9").timeout > server_timeout
 
 
 def test_a_busy_replica_is_retried_in_place():

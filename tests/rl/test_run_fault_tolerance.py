@@ -106,6 +106,8 @@ def test_evaluation_frees_its_router_pins_and_cache_entries(tmp_path):
             assert run.evaluate() is not None
         assert rids and all(tid == rid for tid, rid in rids)  # the engine caches under the id that is ended
         assert sum(run.router.live_trajectories().values()) == 0
+        infos = run.replicas.info().values()
+        assert len(infos) == 2 and all(info["prefix_cache_entries"] == 0 for info in infos)
     finally:
         run.replicas.shutdown()
 
