@@ -1,7 +1,6 @@
 """The Ray executor on a local Ray instance: workers start as actors, serve /generate, and a killed actor is
 replaced by the supervisor. Skipped when ray (the [rl] extra) is not installed."""
 import os
-import time
 
 import pytest
 import torch
