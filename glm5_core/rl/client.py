@@ -33,6 +33,12 @@ def _retry_after(headers) -> Optional[float]:
         return None
 
 
+def is_fleet_failure(exc: BaseException) -> bool:
+    """The engines could not serve the request (unreachable, failed, timed out: 5xx), as opposed to the request's
+    own fault (4xx, a bug on the caller's side that every replica would answer the same way)."""
+    return isinstance(exc, EngineUnavailable) or (isinstance(exc, EngineRequestError) and exc.status >= 500)
+
+
 DEFAULT_TIMEOUT_S = 630.0  # above the server's request_timeout (600 s): a slow request comes back as its 504
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from glm5_core.rl.buffer import TrajectoryBuffer
-from glm5_core.rl.client import EngineRequestError, EngineUnavailable
+from glm5_core.rl.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.envs.codec import ByteCodec
@@ -161,7 +161,7 @@ class RLRun:
                                         "max_new_tokens": limits.max_new_tokens,
                                         "stop_token_ids": list(limits.stop_token_ids)}})
             except (EngineUnavailable, EngineRequestError) as exc:
-                if isinstance(exc, EngineRequestError) and exc.status < 500:
+                if not is_fleet_failure(exc):
                     raise
                 return None  # the fleet gave up on this sample: the mean goes over the others
             finally:  # unpin it and free its prefix-cache entry, like any finished trajectory

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Dict, List
 
-from glm5_core.rl.client import EngineRequestError, EngineUnavailable
+from glm5_core.rl.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.envs.base import Environment, Episode
 from glm5_core.rl.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.trainer import check_training_temperature
@@ -61,7 +61,7 @@ class RolloutRunner:
                 try:
                     response = gateway.generate(context, params)
                 except (EngineUnavailable, EngineRequestError) as exc:
-                    if isinstance(exc, EngineRequestError) and exc.status < 500:
+                    if not is_fleet_failure(exc):
                         raise  # the request's own fault (a bug here), the same on any replica
                     rollout_failed = failed = True  # the fleet gave up on it (retries spent): drop, go on
                     break
