@@ -5,6 +5,7 @@ One module-scoped pair of runs (dense 2, indexer_warmup 1, sparse 1 steps; check
   * its checkpoints have DDP's on-disk format (names, shapes, dtypes, optimizer layout and metadata);
   * its step-3 checkpoint resumed in a single process gives the step DDP's step-3 checkpoint gives;
   * resumed under FSDP2 on two processes it repeats its own uninterrupted step 4 bitwise.
+Apart from it, a tied-embedding run: a single-process checkpoint resumed under FSDP2 on two processes.
 Why not bitwise against DDP: DDP all-reduces whole gradient buckets while FSDP2 reduce-scatters per layer
 and divides by the world size before and after the sum (gloo has no average), so float32 sums are rounded
 in a different order; Muon's Newton-Schulz and Adam's normalisation then carry ~1e-7 relative differences
@@ -173,6 +174,31 @@ def test_fsdp2_resume_on_two_processes_repeats_its_run_bitwise(runs, tmp_path):
     assert all(torch.equal(again[k], first[k]) for k in first)
     assert load_file(str(_checkpoint(out, 4) / "optimizer.safetensors")).keys() == \
         load_file(str(_checkpoint(runs["root"] / "fsdp2", 4) / "optimizer.safetensors")).keys()
+
+
+@needs_torchrun
+def test_fsdp2_resumes_and_saves_tied_embeddings_in_the_single_process_format(tmp_path):
+    """tie_word_embeddings: a single-process checkpoint (the tied pair stored once, as lm_head.weight) resumed
+    by FSDP2 on two processes (the sharded loader fills both names), whose own checkpoint has the same format
+    and ends within TOL of the single-process run's uninterrupted step."""
+    raw = _raw(tmp_path)
+    raw["model"]["tie_word_embeddings"] = True
+    raw["stages"] = [dict(kind="dense", steps=2)]
+    raw["checkpoint"] = dict(every_steps=1, keep_last=2)
+    single = tmp_path / "single"
+    pretrain(parse_config(raw), RunOptions(backend="cpu", output_dir=str(single)))
+    config = tmp_path / "tied.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    sharded = tmp_path / "fsdp2"
+    _torchrun(config, sharded, "--parallel", "fsdp2", "--resume", str(_checkpoint(single, 1)))
+    want = load_file(str(_checkpoint(single, 2) / "model.safetensors"))
+    assert "lm_head.weight" in want and "model.embed_tokens.weight" not in want
+    assert _header(_checkpoint(sharded, 2) / "model.safetensors") == _header(_checkpoint(single, 2) / "model.safetensors")
+    got = load_file(str(_checkpoint(sharded, 2) / "model.safetensors"))
+    _assert_close_models(got, want, TOL)
+    before = load_file(str(_checkpoint(single, 1) / "model.safetensors"))
+    moved = float((want["lm_head.weight"] - before["lm_head.weight"]).abs().max())
+    assert moved > 100 * TOL, f"step 2 moved the tied embedding by only {moved:.3g}"
 
 
 # ------------------------------------------------------------------------------------------ config / API
