@@ -255,9 +255,14 @@ class RowShards:
     """Muon on dim-0 shards (Moonlight's distributed Muon, with the Newton-Schulz work spread): the k-th
     parameter of a bucket is owned by rank ``k % world``. ``gather_to_owners`` brings every owner the whole
     updates of its parameters, ``scatter_from_owners`` sends every rank its rows of the orthogonalised
-    results. One gather and one scatter per owner rank carry all of a bucket's matrices (each rank's shards
-    padded to ``chunk`` rows and concatenated), so a bucket costs 2 x world collectives whatever its size;
-    each rank orthogonalises ~1/world of the matrices, and each matrix crosses the network twice."""
+    results. Each direction is one ``all_to_all_single`` carrying all of a bucket's matrices: rank r's
+    piece for rank k is r's shards of k's matrices, each padded to ``chunk`` rows, concatenated (and the
+    reverse for the results). So a bucket costs 2 collectives whatever its size and the world size, each
+    matrix crosses the network twice, and each rank orthogonalises ~1/world of the matrices. (All-to-all
+    with uneven splits, which NCCL, HCCL and gloo all have, rather than per-owner gather and scatter:
+    torch_npu's HCCL emulates gather with an all-gather, world times the traffic, and may lack scatter.)
+
+    Legend: W world size, S_k the numel of owner k's matrices padded to ``chunk`` rows (same on every rank)."""
 
     def __init__(self):
         self.members: List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]] = []  # (param, local update, layout)
@@ -272,47 +277,49 @@ class RowShards:
     def _owned_by(self, owner: int) -> List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]]:
         return self.members[owner::self._layout.world_size]
 
-    def gather_to_owners(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """[(param, whole update [rows, ...])] for the parameters this rank owns."""
+    def _owned_sizes(self, owner: int) -> List[int]:
+        """Padded numel of each matrix ``owner`` owns."""
+        return [layout.padded_numel for _, _, layout in self._owned_by(owner)]
+
+    def _all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_sizes: List[int]) -> torch.Tensor:
         import torch.distributed as dist
 
+        recv = send.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                               group=self._layout.group)
+        return recv
+
+    def gather_to_owners(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """[(param, whole update [rows, ...])] for the parameters this rank owns."""
         first = self._layout
+        world, me = first.world_size, first.rank
+        send = torch.cat([layout.pad(local) for owner in range(world)
+                          for _, local, layout in self._owned_by(owner)])  # [S_0 + ... + S_{W-1}]
+        mine_sizes = self._owned_sizes(me)
+        recv = self._all_to_all(send, [sum(self._owned_sizes(k)) for k in range(world)],
+                                [sum(mine_sizes)] * world)  # [W * S_me]: every rank's shards of my matrices
+        per_rank = [part.split(mine_sizes) for part in recv.split(sum(mine_sizes))] if mine_sizes else []
         mine: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for owner in range(first.world_size):
-            owned = self._owned_by(owner)
-            if not owned:
-                continue
-            sent = torch.cat([layout.pad(local) for _, local, layout in owned])  # [sum of padded numels]
-            parts = [torch.empty_like(sent) for _ in range(first.world_size)] if first.rank == owner else None
-            dist.gather(sent, parts, dst=dist.get_global_rank(first.group, owner), group=first.group)
-            if parts is None:
-                continue
-            sizes = [layout.padded_numel for _, _, layout in owned]
-            per_rank = [part.split(sizes) for part in parts]  # world x members x [padded numel]
-            for i, (p, _, layout) in enumerate(owned):
-                whole = torch.cat([pieces[i].view((layout.chunk,) + layout.trailing) for pieces in per_rank])
-                mine.append((p, whole[:layout.rows]))  # [rows, ...]
+        for i, (p, _, layout) in enumerate(self._owned_by(me)):
+            whole = torch.cat([pieces[i].view((layout.chunk,) + layout.trailing) for pieces in per_rank])
+            mine.append((p, whole[:layout.rows]))  # [W * chunk, ...] -> [rows, ...]
         return mine
 
     def scatter_from_owners(self, ortho: Dict[int, torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """``ortho``: {id(param): whole result} for the parameters this rank owns -> [(param, this rank's
         rows of its result [local_rows, ...])] for every parameter of the bucket."""
-        import torch.distributed as dist
-
         first = self._layout
+        world, me = first.world_size, first.rank
+        owned = self._owned_by(me)
+        sent = [layout.pad(ortho[id(p)][r * layout.chunk:(r + 1) * layout.chunk])
+                for r in range(world) for p, _, layout in owned]
+        send = torch.cat(sent) if sent else self.members[0][1].new_empty(0)  # [W * S_me]: rank r's rows, by r
+        owner_sizes = [self._owned_sizes(k) for k in range(world)]
+        recv = self._all_to_all(send, [sum(owner_sizes[me])] * world,
+                                [sum(sizes) for sizes in owner_sizes])  # [S_0 + ... + S_{W-1}]: my rows, by owner
         out: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        for owner in range(first.world_size):
-            owned = self._owned_by(owner)
-            if not owned:
-                continue
-            sizes = [layout.padded_numel for _, _, layout in owned]
-            received = torch.empty(sum(sizes), dtype=owned[0][1].dtype, device=owned[0][1].device)
-            parts = None
-            if first.rank == owner:
-                parts = [torch.cat([layout.pad(ortho[id(p)][r * layout.chunk:(r + 1) * layout.chunk])
-                                    for p, _, layout in owned]) for r in range(first.world_size)]
-            dist.scatter(received, parts, src=dist.get_global_rank(first.group, owner), group=first.group)
-            for (p, _, layout), piece in zip(owned, received.split(sizes)):
+        for owner, from_owner in enumerate(recv.split([sum(sizes) for sizes in owner_sizes])):
+            for (p, _, layout), piece in zip(self._owned_by(owner), from_owner.split(owner_sizes[owner])):
                 out.append((p, piece.view((layout.chunk,) + layout.trailing)[:layout.local_rows]))
         return out
 
