@@ -70,12 +70,12 @@ def _policy_from_preset(cfg: RLConfig, checkpoint: Optional[str], backend: Optio
         if not os.path.isfile(weights):
             raise FileNotFoundError(f"--checkpoint: expected config.json (save_pretrained) or model.safetensors "
                                     f"(glm5 pretrain) in {checkpoint!r}")
-        from safetensors.torch import load_file
+        from glm5_core.train.checkpoint import load_model_weights
 
-        missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"--checkpoint: weights do not fit model.preset: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        try:
+            load_model_weights(model, weights)
+        except ValueError as exc:
+            raise ValueError(f"--checkpoint: weights do not fit model.preset: {exc}") from None
     return model
 
 

@@ -227,6 +227,22 @@ def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str
 # ---------------------------------------------------------------------------------- RNG
 
 
+def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = False) -> None:
+    """Load a checkpoint's ``model.safetensors`` (untrusted: names, shapes and dtypes are checked against
+    ``model`` before any data is read) into ``model``, plain or sharded, tied groups filled from one name.
+    Raises ValueError naming what does not match."""
+    path = Path(path)
+    if not checked:
+        _check_model_file(path, model)
+    try:
+        missing, unexpected = _load_model(model, path)
+    except RuntimeError as exc:  # shape mismatches
+        raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
+    if missing or unexpected:
+        raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]})")
+
+
 def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     module = getattr(torch, device_type, None) if device_type != "cpu" else None
@@ -356,13 +372,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     _check_model_file(path / "model.safetensors", model)
     param_names = {id(p): name for name, p in model.named_parameters()}
     optimizer_state = _unflatten_optimizer(path / "optimizer.safetensors", optimizer, param_names)
-    try:
-        missing, unexpected = _load_model(model, path / "model.safetensors")
-    except RuntimeError as exc:  # shape mismatches
-        raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
-    if missing or unexpected:
-        raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]})")
+    load_model_weights(model, path / "model.safetensors", checked=True)
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path / "rng.safetensors", device_type)
     rng = state.get("python_rng")
