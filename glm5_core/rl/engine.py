@@ -134,8 +134,14 @@ class RolloutEngine:
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise ValueError(f"state_dict[{name!r}]: expected shape {tuple(expected[name].shape)}, "
                                  f"got {tuple(tensor.shape)}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
+        floats = [(name, t) for name, t in state_dict.items() if t.is_floating_point()]
+        flags = [torch.isfinite(t).all() for _, t in floats]
+        if len({f.device for f in flags}) > 1:
+            flags = [f.cpu() for f in flags]
+        finite = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
+        if not bool(finite.all()):  # one host sync per push (tensors on one device), not one per tensor
+            name = floats[int((~finite).nonzero()[0])][0]
+            raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
         with self._cond:
             if self.failure is not None:
                 raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
