@@ -22,6 +22,7 @@ from glm5_core.rl.client import EngineClient, EngineRequestError, EngineUnavaila
 
 logger = logging.getLogger(__name__)
 
+
 class ReplicaSet:
     def __init__(self, executor, router, names: List[str], *, poll_seconds: float = 0.5,
                  retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
