@@ -6,6 +6,7 @@ available here (on a machine without a GPU that includes cuda and rocm under ``T
 """
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +50,11 @@ def _no_ambient_backend(monkeypatch, request):
     if "backend" not in request.fixturenames:
         monkeypatch.delenv("GLM5_BACKEND", raising=False)
     monkeypatch.delenv("GLM5_STRICT", raising=False)
+
+
+@pytest.fixture
+def spawnable_test_modules(monkeypatch):
+    """Processes started by the 'spawn' method unpickle their target by module name (``tests.optim...``).
+    Under ``--import-mode=importlib`` and the ``pytest`` console script the repository root is not on
+    ``sys.path``, so put it there: spawned children inherit the parent's ``sys.path``."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))

@@ -95,5 +95,5 @@ def _compare(mesh, dtype: torch.dtype, nesterov: bool) -> None:
         assert not torch.equal(p.detach(), starts[i]), f"param {i} did not move"
 
 
-def test_sharded_muon_matches_unsharded(tmp_path):
+def test_sharded_muon_matches_unsharded(tmp_path, spawnable_test_modules):
     mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)

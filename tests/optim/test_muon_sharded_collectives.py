@@ -83,5 +83,5 @@ def _compare(mesh) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_sharded_muon_uses_one_all_to_all_per_bucket_and_direction(tmp_path):
+def test_sharded_muon_uses_one_all_to_all_per_bucket_and_direction(tmp_path, spawnable_test_modules):
     mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
