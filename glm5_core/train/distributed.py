@@ -57,6 +57,9 @@ def init_distributed(backend) -> DistContext:
 
 def shutdown(ctx: DistContext) -> None:
     if ctx.enabled and dist.is_initialized():
+        # Every rank arrives before any tears the group down: a rank that left while rank 0 was still writing
+        # the export was sometimes killed at exit ("terminate called without an active exception", gloo).
+        dist.barrier()
         dist.destroy_process_group()
 
 
