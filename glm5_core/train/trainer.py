@@ -17,6 +17,7 @@ shards. Both save whole-tensor checkpoints in one format (``checkpoint.py``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -234,6 +235,10 @@ class Trainer:
                 plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
                 summary["plot"] = str(plotted) if plotted else None
             (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        # DDP's reducer holds the process group: free it now, not at interpreter exit, where tearing down its
+        # gloo threads aborted a rank now and then ("terminate called without an active exception")
+        self._wrapped = self.model
+        gc.collect()
         dist_utils.shutdown(self.dist)
         return summary
 
