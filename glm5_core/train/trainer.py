@@ -214,6 +214,17 @@ class Trainer:
         whole.load_state_dict(state, strict=True)
         return whole
 
+    def _memory_per_rank(self) -> Dict[str, int]:
+        """Bytes this rank holds for parameters and optimizer state (its shards under fsdp2)."""
+        def local_bytes(t: torch.Tensor) -> int:
+            t = t.to_local() if fsdp.is_dtensor(t) else t
+            return t.numel() * t.element_size()
+
+        states = [v for opt in self.optimizer.optimizers.values() for s in opt.state.values()
+                  for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameter_bytes_per_rank": sum(local_bytes(p) for p in self.model.parameters()),
+                "optimizer_state_bytes_per_rank": sum(local_bytes(v) for v in states)}
+
     def _finish(self, wall_s: float, rates: List[float]) -> dict:
         digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
         export = self._export_model()
@@ -221,7 +232,7 @@ class Trainer:
                    "parallel": self.cfg.parallel.strategy if self.dist.enabled else "none",
                    "steps": [self.start_step, self.stop_step], "wall_s": wall_s,
                    "median_tokens_per_s": statistics.median(rates) if rates else None,
-                   "parameter_digests": digests}
+                   "parameter_digests": digests, **self._memory_per_rank()}
         if self.dist.is_main:
             records = read_records(self.output_dir / "metrics.jsonl")
             lm = [r["lm_loss"] for r in records if r.get("lm_loss") is not None]

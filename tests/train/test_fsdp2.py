@@ -119,6 +119,18 @@ def test_fsdp2_ends_where_ddp_ends_and_its_ranks_agree(runs):
                 assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), (ra["step"], key)
 
 
+@needs_torchrun
+def test_fsdp2_ranks_hold_about_half_the_parameters_and_optimizer_state(runs):
+    ddp, fsdp2 = runs["summaries"]["ddp"], runs["summaries"]["fsdp2"]
+    whole = sum(t.numel() * t.element_size() for t in
+                load_file(str(_checkpoint(runs["root"] / "ddp", 4) / "model.safetensors")).values())
+    # DDP: every rank holds the whole model (the checkpoint also holds the few router-bias buffer bytes)
+    assert 0.99 * whole <= ddp["parameter_bytes_per_rank"] <= whole
+    for key in ("parameter_bytes_per_rank", "optimizer_state_bytes_per_rank"):
+        # rank 0's dim-0 shards: half of each tensor, rounded up (rows that do not divide by 2)
+        assert 0.45 * ddp[key] <= fsdp2[key] <= 0.55 * ddp[key], key
+
+
 def _header(path: Path):
     with safe_open(str(path), framework="pt") as f:
         return {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}, f.metadata()
