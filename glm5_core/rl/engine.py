@@ -117,8 +117,7 @@ class RolloutEngine:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("engine is shutting down")
-            if self.failure is not None:
-                raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
+            self._raise_if_failed()
             self._waiting.append((request, future))
             self._cond.notify_all()
         return future
@@ -143,8 +142,7 @@ class RolloutEngine:
             name = floats[int((~finite).nonzero()[0])][0]
             raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
         with self._cond:
-            if self.failure is not None:
-                raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
+            self._raise_if_failed()
             if int(version) < self._newest_version:
                 raise ValueError(f"weight_version: expected >= {self._newest_version} (versions only move forward), "
                                  f"got {version}")
@@ -170,6 +168,10 @@ class RolloutEngine:
                 self._aborted.add(future)
                 if future.done():  # it finished meanwhile: nothing left to stop
                     self._aborted.discard(future)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
 
     def healthy(self) -> bool:
         """False once the scheduler thread has failed or exited: a supervisor should replace this engine."""

@@ -42,10 +42,8 @@ def link_or_copy(source: str, target: str) -> None:
     tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         os.link(source, tmp)
-    except FileNotFoundError:
-        raise
     except OSError as exc:
-        if exc.errno not in _NO_HARD_LINKS:
+        if exc.errno not in _NO_HARD_LINKS:  # ENOENT (FileNotFoundError) included
             raise
         shutil.copyfile(source, tmp)
     try:
