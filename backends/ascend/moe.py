@@ -9,9 +9,9 @@ Where our contract and the vendor ops differ:
     (K+1)-th candidate ties with its K-th is re-routed by the reference. Ids int32 as ours. The weights are
     recomputed from the gathered unbiased scores with the reference's formula (the vendor's yOut would be
     renormalised over K + 1 experts and is in the logits' dtype), which also serves renormalize=False.
-  * dispatch: the vendor returns the scatter form (flat assignment -> sorted row) as int32; ours is the gather
-    form as int64. Its sort is not documented stable: if the rows of one expert are not in token-then-slot
-    order, the stable order is rebuilt and x is gathered again.
+  * dispatch: with row_idx_type 1 the vendor returns sorted row -> flat assignment, our sort_idx, as int32
+    (widened to int64). Its sort is not documented stable: if the rows of one expert are not in
+    token-then-slot order, the stable order is rebuilt and x is gathered again.
   * experts: our weights are [E, out, in]; the vendor multiplies by [E, in, out], given as transposed views.
     Counts become cumulative group_list. Gate and up outputs are rounded to the input dtype by the vendor
     (the reference keeps fp32 until the end): a tolerance-level difference for fp16/bf16.
@@ -93,7 +93,7 @@ def dispatch(x, expert_ids, *, num_experts: int, npu: Optional[object] = None):
     N, K = expert_ids.shape
     expanded_x, expanded_row_idx, counts = ops.npu_moe_init_routing_v2(
         x.contiguous(), expert_ids.to(torch.int32).contiguous(), **L.init_routing_kwargs(N, K, num_experts))[:3]
-    sort_idx = L.gather_order(expanded_row_idx)  # [M]
+    sort_idx = L.sort_order(expanded_row_idx)  # [M]
     flat = expert_ids.reshape(-1).to(torch.int64)  # [M]
     if L.is_stable_expert_order(sort_idx, flat):
         return expanded_x, sort_idx, counts.to(torch.int64)

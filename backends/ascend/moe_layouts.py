@@ -10,8 +10,11 @@ formulas in CANN ops-transformer ``moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.
     stage, expert ids int32 [N, k]; with sigmoid the weights are always renormalised (renorm is ignored);
     x and bias share one dtype (fp16/bf16/fp32), E <= 2048. No order among equal scores is documented.
   * npu_moe_init_routing_v2: flattens expert_idx row-major (flat i -> token i // K), key-value sorts it by
-    expert, expanded_x[expanded_row_idx[i]] = x[i // K] with row_idx_type 1 (scatter: flat -> sorted row),
-    per-expert counts (expert_tokens_num_type 1) as int64. Stability of the sort is not documented.
+    expert, expanded_x[i] = x[sortedRowIdx[i] // K]; with row_idx_type 1 (the "scatter" index type)
+    expanded_row_idx IS sortedRowIdx (sorted row -> flat assignment, our gather form), with 0 it is the
+    inverse (expanded_row_idx[sortedRowIdx[i]] = i). torch_npu calls aclnnMoeInitRoutingV3, whose kernels
+    (moe_v3_sort_one_core.h, moe_v3_row_idx_gather.h, moe_v3_gather_out.h) write it this way. Per-expert
+    counts (expert_tokens_num_type 1) as int64. Stability of the sort is not documented.
   * npu_grouped_matmul: y_i = x_i @ weight_i, weight [E, in, out] (a transposed view is accepted),
     group_type 0 groups the rows of one x, group_list int64 cumulative row counts (group_list_type 0).
   * npu_moe_finalize_routing: out[i] = sum_k scales[i, k] * rows[src_to_dst[i + k * N]] in drop_pad_mode 0
@@ -91,12 +94,9 @@ def init_routing_kwargs(num_rows: int, top_k: int, num_experts: int) -> Dict[str
                 quant_mode=NO_QUANT, active_expert_range=[0, num_experts], row_idx_type=SCATTER_ROW_INDEX)
 
 
-def gather_order(expanded_row_idx: torch.Tensor) -> torch.Tensor:
-    """Scatter form (flat assignment -> sorted row) to our gather form sort_idx (sorted row -> flat), int64."""
-    scatter = expanded_row_idx.to(torch.int64)
-    sort_idx = torch.empty_like(scatter)
-    sort_idx[scatter] = torch.arange(scatter.numel(), device=scatter.device)
-    return sort_idx
+def sort_order(expanded_row_idx: torch.Tensor) -> torch.Tensor:
+    """row_idx_type 1 output (sorted row -> flat assignment, int32) as our sort_idx (int64): no inversion."""
+    return expanded_row_idx.to(torch.int64)
 
 
 def is_stable_expert_order(sort_idx: torch.Tensor, flat_ids: torch.Tensor) -> bool:

@@ -77,8 +77,36 @@ def _expert_ids(N, K, E, seed):
     return torch.stack([torch.randperm(E - 1, generator=g)[:K] for _ in range(N)]).to(torch.int32)
 
 
-def test_gather_order_inverts_the_scatter_form():
-    assert L.gather_order(torch.tensor([2, 0, 1], dtype=torch.int32)).tolist() == [1, 2, 0]
+def test_row_idx_type_1_is_read_as_sorted_row_to_flat_assignment():
+    """expert ids [[2, 0], [1, 0]] (flat 0..3 -> experts 2, 0, 1, 0): a stable sort puts flat 1, 3, 2, 0 in
+    rows 0..3, and row_idx_type 1 returns exactly that (sortedRowIdx), which is our sort_idx as it is."""
+    ids = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+    x = torch.arange(2.0).view(2, 1)
+    _, expanded_row_idx, _, _ = AscendSemantics("low_first").npu_moe_init_routing_v2(
+        x, ids, **L.init_routing_kwargs(2, 2, 3))
+    assert expanded_row_idx.tolist() == [1, 3, 2, 0]
+    sort_idx = L.sort_order(expanded_row_idx)
+    assert sort_idx.dtype == torch.int64 and sort_idx.tolist() == [1, 3, 2, 0]
+
+
+class _SpyInitRouting(AscendSemantics):
+    def npu_moe_init_routing_v2(self, *args, **kwargs):
+        out = super().npu_moe_init_routing_v2(*args, **kwargs)
+        self.expanded_x = out[0]
+        return out
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_dispatch_keeps_the_vendor_rows_when_its_sort_is_stable(dtype):
+    """A stable vendor sort must be taken as it is: the rows the vendor gathered are returned, not
+    gathered a second time (reading the row index the wrong way round always rebuilt them)."""
+    N, K, E, D = 11, 3, 6, 5
+    x = testing.randn((N, D), seed=3, dtype=dtype)
+    ids = _expert_ids(N, K, E, seed=4)
+    spy = _SpyInitRouting("low_first")
+    x_sorted, sort_idx, _ = moe.dispatch(x, ids, num_experts=E, npu=spy)
+    assert x_sorted is spy.expanded_x
+    assert torch.equal(sort_idx, dispatch_reference(x, ids, num_experts=E)[1])
 
 
 @pytest.mark.parametrize("dtype,tie_order", list(itertools.product((torch.float32, torch.bfloat16), TIE_ORDERS)),

@@ -285,7 +285,11 @@ class AscendSemantics:
         else:  # key-value sort whose equal keys come out in reverse order
             sorted_row_idx = rows.flip(0)[torch.sort(flat.flip(0), stable=True).indices]
         expanded_x = x[sorted_row_idx // K]
-        if row_idx_type == 0:
+        # row_idx_type 1 ("scatter" index): sorted row i -> the flat assignment it holds (sortedRowIdx itself,
+        # written straight to the output by the sort); 0 ("gather" index): the inverse,
+        # expandedRowIdx[sortedRowIdx[i]] = i. CANN ops-transformer moe_init_routing_v3 kernels
+        # (moe_v3_sort_one_core.h, moe_v3_row_idx_gather.h, moe_v3_gather_out.h), which torch_npu calls.
+        if row_idx_type == 1:
             expanded_row_idx = sorted_row_idx.to(torch.int32)
         else:
             expanded_row_idx = torch.empty_like(sorted_row_idx)
