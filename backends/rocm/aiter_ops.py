@@ -72,10 +72,14 @@ def route_with(biased_grouped_topk: Callable, logits, bias, *, top_k, score_func
     return weights, ids
 
 
-def route_supports(logits, bias=None, *, score_func="sigmoid", **kwargs):
+def route_supports(logits, bias=None, *, score_func="sigmoid", renormalize=True, **kwargs):
     if bias is None or score_func != "sigmoid":
         return False, "aiter.biased_grouped_topk needs sigmoid scores and a bias"
-    return triton_route.supports(logits, bias, score_func=score_func, **kwargs)
+    if not renormalize:
+        # aiter/ops/topk.py: past cu_num * 212 tokens with E / n_group <= 32 it switches to moe_fused_gate
+        # after `assert need_renorm`, so renormalize=False would fail on large batches.
+        return False, "aiter.biased_grouped_topk asserts need_renorm on its large-batch path (moe_fused_gate)"
+    return triton_route.supports(logits, bias, score_func=score_func, renormalize=renormalize, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- sparse decode

@@ -93,6 +93,10 @@ def test_aiter_paths_decline_what_aiter_cannot_take():
     from glm5_core.backends.rocm import aiter_ops
 
     assert not aiter_ops.route_supports(torch.zeros(2, 8), None, top_k=2)[0]
+    logits, bias = torch.zeros(3, 16), torch.zeros(16)
+    assert aiter_ops.route_supports(logits, bias, top_k=2, n_group=4, topk_group=2)[0]
+    ok, why = aiter_ops.route_supports(logits, bias, top_k=2, n_group=4, topk_group=2, renormalize=False)
+    assert not ok and "need_renorm" in why  # aiter asserts it on large batches (moe_fused_gate path)
     q = torch.zeros(1, 1, 12, 8, dtype=torch.bfloat16)
     ok, why = aiter_ops.sparse_decode_supports(q, q[..., :4], torch.zeros(1, 3, 8, dtype=torch.bfloat16),
                                                torch.zeros(1, 3, 4, dtype=torch.bfloat16), None, None,
