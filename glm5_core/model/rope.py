@@ -23,13 +23,29 @@ def positions_of(start_pos: StartPos, batch: int, num_tokens: int, device: torch
     return (offsets + start_pos).unsqueeze(0).expand(batch, num_tokens)  # [B, T]
 
 
+def inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
+    """theta^(-2i/R) for the R/2 pairs, fp64 [R/2]."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim  # [R/2]
+    return theta ** (-exponents)
+
+
 class RotaryEmbedding(nn.Module):
     """cos / sin tables [B, T, R/2] for given positions (computed on the fly, nothing cached)."""
 
     def __init__(self, rotary_dim: int, theta: float):
         super().__init__()
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim  # [R/2]
-        self.register_buffer("inv_freq", theta ** (-exponents), persistent=False)  # fp64 [R/2]
+        self.rotary_dim, self.theta = rotary_dim, theta
+        self.register_buffer("inv_freq", inverse_frequencies(rotary_dim, theta), persistent=False)  # fp64 [R/2]
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .half() / .bfloat16() move inv_freq but never below fp32. The angle is position *
+        inv_freq: a bf16 inv_freq (relative error up to 2^-9) would turn pair i at position p by up to
+        p * inv_freq[i] * 2^-9 radians too far, which is far off within the model's context."""
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype not in (torch.float32, torch.float64):
+            exact = inverse_frequencies(self.rotary_dim, self.theta).to(torch.float32)
+            self.inv_freq = exact.to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32

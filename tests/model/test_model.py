@@ -44,6 +44,27 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not torch.allclose(score(7, 3), score(7, 4))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_keeps_exact_rope_angles(dtype, make_model, make_config, tmp_path):
+    """A bf16 / fp16 model's cos / sin are the exact angles rounded once to its dtype, at every position:
+    the frequencies stay fp32 through model.to(dtype) and load_pretrained (a half-precision inv_freq turns
+    position p by up to p * inv_freq * 2^-9 too far)."""
+    from glm5_core.model import load_pretrained, save_pretrained
+
+    cfg = make_config(max_position_embeddings=4096)
+    cast = make_model(cfg, torch.float32).to(dtype)
+    save_pretrained(cast, tmp_path)
+    pos = torch.arange(cfg.max_position_embeddings).view(1, -1)  # [1, T]
+    exact = pos.double().unsqueeze(-1) * cfg.rope_theta ** (
+        -torch.arange(0, cfg.qk_rope_head_dim, 2, dtype=torch.float64) / cfg.qk_rope_head_dim)  # [1, T, Dr/2]
+    one_rounding = torch.finfo(dtype).eps  # |cos| <= 1: one rounding moves it by at most eps / 2
+    for model in (cast, load_pretrained(tmp_path)):
+        cos, sin = model.model.rotary(pos, dtype)
+        assert cos.dtype == dtype
+        assert (cos.double() - exact.cos()).abs().max() <= one_rounding
+        assert (sin.double() - exact.sin()).abs().max() <= one_rounding
+
+
 # ---- MLA --------------------------------------------------------------------------------------------------
 def test_absorbed_weights_are_views_of_kv_b_proj(small_model):
     attn = small_model.model.layers[0].self_attn
