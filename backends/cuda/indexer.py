@@ -55,6 +55,8 @@ def _block_scores(q_HD, w_H, k_ptr, stride_ks, stride_kd, s0, n_keys,
 def _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                 stride_wb, stride_wt, stride_wh,
                 H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    row_b = row_b.to(tl.int64)  # B * T * H * D can pass 2^31 elements: int32 offsets would wrap
+    row_t = row_t.to(tl.int64)
     offs_h = tl.arange(0, H_PAD)
     offs_d = tl.arange(0, D_PAD)
     q_HD = tl.load(q_ptr + row_b * stride_qb + row_t * stride_qt + offs_h[:, None] * stride_qh
@@ -101,7 +103,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
     n_keys = tl.minimum(pos + 1, S)
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
-    k_row = k_ptr + row_b * stride_kb
+    k_row = k_ptr + row_b.to(tl.int64) * stride_kb
     scratch_row = scratch_ptr + row.to(tl.int64) * (2 * KP)  # [0, KP): best (sorted); [KP, 2KP): staging
     offs_kp = tl.arange(0, KP)
     tl.store(scratch_row + offs_kp, tl.full([KP], -9223372036854775808, tl.int64))
@@ -145,7 +147,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
     pos = tl.load(start_ptr + row_b) + row_t
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
-    score = _block_scores(q_HD, w_H, k_ptr + row_b * stride_kb, stride_ks, stride_kd, s0, S, D, BS, D_PAD, WIDEN)
+    score = _block_scores(q_HD, w_H, k_ptr + row_b.to(tl.int64) * stride_kb, stride_ks, stride_kd, s0, S, D, BS, D_PAD, WIDEN)
     offs_s = s0 + tl.arange(0, BS)
     score = tl.where(offs_s <= pos, score, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * S + offs_s, score, mask=offs_s < S)

@@ -97,3 +97,28 @@ def test_declines_fp64_with_reason():
     q, k, w = _inputs(S(B=1, T=2, S=3, H=1, D=8, K=2), torch.float64, "cpu")
     ok, why = kernel("dsa_indexer_topk").supports(q, k, w, topk=2)
     assert not ok and "fp64" in why
+
+
+def test_batch_offsets_past_int32_do_not_wrap(device):
+    """q rows whose element offset b * stride_b passes 2^31: int32 offset arithmetic would wrap to a
+    negative offset (here exactly -2048 elements, kept inside the allocation so the wrong read is silent).
+
+    The 8 GiB buffer is virtual on CPU: only the rows written below are ever touched."""
+    B, T, H, D, S = 3, 1, 16, 16, 40
+    stride_b = 2 ** 31 - 1024  # fits int32; 2 * stride_b = 2^32 - 2048 wraps to -2048
+    base = 4096  # storage offset, so the wrapped read stays in bounds
+    try:
+        buffer = torch.empty(base + (B - 1) * stride_b + T * H * D, dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        pytest.skip(f"cannot reserve 8 GiB of address space: {exc}")
+    buffer[base - 2048: base - 2048 + T * H * D].zero_()  # what a wrapped offset of row 2 would read
+    q = buffer[base:].as_strided((B, T, H, D), (stride_b, H * D, D, 1))
+    q_dense = testing.randn((B, T, H, D), seed=11, dtype=torch.float16, device=device)
+    q.copy_(q_dense)
+    k = testing.randn((B, S, D), seed=12, dtype=torch.float16, device=device)
+    w = testing.randn((B, T, H), seed=13, device=device)
+    start = S - T
+    ref = dsa.indexer_topk_reference(q_dense, k, w, topk=8, start_pos=start)
+    assert torch.equal(kernel("dsa_indexer_topk")(q, k, w, topk=8, start_pos=start), ref)
+    scores = kernel("dsa_indexer_scores")(q, k, w, start_pos=start)
+    assert torch.equal(scores, kernel("dsa_indexer_scores")(q_dense, k, w, start_pos=start))
