@@ -26,6 +26,7 @@ from glm5_core.backends.cuda.launch import LaunchConfig
 from glm5_core.ops.mla import absorb_query, project_output
 
 AITER_MLA_HEADS = (16, 128)  # head counts with native aiter MLA decode kernels (non-persistent mode)
+AITER_EXPERT_GROUPS = (1, 2, 4, 8)  # num_expert_group values biased_grouped_topk instantiates (else AITER_CHECK)
 
 
 # ---------------------------------------------------------------------------------------------- routing
@@ -60,7 +61,11 @@ def route_with(biased_grouped_topk: Callable, logits, bias, *, top_k, score_func
     N = logits.shape[0]
     weights = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((N, top_k), dtype=torch.int32, device=logits.device)
-    biased_grouped_topk(logits, bias, weights, ids, n_group, topk_group, renormalize, float(routed_scaling_factor))
+    # One dtype for both: aiter's register-resident and opt-sort kernels read correction_bias as the gating
+    # dtype (csrc/kernels/topk_softmax_kernels_group.cu), so bf16 logits with an fp32 bias would be misread.
+    # fp32 widening is exact, so the selection scores are those of the inputs.
+    biased_grouped_topk(logits.float().contiguous(), bias.float().contiguous(), weights, ids, n_group, topk_group,
+                        renormalize, float(routed_scaling_factor))
     select = torch.sigmoid(logits.float()) + bias.float()  # [N, E]
     weights, ids = selection_order(weights, ids, select)
     redo = tie_rows(select, top_k, n_group, topk_group).nonzero().flatten()
@@ -72,14 +77,17 @@ def route_with(biased_grouped_topk: Callable, logits, bias, *, top_k, score_func
     return weights, ids
 
 
-def route_supports(logits, bias=None, *, score_func="sigmoid", renormalize=True, **kwargs):
+def route_supports(logits, bias=None, *, score_func="sigmoid", n_group=1, renormalize=True, **kwargs):
     if bias is None or score_func != "sigmoid":
         return False, "aiter.biased_grouped_topk needs sigmoid scores and a bias"
+    if n_group not in AITER_EXPERT_GROUPS:
+        return False, f"aiter.biased_grouped_topk takes num_expert_group in {AITER_EXPERT_GROUPS}, got {n_group}"
     if not renormalize:
         # aiter/ops/topk.py: past cu_num * 212 tokens with E / n_group <= 32 it switches to moe_fused_gate
         # after `assert need_renorm`, so renormalize=False would fail on large batches.
         return False, "aiter.biased_grouped_topk asserts need_renorm on its large-batch path (moe_fused_gate)"
-    return triton_route.supports(logits, bias, score_func=score_func, renormalize=renormalize, **kwargs)
+    return triton_route.supports(logits, bias, score_func=score_func, n_group=n_group, renormalize=renormalize,
+                                 **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- sparse decode

@@ -73,6 +73,34 @@ def _fake_biased_grouped_topk(logits, bias, weights, ids, n_group, topk_group, r
     ids[0] = torch.arange(ids.shape[1] - 1, -1, -1, dtype=torch.int32) + 3  # tied row: a "wrong" pick
 
 
+def _checked_biased_grouped_topk(logits, bias, weights, ids, n_group, topk_group, renorm, scaling):
+    """The input contract of aiter's biased_grouped_topk kernels (csrc/kernels/topk_softmax_kernels_group.cu):
+    the register-resident path (topk_group == n_group, E % 64 == 0: GLM-5's setting) and the opt-sort path
+    read correction_bias in the gating dtype; n_group is one of 1, 2, 4, 8; fp32 weights, int32 ids."""
+    assert bias.dtype == logits.dtype, f"bias {bias.dtype} would be read as {logits.dtype}"
+    assert logits.stride(1) == 1 and weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert n_group in (1, 2, 4, 8) and 1 <= topk_group <= n_group
+    w, i = moe.route_reference(logits, bias, top_k=ids.shape[1], n_group=n_group, topk_group=topk_group,
+                               renormalize=renorm, routed_scaling_factor=scaling)
+    weights.copy_(w)
+    ids.copy_(i)
+
+
+def test_aiter_routing_gets_one_dtype_for_logits_and_bias():
+    from glm5_core.backends.rocm import aiter_ops
+    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+
+    logits = testing.randn((9, 64), seed=5, dtype=torch.bfloat16)  # bf16 logits, fp32 bias: the usual checkpoint
+    bias = testing.randn((64,), seed=6) * 0.1
+    kwargs = dict(top_k=6, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=2.5)
+    assert aiter_ops.route_supports(logits, bias, **kwargs)[0]
+    weights, ids = aiter_ops.route_with(_checked_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS.moe_route,
+                                        **kwargs)
+    ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w)
+
+
 def test_aiter_routing_is_reordered_and_ties_recomputed():
     from glm5_core.backends.rocm import aiter_ops
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS
@@ -97,6 +125,8 @@ def test_aiter_paths_decline_what_aiter_cannot_take():
     assert aiter_ops.route_supports(logits, bias, top_k=2, n_group=4, topk_group=2)[0]
     ok, why = aiter_ops.route_supports(logits, bias, top_k=2, n_group=4, topk_group=2, renormalize=False)
     assert not ok and "need_renorm" in why  # aiter asserts it on large batches (moe_fused_gate path)
+    ok, why = aiter_ops.route_supports(torch.zeros(3, 12), torch.zeros(12), top_k=2, n_group=3, topk_group=2)
+    assert not ok and "num_expert_group" in why  # aiter instantiates 1, 2, 4, 8 groups only
     q = torch.zeros(1, 1, 12, 8, dtype=torch.bfloat16)
     ok, why = aiter_ops.sparse_decode_supports(q, q[..., :4], torch.zeros(1, 3, 8, dtype=torch.bfloat16),
                                                torch.zeros(1, 3, 4, dtype=torch.bfloat16), None, None,
