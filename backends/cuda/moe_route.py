@@ -96,6 +96,7 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     assert RENORM_EPS == 1e-20  # the kernel hard-codes the reference's epsilon
     N, E = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    bias = bias.contiguous() if bias is not None else None  # the kernel reads bias[e] at offset e
     weights = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
     ids = torch.empty((N, top_k), dtype=torch.int32, device=logits.device)
     BN = config.block("tokens")

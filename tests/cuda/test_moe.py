@@ -39,6 +39,22 @@ def test_route_without_renormalisation_and_tied_groups(device):
     torch.testing.assert_close(w, ref_w)
 
 
+@pytest.mark.parametrize("layout", ["column", "expanded"])
+def test_route_with_a_non_contiguous_bias(layout, device):
+    """A bias viewed out of a larger tensor (a column of a per-layer table, an expanded scalar)."""
+    N, E = 11, 12
+    logits = testing.randn((N, E), seed=21, device=device)
+    if layout == "column":
+        bias = testing.randn((E, 3), seed=22, device=device)[:, 1]  # stride 3
+    else:
+        bias = torch.tensor([0.25], device=device).expand(E)  # stride 0
+    assert not bias.is_contiguous()
+    weights, ids = kernel("moe_route")(logits, bias, top_k=4, routed_scaling_factor=2.5)
+    ref_w, ref_ids = moe.route_reference(logits, bias, top_k=4, routed_scaling_factor=2.5)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_dispatch_and_combine_match_reference(dtype, device):
     N, K, E, D = 23, 3, 7, 20
