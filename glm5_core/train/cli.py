@@ -40,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     resume = None if args.resume is None else (args.resume or output_dir)
     summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
                                        max_steps=args.max_steps))
-    if "first_lm_loss" in summary:
+    start, stop = summary["steps"]
+    if start == stop:  # resumed at the end of the schedule (or at --max-steps): no step ran, no rate to report
+        print(f"nothing to train: the checkpoint is at step {start}, where this run stops; results in {output_dir}")
+    elif "first_lm_loss" in summary:
         print(f"stages: {', '.join(summary['stages'])}; LM loss {summary['first_lm_loss']:.3f} (step 1) -> "
               f"{summary['last_lm_loss']:.3f} (mean of the last {LAST_LOSS_WINDOW} steps); "
               f"{summary['median_tokens_per_s']:.0f} tokens/s median on {summary['backend']} "

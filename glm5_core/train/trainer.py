@@ -111,6 +111,9 @@ class Trainer:
             self.start_step = state["step"]
         self.stop_step = self.schedule.total_steps if options.max_steps is None else \
             min(self.schedule.total_steps, options.max_steps)
+        if self.stop_step < self.start_step:
+            raise ValueError(f"max_steps: expected >= the resumed checkpoint's step {self.start_step}, "
+                             f"got {options.max_steps}")
         self._stage_index: Optional[int] = None  # the stage the model is set up for
         # ddp: DDP-wrapped for the current stage's trainable set; fsdp2: the sharded model itself (FSDP2
         # follows requires_grad changes without re-wrapping)

@@ -119,3 +119,23 @@ def test_run_ends_with_an_hf_layout_export_of_its_weights(small_raw, tmp_path):
     trained = _model_at(run, 2)
     assert exported.keys() == trained.keys()  # HF parameter names, router biases included
     assert all(torch.equal(exported[k], trained[k]) for k in trained)
+
+
+def test_resuming_at_the_last_step_trains_nothing_and_says_so(small_raw, tmp_path, capsys):
+    """--resume of a finished run (or at --max-steps) ran no step: the CLI reports that instead of failing to
+    format a missing tokens/s; a --max-steps below the checkpoint's step is named."""
+    import yaml
+
+    path = tmp_path / "small.yaml"
+    small_raw["stages"] = [dict(kind="dense", steps=2)]
+    path.write_text(yaml.safe_dump(small_raw))
+    out = tmp_path / "cli"
+    args = ["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(args + ["--resume"]) == 0
+    printed = capsys.readouterr()
+    assert "nothing to train: the checkpoint is at step 2" in printed.out, printed
+    assert json.loads((out / "summary.json").read_text())["steps"] == [2, 2]
+    assert main(args + ["--resume", "--max-steps", "1"]) == 2
+    assert "max_steps: expected >= the resumed checkpoint's step 2, got 1" in capsys.readouterr().err
