@@ -7,7 +7,7 @@ The ops take ``start_pos`` as an int32 [B] tensor (a fixed schema); the table's 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -21,12 +21,13 @@ def register(configs: KernelConfigs) -> Dict[str, Callable]:
 
     @torch.library.custom_op(f"{ns}::indexer_topk", mutates_args=())
     def indexer_topk_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: torch.Tensor,
-                        topk: int) -> torch.Tensor:
-        return indexer.indexer_topk(q, k, w, topk=topk, start_pos=start, config=configs.indexer)
+                        topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=configs.indexer)
 
     @indexer_topk_op.register_fake
     def _(q, k, w, start, topk):
-        return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)
+        B, T = q.shape[:2]
+        return q.new_empty((B, T, topk), dtype=torch.int32), q.new_empty((B * T,), dtype=torch.int8)
 
     @torch.library.custom_op(f"{ns}::sparse_decode", mutates_args=())
     def sparse_decode_op(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -40,7 +41,9 @@ def register(configs: KernelConfigs) -> Dict[str, Callable]:
         return q_nope.new_empty((*q_nope.shape[:3], w_uv.shape[1]))
 
     def indexer_topk(q, k, w, *, topk: int, start_pos=0):
-        return indexer_topk_op(q, k, w, _util.start_tensor(start_pos, q.shape[0], q.device), topk)
+        idx, nan_rows = indexer_topk_op(q, k, w, _util.start_tensor(start_pos, q.shape[0], q.device), topk)
+        indexer.raise_if_nan(nan_rows)  # outside the op: skipped while torch.compile traces
+        return idx
 
     def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
         return sparse_decode_op(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, float(scale))

@@ -31,6 +31,7 @@ from glm5_core import platform
 from glm5_core.backends.cuda import _util
 from glm5_core.backends.cuda.bitonic import merge_top
 from glm5_core.backends.cuda.launch import LaunchConfig
+from glm5_core.ops import _checks
 
 _SENTINEL = -(2 ** 63)  # below every packed key: an empty slot
 _INDEX_CEIL = 2 ** 31 - 1  # packed low word is _INDEX_CEIL - index (ascending index = descending word)
@@ -89,7 +90,7 @@ def _merge(scratch_row, n_staged, KP: tl.constexpr):
 
 
 @triton.jit
-def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
+def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr, nan_ptr,
                          T, S, K,
                          stride_qb, stride_qt, stride_qh, stride_qd,
                          stride_kb, stride_ks, stride_kd,
@@ -111,9 +112,11 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
 
     kth = tl.full([], -9223372036854775808, tl.int64)  # a key must beat this to matter
     n_staged = tl.zeros([], tl.int32)
+    saw_nan = tl.zeros([], tl.int32)  # a NaN score (inf - inf from finite inputs) has no place in the order
     for s0 in range(0, n_keys, BS):
         score = _block_scores(q_HD, w_H, k_row, stride_ks, stride_kd, s0, n_keys, D, BS, D_PAD, WIDEN)
         offs_s = s0 + tl.arange(0, BS)
+        saw_nan = tl.maximum(saw_nan, tl.max(((score != score) & (offs_s < n_keys)).to(tl.int32), axis=0))
         packed = _pack(score, offs_s)
         keep = (offs_s < n_keys) & (packed > kth)
         if n_staged + tl.sum(keep.to(tl.int32), axis=0) > KP:  # staging would overflow: merge first
@@ -130,6 +133,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr,
     index = 2147483647 - (best & 0xFFFFFFFF).to(tl.int32)
     index = tl.where(best == -9223372036854775808, -1, index)
     tl.store(out_ptr + row.to(tl.int64) * K + offs_kp, index, mask=offs_kp < K)
+    tl.store(nan_ptr + row, saw_nan.to(tl.int8))
 
 
 @triton.jit
@@ -172,16 +176,32 @@ def scratch_shape(num_rows: int, topk: int, key_block: int):
     return (num_rows, 2 * _util.next_pow2(topk, key_block))
 
 
-def indexer_topk(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
-    """The ``dsa_indexer_topk`` contract: int32 [B, T, topk]."""
+def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
+    """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN)."""
     B, T = q.shape[:2]
     S = k.shape[1]
     out = torch.empty((B, T, topk), dtype=torch.int32, device=q.device)
     scratch = torch.empty(scratch_shape(B * T, topk, config.block("keys")), dtype=torch.int64, device=q.device)
+    nan_rows = torch.empty(B * T, dtype=torch.int8, device=q.device)
     w = w.float() if w.dtype == torch.float64 else w
     _indexer_topk_kernel[(B * T,)](
-        q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, T, S, topk, *_common_args(q, k, w),
-        BS=config.block("keys"), KP=scratch.shape[1] // 2, **_pads(q), **config.launch_kwargs())
+        q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, nan_rows, T, S, topk,
+        *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, **_pads(q),
+        **config.launch_kwargs())
+    return out, nan_rows
+
+
+def raise_if_nan(nan_rows: torch.Tensor) -> None:
+    """The reference's error for NaN scores (finite inputs can overflow to inf - inf). Reading the flags is
+    a device sync, so like the entry point's value checks it is skipped when they are off or compiling."""
+    if _checks.value_checks_enabled() and bool(nan_rows.any()):
+        raise ValueError("q, k, w: indexer scores overflowed to NaN; rescale the inputs")
+
+
+def indexer_topk(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
+    """The ``dsa_indexer_topk`` contract: int32 [B, T, topk]."""
+    out, nan_rows = indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start_pos, config=config)
+    raise_if_nan(nan_rows)
     return out
 
 
@@ -198,11 +218,15 @@ def indexer_scores(q, k, w, *, start_pos=0, config: LaunchConfig):
     return out
 
 
-def supports(q, k, w, *args, **kwargs):
-    """Decline fp64 (its reference is the fp64 baseline) and head dims too wide for one register tile."""
+def supports(q, k, w, *args, topk: int = None, **kwargs):
+    """Decline fp64 (its reference is the fp64 baseline), head dims too wide for one register tile, and
+    a top-k whose KP-wide tile is past Triton's largest tensor."""
     why = _util.float_dtype_verdict("q", q)
     if why:
         return False, why
     if q.shape[3] > 256 or q.shape[2] > 128:
         return False, f"H={q.shape[2]} > 128 or D={q.shape[3]} > 256 does not fit one register tile"
+    if topk is not None and _util.next_pow2(topk) > tl.TRITON_MAX_TENSOR_NUMEL:
+        return False, f"topk={topk}: a top-k tile of {_util.next_pow2(topk)} keys is past Triton's " \
+                      f"{tl.TRITON_MAX_TENSOR_NUMEL}-element limit"
     return True, ""

@@ -14,8 +14,9 @@ def test_indexer_topk_op_passes_opcheck_and_traces(device):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fake = op(*(mode.from_tensor(t) for t in (x["q"], x["k"], x["w"], start)), 4)
+        fake, nan_rows = op(*(mode.from_tensor(t) for t in (x["q"], x["k"], x["w"], start)), 4)
     assert fake.shape == (2, 3, 4) and fake.dtype == torch.int32
+    assert nan_rows.shape == (6,) and nan_rows.dtype == torch.int8  # 1 per query row with a NaN score
 
 
 def test_sparse_decode_op_fake_shape(device):

@@ -122,3 +122,29 @@ def test_batch_offsets_past_int32_do_not_wrap(device):
     assert torch.equal(kernel("dsa_indexer_topk")(q, k, w, topk=8, start_pos=start), ref)
     scores = kernel("dsa_indexer_scores")(q, k, w, start_pos=start)
     assert torch.equal(scores, kernel("dsa_indexer_scores")(q_dense, k, w, start_pos=start))
+
+
+def test_scores_overflowing_to_nan_raise_like_the_reference(device):
+    """Finite inputs whose dots overflow to inf, weighted +1 and -1: inf - inf = NaN has no place in the order."""
+    q = torch.full((1, 2, 2, 16), 1e20, device=device)
+    k = torch.full((1, 4, 16), 1e20, device=device)
+    w = torch.tensor([[[1.0, -1.0], [1.0, -1.0]]], device=device)
+    with pytest.raises(ValueError, match="overflowed to NaN"):
+        dsa.indexer_topk_reference(q, k, w, topk=2, start_pos=2)
+    with pytest.raises(ValueError, match="overflowed to NaN"):
+        kernel("dsa_indexer_topk")(q, k, w, topk=2, start_pos=2)
+    from glm5_core.ops import _checks
+
+    with _checks.skip_value_checks():  # the flags are not read (no device sync) when value checks are off
+        assert kernel("dsa_indexer_topk")(q, k, w, topk=2, start_pos=2).shape == (1, 2, 2)
+
+
+def test_declines_a_topk_tile_past_tritons_largest_tensor(device):
+    import triton.language as tl
+
+    q, k, w = _inputs(S(B=1, T=1, S=4, H=2, D=16, K=1), torch.float32, device)
+    ok, why = kernel("dsa_indexer_topk").supports(q, k, w, topk=tl.TRITON_MAX_TENSOR_NUMEL + 1, start_pos=3)
+    assert not ok and "topk" in why
+    assert kernel("dsa_indexer_topk").supports(q, k, w, topk=2048, start_pos=3) == (True, "")
+    out = dsa.indexer_topk(q, k, w, tl.TRITON_MAX_TENSOR_NUMEL + 1, start_pos=3, backend="cuda")  # the reference runs
+    assert torch.equal(out[..., :6], dsa.indexer_topk_reference(q, k, w, topk=6, start_pos=3))
