@@ -58,7 +58,7 @@ def _combine_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, D, K, BD: tl.constexpr):
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     acc = tl.zeros([BD], tl.float32)
     for j in range(0, K):  # fixed slot order
-        r = tl.load(inverse_ptr + n * K + j)
+        r = tl.load(inverse_ptr + n * K + j).to(tl.int64)  # int32 sort_idx: r * D can pass 2^31
         w = tl.load(w_ptr + n * K + j).to(tl.float32)
         acc += w * tl.load(y_ptr + r * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=offs_d < D)

@@ -72,6 +72,18 @@ def test_dispatch_and_combine_match_reference(dtype, device):
     assert_close(out, moe.combine_reference(y, sort_idx, weights), dtype, "combine")
 
 
+def test_combine_takes_an_int32_sort_idx(device):
+    """sort_idx as int32 (other stacks' routing ops return int32 row maps); the kernel widens the rows it
+    reads to int64, since row * D passes 2^31 for M * D >= 2^31 (not allocated here)."""
+    N, K, E, D = 13, 2, 5, 9
+    ids = torch.randint(0, E, (N, K), generator=testing.generator(5)).to(device=device, dtype=torch.int32)
+    _, sort_idx, _ = moe.dispatch_reference(testing.randn((N, D), seed=6, device=device), ids, num_experts=E)
+    y = testing.randn((N * K, D), seed=7, device=device)
+    weights = torch.rand((N, K), generator=testing.generator(8)).to(device)
+    out = kernel("moe_combine")(y, sort_idx.to(torch.int32), weights)
+    assert_close(out, moe.combine_reference(y, sort_idx, weights), torch.float32, "combine int32")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grouped_swiglu_matches_reference(dtype, device):
     E, D, F = 5, 24, 40
