@@ -248,6 +248,7 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(S < INT32_MAX, "indexer_topk: key count must fit int32");
   auto qc = q.contiguous(), kc = k.contiguous(), wc = w.contiguous(), sc = start.contiguous();
   auto out = at::empty({B, T_, topk}, q.options().dtype(at::kInt));
+  if (B == 0 || T_ == 0) return out;  // no query rows (the work split below divides by their count)
   if (q.scalar_type() == at::kDouble) {
     indexer_topk_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), wc.data_ptr<double>(),
                                 sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, out.data_ptr<int32_t>());
