@@ -25,3 +25,16 @@ def test_sparse_decode_op_fake_shape(device):
     x = testing.make_sparse_inputs(shape, 4, device=device)
     args = tuple(x[a] for a in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv", "topk_idx")) + (0.5,)
     torch.library.opcheck(torch.ops.glm5_cuda.sparse_decode, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_indexer_topk_wrapper_compiles_without_graph_break(device):
+    """The wrapper reads the op's NaN flags only outside torch.compile: fullgraph tracing must not break on it."""
+    from glm5_core.ops import dsa
+
+    topk = kernel("dsa_indexer_topk")
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=2, T=3, S=11, H=2, D=16, K=4), device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, w: topk(q, k, w, topk=4, start_pos=8), backend="aot_eager", fullgraph=True)
+    out = compiled(x["q"], x["k"], x["w"])
+    torch._dynamo.reset()
+    assert torch.equal(out, dsa.indexer_topk_reference(x["q"], x["k"], x["w"], topk=4, start_pos=8))
