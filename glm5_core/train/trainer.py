@@ -3,7 +3,8 @@
 Per stage (``StageConfig.kind``):
   dense           trains everything but the indexer on LM + mtp_weight * MTP loss, dense attention;
                   every ``recall_every_steps`` the forward also measures the (untrained) indexer's top-k recall
-  indexer_warmup  trains only the indexer on KL(p || softmax(I)) against the dense attention; main model frozen
+  indexer_warmup  trains only the indexers (the MTP layer's included, over the loss.mtp_depths depths) on
+                  KL(p || softmax(I)) against the dense attention; main model frozen
   sparse          top-k attention; LM + MTP loss for the model, indexer_kl_weight * KL on the selected keys for
                   the indexer (the model detaches the indexer's input, so each learns only from its own loss)
 Router biases move by the aux-loss-free rule after every step that trains the main model, from expert counts
@@ -121,8 +122,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
-        if stage.kind == "indexer_warmup":
-            return dict(attention="dense", indexer_loss=True, mtp_depths=0)
+        if stage.kind == "indexer_warmup":  # the MTP layer's indexer warms up too (its sparse stage uses it)
+            return dict(attention="dense", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths)
         measure = stage.kind == "sparse" or step % self.cfg.logging.recall_every_steps == 0
         return dict(attention=stage.kind, indexer_loss=measure, mtp_depths=self.cfg.loss.mtp_depths)
 

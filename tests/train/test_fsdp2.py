@@ -164,8 +164,11 @@ def test_fsdp2_checkpoint_resumes_in_one_process_like_the_ddp_one(runs, tmp_path
     a, b = _records(resumed["fsdp2"]), _records(resumed["ddp"])
     assert [r["step"] for r in a] == [r["step"] for r in b] == [4]  # a fresh output dir: the resumed step only
     two_process = _records(runs["root"] / "ddp")[-1]
+    # abs: the KL (~2e-5 once every indexer is warmed up) is cross-entropy minus entropy, O(1) float32 terms,
+    # so summing them in another order (one process or two) moves it by ~1e-8 whatever its size
     for key in ("loss", "lm_loss", "indexer_kl", "grad_norm"):
-        assert a[0][key] == pytest.approx(b[0][key], rel=1e-4) == pytest.approx(two_process[key], rel=1e-4), key
+        assert a[0][key] == pytest.approx(b[0][key], rel=1e-4, abs=1e-7) == \
+            pytest.approx(two_process[key], rel=1e-4, abs=1e-7), key
     final_f = load_file(str(_checkpoint(resumed["fsdp2"], 4) / "model.safetensors"))
     final_d = load_file(str(_checkpoint(resumed["ddp"], 4) / "model.safetensors"))
     _assert_close_models(final_f, final_d, TOL)

@@ -139,3 +139,18 @@ def test_resuming_at_the_last_step_trains_nothing_and_says_so(small_raw, tmp_pat
     assert json.loads((out / "summary.json").read_text())["steps"] == [2, 2]
     assert main(args + ["--resume", "--max-steps", "1"]) == 2
     assert "max_steps: expected >= the resumed checkpoint's step 2, got 1" in capsys.readouterr().err
+
+
+def test_indexer_warmup_trains_every_indexer_including_the_mtp_layers(small_raw, tmp_path):
+    """The MTP layer runs its own indexer in the sparse stage, so the warm-up must train it as well."""
+    small_raw["stages"] = [dict(kind="dense", steps=1),
+                           dict(kind="indexer_warmup", steps=1, indexer_lr=5e-3, indexer_final_lr=2e-4)]
+    small_raw["checkpoint"] = {"every_steps": 1, "keep_last": 10}
+    run = tmp_path / "run"
+    pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run)))
+    before, after = _model_at(run, 1), _model_at(run, 2)
+    indexer = {k for k in before if ".indexer." in k}
+    mtp_layer = small_raw["model"]["num_hidden_layers"]
+    assert any(k.startswith(f"model.layers.{mtp_layer}.self_attn.indexer.") for k in indexer)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == indexer, sorted(changed ^ indexer)
