@@ -9,7 +9,8 @@
 // Each query's K selected keys are cut into fixed chunks of kKeyChunk; a chunk yields a partial softmax
 // (running max, sum of exponentials, weighted row sum per head) and the chunks of a query are merged in
 // chunk order. The chunking does not depend on the thread count, so the result is bitwise the same for
-// any number of threads and any batch composition.
+// any number of threads and any batch composition. Query rows go through in blocks (at least kRowBlock
+// rows), so the partials held at once stay bounded however many queries a prefill brings.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,7 @@ namespace glm5 {
 namespace {
 
 constexpr int64_t kKeyChunk = 128;
+constexpr int64_t kRowBlock = 64;  // query rows whose chunk partials are held at once (more with many threads)
 
 template <typename acc_t> struct Partial {  // one chunk of one query
   std::vector<acc_t> max_H, sum_H, out_HC;
@@ -36,81 +38,84 @@ void sparse_decode_kernel(const acc_t* q_lat, const acc_t* q_pe, const cache_t* 
                           const int64_t* idx, acc_t scale, int64_t B, int64_t T_, int64_t H, int64_t C,
                           int64_t R, int64_t S, int64_t K, acc_t* out) {
   const int64_t chunks = (K + kKeyChunk - 1) / kKeyChunk;
-  const int64_t items = B * T_ * chunks;
-  std::vector<Partial<acc_t>> partial(items);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int threads = std::max(1, at::get_num_threads());
+  const int64_t rows = B * T_, block = std::max<int64_t>(kRowBlock, 4 * threads);
+  std::vector<Partial<acc_t>> partial(std::min(rows, block) * chunks);  // [rows of the block][chunk]
 
+  for (int64_t row0 = 0; row0 < rows; row0 += block) {
+    const int64_t row1 = std::min(rows, row0 + block), items = (row1 - row0) * chunks;
 #pragma omp parallel num_threads(threads)
-  {
-    std::vector<acc_t> rows_KC(kKeyChunk * (C + R));  // selected rows, converted to acc_t
-    std::vector<acc_t> scores_HK(H * kKeyChunk);
-    std::vector<int64_t> valid;
+    {
+      std::vector<acc_t> rows_KC(kKeyChunk * (C + R));  // selected rows, converted to acc_t
+      std::vector<acc_t> scores_HK(H * kKeyChunk);
+      std::vector<int64_t> valid;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t row = item / chunks, chunk = item % chunks, b = row / T_;
-      const int64_t j0 = chunk * kKeyChunk, j1 = std::min(K, j0 + kKeyChunk);
-      valid.clear();
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t s = idx[row * K + j];
-        if (s < 0) continue;
-        acc_t* dst = rows_KC.data() + static_cast<int64_t>(valid.size()) * (C + R);
-        const cache_t* lat = c_kv + (b * S + s) * C;
-        const cache_t* rope = k_pe + (b * S + s) * R;
-        for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
-        for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
-        valid.push_back(s);
-      }
-      Partial<acc_t>& part = partial[item];
-      part.max_H.assign(H, neg_inf);
-      part.sum_H.assign(H, acc_t(0));
-      part.out_HC.assign(H * C, acc_t(0));
-      const int64_t n = static_cast<int64_t>(valid.size());
-      if (n == 0) continue;
-      for (int64_t h = 0; h < H; ++h) {
-        const acc_t* ql = q_lat + (row * H + h) * C;
-        const acc_t* qr = q_pe + (row * H + h) * R;
-        acc_t* sc = scores_HK.data() + h * kKeyChunk;
-        acc_t m = neg_inf;
-        for (int64_t j = 0; j < n; ++j) {
-          const acc_t* kv = rows_KC.data() + j * (C + R);
-          sc[j] = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
-          m = std::max(m, sc[j]);
+      for (int64_t item = 0; item < items; ++item) {
+        const int64_t row = row0 + item / chunks, chunk = item % chunks, b = row / T_;
+        const int64_t j0 = chunk * kKeyChunk, j1 = std::min(K, j0 + kKeyChunk);
+        valid.clear();
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t s = idx[row * K + j];
+          if (s < 0) continue;
+          acc_t* dst = rows_KC.data() + static_cast<int64_t>(valid.size()) * (C + R);
+          const cache_t* lat = c_kv + (b * S + s) * C;
+          const cache_t* rope = k_pe + (b * S + s) * R;
+          for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
+          for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
+          valid.push_back(s);
         }
-        acc_t total = 0;
-        acc_t* o = part.out_HC.data() + h * C;
-        for (int64_t j = 0; j < n; ++j) {
-          const acc_t p = std::exp(sc[j] - m);
-          total = total + p;
-          axpy(p, rows_KC.data() + j * (C + R), o, C);
+        Partial<acc_t>& part = partial[item];
+        part.max_H.assign(H, neg_inf);
+        part.sum_H.assign(H, acc_t(0));
+        part.out_HC.assign(H * C, acc_t(0));
+        const int64_t n = static_cast<int64_t>(valid.size());
+        if (n == 0) continue;
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t* ql = q_lat + (row * H + h) * C;
+          const acc_t* qr = q_pe + (row * H + h) * R;
+          acc_t* sc = scores_HK.data() + h * kKeyChunk;
+          acc_t m = neg_inf;
+          for (int64_t j = 0; j < n; ++j) {
+            const acc_t* kv = rows_KC.data() + j * (C + R);
+            sc[j] = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
+            m = std::max(m, sc[j]);
+          }
+          acc_t total = 0;
+          acc_t* o = part.out_HC.data() + h * C;
+          for (int64_t j = 0; j < n; ++j) {
+            const acc_t p = std::exp(sc[j] - m);
+            total = total + p;
+            axpy(p, rows_KC.data() + j * (C + R), o, C);
+          }
+          part.max_H[h] = m;
+          part.sum_H[h] = total;
         }
-        part.max_H[h] = m;
-        part.sum_H[h] = total;
       }
     }
-  }
 
-  // Merge each query's chunks in chunk order (fixed, whatever ran where).
-  at::parallel_for(0, B * T_ * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t rh = begin; rh < end; ++rh) {
-      const int64_t row = rh / H, h = rh % H;
-      acc_t m = neg_inf;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial[row * chunks + c].max_H[h]);
-      acc_t* dst = out + rh * C;
-      for (int64_t c = 0; c < C; ++c) dst[c] = acc_t(0);
-      if (m == neg_inf) continue;  // no selected key: zeros, as the reference
-      acc_t total = 0;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const Partial<acc_t>& part = partial[row * chunks + c];
-        if (part.max_H[h] == neg_inf) continue;
-        const acc_t rescale = std::exp(part.max_H[h] - m);
-        total = total + part.sum_H[h] * rescale;
-        axpy(rescale, part.out_HC.data() + h * C, dst, C);
+    // Merge each query's chunks in chunk order (fixed, whatever ran where).
+    at::parallel_for(row0 * H, row1 * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t rh = begin; rh < end; ++rh) {
+        const int64_t row = rh / H, h = rh % H, first = (row - row0) * chunks;
+        acc_t m = neg_inf;
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, partial[first + c].max_H[h]);
+        acc_t* dst = out + rh * C;
+        for (int64_t c = 0; c < C; ++c) dst[c] = acc_t(0);
+        if (m == neg_inf) continue;  // no selected key: zeros, as the reference
+        acc_t total = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Partial<acc_t>& part = partial[first + c];
+          if (part.max_H[h] == neg_inf) continue;
+          const acc_t rescale = std::exp(part.max_H[h] - m);
+          total = total + part.sum_H[h] * rescale;
+          axpy(rescale, part.out_HC.data() + h * C, dst, C);
+        }
+        const acc_t inv = acc_t(1) / total;
+        for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] * inv;
       }
-      const acc_t inv = acc_t(1) / total;
-      for (int64_t c = 0; c < C; ++c) dst[c] = dst[c] * inv;
-    }
-  });
+    });
+  }
 }
 
 at::Tensor sparse_decode(const at::Tensor& q_lat, const at::Tensor& q_pe, const at::Tensor& c_kv,
