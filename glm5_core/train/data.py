@@ -4,7 +4,8 @@ Corpus: an indexable list of documents (bytes), in a fixed order:
   * ``stdlib``: the Python standard library's own ``.py`` files (present everywhere, no download), sorted by
     path relative to ``sysconfig.get_paths()['stdlib']`` (third-party ``site-packages`` excluded);
   * a user path: one ``.jsonl`` file (one document per line, text under ``text_key``), one text file (one
-    document), or a folder (every file with an allowed extension, sorted by relative path).
+    document), or a folder (every file with an allowed extension, sorted by relative path; a ``.jsonl``
+    file there gives one document per line, as on its own).
 Tokens: each document is encoded and followed by an end-of-document token; documents are concatenated into
 one stream that wraps around (epochs), in corpus order or (``shuffle``) in a permutation of it drawn from
 Python's ``random.Random`` seeded by (seed, epoch), so every machine reads the same order.
@@ -14,7 +15,9 @@ needs to continue with the same batches.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import json
 import random
 import sysconfig
@@ -126,6 +129,32 @@ class JsonlCorpus:
         return record[self.text_key].encode("utf-8")
 
 
+class ConcatCorpus:
+    """Corpora read one after another: document i is document i - start of the part holding it."""
+
+    def __init__(self, parts: list, description: str):
+        self.parts = parts
+        self.starts = list(itertools.accumulate((len(p) for p in parts), initial=0))  # [len(parts) + 1]
+        self.description = description
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> bytes:
+        part = bisect.bisect_right(self.starts, i) - 1
+        return self.parts[part][i - self.starts[part]]
+
+
+def _folder_corpus(root: Path, extensions: Sequence[str], text_key: str):
+    """A folder's files in sorted order, each one document, except ``.jsonl`` files: one per line."""
+    description = f"{root} ({', '.join(extensions)} files)"
+    files = _sorted_files(root, tuple(extensions))
+    if not any(f.suffix == ".jsonl" for f in files):
+        return FileCorpus(files, description)
+    parts = [JsonlCorpus(f, text_key) if f.suffix == ".jsonl" else FileCorpus([f], str(f)) for f in files]
+    return ConcatCorpus(parts, description)
+
+
 def _sorted_files(root: Path, extensions: Sequence[str], exclude_dirs: Sequence[str] = ()) -> List[Path]:
     found = [p for p in root.rglob("*")
              if p.is_file() and p.suffix in extensions and not set(p.relative_to(root).parts[:-1]) & set(exclude_dirs)]
@@ -145,7 +174,7 @@ def make_corpus(source: str, path: Optional[str], *, text_key: str = "text", ext
     if not target.exists():
         raise FileNotFoundError(f"data.path: no such file or folder {path!r}")
     if target.is_dir():
-        return FileCorpus(_sorted_files(target, tuple(extensions)), f"{path} ({', '.join(extensions)} files)")
+        return _folder_corpus(target, extensions, text_key)
     if target.suffix == ".jsonl":
         return JsonlCorpus(target, text_key)
     return FileCorpus([target], str(target))

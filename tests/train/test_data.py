@@ -79,6 +79,23 @@ def test_jsonl_corpus_reads_one_document_per_line_and_names_bad_lines(tmp_path):
         corpus[2]
 
 
+def test_jsonl_files_in_a_folder_give_one_document_per_line(tmp_path):
+    """A folder of .jsonl shards (in the default extensions) is read line by line, not as raw JSON text."""
+    from glm5_core.train.config import DataConfig
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("plain")
+    (tmp_path / "b.jsonl").write_text('{"body": "one"}\n\n{"body": "two \\"q\\""}\n')
+    (tmp_path / "sub" / "c.jsonl").write_text('{"body": "three"}\n')
+    (tmp_path / "d.md").write_text("last")
+    corpus = make_corpus("path", str(tmp_path), text_key="body", extensions=DataConfig().extensions)
+    docs = [corpus[i] for i in range(len(corpus))]
+    assert docs == [b"plain", b"one", b'two "q"', b"last", b"three"]  # sorted by relative path
+    stream = _packer(corpus, B=1, T=40).next_batch()[0]
+    assert stream.tolist() == _expected_stream(corpus, ByteTokenizer(), 41).tolist()
+    assert b"{" not in bytes(t for t in stream.tolist() if t < 256)
+
+
 def test_hf_tokenizer_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[EOS]": 0, "[UNK]": 1, "def": 2, "add": 3, "return": 4}
