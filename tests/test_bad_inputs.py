@@ -174,3 +174,17 @@ def test_skip_value_checks_is_scoped_to_its_context_and_thread():
     assert _checks.value_checks_enabled()  # restored on exit
     with pytest.raises(ValueError, match="logits"):
         moe.route(logits, None, top_k=2, backend="reference")
+
+
+def test_value_checks_are_off_and_traceable_under_torch_compile():
+    """Kernel wrappers ask value_checks_enabled() inside compiled code: it must fold to False without a graph
+    break (a ContextVar read is untraceable), and must not turn the checks off outside compilation."""
+    from glm5_core.ops import _checks
+
+    def double_unless_checked(x):
+        return x + 1 if _checks.value_checks_enabled() else x * 2
+
+    compiled = torch.compile(double_unless_checked, fullgraph=True, backend="eager")
+    x = torch.arange(3.0)
+    torch.testing.assert_close(compiled(x), x * 2)
+    assert _checks.value_checks_enabled()

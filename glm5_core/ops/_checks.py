@@ -102,10 +102,10 @@ def value_checks_enabled() -> bool:
     """Checks that read tensor values (NaN, index ranges) cost a device sync each. They are on by default,
     off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators), inside
     :func:`skip_value_checks` and while torch.compile traces."""
-    if _SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0":
-        return False
     compiler = getattr(torch, "compiler", None)
-    return not (compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
+        return False  # asked first: dynamo folds it, while ContextVar.get below would be a graph break
+    return not (_SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0")
 
 
 def finite(name: str, value: torch.Tensor) -> None:
