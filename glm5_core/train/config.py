@@ -158,6 +158,9 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
                             "indexer_final_lr (GLM-5: 5e-3 -> 2e-4)")
     if cfg.data.source == "path" and not cfg.data.path:
         problems.append("data.path: expected a file or folder when data.source is 'path'")
+    if cfg.data.tokenizer == "byte" and cfg.data.eos_token is not None:
+        problems.append(f"data.eos_token: only read with an HF tokenizer.json (the byte tokenizer ends each "
+                        f"document with token 256); remove it, got {cfg.data.eos_token!r}")
     if cfg.data.source == "stdlib" and cfg.data.path:
         problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
     model = cfg.model_config()

@@ -43,6 +43,7 @@ def test_the_shipped_configs_parse(path):
     ({"model": {"preset": "tiny", "num_attention_heads": 0}}, "model.num_attention_heads: expected an int >= 1, got 0"),
     ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, got 'huge'"),
     ({"data": {"source": "path"}}, "data.path: expected a file or folder when data.source is 'path'"),
+    ({"data": {"eos_token": "</s>"}}, "data.eos_token: only read with an HF tokenizer.json"),
     ({"loss": {"mtp_weight": -0.1}}, "loss.mtp_weight: expected a value in [0, inf], got -0.1"),
     ({"data": {"seq_len": 4096}, "model": {"preset": "tiny", "max_position_embeddings": 512}},
      "data.seq_len: expected <= model.max_position_embeddings (512), got 4096"),
