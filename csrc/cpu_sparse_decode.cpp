@@ -128,6 +128,12 @@ at::Tensor sparse_decode(const at::Tensor& q_lat, const at::Tensor& q_pe, const 
   const int64_t R = q_pe.size(3), S = c_kv.size(1), K = topk_idx.size(2);
   auto ql = q_lat.contiguous(), qr = q_pe.contiguous(), kv = c_kv.contiguous(), kr = k_pe.contiguous();
   auto idx = topk_idx.to(at::kLong).contiguous();
+  // The kernel reads the selected rows in place: an index past the cache must not reach it, even when the
+  // public op's value checks are off (GLM5_CHECK_VALUES=0). Negative entries mean "no key", as in the reference.
+  const int64_t* idx_flat = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
+    TORCH_CHECK_INDEX(idx_flat[i] < S, "sparse_decode: topk_idx entry ", idx_flat[i], " is past the cache (S=", S,
+                      " slots)");
   auto out = at::empty_like(ql);
   if (ql.scalar_type() == at::kDouble) {
     TORCH_CHECK(kv.scalar_type() == at::kDouble, "sparse_decode: fp64 queries need an fp64 cache");

@@ -1,4 +1,6 @@
 """Native sparse MLA decode vs the reference (judged against an fp64 reference run), and its determinism."""
+import functools
+
 import pytest
 import torch
 
@@ -104,3 +106,20 @@ def test_prefill_working_set_is_bounded(native):
 
     done = subprocess.run([sys.executable, "-c", PREFILL_MEMORY_SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-500:] + done.stderr[-2000:]
+
+
+def test_index_past_the_cache_raises_with_value_checks_off(native, monkeypatch):
+    """GLM5_CHECK_VALUES=0 skips the public range check; the kernel read rows past the cache (garbage or a
+    segfault) where the reference raises IndexError. Negative entries still mean "no key"."""
+    shape, K = SHAPES[1]
+    inputs = testing.make_sparse_inputs(shape, K, seed=6)
+    monkeypatch.setenv("GLM5_CHECK_VALUES", "0")
+    inputs["topk_idx"][1, 0, 0] = -3
+    torch.testing.assert_close(_run(native_dsa.sparse_decode, inputs), _run(dsa.sparse_attention_reference, inputs))
+    inputs["topk_idx"][-1, -1, -1] = shape.S  # one past the last slot of the last batch row
+    with pytest.raises(IndexError):
+        _run(dsa.sparse_attention_reference, inputs)
+    with pytest.raises(IndexError, match="past the cache"):
+        _run(native_dsa.sparse_decode, inputs)
+    with pytest.raises(IndexError, match="past the cache"):
+        _run(functools.partial(dsa.sparse_decode, backend="cpu"), inputs)
