@@ -130,8 +130,11 @@ class GLM5Config:
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim: expected >= qk_rope_head_dim={self.qk_rope_head_dim} "
                              f"(its first qk_rope_head_dim dims get RoPE), got {self.index_head_dim}")
+        if self.indexer_types is not None and not isinstance(self.indexer_types, (list, tuple)):
+            raise TypeError(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer) "
+                            f"or None, got {type(self.indexer_types).__name__} {self.indexer_types!r}")
         types = self.layer_indexer_types()
-        if not isinstance(types, list) or len(types) != self.num_hidden_layers:
+        if len(types) != self.num_hidden_layers:
             raise ValueError(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
                              f"got {self.indexer_types!r}")
         for i, kind in enumerate(types):
@@ -181,8 +184,8 @@ class GLM5Config:
                 kwargs[key] = d.pop(key)
         if "rope_theta" in kwargs and isinstance(kwargs["rope_theta"], int):
             kwargs["rope_theta"] = float(kwargs["rope_theta"])
-        if kwargs.get("indexer_types") is not None:
-            kwargs["indexer_types"] = list(kwargs["indexer_types"])
+        if isinstance(kwargs.get("indexer_types"), (list, tuple)):
+            kwargs["indexer_types"] = list(kwargs["indexer_types"])  # a copy: the config does not alias d
         return cls(**kwargs, extra=d).validate()
 
     def to_hf_dict(self) -> Dict[str, Any]:

@@ -83,6 +83,8 @@ BAD_VALUES = [
     ("indexer_types", ["full", "full", "sparse", "full"], ValueError), ("rope_theta", float("nan"), ValueError),
     ("rms_norm_eps", 0.0, ValueError), ("routed_scaling_factor", -2.5, ValueError),
     ("norm_topk_prob", 1, TypeError), ("num_nextn_predict_layers", 2, ValueError),
+    ("indexer_types", 4, TypeError), ("indexer_types", "full", TypeError),
+    ("indexer_types", {"full": 1, "shared": 2}, TypeError),
 ]
 
 
@@ -94,6 +96,14 @@ def test_bad_value_gives_one_clear_error(field, value, error):
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(field_name), message
+
+
+@pytest.mark.parametrize("value", [4, "full", {"0": "full"}])
+def test_from_hf_dict_names_indexer_types_that_are_not_a_list(value):
+    d = glm5_published_config()
+    d["indexer_types"] = value  # a string or a mapping is not read as its characters or keys
+    with pytest.raises(TypeError, match="^indexer_types: expected a list of 78 entries"):
+        GLM5Config.from_hf_dict(d)
 
 
 def test_from_hf_dict_rejects_non_dict_and_bad_rope_parameters():
