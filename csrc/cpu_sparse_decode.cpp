@@ -9,8 +9,8 @@
 // Each query's K selected keys are cut into fixed chunks of kKeyChunk; a chunk yields a partial softmax
 // (running max, sum of exponentials, weighted row sum per head) and the chunks of a query are merged in
 // chunk order. The chunking does not depend on the thread count, so the result is bitwise the same for
-// any number of threads and any batch composition. Query rows go through in blocks (at least kRowBlock
-// rows), so the partials held at once stay bounded however many queries a prefill brings.
+// any number of threads and any batch composition. Query rows go through in blocks whose partials fit
+// kPartialBytes, so the working set stays bounded however many queries a prefill brings.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -27,7 +27,7 @@ namespace glm5 {
 namespace {
 
 constexpr int64_t kKeyChunk = 128;
-constexpr int64_t kRowBlock = 64;  // query rows whose chunk partials are held at once (more with many threads)
+constexpr int64_t kPartialBytes = int64_t(32) << 20;  // chunk partials held at once (a block of query rows)
 
 template <typename acc_t> struct Partial {  // one chunk of one query
   std::vector<acc_t> max_H, sum_H, out_HC;
@@ -40,7 +40,8 @@ void sparse_decode_kernel(const acc_t* q_lat, const acc_t* q_pe, const cache_t* 
   const int64_t chunks = (K + kKeyChunk - 1) / kKeyChunk;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int threads = std::max(1, at::get_num_threads());
-  const int64_t rows = B * T_, block = std::max<int64_t>(kRowBlock, 4 * threads);
+  const int64_t row_bytes = chunks * H * (C + 2) * static_cast<int64_t>(sizeof(acc_t));  // one row's partials
+  const int64_t rows = B * T_, block = std::max<int64_t>(4 * threads, kPartialBytes / std::max<int64_t>(1, row_bytes));
   std::vector<Partial<acc_t>> partial(std::min(rows, block) * chunks);  // [rows of the block][chunk]
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
