@@ -22,6 +22,7 @@ from glm5_core.model.norm import RMSNorm
 from glm5_core.model.rope import RotaryEmbedding, positions_of
 from glm5_core.model.state import ATTENTION_MODES, ForwardState
 from glm5_core.ops import moe as moe_ops
+from glm5_core.ops._checks import value_checks_enabled
 
 StartPos = Union[int, torch.Tensor]
 
@@ -139,6 +140,10 @@ class GLM5ForCausalLM(nn.Module):
             raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
         if input_ids.shape[1] < 1:
             raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
+        if value_checks_enabled() and input_ids.numel():  # one device sync; off under GLM5_CHECK_VALUES=0
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:  # else an IndexError here, a device-side assert on CUDA
+                raise ValueError(f"input_ids: expected token ids in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention: expected one of {ATTENTION_MODES}, got {attention!r}")
         if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 0:

@@ -248,6 +248,21 @@ def test_bad_input_ids(small_model, make_model, make_config):
     assert isinstance(no_mtp.model.layers[1].mlp, MoE) and no_mtp.model.mtp is None
 
 
+@pytest.mark.parametrize("bad_id", [-1, "vocab"])
+def test_token_ids_outside_the_vocabulary_are_named(small_model, bad_id, monkeypatch):
+    vocab = small_model.config.vocab_size
+    ids = _ids(small_model.config, T=5)
+    ids[1, 3] = vocab if bad_id == "vocab" else bad_id
+    with pytest.raises(ValueError, match=rf"input_ids: expected token ids in \[0, {vocab}\)"):
+        small_model(ids)
+    ids[1, 3] = vocab - 1  # the last id is in range
+    small_model(ids)
+    monkeypatch.setenv("GLM5_CHECK_VALUES", "0")  # production loops skip the sync; torch then raises its own error
+    ids[1, 3] = vocab
+    with pytest.raises(IndexError):
+        small_model(ids)
+
+
 def test_reused_stacked_expert_weights_follow_every_weight_change(make_model, make_config):
     """The inference-server reuse of stacked expert weights must never serve stale weights."""
     cfg = make_config()
