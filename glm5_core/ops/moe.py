@@ -34,10 +34,27 @@ SCORE_FUNCS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
 
 
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+class _Sigmoid(torch.autograd.Function):
     """1 / (1 + exp(-x)) from exactly rounded elementwise ops and exp: unlike torch.sigmoid on CPU (whose
-    vectorised body and scalar tail round differently), a value's score does not depend on the batch shape."""
-    return 1.0 / (1.0 + torch.exp(-x))
+    vectorised body and scalar tail round differently), a value's score does not depend on the batch shape.
+
+    The backward is s * (1 - s) from the saved output: differentiating the formula itself gives
+    0 * exp(-x) = 0 * inf = NaN once exp(-x) overflows (x < -88.7 in fp32), even for unselected experts."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        scores = 1.0 / (1.0 + torch.exp(-x))
+        ctx.save_for_backward(scores)
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (scores,) = ctx.saved_tensors
+        return grad * scores * (1.0 - scores)
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return _Sigmoid.apply(x)
 
 
 def _stable_desc_order(values: torch.Tensor) -> torch.Tensor:
@@ -230,5 +247,5 @@ def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.T
     _checks.tensor("load", load, dims=("E",), dtypes=_checks.FLOAT_DTYPES + _checks.INDEX_DTYPES, sizes=sizes,
                    legend="[E]")
     _checks.positive_float("gamma", gamma, allow_zero=True)
-    load = load.to(bias.dtype)
-    return bias + gamma * torch.sign(load.mean() - load)
+    load = load.to(_checks.compute_dtype(bias.dtype))  # counts stay exact: in bf16, 20000 and 20100 round together
+    return bias + gamma * torch.sign(load.mean() - load).to(bias.dtype)

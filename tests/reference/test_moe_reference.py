@@ -109,3 +109,35 @@ def test_update_bias_moves_towards_balance():
     load = torch.tensor([10, 2, 4, 4])  # mean 5
     assert moe.update_bias(bias, load, 0.01).tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
     assert torch.equal(moe.update_bias(bias, torch.tensor([3, 3, 3, 3]), 0.5), bias)
+
+
+@pytest.mark.parametrize("dtype,very_negative", [(torch.float32, -100.0), (torch.float64, -800.0)])
+def test_route_gradient_is_finite_when_a_score_underflows(dtype, very_negative):
+    """exp(-x) overflows to inf for such logits; the sigmoid's gradient there is ~0, never NaN (torch.sigmoid's)."""
+    logits = torch.tensor([[2.0, 1.0, very_negative, 0.5], [very_negative, 0.3, -1.0, 3.0]], dtype=dtype,
+                          requires_grad=True)
+    weights, ids = moe.route_reference(logits, None, top_k=2, routed_scaling_factor=2.5)
+    cotangent = testing.randn(weights.shape, seed=1, dtype=weights.dtype)
+    (grad,) = torch.autograd.grad(weights, logits, cotangent)
+    twin = logits.detach().clone().requires_grad_()
+    scores = torch.sigmoid(twin).gather(1, ids.long())
+    want_weights = scores / (scores.sum(-1, keepdim=True) + moe.RENORM_EPS) * 2.5
+    (want,) = torch.autograd.grad(want_weights, twin, cotangent)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad, want)
+
+
+def test_route_reference_sigmoid_has_second_derivatives():
+    logits = testing.randn((3, 5), seed=2, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda l: moe.route_reference(l, None, top_k=2)[0], (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_update_bias_compares_loads_exactly_whatever_the_bias_dtype(dtype):
+    # Loads a few tokens apart around the mean: bf16 / fp16 cannot tell them apart, the rule must.
+    load = torch.tensor([20000, 20100, 20030, 20070, 20049, 20051])  # mean 20050
+    mean = float(load.double().mean())
+    bias = torch.zeros(6, dtype=dtype)
+    got = moe.update_bias(bias, load, 0.5)
+    want = [0.5 if mean > float(v) else -0.5 for v in load]
+    assert got.dtype == dtype and got.tolist() == want
