@@ -68,21 +68,29 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.0, ns_steps: int = muon_ops.DEFAULT_STEPS,
                  coefficients="polar_express", scale_mode: str = "match_rms_adamw",
                  split_heads: Optional[int] = None, split_dim: int = 0, backend: Optional[str] = None):
-        _check_hyper("lr", lr, 0.0)
-        _check_hyper("momentum", momentum, 0.0, 1.0, hi_open=True)
-        _check_hyper("weight_decay", weight_decay, 0.0)
-        update_scale(1, 1, scale_mode)  # validates the mode
-        muon_ops.coefficients_for(coefficients)  # validates the schedule
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
                         coefficients=coefficients, scale_mode=scale_mode, split_heads=split_heads,
                         split_dim=split_dim)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # validates every group through add_param_group
         self.backend = backend
-        for group in self.param_groups:
-            self._check_group(group)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the checks the constructor makes (a group added later is held to the same rules)."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
 
     @staticmethod
     def _check_group(group: dict) -> None:
+        """A group's own values (they override the constructor's defaults) and its parameters."""
+        _check_hyper("lr", group["lr"], 0.0)
+        _check_hyper("momentum", group["momentum"], 0.0, 1.0, hi_open=True)
+        _check_hyper("weight_decay", group["weight_decay"], 0.0)
+        update_scale(1, 1, group["scale_mode"])  # validates the mode
+        muon_ops.coefficients_for(group["coefficients"])  # validates the schedule
         for p in group["params"]:
             if p.dim() < 2:
                 raise ValueError(f"params: Muon needs matrices (rank >= 2), got a parameter of shape {tuple(p.shape)}; "

@@ -132,3 +132,25 @@ def test_parameters_without_grad_are_untouched():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Muon(**kwargs)
+
+
+@pytest.mark.parametrize("group,match", [
+    (dict(params=[torch.nn.Parameter(torch.ones(4))]), "matrices"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], split_heads=4), "split_heads"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], momentum=1.5), "momentum"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], lr=-0.1), "lr"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], weight_decay=-1.0), "weight_decay"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], scale_mode="rms"), "scale_mode"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], coefficients="newton"), "coefficients"),
+])
+def test_group_values_are_checked_in_the_constructor_and_in_add_param_group(group, match):
+    """A group's own values override the defaults, so they get the defaults' checks, also for groups added later
+    (a vector added by add_param_group was silently stepped as an [n, 1] matrix)."""
+    with pytest.raises(ValueError, match=match):
+        Muon([group], lr=0.02)
+    opt = Muon([_param((5, 3), torch.float32, seed=1)], lr=0.02)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1  # the rejected group is not kept
+    opt.add_param_group(dict(params=[_param((6, 4), torch.float32, seed=2)], split_heads=2, momentum=0.5))
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["momentum"] == 0.5
