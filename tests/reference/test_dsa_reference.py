@@ -106,3 +106,10 @@ def test_sparse_prefill_is_differentiable():
     idx = x.pop("topk_idx")
     args = tuple(v.requires_grad_() for v in x.values())
     assert torch.autograd.gradcheck(lambda *a: dsa.sparse_prefill(*a, topk_idx=idx, scale=0.5), args)
+
+
+def test_empty_batch_with_ragged_start_positions():
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=0, T=2, S=5, H=2, D=4, K=3))
+    start = torch.zeros(0, dtype=torch.int32)
+    assert dsa.indexer_topk(x["q"], x["k"], x["w"], 3, start_pos=start).shape == (0, 2, 3)
+    assert dsa.indexer_scores(x["q"], x["k"], x["w"], start_pos=start).shape == (0, 2, 5)

@@ -74,3 +74,12 @@ def test_gradients_flow_through_both_forms():
     args = tuple(v.requires_grad_() for v in x.values())
     assert torch.autograd.gradcheck(lambda *a: mla.prefill(*a, scale=0.7, start_pos=1), args)
     assert torch.autograd.gradcheck(lambda *a: mla.decode(*a, scale=0.7, start_pos=1), args)
+
+
+@pytest.mark.parametrize("entry", [mla.prefill, mla.decode], ids=["prefill", "decode"])
+def test_empty_batch_with_ragged_start_positions(entry):
+    """B=0 with an int start works; a [0] start_pos tensor used to fail in validation (min() of an empty tensor)."""
+    x = testing.make_mla_inputs(testing.MLAShape(B=0, T=2, S=5, H=2, Dn=3, Dr=2, Dv=3, C=4))
+    out = entry(**x, scale=0.5, start_pos=torch.zeros(0, dtype=torch.int64))
+    assert out.shape == (0, 2, 2, 3)
+    assert torch.equal(out, entry(**x, scale=0.5, start_pos=3))
