@@ -10,6 +10,7 @@ U V^T of G = U S V^T (singular values pushed towards 1; Jordan's set stops in ab
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -65,10 +66,12 @@ def coefficients_for(coefficients: Union[str, NSCoefficients, Sequence[Coeff]]) 
         return COEFFICIENTS[coefficients]
     try:
         steps = tuple(tuple(float(v) for v in abc) for abc in coefficients)
-    except TypeError:
+    except (TypeError, ValueError):  # not iterable, or entries that are not numbers ("abc", a dict's keys)
         raise TypeError(f"coefficients: expected a name or a sequence of (a, b, c), got {coefficients!r}") from None
     if not steps or any(len(abc) != 3 for abc in steps):
         raise ValueError(f"coefficients: expected a non-empty sequence of (a, b, c) triples, got {coefficients!r}")
+    if not all(math.isfinite(v) for abc in steps for v in abc):
+        raise ValueError(f"coefficients: expected finite numbers, got {coefficients!r}")
     return NSCoefficients("custom", steps)
 
 

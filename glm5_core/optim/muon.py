@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from glm5_core.ops import _checks
 from glm5_core.ops import muon as muon_ops
 
 SCALE_MODES = ("match_rms_adamw", "original")
@@ -89,6 +90,9 @@ class Muon(torch.optim.Optimizer):
         _check_hyper("lr", group["lr"], 0.0)
         _check_hyper("momentum", group["momentum"], 0.0, 1.0, hi_open=True)
         _check_hyper("weight_decay", group["weight_decay"], 0.0)
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"nesterov: expected a bool, got {type(group['nesterov']).__name__} {group['nesterov']!r}")
+        _checks.positive_int("ns_steps", group["ns_steps"])
         update_scale(1, 1, group["scale_mode"])  # validates the mode
         muon_ops.coefficients_for(group["coefficients"])  # validates the schedule
         for p in group["params"]:

@@ -142,14 +142,16 @@ def test_bad_arguments_are_named(kwargs, match):
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], weight_decay=-1.0), "weight_decay"),
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], scale_mode="rms"), "scale_mode"),
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], coefficients="newton"), "coefficients"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], nesterov="no"), "nesterov"),  # was read as True
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], ns_steps=0), "ns_steps"),  # failed only at step()
 ])
 def test_group_values_are_checked_in_the_constructor_and_in_add_param_group(group, match):
     """A group's own values override the defaults, so they get the defaults' checks, also for groups added later
     (a vector added by add_param_group was silently stepped as an [n, 1] matrix)."""
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         Muon([group], lr=0.02)
     opt = Muon([_param((5, 3), torch.float32, seed=1)], lr=0.02)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         opt.add_param_group(group)
     assert len(opt.param_groups) == 1  # the rejected group is not kept
     opt.add_param_group(dict(params=[_param((6, 4), torch.float32, seed=2)], split_heads=2, momentum=0.5))

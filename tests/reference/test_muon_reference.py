@@ -81,3 +81,12 @@ def test_split_merge_round_trip_and_blocks(dim, shape):
     assert torch.equal(blocks[1], head1)
     with pytest.raises(ValueError, match="divisible"):
         muon.split_heads(W, 5, dim=dim)
+
+
+@pytest.mark.parametrize("bad,error", [
+    ({"a": 1.0}, TypeError), (["abc"], TypeError), ([("1", "x", "2")], TypeError),  # used to leak "could not convert"
+    ([(3.4445, float("nan"), 2.0315)], ValueError), ([(float("inf"), -4.775, 2.0315)], ValueError),  # NaN weights
+])
+def test_custom_coefficients_that_are_not_finite_numbers_are_named(bad, error):
+    with pytest.raises(error, match="coefficients"):
+        muon.orthogonalize(testing.make_muon_input((5, 7)), coefficients=bad)
