@@ -101,6 +101,8 @@ def combine_reference(y_sorted, sort_idx, weights):
     """out[n] = sum_j weights[n, j] * y[row of (n, j)], summed in slot order. Returns [N, D]."""
     N, K = weights.shape
     D = y_sorted.shape[-1]
+    if K == 0:  # no slots: the empty sum
+        return y_sorted.new_zeros(N, D)
     ct = _checks.compute_dtype(y_sorted.dtype)
     inverse = torch.empty_like(sort_idx)
     inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)  # flat assignment -> sorted row

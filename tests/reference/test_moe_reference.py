@@ -141,3 +141,13 @@ def test_update_bias_compares_loads_exactly_whatever_the_bias_dtype(dtype):
     got = moe.update_bias(bias, load, 0.5)
     want = [0.5 if mean > float(v) else -0.5 for v in load]
     assert got.dtype == dtype and got.tolist() == want
+
+
+def test_zero_slots_per_token_combine_to_zeros():
+    """K=0: every output row is the empty sum (the cpu kernel's answer; the reference raised IndexError)."""
+    x = testing.randn((3, 4), seed=1)
+    w_gate, w_up, w_down = testing.randn((2, 5, 4), seed=2), testing.randn((2, 5, 4), seed=3), testing.randn((2, 4, 5), seed=4)
+    weights, ids = torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.int32)
+    assert torch.equal(moe.fused_experts_reference(x, weights, ids, w_gate, w_up, w_down), torch.zeros(3, 4))
+    y_sorted = torch.zeros(0, 4, requires_grad=True)
+    assert torch.equal(moe.combine(y_sorted, torch.zeros(0, dtype=torch.int64), weights), torch.zeros(3, 4))
