@@ -344,14 +344,15 @@ def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, 
     schedule = muon_ops.coefficients_for(coefficients)
     buf = buf + (grad - buf) * (1.0 - momentum)
     update = grad + (buf - grad) * momentum if nesterov else buf
+    matrix = as_matrix(update)  # [rows, cols]: a conv-like [rows, ...] parameter is one flattened matrix
     if split_heads is None:
-        heads = [update]
+        heads = [matrix]
     else:
-        heads = list(torch.chunk(update, split_heads, dim=split_dim))
+        heads = list(torch.chunk(matrix, split_heads, dim=split_dim))
     parts = []
     for block in heads:
         ortho = muon_ops.orthogonalize_reference(block, steps=ns_steps, coefficients=schedule)
         parts.append(ortho * update_scale(block.shape[0], block.shape[1], scale_mode))
     step = parts[0] if split_heads is None else torch.cat(parts, dim=split_dim)
-    return p * (1.0 - lr * weight_decay) - lr * step, buf
+    return p * (1.0 - lr * weight_decay) - lr * step.reshape(p.shape), buf
 

@@ -23,6 +23,7 @@ def _grads(shape, dtype, steps, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape,split_heads,split_dim", [
     ((7, 5), None, 0), ((5, 13), None, 0), ((12, 9), 3, 0), ((6, 20), 4, 1), ((21, 10), 7, 0),
+    ((4, 3, 5), None, 0), ((6, 2, 3), 2, 0), ((4, 3, 5), 3, 1),  # conv-like: one [rows, prod(rest)] matrix
 ])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("scale_mode", ["match_rms_adamw", "original"])
