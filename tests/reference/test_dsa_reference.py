@@ -113,3 +113,35 @@ def test_empty_batch_with_ragged_start_positions():
     start = torch.zeros(0, dtype=torch.int32)
     assert dsa.indexer_topk(x["q"], x["k"], x["w"], 3, start_pos=start).shape == (0, 2, 3)
     assert dsa.indexer_scores(x["q"], x["k"], x["w"], start_pos=start).shape == (0, 2, 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_scores_do_not_depend_on_cache_length_or_query_count(dtype):
+    """A query's scores are the same bits in a prefill and in a decode against a short or a long cache
+    (BLAS picks other kernels, with other summation orders, for few keys: they used to differ by an ulp)."""
+    T, H, D = 40, 2, 64
+    q = testing.randn((1, T, H, D), seed=1, dtype=dtype)
+    k = testing.randn((1, 300, D), seed=2, dtype=dtype)
+    w = testing.randn((1, T, H), seed=3).abs()
+    prefill = dsa.indexer_scores_reference(q, k[:, :T], w, start_pos=0)  # [1, T, T]
+    for t in (0, 3, 10, 39):
+        for S in (t + 1, T, 300):
+            decode = dsa.indexer_scores_reference(q[:, t:t + 1], k[:, :S], w[:, t:t + 1], start_pos=t)
+            assert torch.equal(decode[0, 0, :t + 1], prefill[0, t, :t + 1]), (t, S)
+
+
+def test_near_tied_keys_keep_their_order_between_prefill_and_decode():
+    """Key 1 = key 0 + a nudge orthogonal to the query: scores equal up to rounding. The top-1 of a 4-token
+    prefill and of the same query decoded against a 40-slot cache must agree (the RL-stable contract)."""
+    g = testing.generator(0)
+    for _ in range(200):
+        q = torch.randn(1, 4, 1, 64, generator=g)
+        k = torch.randn(1, 40, 64, generator=g)
+        query = q[0, 3, 0]
+        nudge = torch.randn(64, generator=g) * 1e-3
+        k[0, 0] = k[0, 0] * torch.sign(k[0, 0] @ query)  # a positive score, so ReLU keeps it
+        k[0, 1] = k[0, 0] + nudge - (nudge @ query) / (query @ query) * query
+        w = torch.ones(1, 4, 1)
+        prefill = dsa.indexer_topk_reference(q, k[:, :4], w, topk=1, start_pos=0)[0, 3]
+        decode = dsa.indexer_topk_reference(q[:, 3:], k, w[:, 3:], topk=1, start_pos=3)[0, 0]
+        assert torch.equal(prefill, decode)
