@@ -21,10 +21,10 @@ SUBCOMMANDS = {
 BACKEND_CHOICES = ("auto", "cpu", "cuda", "rocm", "ascend")
 
 
-def add_backend_argument(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str] = "auto",
+                         help: str = "kernel backend (default: %(default)s = detect the hardware)") -> None:
     """``--backend`` as every command takes it (third-party backends are accepted by name too)."""
-    parser.add_argument("--backend", default=default, metavar="{" + ",".join(BACKEND_CHOICES) + ",...}",
-                        help="kernel backend (default: %(default)s = detect the hardware)")
+    parser.add_argument("--backend", default=default, metavar="{" + ",".join(BACKEND_CHOICES) + ",...}", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,19 +3,25 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from glm5_core import registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from glm5_core.cli import add_backend_argument
+
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    add_backend_argument(parser, default=None, help="show only this backend, which must be available "
+                                                    "(auto: the one this machine resolves to; default: all)")
 
 
-def backend_report() -> List[Dict]:
-    """One record per backend: availability, devices and (when available) the per-op resolution."""
+def backend_report(names: Optional[List[str]] = None) -> List[Dict]:
+    """One record per backend (all, or ``names``): availability, devices and the per-op resolution."""
     records = []
     for name, be in registry.backends().items():
+        if names is not None and name not in names:
+            continue
         ok, reason = be.available()
         record = {
             "backend": name,
@@ -61,6 +67,9 @@ def render(records: List[Dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    records = backend_report()
+    names = None
+    if args.backend is not None:  # like every command: an unavailable backend is an error that says why
+        names = [registry.require_available(registry.resolve_backend_name(args.backend)).name]
+    records = backend_report(names)
     print(json.dumps(records, indent=2) if args.json else render(records))
     return 0

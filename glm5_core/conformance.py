@@ -220,6 +220,8 @@ def _dispatch_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
         want = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
         names = ("x_sorted", "sort_idx", "counts")
         for name, a, b in zip(names, got, want):
+            if a.dtype != b.dtype:  # torch.equal compares values across dtypes
+                return testing.Comparison(False, float("inf"), 0.0, f"{name} is {a.dtype}, the reference's {b.dtype}")
             if not torch.equal(a.cpu(), b.cpu()):
                 return testing.Comparison(False, float("inf"), 0.0, f"{name} differs from the reference")
         return testing.Comparison(True, 0.0, 0.0, "x_sorted, sort_idx and counts bitwise equal")
@@ -405,21 +407,35 @@ def checks(family: Optional[str] = None) -> List[Check]:
     return [c for fam in ([family] if family else FAMILIES) for c in _BUILDERS[fam]()]
 
 
+def _fell_back(op: str, backend: str, declined: Dict[str, str]) -> bool:
+    """``op`` ran the reference in this check: it has no kernel on ``backend``, its kernel declined a call, or
+    (a composite whose fused kernel declined) every part did."""
+    if op in declined or registry.runs_reference(op, backend):
+        return True
+    parts = registry.COMPOSITE_PARTS.get(op, ())
+    return any(p in declined for p in parts) and all(_fell_back(p, backend, declined) for p in parts)
+
+
 def run_check(check: Check, backend: str) -> Result:
-    """Run one check; ops that fall back to the reference are reported as ``fallback`` (or ``fail`` in strict mode)."""
-    fallbacks = [op for op in check.ops if registry.runs_reference(op, backend)] if not registry.strict_mode() \
-        else []
+    """Run one check; ops that ran the reference (no kernel, or a kernel that declined the check's calls) are
+    reported as ``fallback`` (or ``fail`` in strict mode)."""
     start = time.perf_counter()
     try:
         if registry.strict_mode():
             for op in check.ops:
                 registry.resolve(op, backend)  # raises BackendCoverageError naming the op
         device = registry.get_backend(backend).device()
-        cmp = check.fn(backend, device)
+        with registry.record_fallbacks() as declined_calls:
+            cmp = check.fn(backend, device)
+        declined = dict(reversed(declined_calls))  # op -> why (its first declined call)
+        # (under GLM5_STRICT=1 every fallback has raised: nothing fell back)
+        fallbacks = [] if registry.strict_mode() else [op for op in check.ops if _fell_back(op, backend, declined)]
         status = "pass" if cmp.passed else "fail"
         if cmp.passed and fallbacks and len(fallbacks) == len(check.ops):
             status = "fallback"
-        detail = cmp.detail + (f" (reference fallback: {', '.join(fallbacks)})" if fallbacks else "")
+        notes = [f"{op} ({declined[op]})" if op in declined else op for op in fallbacks]
+        notes += [f"{op} ({why})" for op, why in declined.items() if op not in check.ops]  # parts of a composite
+        detail = cmp.detail + (f" (reference fallback: {', '.join(notes)})" if notes else "")
         return Result(check.family, check.name, list(check.ops), status, cmp.max_error, cmp.allowed, detail,
                       time.perf_counter() - start)
     except registry.BackendCoverageError as exc:
@@ -491,6 +507,11 @@ def run(args: argparse.Namespace) -> int:
     if args.strict:
         os.environ["GLM5_STRICT"] = "1"
     backend = registry.require_available(registry.resolve_backend_name(args.backend)).name
+    out_dir = Path(args.out)
+    try:  # before the checks run, not after
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot create the report folder {str(out_dir)!r}: {exc.strerror}") from exc
     selected = [c for fam in (args.family or FAMILIES) for c in checks(fam)]
     results = []
     try:
@@ -501,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
         progress = selected
     for check in progress:
         results.append(run_check(check, backend))
-    paths = write_reports(results, backend, Path(args.out))
+    paths = write_reports(results, backend, out_dir)
     bad = [r for r in results if r.status in ("fail", "error")]
     n_fallback = sum(r.status == "fallback" for r in results)
     n_pass = sum(r.status == "pass" for r in results)

@@ -21,8 +21,11 @@ Probe = Tuple[bool, str]
 
 
 def triton_interpreter_enabled() -> bool:
-    """``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through Triton's interpreter.
+
+    Read the way Triton reads it (1, true, on, yes, y in any case; anything else is off), so that
+    ``TRITON_INTERPRET=false`` means the same thing to both."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 def is_rocm_build() -> bool:

@@ -64,6 +64,9 @@ COMPOSITE_PARTS: Mapping[str, Tuple[str, ...]] = {
 }
 
 _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
+# (op, why) of each call a backend kernel declined inside ``record_fallbacks()``; None when nobody records.
+_DECLINED_LOG: contextvars.ContextVar[Optional[List[Tuple[str, str]]]] = contextvars.ContextVar(
+    "glm5_declined_log", default=None)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -207,11 +210,13 @@ def use_backend(name: Optional[str]) -> Iterator[str]:
 
 def resolve_backend_name(backend: Optional[str] = None) -> str:
     """Apply the resolution order (argument > context / ``GLM5_BACKEND`` > hardware)."""
-    for candidate in (backend, _ACTIVE_BACKEND.get(), os.environ.get("GLM5_BACKEND")):
+    sources = (("backend", backend), ("backend", _ACTIVE_BACKEND.get()), ("GLM5_BACKEND", os.environ.get("GLM5_BACKEND")))
+    for source, candidate in sources:
         if candidate not in (None, "", "auto"):
             if not isinstance(candidate, str):
-                raise TypeError(f"backend: expected a str, got {type(candidate).__name__}")
-            get_backend(candidate)  # raises for unknown names
+                raise TypeError(f"{source}: expected a str, got {type(candidate).__name__}")
+            if candidate not in backends():
+                raise ValueError(f"{source}: expected 'auto' or one of {', '.join(backends())}, got {candidate!r}")
             return candidate
     return _auto_backend()
 
@@ -292,6 +297,19 @@ def _declined(impl: Callable, args, kwargs) -> str:
     return ""
 
 
+@contextlib.contextmanager
+def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
+    """Collect ``(op, why)`` for every call in the block that a backend kernel declined (its ``supports`` hook,
+    or gradients it cannot give), so that the reference ran instead. Static fallbacks (ops a backend does not
+    implement) are not calls a kernel declined: :func:`runs_reference` answers for those."""
+    declined: List[Tuple[str, str]] = []
+    token = _DECLINED_LOG.set(declined)
+    try:
+        yield declined
+    finally:
+        _DECLINED_LOG.reset(token)
+
+
 def call(op: str, *args, backend: Optional[str] = None, **kwargs):
     """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
     res = resolve(op, backend)
@@ -305,6 +323,9 @@ def call(op: str, *args, backend: Optional[str] = None, **kwargs):
                 raise BackendCoverageError(
                     f"{op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback"
                 )
+            declined = _DECLINED_LOG.get()
+            if declined is not None:
+                declined.append((op, why))
             impl = reference(op)
     return impl(*args, **kwargs)
 

@@ -246,9 +246,13 @@ class Comparison:
 
 def compare_to_fp64(out: torch.Tensor, ref_same_precision: torch.Tensor, ref_fp64: torch.Tensor,
                     dtype: torch.dtype) -> Comparison:
-    """err(out) <= ERROR_FACTOR * err(reference at the same precision) + atol(dtype), elementwise maxima."""
+    """err(out) <= ERROR_FACTOR * err(reference at the same precision) + atol(dtype), elementwise maxima;
+    ``out`` must also have the dtype and device of the same-precision reference run."""
     if out.shape != ref_fp64.shape:
         return Comparison(False, float("inf"), 0.0, f"shape {tuple(out.shape)} != reference {tuple(ref_fp64.shape)}")
+    if (out.dtype, out.device) != (ref_same_precision.dtype, ref_same_precision.device):
+        return Comparison(False, float("inf"), 0.0, f"dtype/device {out.dtype} on {out.device} != reference "
+                                                    f"{ref_same_precision.dtype} on {ref_same_precision.device}")
     exact = ref_fp64.to(torch.float64).cpu()
     err = float((out.detach().to(torch.float64).cpu() - exact).abs().max()) if out.numel() else 0.0
     ref_err = float((ref_same_precision.detach().to(torch.float64).cpu() - exact).abs().max()) if out.numel() else 0.0

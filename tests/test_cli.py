@@ -64,3 +64,73 @@ def test_unknown_command_and_help():
     assert glm5("frobnicate").returncode == 2
     proc = glm5("--help")
     assert proc.returncode == 0 and "conformance" in proc.stdout and "pretrain" in proc.stdout
+
+
+def _vendor_plugin(tmp_path, kernel_body, supports="lambda G, **kw: (True, '')"):
+    """A third-party backend 'vendorq' whose Muon kernel is ``kernel_body`` (G, steps, coefficients in scope)."""
+    (tmp_path / "vendorq.py").write_text(
+        "import torch\n"
+        "from glm5_core.registry import Backend\n"
+        "from glm5_core.ops.muon import orthogonalize_reference\n\n"
+        "def orthogonalize(G, *, steps, coefficients):\n"
+        f"    return {kernel_body}\n\n"
+        f"orthogonalize.supports = {supports}\n"
+        "BACKEND = Backend(name='vendorq', device_type='cpu', dist_backend='gloo', probe=lambda: (True, 'simulated'),\n"
+        "                  kernel_table=lambda: {'muon_orthogonalize': orthogonalize})\n")
+    dist = tmp_path / "vendorq-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendorq\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[glm5_core.backends]\nvendorq = vendorq:BACKEND\n")
+    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+
+
+MUON_REF = "orthogonalize_reference(G, steps=steps, coefficients=coefficients)"
+
+
+@pytest.mark.parametrize("kernel_body,symptom,failing", [
+    (f"{MUON_REF} * 1.001", "max |out - fp64 ref|", "fp32"),  # 0.1% off: an fp32 error
+    ("orthogonalize_reference(G.float(), steps=steps, coefficients=coefficients)", "dtype", "bf16"),  # fp32 out
+], ids=("scaled", "wrong_dtype"))
+def test_conformance_fails_when_a_vendor_kernel_is_wrong(tmp_path, kernel_body, symptom, failing):
+    env = _vendor_plugin(tmp_path, kernel_body)
+    proc = glm5("conformance", "--backend", "vendorq", "--family", "muon", "--out", str(tmp_path / "r"), env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAIL muon_orthogonalize[{failing}" in proc.stdout and symptom in proc.stdout
+    report = json.loads((tmp_path / "r" / "conformance-vendorq.json").read_text())
+    failed = {r["check"] for r in report["results"] if r["status"] == "fail"}
+    assert {c.name for c in conformance.checks("muon") if failing in c.name} <= failed
+
+
+def test_conformance_reports_checks_the_kernel_declined_as_fallbacks(tmp_path):
+    """A kernel that declines a call did not pass it: the reference ran, and the report says so."""
+    env = _vendor_plugin(tmp_path, MUON_REF, supports="lambda G, **kw: (G.dtype == torch.float32, 'fp32 only')")
+    proc = glm5("conformance", "--backend", "vendorq", "--family", "muon", "--out", str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "conformance-vendorq.json").read_text())["results"]
+    for r in results:
+        declined = "fp32" not in r["check"]
+        assert r["status"] == ("fallback" if declined else "pass"), r
+        assert ("fp32 only" in r["detail"]) == declined, r
+    proc = glm5("conformance", "--backend", "vendorq", "--family", "muon", "--out", str(tmp_path),
+                env={**env, "GLM5_STRICT": "1"})
+    assert proc.returncode == 1 and "fp32 only" in proc.stdout
+
+
+def test_backends_takes_backend_like_every_command():
+    proc = glm5("backends", "--json", "--backend", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert [r["backend"] for r in json.loads(proc.stdout)] == ["cpu"]
+    ok, reason = registry.get_backend("ascend").available()
+    if not ok:
+        proc = glm5("backends", "--backend", "ascend")
+        assert proc.returncode == 2 and f"ascend: {reason}" in proc.stderr
+    proc = glm5("backends", "--backend", "tpu")
+    assert proc.returncode == 2 and "backend: expected 'auto' or one of" in proc.stderr
+
+
+def test_conformance_checks_the_report_folder_before_running(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = glm5("conformance", "--backend", "cpu", "--out", str(blocker / "reports"))
+    assert proc.returncode == 2 and "--out" in proc.stderr and "Traceback" not in proc.stderr
+    assert "passed" not in proc.stdout  # stopped before the checks

@@ -262,3 +262,39 @@ def test_a_composite_whose_parts_all_fall_back_counts_as_reference(tmp_path, mon
     assert registry.runs_reference("moe_fused_experts", "vendorx")
     assert "moe_fused_experts" in registry.missing_ops("vendorx")
     assert not registry.runs_reference("muon_orthogonalize", "vendorx")
+
+
+def test_declined_calls_are_recorded_as_reference_fallbacks(tmp_path, monkeypatch, fresh_registry):
+    """``record_fallbacks`` sees the calls a kernel declined (the reference ran), not those it took."""
+    _fake_backend_module(tmp_path, "vendorx_recorded",
+                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with registry.record_fallbacks() as declined:
+        muon.orthogonalize(torch.randn(8, 3), backend="vendorx")
+        assert declined == []
+        muon.orthogonalize(torch.randn(3, 8), backend="vendorx")
+        muon.orthogonalize(torch.randn(3, 8, requires_grad=True), backend="vendorx")
+    assert declined == [("muon_orthogonalize", "at most 4 columns"),
+                        ("muon_orthogonalize", "the kernel has no backward and this call needs gradients")]
+    muon.orthogonalize(torch.randn(3, 8), backend="vendorx")  # outside the block: nothing more is recorded
+    assert len(declined) == 2
+
+
+@pytest.mark.parametrize("value,enabled", [("1", True), ("true", True), ("ON", True), ("yes", True), ("y", True),
+                                           ("0", False), ("false", False), ("False", False), ("off", False),
+                                           ("no", False), ("", False)])
+def test_triton_interpret_is_read_the_way_triton_reads_it(monkeypatch, value, enabled):
+    """Triton takes 1/true/on/yes/y (any case) as true and anything else as false; a ``TRITON_INTERPRET=false``
+    read as "interpreter on" made the cuda backend unavailable on a GPU ("set after triton was imported")."""
+    from glm5_core import platform
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert platform.triton_interpreter_enabled() is enabled
+
+
+def test_an_unknown_backend_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("GLM5_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="GLM5_BACKEND: expected 'auto' or one of cpu, .*got 'tpu'"):
+        registry.resolve_backend_name()
+    with pytest.raises(ValueError, match="^backend: expected"):  # the argument still names itself
+        registry.resolve_backend_name("tpu")

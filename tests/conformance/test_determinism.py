@@ -7,3 +7,36 @@ from glm5_core import conformance
 @pytest.mark.parametrize("check", conformance.checks("determinism"), ids=str)
 def test_determinism(backend, check):
     conformance.assert_conforms(backend, check)
+
+
+def _random_tie_topk(q, k, w, topk, *, start_pos=0):
+    """The reference's selection with ties broken in a random order (as a top-k built on atomics may)."""
+    import torch
+
+    from glm5_core.ops import dsa
+
+    scores_BTS = dsa.indexer_scores_reference(q, k, w, start_pos=start_pos)
+    perm_S = torch.randperm(scores_BTS.shape[-1])
+    order = perm_S[torch.sort(scores_BTS[..., perm_S], dim=-1, descending=True, stable=True).indices]
+    order = order[..., :topk]  # [B, T, <=topk]
+    picked = torch.gather(scores_BTS, -1, order)
+    idx = torch.where(torch.isinf(picked), -1, order).to(torch.int32)
+    pad = topk - idx.shape[-1]
+    return torch.cat([idx, idx.new_full((*idx.shape[:-1], pad), -1)], dim=-1) if pad > 0 else idx
+
+
+def test_the_checks_catch_a_topk_that_breaks_ties_at_random(monkeypatch):
+    import torch
+
+    from glm5_core import determinism, registry
+
+    known = registry.backends()
+    fake = registry.Backend(name="randomties", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
+                            kernel_table=lambda: {"dsa_indexer_topk": _random_tie_topk})
+    monkeypatch.setattr(registry, "_discover", lambda: {**known, "randomties": fake})
+    torch.manual_seed(0)
+    verdicts = {name: fn("randomties", "cpu").passed for name, fn in determinism.CHECKS.items()}
+    registry._kernel_table.cache_clear()
+    caught = [n for n in ("topk_batch_invariance_ties", "topk_prefill_decode_zero_relu") if not verdicts[n]]
+    assert caught == ["topk_batch_invariance_ties", "topk_prefill_decode_zero_relu"], verdicts
+    assert verdicts["route_batch_invariance"]  # the router is the reference here
