@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from glm5_core import conformance, registry
 
@@ -134,3 +135,22 @@ def test_conformance_checks_the_report_folder_before_running(tmp_path):
     proc = glm5("conformance", "--backend", "cpu", "--out", str(blocker / "reports"))
     assert proc.returncode == 2 and "--out" in proc.stderr and "Traceback" not in proc.stderr
     assert "passed" not in proc.stdout  # stopped before the checks
+
+
+def test_conformance_compares_dispatch_dtypes(monkeypatch):
+    """torch.equal ignores dtypes: a dispatch that returns int32 counts must still fail its check."""
+    from glm5_core.ops import moe
+
+    def dispatch(x, expert_ids, *, num_experts):
+        x_sorted, sort_idx, counts = moe.dispatch_reference(x, expert_ids, num_experts=num_experts)
+        return x_sorted, sort_idx, counts.to(torch.int32)
+
+    known = registry.backends()
+    fake = registry.Backend(name="int32counts", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
+                            kernel_table=lambda: {"moe_dispatch": dispatch})
+    monkeypatch.setattr(registry, "_discover", lambda: {**known, "int32counts": fake})
+    try:
+        results = [conformance.run_check(c, "int32counts") for c in conformance.checks("moe") if "dispatch" in c.name]
+    finally:
+        registry._kernel_table.cache_clear()
+    assert results and all(r.status == "fail" and "counts is torch.int32" in r.detail for r in results)
