@@ -27,6 +27,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from glm5_core.ops.moe import _sigmoid as moe_reference_sigmoid
+
 RENORM_EPS = 1e-20  # the reference's renormalisation epsilon, also the vendor's default eps
 SIGMOID = 1
 ONE_GROUP = 1
@@ -40,8 +42,9 @@ COLUMN_MAJOR_DROPLESS = 0
 
 # --------------------------------------------------------------------------------------------- route
 def sigmoid_scores(logits: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, E] scores with the reference's formula 1 / (1 + exp(-x)) (batch-shape independent)."""
-    return 1.0 / (1.0 + torch.exp(-logits.float()))
+    """fp32 [N, E] scores with the reference's formula 1 / (1 + exp(-x)) (batch-shape independent), and its
+    backward s * (1 - s), finite where exp(-x) overflows."""
+    return moe_reference_sigmoid(logits.float())
 
 
 @dataclasses.dataclass(frozen=True)

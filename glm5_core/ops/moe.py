@@ -104,7 +104,7 @@ def combine_reference(y_sorted, sort_idx, weights):
     if K == 0:  # no slots: the empty sum
         return y_sorted.new_zeros(N, D)
     ct = _checks.compute_dtype(y_sorted.dtype)
-    inverse = torch.empty_like(sort_idx)
+    inverse = torch.empty_like(sort_idx, dtype=torch.int64)  # int64 whatever sort_idx is: arange below is int64
     inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)  # flat assignment -> sorted row
     y = y_sorted.to(ct)[inverse].view(N, K, D)  # [N, K, D]
     w = weights.to(ct)

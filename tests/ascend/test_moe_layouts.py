@@ -42,6 +42,15 @@ def test_route_without_renormalisation_or_bias(renormalize, bias):
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
 
 
+def test_route_gradient_is_finite_when_a_score_underflows():
+    """exp(-x) overflows for x < -88.7 (fp32): the scores' backward must still be finite, as the reference's."""
+    logits = torch.tensor([[-100.0, 0.5, -200.0, 2.0]], requires_grad=True)
+    L.sigmoid_scores(logits).sum().backward()
+    expected = torch.sigmoid(logits.detach()) * (1 - torch.sigmoid(logits.detach()))
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(logits.grad, expected)
+
+
 def test_gating_is_asked_for_one_extra_candidate_in_fp32():
     inputs = testing.make_route_inputs(ROUTE_SHAPES[1], dtype=torch.bfloat16)
     call = L.gating_call(inputs["logits"], inputs["bias"], 3, 2.5)

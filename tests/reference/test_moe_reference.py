@@ -82,6 +82,15 @@ def test_dispatch_is_stable_and_combine_inverts_it(shape):
     assert torch.allclose(out, x * weights.double().sum(-1, keepdim=True), atol=1e-12)
 
 
+def test_combine_reference_takes_an_int32_sort_idx():
+    """The public combine accepts int32 sort_idx; the reference is what every kernel falls back to."""
+    weights = torch.rand(5, 3, dtype=torch.float64)
+    y = torch.randn(15, 4, dtype=torch.float64)
+    sort_idx = torch.randperm(15, generator=torch.Generator().manual_seed(0))
+    expected = moe.combine_reference(y, sort_idx, weights)
+    torch.testing.assert_close(moe.combine_reference(y, sort_idx.int(), weights), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
 def test_grouped_swiglu_matches_per_token_loop(shape):
     x = testing.make_expert_inputs(shape, dtype=torch.float64, seed=6)
