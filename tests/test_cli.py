@@ -82,7 +82,7 @@ def _vendor_plugin(tmp_path, kernel_body, supports="lambda G, **kw: (True, '')")
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vendorq\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[glm5_core.backends]\nvendorq = vendorq:BACKEND\n")
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)}
 
 
 MUON_REF = "orthogonalize_reference(G, steps=steps, coefficients=coefficients)"
