@@ -6,6 +6,12 @@ the previous one ran and the prefix cache covers all but the new tokens; round-r
 next replica in turn and reuses only what that engine kept from the trajectory's last visit there (longest
 common prefix, as SGLang's radix cache would).
 
+What round-robin loses on a switch is everything added since its last visit to that engine, including the
+tokens the other engine sampled; DP-aware never prefills its own samples. So the ratio falls as agent steps get
+longer relative to tool output: ``--max-new-tokens`` caps a step (the untrained model stops at a newline by
+chance: 23 of 24, 170 of 256 tokens on average), each row reports ``sampled_tokens_per_turn``, and long steps
+need ``--max-len 2048``.
+
 Two ratios are reported: ``dp_aware_over_round_robin_prefill`` (the issue's figure: both routers on engines with
 the same prefix cache) and ``dp_aware_over_round_robin_without_prefix_cache`` (DP-aware's prefill over every
 context position round-robin sent, i.e. round-robin on engines that keep nothing between requests). The first
@@ -91,7 +97,9 @@ def measure(router_kind: str, model, args) -> dict:
     evictions = sum(e.prefix_cache.evictions for e in engines.values())
     return {"router": router_kind, "prefill_tokens": prefill, "cached_tokens": cached, "cache_evictions": evictions,
             "turns_mean": sum(t.num_turns for t in trajectories) / len(trajectories),
-            "turns_min": min(t.num_turns for t in trajectories), "seconds": elapsed, "breakdown": breakdown(log)}
+            "turns_min": min(t.num_turns for t in trajectories),
+            "sampled_tokens_per_turn": sum(len(entry[3]) for entry in log) / len(log),  # what a turn generates
+            "seconds": elapsed, "breakdown": breakdown(log)}
 
 
 def breakdown(log) -> dict:
