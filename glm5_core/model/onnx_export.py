@@ -1,9 +1,10 @@
 """``glm5 export-onnx``: export the prefill forward (dense attention, logits only) of a checkpoint to ONNX.
 
 The graph maps ``input_ids`` int64 [batch, seq] to ``logits`` float32 [batch, seq, vocab], with batch and
-seq dynamic. The model is traced through the pure-torch reference ops (``backend="cpu"`` resolves every op to
-them on a CPU-only machine); the MoE layers switch to their export form (every expert on every token,
-weighted by the scattered routing weights) because dispatch's per-expert row counts are data-dependent.
+seq dynamic. The model is traced with ``backend="cpu"``, whose dense MLA prefill is the pure-torch reference;
+the MoE layers do not call the backend's (native) routing kernels while exporting but switch to their export
+form (torch.topk routing, every expert on every token, weighted by the scattered routing weights) because
+dispatch's per-expert row counts are data-dependent.
 """
 from __future__ import annotations
 
