@@ -5,7 +5,8 @@
   queries (with the matching ``start_pos``);
 * prefill/decode consistency: the top-k of a query computed with all queries at once (prefill) equals,
   bitwise, the top-k computed for that query alone against a cache of the keys so far (decode), also
-  when the cache is a larger preallocated buffer whose tail holds garbage.
+  when the cache is a larger preallocated buffer whose tail holds garbage, including for keys whose scores
+  differ only by rounding (near ties).
 
 Each check returns a :class:`glm5_core.testing.Comparison` and runs on the tensors' device of the backend.
 """
@@ -70,8 +71,26 @@ def topk_batch_invariance(backend: str, device: str, ties=None) -> testing.Compa
     return _ok("rows, query chunks (1, 4, 7) and ragged batches bitwise identical to the batched call")
 
 
+def _near_tied_inputs(device: str) -> Dict[str, torch.Tensor]:
+    """Key t = key t-1 + a nudge orthogonal to every head of query t (t >= 1): the two index scores are equal
+    in exact arithmetic, so query t's order between them is decided by rounding alone. Random inputs almost
+    never have such pairs; a kernel whose rounding depends on the cache length flips them."""
+    x = _inputs("cpu")
+    s = DETERMINISM_SHAPE
+    q, k = x["q"].double(), x["k"].double()  # [B, T, H, D], [B, S, D]
+    g = testing.generator(3)
+    for b in range(s.B):
+        for t in range(1, s.T):
+            heads_DH = q[b, t].T  # [D, H]
+            nudge = torch.randn(s.D, generator=g, dtype=torch.float64) * 1e-3
+            in_span = heads_DH @ torch.linalg.lstsq(heads_DH, nudge).solution  # [D]
+            k[b, t] = k[b, t - 1] + nudge - in_span
+    x["k"] = k.to(x["q"].dtype)
+    return {name: value.to(device) for name, value in x.items()}
+
+
 def topk_prefill_decode(backend: str, device: str, ties=None) -> testing.Comparison:
-    x = _inputs(device, ties)
+    x = _near_tied_inputs(device) if ties == "near_ties" else _inputs(device, ties)
     s = DETERMINISM_SHAPE
     T = s.T
     keys = x["k"][:, :T]  # prefill: T tokens, each query sees the keys up to itself
@@ -108,6 +127,7 @@ CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_batch_invariance_ties": lambda be, dev: topk_batch_invariance(be, dev, ties="duplicate_keys"),
     "topk_prefill_decode": topk_prefill_decode,
     "topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu"),
+    "topk_prefill_decode_near_ties": lambda be, dev: topk_prefill_decode(be, dev, ties="near_ties"),
     "route_batch_invariance": route_batch_invariance,
 }
 

@@ -40,3 +40,27 @@ def test_the_checks_catch_a_topk_that_breaks_ties_at_random(monkeypatch):
     caught = [n for n in ("topk_batch_invariance_ties", "topk_prefill_decode_zero_relu") if not verdicts[n]]
     assert caught == ["topk_batch_invariance_ties", "topk_prefill_decode_zero_relu"], verdicts
     assert verdicts["route_batch_invariance"]  # the router is the reference here
+
+
+def _cache_length_dependent_topk(q, k, w, topk, *, start_pos=0):
+    """The reference's selection, with scores rounded differently for short caches (as a kernel that switches
+    GEMM algorithms with the key count does): fp64 then fp32 below 16 keys, fp32 from there on."""
+    from glm5_core.ops import dsa
+
+    if k.shape[1] >= 16:
+        return dsa.indexer_topk_reference(q, k, w, topk=topk, start_pos=start_pos)
+    scores_BTS = dsa.indexer_scores_reference(q.double(), k.double(), w.double(), start_pos=start_pos).float()
+    return dsa._topk_from_scores(scores_BTS, topk, start_pos)
+
+
+def test_the_near_tie_check_catches_a_topk_whose_rounding_depends_on_the_cache_length(monkeypatch):
+    from glm5_core import determinism, registry
+
+    known = registry.backends()
+    fake = registry.Backend(name="cachelength", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
+                            kernel_table=lambda: {"dsa_indexer_topk": _cache_length_dependent_topk})
+    monkeypatch.setattr(registry, "_discover", lambda: {**known, "cachelength": fake})
+    verdicts = {name: fn("cachelength", "cpu").passed for name, fn in determinism.CHECKS.items()}
+    registry._kernel_table.cache_clear()
+    assert not verdicts["topk_prefill_decode_near_ties"], verdicts
+    assert determinism.CHECKS["topk_prefill_decode_near_ties"]("cpu", "cpu").passed
