@@ -107,6 +107,30 @@ def _check_groups(part: str, got: Any, want: List[dict]) -> None:
                                  f"{_json_kind(expected)} like {expected!r}, got {value!r}")
 
 
+def _check_adamw_hyper(group: dict) -> None:
+    """The ranges ``torch.optim.AdamW``'s constructor enforces (kinds and finiteness are checked already)."""
+    for key in ("lr", "eps", "weight_decay"):
+        if group[key] < 0:
+            raise ValueError(f"{key}: expected a number >= 0, got {group[key]!r}")
+    betas = group["betas"]
+    if len(betas) != 2 or not all(_json_kind(b) == "number" and 0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
+
+
+def _check_hyper(part: str, saved_groups: List[dict], opt: torch.optim.Optimizer) -> None:
+    """The saved hyper-parameters, which ``load_state_dict`` puts in place of this run's, under the rules the
+    optimizer's constructor applies: a crafted momentum of 1.5 or a negative weight decay is refused at load,
+    not trained with."""
+    for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        try:
+            if isinstance(opt, Muon):
+                Muon._check_group({**saved, "params": group["params"]})
+            elif isinstance(opt, torch.optim.AdamW):
+                _check_adamw_hyper(saved)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"checkpoint: optimizer part {part!r} group {i} {exc}") from None
+
+
 def _state_keys(opt: torch.optim.Optimizer, group: dict) -> Optional[set]:
     """The state keys ``opt`` keeps per stepped parameter; None for an optimizer this module does not know."""
     if isinstance(opt, torch.optim.AdamW):
@@ -154,6 +178,7 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
         want = expected[part]["param_groups"]
         _check_groups(part, sd["param_groups"], want)
         opt = optimizer.optimizers[part]
+        _check_hyper(part, sd["param_groups"], opt)
         by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
                  for pid, param in zip(g["params"], group["params"])}
         for pid, entries in sd["state"].items():
