@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
-from typing import List
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,36 @@ def gather_strings(value: str, ctx: DistContext) -> List[str]:
     out: List[str] = [""] * ctx.world_size
     dist.all_gather_object(out, value)
     return out
+
+
+def _flat(value: Any, prefix: str = "") -> Dict[str, Any]:
+    """A nested JSON value as {dotted key: leaf}."""
+    if isinstance(value, dict) and value:
+        out: Dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def check_same_on_every_rank(what: str, value: Dict[str, Any], ctx: DistContext) -> None:
+    """Raise ValueError on every rank unless ``value`` (a JSON-able mapping, e.g. the run's config) is the same
+    on all of them, naming the first rank that differs from rank 0 and the keys. A collective.
+
+    Ranks that disagree on a hyper-parameter do not fail on their own: under DDP they step their replicas
+    differently (a weight decay of 0.1 on one rank and 0.5 on another ends a run with exit status 0 and
+    diverged weights), under FSDP2 each shard moves by its own rank's rule."""
+    if not ctx.enabled:
+        return
+    texts = gather_strings(json.dumps(value, sort_keys=True, default=str), ctx)
+    for rank, text in enumerate(texts):
+        if text != texts[0]:
+            mine, base = _flat(json.loads(text)), _flat(json.loads(texts[0]))
+            keys = sorted(k for k in set(mine) | set(base) if mine.get(k, "<absent>") != base.get(k, "<absent>"))
+            shown = ", ".join(f"{k}: {base.get(k, '<absent>')!r} on rank 0, {mine.get(k, '<absent>')!r} on rank {rank}"
+                              for k in keys[:3])
+            raise ValueError(f"{what}: expected the same on every rank; rank {rank} differs from rank 0 in "
+                             f"{len(keys)} key(s): {shown}")
 
 
 def barrier(ctx: DistContext) -> None:

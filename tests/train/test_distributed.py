@@ -1,0 +1,51 @@
+"""``check_same_on_every_rank`` on 2 gloo ranks: equal values pass; a value that differs on one rank (a nested
+key, a list entry, a key only one rank has) is a ValueError on every rank naming the rank and the keys."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from glm5_core.train.distributed import DistContext, check_same_on_every_rank
+
+WORLD = 2
+BASE = {"seed": 3, "optimizer": {"weight_decay": 0.1, "betas": [0.9, 0.95]}, "stages": [{"kind": "dense"}]}
+# (what rank 1 changes, the message every rank must raise; None: no error)
+CASES = [
+    (lambda v: v, None),
+    (lambda v: v["optimizer"].update(weight_decay=0.5),
+     r"config: expected the same on every rank; rank 1 differs from rank 0 in 1 key\(s\): "
+     r"optimizer\.weight_decay: 0\.1 on rank 0, 0\.5 on rank 1"),
+    (lambda v: v["optimizer"]["betas"].__setitem__(1, 0.99), r"rank 1 differs .* optimizer\.betas: \[0\.9, 0\.95\] on rank 0"),
+    (lambda v: v.update(extra=1), r"1 key\(s\): extra: '<absent>' on rank 0, 1 on rank 1"),
+]
+
+
+def _worker(rank: int, init_file: str) -> None:
+    import copy
+    import re
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        ctx = DistContext(rank=rank, world_size=WORLD)
+        for change, message in CASES:
+            value = copy.deepcopy(BASE)
+            if rank == 1:
+                change(value)
+            if message is None:
+                check_same_on_every_rank("config", value, ctx)
+                continue
+            try:
+                check_same_on_every_rank("config", value, ctx)
+            except ValueError as exc:
+                assert re.search(message, str(exc)), (rank, str(exc))
+            else:
+                raise AssertionError(f"rank {rank}: no error for {message!r}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_value_that_differs_between_ranks_is_an_error_on_every_rank(tmp_path, spawnable_test_modules):
+    mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+
