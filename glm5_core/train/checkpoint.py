@@ -158,7 +158,11 @@ def _check_state(where: str, entries: Dict[str, torch.Tensor], param: torch.Tens
 
 def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> Dict[str, dict]:
     """Read and validate ``optimizer.safetensors`` against ``optimizer`` (a HybridOptimizer) before any of it is
-    loaded: group ids and identity, state keys, and each state tensor's shape and dtype against its parameter."""
+    loaded: group ids and identity, state keys, and each state tensor's shape and dtype against its parameter.
+
+    Tensors are read one parameter at a time and, for a sharded (DTensor) parameter, cut to this rank's shard
+    at once: a rank never holds more than one parameter's whole state (reading all of it first held the
+    whole optimizer state on every rank of a node at the same time)."""
     expected = optimizer.state_dict()
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
@@ -169,27 +173,31 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
         if not isinstance(groups, dict):
             raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, got {type(groups).__name__}")
         out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
+        stored: Dict[str, Dict[int, Dict[str, str]]] = {part: {} for part in expected}  # part -> pid -> key -> name
         for name in f.keys():
             part, pid, key = (name.split("/") + ["", ""])[:3]
             if part not in out or not pid.isdigit() or len(pid) > 9 or not key:
                 raise ValueError(f"checkpoint: unexpected optimizer tensor {name!r} in {path}")
-            out[part]["state"].setdefault(int(pid), {})[key] = f.get_tensor(name)
-    for part, sd in out.items():
-        want = expected[part]["param_groups"]
-        _check_groups(part, sd["param_groups"], want)
-        opt = optimizer.optimizers[part]
-        _check_hyper(part, sd["param_groups"], opt)
-        by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
-                 for pid, param in zip(g["params"], group["params"])}
-        for pid, entries in sd["state"].items():
-            if pid not in by_id:
-                raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {pid}, "
+            stored[part].setdefault(int(pid), {})[key] = name
+        for part, sd in out.items():
+            want = expected[part]["param_groups"]
+            _check_groups(part, sd["param_groups"], want)
+            opt = optimizer.optimizers[part]
+            _check_hyper(part, sd["param_groups"], opt)
+            by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
+                     for pid, param in zip(g["params"], group["params"])}
+            unknown = sorted(set(stored[part]) - set(by_id))
+            if unknown:
+                raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {unknown[0]}, "
                                  f"this model has {len(by_id)}")
-            param, group = by_id[pid]
-            where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
-            _check_state(where, entries, param, _state_keys(opt, group))
-            if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
-                sd["state"][pid] = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
+            for pid, names in stored[part].items():
+                param, group = by_id[pid]
+                entries = {key: f.get_tensor(name) for key, name in names.items()}
+                where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
+                _check_state(where, entries, param, _state_keys(opt, group))
+                if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
+                    entries = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
+                sd["state"][pid] = entries
     return out
 
 

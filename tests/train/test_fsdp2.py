@@ -259,3 +259,109 @@ def test_sharding_needs_a_process_group():
     model = GLM5ForCausalLM(GLM5Config.tiny())
     with pytest.raises(ValueError, match="parallel.strategy: 'fsdp2' needs a process group"):
         shard_model(model, "cpu", 2)
+
+
+# ------------------------------------------------------------------------------------------ sharded resume memory
+
+
+class _Toy(torch.nn.Module):
+    """Rows that do not divide by 2 (7, 3) and a 1-row matrix (rank 1's shard empty); vectors for AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(6, 7), torch.nn.Linear(7, 3), torch.nn.Linear(3, 1, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _toy_sharded(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from glm5_core.optim import Muon
+    from glm5_core.optim.hybrid import HybridOptimizer
+    from glm5_core.train.fsdp import fully_shard_function
+
+    torch.manual_seed(0)
+    model = _Toy()
+    fully_shard_function()(model, mesh=init_device_mesh("cpu", (world,)))
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizers = {"muon": Muon(matrices, lr=0.05, momentum=0.9), "adamw": torch.optim.AdamW(vectors, lr=0.01, foreach=False)}
+    return model, HybridOptimizer(optimizers, [])
+
+
+def _tracking_safe_open(real, reads: dict):
+    """safe_open whose get_tensor records how many whole state tensors (all but ``step``) are alive at once."""
+    import weakref
+
+    class Tracking:
+        def __init__(self, *args, **kwargs):
+            self.file = real(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def get_tensor(self, name):
+            t = self.file.get_tensor(name)
+            if name.count("/") == 2 and not name.endswith("/step"):
+                reads.setdefault("refs", []).append(weakref.ref(t))
+                alive = sum(ref() is not None for ref in reads["refs"])
+                reads["most_alive"] = max(reads.get("most_alive", 0), alive)
+            return t
+    return Tracking
+
+
+def _resume_memory_worker(rank: int, init_file: str, root: str) -> None:
+    import torch.distributed as dist
+
+    from glm5_core.train import checkpoint as ckpt
+    from glm5_core.train.fsdp import full_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, opt = _toy_sharded(2)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+        model(x[rank::2]).pow(2).sum().backward()
+        opt.step()
+        ckpt.save_checkpoint(Path(root), step=1, model=model, optimizer=opt, data_state={}, world_size=2,
+                                      device_type="cpu", keep_last=1, write=rank == 0)
+        dist.barrier()
+        folder = Path(root) / "step_00000001"
+        fresh, fresh_opt = _toy_sharded(2)
+        reads = {}
+        real = ckpt.safe_open
+        ckpt.safe_open = _tracking_safe_open(real, reads)
+        try:
+            ckpt.load_checkpoint(folder, model=fresh, optimizer=fresh_opt, total_steps=1, world_size=2, device_type="cpu")
+        finally:
+            ckpt.safe_open = real
+        # 3 momentum buffers + 2 x 2 Adam moments read, at most one parameter's (2 moments) held whole at once
+        assert len(reads["refs"]) == 7 and reads["most_alive"] <= 2, (len(reads["refs"]), reads["most_alive"])
+        for part, o in opt.optimizers.items():  # the loaded shards are the saved run's shards
+            loaded = fresh_opt.optimizers[part]
+            for p, q in zip(o.param_groups[0]["params"], loaded.param_groups[0]["params"]):
+                for key, value in o.state[p].items():
+                    assert torch.equal(full_tensor(loaded.state[q][key]), full_tensor(value)), (part, key)
+        assert all(torch.equal(full_tensor(p.detach()), full_tensor(q.detach()))
+                   for p, q in zip(model.parameters(), fresh.parameters()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_sharded_resume_holds_one_parameters_whole_optimizer_state_at_a_time(tmp_path, spawnable_test_modules):
+    """Every rank reads the whole checkpoint; reading all optimizer state before cutting it to shards held the
+    whole optimizer state on every rank of a node at once (11 of 11 tensors on a 5-parameter toy)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_resume_memory_worker, args=(str(tmp_path / "init"), str(tmp_path / "ckpt")), nprocs=2, join=True)
