@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from glm5_core.cli import add_backend_argument
 
@@ -32,4 +33,6 @@ def run(args: argparse.Namespace) -> int:
     require_available(backend)
     summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()
     print(json.dumps(summary, indent=2))
+    if summary.get("metrics_skipped"):
+        print(f"rl: skipped {', '.join(summary['metrics_skipped'])}: pip install 'glm5-core[metrics]'", file=sys.stderr)
     return 0

@@ -271,6 +271,7 @@ class RLRun:
                 self.metrics.log(self.trainer.version, {"eval_reward": eval_end})
             self.metrics.log(self.trainer.version, {"summary": self.summary})
             self.summary["reward_curve"] = self.metrics.reward_curve(title=f"glm5 rl ({cfg.env['name']}, {cfg.mode})")
+            self.summary["metrics_skipped"] = list(self.metrics.skipped)
             with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(self.summary, f, indent=2)
             return self.summary

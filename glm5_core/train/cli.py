@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from glm5_core.cli import add_backend_argument
 from glm5_core.train.config import PARALLEL_STRATEGIES
@@ -48,4 +49,7 @@ def run(args: argparse.Namespace) -> int:
               f"{summary['last_lm_loss']:.3f} (mean of the last {LAST_LOSS_WINDOW} steps); "
               f"{summary['median_tokens_per_s']:.0f} tokens/s median on {summary['backend']} "
               f"x {summary['world_size']}; {summary['wall_s']:.0f} s; results in {output_dir}")
+    if summary.get("metrics_skipped"):
+        print(f"pretrain: skipped {', '.join(summary['metrics_skipped'])}: pip install 'glm5-core[metrics]'",
+              file=sys.stderr)
     return 0

@@ -39,6 +39,7 @@ class MetricsLogger:
         self.path = output_dir / METRICS_FILE
         self.output_dir = output_dir
         self._tb = None
+        self.skipped: List[str] = []  # optional outputs whose package is missing (the [metrics] extra)
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard is an optional extra
                 SummaryWriter = None
+                self.skipped.append("tensorboard (not installed)")
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import json
 import statistics
 import sys
@@ -196,7 +197,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         logger.close()
-        return self._finish(time.perf_counter() - started, rates)
+        return self._finish(time.perf_counter() - started, rates, list(logger.skipped))
 
     def _save(self, done: int) -> None:
         # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
@@ -229,7 +230,7 @@ class Trainer:
         return {"parameter_bytes_per_rank": sum(local_bytes(p) for p in self.model.parameters()),
                 "optimizer_state_bytes_per_rank": sum(local_bytes(v) for v in states)}
 
-    def _finish(self, wall_s: float, rates: List[float]) -> dict:
+    def _finish(self, wall_s: float, rates: List[float], skipped: List[str]) -> dict:
         digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
         export = self._export_model()
         summary = {"backend": self.backend.name, "world_size": self.dist.world_size,
@@ -249,6 +250,9 @@ class Trainer:
             if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
                 plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
                 summary["plot"] = str(plotted) if plotted else None
+                if plotted is None and importlib.util.find_spec("matplotlib") is None:
+                    skipped.append(f"{PLOT_FILE} (matplotlib not installed)")
+            summary["metrics_skipped"] = skipped
             (self.output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1), encoding="utf-8")
         # DDP's reducer holds the process group: free it now, not at interpreter exit, where tearing down its
         # gloo threads aborted a rank now and then ("terminate called without an active exception")

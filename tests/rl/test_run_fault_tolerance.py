@@ -62,6 +62,7 @@ def test_sync_mode_trains_fresh_samples_only(tmp_path):
     assert summary["staleness_histogram"] == {"0": 8}
     check_exactly_once(run)
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "reward_curve.png").exists()
+    assert summary["metrics_skipped"] == []
 
 
 def test_sync_mode_replaces_a_failed_group_without_training_leftovers_later(tmp_path):

@@ -154,3 +154,31 @@ def test_indexer_warmup_trains_every_indexer_including_the_mtp_layers(small_raw,
     assert any(k.startswith(f"model.layers.{mtp_layer}.self_attn.indexer.") for k in indexer)
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed == indexer, sorted(changed ^ indexer)
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_cli_says_which_metrics_outputs_a_missing_package_skipped(small_raw, tmp_path, capsys, monkeypatch, installed):
+    """The plot and TensorBoard need the [metrics] extra: without it the run still trains and says what it left out."""
+    import sys
+
+    import yaml
+
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("torch.utils.tensorboard")
+    if not installed:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    small_raw["logging"].update(tensorboard=True, plot=True)
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(small_raw))
+    out = tmp_path / "cli"
+    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out), "--max-steps", "6"]) == 0
+    err = capsys.readouterr().err
+    summary = json.loads((out / "summary.json").read_text())
+    assert (out / "loss.png").is_file() == installed and (out / "tensorboard").is_dir() == installed
+    if installed:
+        assert summary["metrics_skipped"] == [] and "glm5-core[metrics]" not in err
+    else:
+        assert summary["metrics_skipped"] == ["tensorboard (not installed)", "loss.png (matplotlib not installed)"]
+        assert "skipped tensorboard (not installed), loss.png (matplotlib not installed)" in err
+        assert "pip install 'glm5-core[metrics]'" in err
