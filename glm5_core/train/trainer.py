@@ -83,6 +83,11 @@ class Trainer:
         self.backend = registry.require_available(registry.resolve_backend_name(options.backend))
         self.output_dir = Path(options.output_dir or cfg.output_dir)
         self.dist = dist_utils.init_distributed(self.backend)
+        # ranks that read different configs would train on silently (DDP replicas diverge, FSDP2 shards move by
+        # different rules); output_dir is left out: only rank 0 writes
+        dist_utils.check_same_on_every_rank(
+            "config", {**dataclasses.asdict(cfg), "output_dir": None, "backend": self.backend.name,
+                       "resume": options.resume is not None, "max_steps": options.max_steps}, self.dist)
         if cfg.data.batch_size % self.dist.world_size:
             raise ValueError(f"data.batch_size: expected a multiple of the world size {self.dist.world_size}, "
                              f"got {cfg.data.batch_size}")

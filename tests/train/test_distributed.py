@@ -49,3 +49,38 @@ def _worker(rank: int, init_file: str) -> None:
 def test_a_value_that_differs_between_ranks_is_an_error_on_every_rank(tmp_path, spawnable_test_modules):
     mp.spawn(_worker, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
 
+
+
+def _pretrain_worker(rank: int, root: str, raw: dict) -> None:
+    """One rank of a 2-rank pretrain whose config differs on rank 1 (weight_decay); writes what it raised."""
+    import copy
+    import os
+    import pathlib
+
+    from glm5_core.train import RunOptions, parse_config, pretrain
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    raw = copy.deepcopy(raw)
+    raw.setdefault("optimizer", {})["weight_decay"] = 0.1 if rank == 0 else 0.5
+    outcome = "no error"
+    try:
+        pretrain(parse_config(raw), RunOptions(backend="cpu"))
+    except ValueError as exc:
+        outcome = str(exc)
+    pathlib.Path(root, f"rank{rank}.txt").write_text(outcome)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_pretrain_refuses_ranks_whose_configs_differ(small_raw, tmp_path, spawnable_test_modules, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    small_raw["data"]["batch_size"] = 4
+    small_raw["stages"] = [dict(kind="dense", steps=1)]
+    mp.spawn(_pretrain_worker, args=(str(tmp_path), small_raw), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "config: expected the same on every rank" in said, (rank, said)
+        assert "optimizer.weight_decay: 0.1 on rank 0, 0.5 on rank 1" in said, (rank, said)
