@@ -44,6 +44,7 @@ from glm5_core.train.schedule import StageSchedule
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "final"  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
 LAST_LOSS_WINDOW = 50  # the summary's end loss: mean LM loss of this many last steps (batches vary a lot)
+SCHEDULED_KEYS = ("lr", "initial_lr")  # optimizer-group keys the schedule sets every step
 
 
 @dataclasses.dataclass
@@ -65,6 +66,22 @@ def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
             p.requires_grad_(is_indexer)
         else:
             p.requires_grad_(True)
+
+
+def _restore_configured_hyperparameters(groups: List[dict], configured: List[dict]) -> List[str]:
+    """Loading an optimizer's state dict also loads the hyper-parameters saved with it. The config wins, as
+    it does for the learning rate (set every step by the schedule): put its values back into ``groups`` and
+    return ``"group.key: checkpoint -> config"`` for each one that differed."""
+    changed = []
+    for group, wanted in zip(groups, configured):
+        for key, value in wanted.items():
+            saved = group.get(key)
+            same = list(saved) == list(value) if isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)) \
+                else saved == value
+            if key not in SCHEDULED_KEYS and not same:
+                changed.append(f"{group.get('name', '?')}.{key}: {saved!r} -> {value!r}")
+                group[key] = value
+    return changed
 
 
 def _set_learning_rates(optimizer, lrs: Dict[str, float], muon_lr_ratio: float) -> None:
@@ -111,9 +128,14 @@ class Trainer:
                                          lr=cfg.schedule.lr, backend=self.backend.name)
         self.start_step = 0
         if options.resume:
+            configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(Path(options.resume)), model=self.model,
                                          optimizer=self.optimizer, total_steps=self.schedule.total_steps,
                                          world_size=self.dist.world_size, device_type=self.dist.device.type)
+            changed = _restore_configured_hyperparameters(self.optimizer.param_groups, configured)
+            if changed and self.dist.is_main:
+                print(f"resume: the config's optimizer settings replace the checkpoint's: {'; '.join(changed)}",
+                      file=sys.stderr)
             self.packer.load_state_dict(state["data"])
             self.start_step = state["step"]
         self.stop_step = self.schedule.total_steps if options.max_steps is None else \

@@ -52,12 +52,14 @@ def test_out_of_range_hyperparameters_are_refused_at_load(small_raw, run, part, 
     assert not (run.parent / "resumed" / "checkpoints").exists()  # refused before any step
 
 
-def test_in_range_hyperparameters_load_and_are_used(small_raw, run):
-    """A valid change (momentum 0.5 instead of the run's 0.95) is restored, as torch restores it."""
+def test_in_range_hyperparameters_load_and_the_config_wins(small_raw, run, capsys):
+    """A valid saved value (momentum 0.5 instead of the run's 0.95) loads without error; the config's value
+    replaces it (as the schedule's lr does) and the resume says so."""
     from glm5_core.train.trainer import Trainer
 
     _set_group_value(run, "muon", "momentum", 0.5)
     trainer = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
                                                           resume=str(run)))
     muon = trainer.optimizer.optimizers["muon"]
-    assert [g["momentum"] for g in muon.param_groups][-1] == 0.5
+    assert [g["momentum"] for g in muon.param_groups][-1] == 0.95
+    assert "momentum: 0.5 -> 0.95" in capsys.readouterr().err

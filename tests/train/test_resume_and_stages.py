@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from glm5_core.cli import main
 from glm5_core.train import RunOptions, parse_config, pretrain
+from glm5_core.train.trainer import Trainer
 from glm5_core.train.checkpoint import resolve_checkpoint
 
 NON_DETERMINISTIC = {"tokens_per_s"}
@@ -182,3 +183,25 @@ def test_cli_says_which_metrics_outputs_a_missing_package_skipped(small_raw, tmp
         assert summary["metrics_skipped"] == ["tensorboard (not installed)", "loss.png (matplotlib not installed)"]
         assert "skipped tensorboard (not installed), loss.png (matplotlib not installed)" in err
         assert "pip install 'glm5-core[metrics]'" in err
+
+
+def test_resume_takes_the_configs_optimizer_settings_and_says_which_changed(small_raw, tmp_path, capsys):
+    """Loading the optimizer's state also loads the hyper-parameters saved with it; the config must win, as it
+    does for the learning rate, instead of a changed weight_decay or momentum being silently ignored."""
+    run = tmp_path / "run"
+    pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run), max_steps=2))
+    capsys.readouterr()
+    small_raw["optimizer"] = {"weight_decay": 0.25, "muon": {"momentum": 0.9}}
+    resumed = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "again"),
+                                                          resume=str(run)))
+    groups = {g["name"]: g for g in resumed.optimizer.param_groups}
+    assert groups["muon"]["weight_decay"] == 0.25 and groups["muon"]["momentum"] == 0.9
+    assert groups["adamw_main"]["weight_decay"] == 0.25 and groups["adamw_main_no_decay"]["weight_decay"] == 0.0
+    err = capsys.readouterr().err
+    assert "resume: the config's optimizer settings replace the checkpoint's" in err
+    assert "muon.weight_decay: 0.1 -> 0.25" in err and "muon.momentum: 0.95 -> 0.9" in err
+    assert ".lr:" not in err  # the schedule sets lr every step
+    unchanged = Trainer(parse_config({**small_raw, "optimizer": {}}), RunOptions(
+        backend="cpu", output_dir=str(tmp_path / "same"), resume=str(run)))
+    assert unchanged.optimizer.param_groups[0]["weight_decay"] == 0.1
+    assert "replace" not in capsys.readouterr().err  # nothing differed, nothing said
