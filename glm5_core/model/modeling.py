@@ -141,7 +141,7 @@ class GLM5ForCausalLM(nn.Module):
         if input_ids.shape[1] < 1:
             raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
         if value_checks_enabled() and input_ids.numel():  # one device sync; off under GLM5_CHECK_VALUES=0
-            lo, hi = int(input_ids.min()), int(input_ids.max())
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # [2]: both bounds in one host read
             if lo < 0 or hi >= self.config.vocab_size:  # else an IndexError here, a device-side assert on CUDA
                 raise ValueError(f"input_ids: expected token ids in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
         if attention not in ATTENTION_MODES:

@@ -263,6 +263,21 @@ def test_token_ids_outside_the_vocabulary_are_named(small_model, bad_id, monkeyp
         small_model(ids)
 
 
+def test_token_id_range_check_reads_the_device_once(small_model, monkeypatch):
+    """The range check costs one device -> host read per forward (a sync on an accelerator), not one per bound."""
+    reads = []
+    for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k: (reads.append(_name), _real(self, *a, **k))[1])
+    ids = _ids(small_model.config, T=5)
+    small_model._check_call(ids, "dense", 0, None, 0)
+    assert len(reads) == 1, reads
+    ids[0, 2] = small_model.config.vocab_size
+    with pytest.raises(ValueError, match="input_ids: expected token ids"):
+        small_model._check_call(ids, "dense", 0, None, 0)
+
+
 def test_reused_stacked_expert_weights_follow_every_weight_change(make_model, make_config):
     """The inference-server reuse of stacked expert weights must never serve stale weights."""
     cfg = make_config()
