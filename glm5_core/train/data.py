@@ -99,7 +99,7 @@ class FileCorpus:
 class JsonlCorpus:
     """One document per non-empty line: ``{"<text_key>": "..."}``."""
 
-    def __init__(self, path: Path, text_key: str):
+    def __init__(self, path: Path, text_key: str, *, allow_empty: bool = False):
         self.path, self.text_key = path, text_key
         self.offsets: List[int] = []  # byte offset of each non-empty line
         with path.open("rb") as f:
@@ -108,7 +108,7 @@ class JsonlCorpus:
                 if line.strip():
                     self.offsets.append(offset)
                 offset += len(line)
-        if not self.offsets:
+        if not self.offsets and not allow_empty:  # a shard of a folder may be empty, the whole corpus not
             raise ValueError(f"data.path: {str(path)!r} holds no documents")
         self.description = str(path)
 
@@ -136,6 +136,8 @@ class ConcatCorpus:
         self.parts = parts
         self.starts = list(itertools.accumulate((len(p) for p in parts), initial=0))  # [len(parts) + 1]
         self.description = description
+        if not self.starts[-1]:
+            raise ValueError(f"data: {description} holds no documents")
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -151,7 +153,8 @@ def _folder_corpus(root: Path, extensions: Sequence[str], text_key: str):
     files = _sorted_files(root, tuple(extensions))
     if not any(f.suffix == ".jsonl" for f in files):
         return FileCorpus(files, description)
-    parts = [JsonlCorpus(f, text_key) if f.suffix == ".jsonl" else FileCorpus([f], str(f)) for f in files]
+    parts = [JsonlCorpus(f, text_key, allow_empty=True) if f.suffix == ".jsonl" else FileCorpus([f], str(f))
+             for f in files]
     return ConcatCorpus(parts, description)
 
 

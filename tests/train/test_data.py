@@ -96,6 +96,18 @@ def test_jsonl_files_in_a_folder_give_one_document_per_line(tmp_path):
     assert b"{" not in bytes(t for t in stream.tolist() if t < 256)
 
 
+def test_an_empty_jsonl_shard_in_a_folder_holds_no_documents_but_an_empty_folder_is_an_error(tmp_path):
+    from glm5_core.train.config import DataConfig
+
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n')
+    (tmp_path / "b.jsonl").write_text("\n")  # an empty last shard, as a sharding job may write
+    corpus = make_corpus("path", str(tmp_path), extensions=DataConfig().extensions)
+    assert [corpus[i] for i in range(len(corpus))] == [b"one"]
+    (tmp_path / "a.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no documents"):
+        make_corpus("path", str(tmp_path), extensions=DataConfig().extensions)
+
+
 def test_hf_tokenizer_json(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[EOS]": 0, "[UNK]": 1, "def": 2, "add": 3, "return": 4}
