@@ -64,6 +64,14 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """After an error: tear the process group down without waiting for the other ranks (a barrier could wait
+    forever on a rank that failed elsewhere). Left up, gloo's threads abort the process at interpreter exit
+    ("terminate called without an active exception"), which turns a clean ValueError into a SIGABRT."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if ctx.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

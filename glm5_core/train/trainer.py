@@ -301,4 +301,8 @@ def _progress(cfg: TrainConfig, d, start: int, stop: int):
 
 def pretrain(cfg: TrainConfig, options: Optional[RunOptions] = None) -> dict:
     """Run (or resume) the pretraining described by ``cfg``; returns the run summary."""
-    return Trainer(cfg, options or RunOptions()).run()
+    try:
+        return Trainer(cfg, options or RunOptions()).run()
+    except BaseException:
+        dist_utils.abandon()
+        raise

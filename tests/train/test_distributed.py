@@ -67,6 +67,8 @@ def _pretrain_worker(rank: int, root: str, raw: dict) -> None:
         pretrain(parse_config(raw), RunOptions(backend="cpu"))
     except ValueError as exc:
         outcome = str(exc)
+    # a group left up after the error makes gloo abort the process at exit (SIGABRT instead of the error)
+    outcome += f"\ngroup left up: {dist.is_initialized()}"
     pathlib.Path(root, f"rank{rank}.txt").write_text(outcome)
 
 
@@ -84,3 +86,4 @@ def test_pretrain_refuses_ranks_whose_configs_differ(small_raw, tmp_path, spawna
         said = (tmp_path / f"rank{rank}.txt").read_text()
         assert "config: expected the same on every rank" in said, (rank, said)
         assert "optimizer.weight_decay: 0.1 on rank 0, 0.5 on rank 1" in said, (rank, said)
+        assert said.endswith("group left up: False"), (rank, said)
