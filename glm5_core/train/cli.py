@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
                                        max_steps=args.max_steps))
     start, stop = summary["steps"]
+    if "hf_checkpoint" not in summary:  # not rank 0: rank 0 writes the results and reports them
+        return 0
     if start == stop:  # resumed at the end of the schedule (or at --max-steps): no step ran, no rate to report
         print(f"nothing to train: the checkpoint is at step {start}, where this run stops; results in {output_dir}")
     elif "first_lm_loss" in summary:
