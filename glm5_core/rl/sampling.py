@@ -26,11 +26,14 @@ def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature:
 def top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
     """Set to -inf every token outside the smallest set whose probability mass reaches top_p (per row).
 
-    The most likely token always survives; ties in probability keep the lower token id first."""
+    The most likely token always survives; ties in probability keep the lower token id first. A row with
+    top_p >= 1 keeps every token: its fp32 running sum can reach 1.0 before the tail of a large vocabulary
+    (rounding), which would otherwise drop thousands of tokens of nonzero probability."""
     probs = torch.softmax(logits_BV, dim=-1)
     order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(order.values, dim=-1) - order.values  # [B, V] mass of strictly better tokens
-    drop_sorted = mass_before >= top_p_B.unsqueeze(-1)  # [B, V]
+    top_p_B1 = top_p_B.unsqueeze(-1)  # [B, 1]
+    drop_sorted = (mass_before >= top_p_B1) & (top_p_B1 < 1.0)  # [B, V]
     drop = torch.zeros_like(drop_sorted).scatter(-1, order.indices, drop_sorted)
     return logits_BV.masked_fill(drop, float("-inf"))
 

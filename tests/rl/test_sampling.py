@@ -54,3 +54,16 @@ def test_sampling_frequencies_follow_the_distribution():
     tokens, _ = sample(logits, torch.ones(4000), torch.ones(4000), g)
     freq = torch.bincount(tokens, minlength=3).double() / 4000
     assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64), atol=0.03)
+
+
+def test_top_p_one_keeps_the_whole_vocabulary_of_a_large_model():
+    # Over 32K tokens the fp32 running sum of the sorted probabilities reaches 1.0 before the tail: top_p = 1
+    # (no nucleus) must still keep every token, as the recorded full-softmax log-prob assumes.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 32768, generator=g) * 3
+    out = top_p_filter(logits, torch.tensor([1.0, 0.5]))
+    assert not torch.isinf(out[0]).any()
+    probs = torch.softmax(logits[1].double(), -1)
+    kept = ~torch.isinf(out[1])
+    # the row with top_p = 0.5 is still a nucleus: it reaches 0.5 and removing its least likely member does not
+    assert probs[kept].sum() >= 0.5 - 1e-6 and probs[kept].sum() - probs[kept].min() < 0.5 + 1e-6
