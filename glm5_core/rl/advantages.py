@@ -22,7 +22,8 @@ def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: fl
         r = torch.tensor([float(rewards[i]) for i in members], dtype=torch.float64)
         centred = r - r.mean()
         std = r.std(unbiased=False)
-        values = torch.zeros_like(r) if float(std) == 0.0 else centred / (std + eps)
+        flat = float(r.max()) == float(r.min())  # not std == 0: the mean of equal floats may round off them
+        values = torch.zeros_like(r) if flat else centred / (std + eps)
         for i, v in zip(members, values.tolist()):
             out[i] = v
     return out

@@ -18,6 +18,13 @@ def test_group_normalized_matches_manual_and_zero_for_flat_groups():
         group_normalized([1.0], ["a", "b"])
 
 
+@pytest.mark.parametrize("reward, size", [(0.1, 3), (1e6 + 0.1, 7)])
+def test_group_normalized_is_exactly_zero_when_the_mean_of_equal_rewards_rounds(reward, size):
+    # sum([0.1] * 3) / 3 != 0.1 in float64: the group's std is ~1e-17, not 0, and dividing by (std + eps) turned
+    # that rounding into a nonzero advantage (1e-4 for rewards near 1e6) for a group that carries no signal
+    assert group_normalized([reward] * size + [0.0, 1.0], ["flat"] * size + ["x", "x"])[:size] == [0.0] * size
+
+
 def test_is_loss_gradient_is_ratio_times_advantage_inside_band_and_zero_outside():
     torch.manual_seed(0)
     logp = torch.log(torch.rand(2, 5, dtype=torch.float64) * 0.9 + 0.05).requires_grad_(True)
