@@ -2,7 +2,8 @@
 
 * the trainer takes a batch only once ``batch_size`` trajectories are ready (whole groups, so advantages can be
   normalised within the group);
-* samples older than ``max_staleness`` policy versions are dropped at take time (counted, not trained);
+* samples older than ``max_staleness`` policy versions are dropped at take time (counted, not trained), with
+  their whole group; a trajectory without sampled tokens (its prompt filled ``max_len``) is never stale;
 * exactly-once accounting: a trajectory id can be put once and taken once; a duplicate is a bug and raises.
 """
 from __future__ import annotations
@@ -65,8 +66,8 @@ class TrajectoryBuffer:
                 self.dropped_env_failures += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
                 continue
-            stale = self.max_staleness is not None and any(
-                policy_version - t.oldest_version > self.max_staleness for t in group)
+            stale = self.max_staleness is not None and any(  # oldest_version -1: no sampled token, never stale
+                t.oldest_version >= 0 and policy_version - t.oldest_version > self.max_staleness for t in group)
             if stale:
                 self.dropped_stale += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
@@ -91,7 +92,8 @@ class TrajectoryBuffer:
                 batch.extend(self._ready.pop(0))
             for t in batch:
                 self.taken_ids.append(t.trajectory_id)
-                self.staleness_histogram[max(0, policy_version - t.oldest_version)] += 1
+                if t.oldest_version >= 0:  # a trajectory that sampled nothing has no staleness
+                    self.staleness_histogram[max(0, policy_version - t.oldest_version)] += 1
             return batch
 
     def leftover_ids(self) -> List[str]:

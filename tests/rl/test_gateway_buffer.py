@@ -87,6 +87,17 @@ def test_buffer_skips_groups_with_environment_failures():
     assert buf.dropped_env_failures == 2
 
 
+def test_a_trajectory_that_sampled_nothing_does_not_make_its_fresh_group_stale():
+    # its oldest_version is -1 (no sampled token): read as a version, it was policy_version + 1 behind, so the
+    # whole fresh group was dropped as stale once policy_version >= max_staleness, and the histogram got p + 1
+    buf = TrajectoryBuffer(batch_size=2, group_size=2, max_staleness=1)
+    buf.put(traj("a0", "a", 5))
+    buf.put(Trajectory("a1", "a", [], 0.0))  # e.g. its prompt filled max_len: no generation
+    batch = buf.take(policy_version=5, timeout=0)
+    assert batch is not None and sorted(t.trajectory_id for t in batch) == ["a0", "a1"]
+    assert buf.dropped_stale == 0 and buf.staleness_histogram == {0: 1}
+
+
 def test_buffer_argument_checks():
     with pytest.raises(ValueError, match="group_size"):
         TrajectoryBuffer(batch_size=5, group_size=2)
