@@ -82,3 +82,19 @@ def test_turn_counts_are_long_tailed():
     counts = sorted(long_tailed_count(rng, 1.2, 32) for _ in range(4000))
     median, p99 = counts[len(counts) // 2], counts[int(0.99 * len(counts))]
     assert median <= 2 and p99 >= 8 * median
+
+
+@pytest.mark.parametrize("template", ["{a}+{b}={c}", "{a}+{b}={}", "{a}+{b}={"])
+def test_arithmetic_env_rejects_a_template_it_cannot_format_at_construction(template):
+    with pytest.raises(ValueError, match="template"):
+        ArithmeticEnv(template=template)
+    assert ArithmeticEnv(template="{{{a}}}+{b}=").episode("g", 1, 2).context_tokens() == ByteCodec().encode("{1}+2=")
+
+
+@pytest.mark.parametrize("name, bad", [("max_value", -1), ("max_new_tokens", 0), ("keep_recent", 0),
+                                       ("token_budget", 0), ("max_value", 2.5)])
+def test_calculator_env_rejects_bad_settings_at_construction(name, bad):
+    # before, these passed the constructor and failed at the first group (in a rollout thread) or reached the
+    # engine as max_new_tokens=0
+    with pytest.raises(ValueError, match=name):
+        CalculatorEnv(**{name: bad})

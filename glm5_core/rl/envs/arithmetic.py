@@ -58,6 +58,11 @@ class ArithmeticEnv(Environment):
             raise ValueError(f"max_operand: expected an int in [0, 1e6], got {max_operand!r}")
         if "{a}" not in template or "{b}" not in template:
             raise ValueError(f"template: expected placeholders {{a}} and {{b}}, got {template!r}")
+        try:
+            template.format(a=0, b=0)
+        except (KeyError, IndexError, ValueError) as exc:  # '{c}', '{}', an unmatched brace
+            raise ValueError(f"template: expected no placeholder but {{a}} and {{b}} (literal braces doubled), "
+                             f"got {template!r} ({type(exc).__name__}: {exc})") from None
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         self.max_operand = max_operand

@@ -87,6 +87,11 @@ class CalculatorEnv(Environment):
             raise ValueError(f"max_numbers: expected an int >= 1, got {max_numbers!r}")
         if not isinstance(min_numbers, int) or not 1 <= min_numbers <= max_numbers:
             raise ValueError(f"min_numbers: expected an int in [1, max_numbers={max_numbers}], got {min_numbers!r}")
+        # checked here, not at the first episode (in a rollout thread, as a bare KeyError / randrange error)
+        for name, value, low in (("max_value", max_value, 0), ("max_new_tokens", max_new_tokens, 1),
+                                 ("keep_recent", keep_recent, 1), ("token_budget", token_budget, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         self.pareto_alpha, self.max_numbers, self.max_value = pareto_alpha, max_numbers, max_value
         self.min_numbers = min_numbers
         self.max_new_tokens, self.keep_recent, self.token_budget = max_new_tokens, keep_recent, token_budget
