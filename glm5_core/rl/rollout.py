@@ -27,7 +27,9 @@ class RolloutRunner:
         self.generate_fn = generate_fn
         self.group_size = group_size
         self.temperature = check_training_temperature(temperature, "temperature")  # its trajectories are trained on
-        self.top_p = top_p
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")  # else every request is refused
+        self.top_p = float(top_p)
         self.max_len = max_len
         self.forget_fn = forget_fn or (lambda tid: None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rl-episode")

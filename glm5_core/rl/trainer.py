@@ -47,6 +47,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.push_every: expected an int >= 1, got {self.push_every!r}")
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: expected an int >= 1, got {self.micro_batch_size!r}")
+        if not 0.0 < self.eps_low <= 1.0:  # checked with the config, not at the first loss after a batch of rollouts
+            raise ValueError(f"trainer.eps_low: expected a float in (0, 1], got {self.eps_low!r}")
+        if not self.eps_high > 0.0:
+            raise ValueError(f"trainer.eps_high: expected a float > 0, got {self.eps_high!r}")
         if self.distill_coef < 0:
             raise ValueError(f"trainer.distill_coef: expected >= 0, got {self.distill_coef!r}")
         return self

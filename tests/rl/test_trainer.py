@@ -69,6 +69,19 @@ def test_training_rollouts_reject_greedy_or_invalid_temperature(small_policy, ba
         RolloutRunner(env=None, generate_fn=None, group_size=2, temperature=bad, top_p=1.0, max_len=16)
 
 
+@pytest.mark.parametrize("key, bad", [("eps_low", 0.0), ("eps_low", 1.5), ("eps_high", 0.0), ("eps_high", float("nan"))])
+def test_an_importance_sampling_band_the_loss_refuses_is_refused_with_the_config(key, bad):
+    # before, it passed config validation and raised only at the first loss, after a whole batch of rollouts
+    with pytest.raises(ValueError, match=key):
+        config_from_dict({"train": {"optim": {key: bad}}})
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, float("nan"), True])
+def test_rollout_runner_refuses_a_top_p_every_engine_would_refuse(bad):
+    with pytest.raises(ValueError, match="top_p"):
+        RolloutRunner(env=None, generate_fn=None, group_size=2, temperature=1.0, top_p=bad, max_len=16)
+
+
 def test_config_has_one_temperature_and_names_both_keys_when_a_second_is_given():
     with pytest.raises(ValueError, match=r"train\.optim\.temperature.*rollout\.temperature"):
         config_from_dict({"rollout": {"temperature": 0.7}, "train": {"optim": {"temperature": 1.0}}})
