@@ -16,6 +16,12 @@ from typing import Dict, List, Optional
 from glm5_core.rl.trajectory import Trajectory
 
 
+def staleness(trajectories: List[Trajectory], policy_version: int) -> List[int]:
+    """Policy versions each trajectory's oldest sampled token is behind ``policy_version``. A trajectory that
+    sampled nothing (``oldest_version`` -1) has no age and is left out."""
+    return [max(0, policy_version - t.oldest_version) for t in trajectories if t.oldest_version >= 0]
+
+
 class TrajectoryBuffer:
     def __init__(self, *, batch_size: int, group_size: int, max_staleness: Optional[int] = None):
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -90,10 +96,8 @@ class TrajectoryBuffer:
             batch: List[Trajectory] = []
             while len(batch) < self.batch_size:
                 batch.extend(self._ready.pop(0))
-            for t in batch:
-                self.taken_ids.append(t.trajectory_id)
-                if t.oldest_version >= 0:  # a trajectory that sampled nothing has no staleness
-                    self.staleness_histogram[max(0, policy_version - t.oldest_version)] += 1
+            self.taken_ids.extend(t.trajectory_id for t in batch)
+            self.staleness_histogram.update(staleness(batch, policy_version))
             return batch
 
     def leftover_ids(self) -> List[str]:

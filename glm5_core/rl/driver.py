@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from glm5_core.rl.buffer import TrajectoryBuffer
+from glm5_core.rl.buffer import TrajectoryBuffer, staleness
 from glm5_core.rl.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
@@ -216,7 +216,7 @@ class RLRun:
                     if batch is None:  # every group failed or was stale
                         continue
                 waited += time.monotonic() - t0
-                staleness = [self.trainer.version - t.oldest_version for t in batch]  # versions behind the trainer
+                ages = staleness(batch, self.trainer.version)  # versions behind the trainer
                 stats = self.trainer.train_step(batch)
                 if self.trainer.should_push():
                     self._push_weights()
@@ -228,8 +228,8 @@ class RLRun:
                            turns=sum(t.num_turns for t in batch) / len(batch),
                            trainer_idle_ratio=waited / elapsed, elapsed_s=elapsed,
                            trained_tokens_per_s=trained_tokens / elapsed,
-                           staleness_mean=statistics.mean(staleness),
-                           staleness_histogram={str(k): n for k, n in sorted(collections.Counter(staleness).items())},
+                           staleness_mean=statistics.mean(ages) if ages else 0.0,  # none if nothing was sampled
+                           staleness_histogram={str(k): n for k, n in sorted(collections.Counter(ages).items())},
                            dropped_stale=self.buffer.dropped_stale, replacements=self.replicas.replacements)
                 step = self.trainer.version
                 if cfg.eval.every and step % cfg.eval.every == 0:

@@ -98,6 +98,14 @@ def test_a_trajectory_that_sampled_nothing_does_not_make_its_fresh_group_stale()
     assert buf.dropped_stale == 0 and buf.staleness_histogram == {0: 1}
 
 
+def test_staleness_leaves_out_trajectories_that_sampled_nothing():
+    from glm5_core.rl.buffer import staleness
+
+    batch = [traj("a0", "a", 3), Trajectory("a1", "a", [], 0.0), traj("b0", "b", 5)]
+    assert staleness(batch, policy_version=5) == [2, 0]
+    assert staleness([Trajectory("c0", "c", [], 0.0)], policy_version=5) == []
+
+
 def test_buffer_argument_checks():
     with pytest.raises(ValueError, match="group_size"):
         TrajectoryBuffer(batch_size=5, group_size=2)

@@ -69,6 +69,13 @@ def test_training_rollouts_reject_greedy_or_invalid_temperature(small_policy, ba
         RolloutRunner(env=None, generate_fn=None, group_size=2, temperature=bad, top_p=1.0, max_len=16)
 
 
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.01, float("nan"), True, "0.9"])
+def test_a_top_p_every_engine_would_refuse_is_refused_with_the_config(bad):
+    with pytest.raises(ValueError, match="rollout.top_p"):
+        config_from_dict({"rollout": {"top_p": bad}})
+    assert config_from_dict({"rollout": {"top_p": 1}}).rollout.top_p == 1
+
+
 @pytest.mark.parametrize("key, bad", [("eps_low", 0.0), ("eps_low", 1.5), ("eps_high", 0.0), ("eps_high", float("nan"))])
 def test_an_importance_sampling_band_the_loss_refuses_is_refused_with_the_config(key, bad):
     # before, it passed config validation and raised only at the first loss, after a whole batch of rollouts
