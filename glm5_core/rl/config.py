@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from glm5_core.rl.sampling import check_top_p
 from glm5_core.rl.trainer import TrainerConfig, check_training_temperature
 
 ENVIRONMENTS = ("arithmetic", "calculator")
@@ -80,9 +81,7 @@ class RLConfig:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(f"rollout.prefix_cache_tokens: expected null or an int >= 1, got {tokens!r}")
         check_training_temperature(self.rollout.temperature, "rollout.temperature")
-        top_p = self.rollout.top_p
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"rollout.top_p: expected a number in (0, 1], got {top_p!r}")
+        check_top_p(self.rollout.top_p, "rollout.top_p")
         if self.train.batch_size % self.rollout.group_size:
             raise ValueError(f"train.batch_size: expected a multiple of rollout.group_size={self.rollout.group_size}, "
                              f"got {self.train.batch_size}")

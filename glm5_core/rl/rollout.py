@@ -16,6 +16,7 @@ from typing import Callable, Dict, List
 from glm5_core.rl.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.envs.base import Environment, Episode
 from glm5_core.rl.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.sampling import check_top_p
 from glm5_core.rl.trainer import check_training_temperature
 from glm5_core.rl.trajectory import Trajectory
 
@@ -27,9 +28,7 @@ class RolloutRunner:
         self.generate_fn = generate_fn
         self.group_size = group_size
         self.temperature = check_training_temperature(temperature, "temperature")  # its trajectories are trained on
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {top_p!r}")  # else every request is refused
-        self.top_p = float(top_p)
+        self.top_p = check_top_p(top_p)  # else every engine refuses every request
         self.max_len = max_len
         self.forget_fn = forget_fn or (lambda tid: None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rl-episode")

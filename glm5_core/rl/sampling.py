@@ -16,6 +16,13 @@ import torch
 GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
 
 
+def check_top_p(top_p, name: str = "top_p") -> float:
+    """A nucleus mass the engines accept: a number in (0, 1] (1 keeps the whole vocabulary)."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {top_p!r}")
+    return float(top_p)
+
+
 def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature)[tokens] in fp32: [B, V], [B] -> [B]. Works on any leading dims."""
     scaled = logits_BV.float() / max(float(temperature), GREEDY_BELOW)

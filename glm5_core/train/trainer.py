@@ -76,12 +76,14 @@ def _restore_configured_hyperparameters(groups: List[dict], configured: List[dic
     for group, wanted in zip(groups, configured):
         for key, value in wanted.items():
             saved = group.get(key)
-            same = list(saved) == list(value) if isinstance(value, (list, tuple)) and isinstance(saved, (list, tuple)) \
-                else saved == value
-            if key not in SCHEDULED_KEYS and not same:
+            if key not in SCHEDULED_KEYS and _as_list(saved) != _as_list(value):  # JSON gives lists, configs tuples
                 changed.append(f"{group.get('name', '?')}.{key}: {saved!r} -> {value!r}")
                 group[key] = value
     return changed
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _set_learning_rates(optimizer, lrs: Dict[str, float], muon_lr_ratio: float) -> None:
