@@ -6,6 +6,8 @@ a 1-row matrix), several parameters share a block shape (round-robin owners with
 Muon Split cuts row and column blocks. Tolerance: 1e-6 (fp32) / 1e-12 (fp64) relative; the owner
 orthogonalises a different batch of matrices than the unsharded step does, which may change the last bit.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,6 +42,9 @@ def _worker(rank: int, init_file: str) -> None:
         dist.barrier()  # neither rank tears gloo down while the other still talks to it
     finally:
         dist.destroy_process_group()
+    # done and torn down: leave without interpreter teardown, where gloo's threads now and then abort a
+    # finished process ("terminate called without an active exception") on an oversubscribed machine
+    os._exit(0)
 
 
 def _compare(mesh, dtype: torch.dtype, nesterov: bool) -> None:

@@ -6,6 +6,8 @@ shards of 3, 3 and 1 rows, or 1, 1 and none), and the step still repeats the uns
 Buckets (one per block shape and group): (7, 5) x 4 -> owners 0, 1, 2, 0; (2, 6) x 1 -> rank 0 alone owns
 it and rank 2's shard is empty; Muon Split (6, 4) x 2 in row blocks of (2, 4) -> owners 0, 1.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,6 +32,9 @@ def _worker(rank: int, init_file: str) -> None:
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # done and torn down: leave without interpreter teardown, where gloo's threads now and then abort a
+    # finished process ("terminate called without an active exception") on an oversubscribed machine
+    os._exit(0)
 
 
 def _counting(calls: dict, name: str):
