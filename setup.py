@@ -1,24 +1,19 @@
 """glm5-core: portable kernels for GLM-5-class models.
 
-The top-level ``backends/<vendor>/`` folders are installed as ``glm5_core.backends.<vendor>``.
-Nothing here probes hardware: native extensions are built on first use (see ``backends/cpu``).
+Every vendor lives in ``glm5_core/backends/<vendor>/`` (its ``backend.py`` declares ``BACKEND``); the
+entry points of the group ``glm5_core.backends`` are derived from those folders, the same group an
+out-of-tree vendor package uses. Nothing here probes hardware: native extensions are built on first use.
 """
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
-VENDORS = ("cpu", "cuda", "rocm", "ascend")
-
-# Auto-discovery does not follow package_dir mappings: the vendor folders and csrc/ are listed explicitly.
-PACKAGES = find_packages(include=["glm5_core", "glm5_core.*"]) + ["glm5_core.csrc"] + [
-    f"glm5_core.backends.{p}" for p in find_packages(where="backends")
-]
-
-# csrc/ (C++ and CUDA sources) ships inside the package so the extensions can be built on first use.
-PACKAGE_DIR = {f"glm5_core.backends.{v}": f"backends/{v}" for v in VENDORS}
-PACKAGE_DIR["glm5_core.csrc"] = "csrc"
+HERE = Path(__file__).resolve().parent
+VENDOR_FOLDERS = sorted(p.parent.name for p in (HERE / "glm5_core" / "backends").glob("*/backend.py"))
 
 ENTRY_POINTS = {
     "console_scripts": ["glm5 = glm5_core.cli:main"],
-    "glm5_core.backends": [f"{v} = glm5_core.backends.{v}.backend:BACKEND" for v in VENDORS],
+    "glm5_core.backends": [f"{v} = glm5_core.backends.{v}.backend:BACKEND" for v in VENDOR_FOLDERS],
 }
 
 TRAIN = ["pyyaml>=6", "safetensors>=0.4", "tqdm>=4.60", "numpy>=1.24"]
@@ -35,6 +30,7 @@ EXTRAS = {
         "hypothesis>=6.80",
         "pytest-benchmark>=4",
         "ninja>=1.11",
+        "ruff>=0.6",
         "tensorboard>=2.14",
         "matplotlib>=3.7",
         "tokenizers>=0.15",
@@ -49,12 +45,12 @@ setup(
     name="glm5-core",
     version="0.1.0",
     description="Portable MLA / DSA / MoE / Muon kernels and training drivers for GLM-5-class models",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=PACKAGES,
-    package_dir=PACKAGE_DIR,
-    package_data={"glm5_core.csrc": ["*.cpp", "*.h", "*.cu", "*.cuh"]},
+    packages=find_packages(include=["glm5_core", "glm5_core.*"]),
+    # native sources ship inside their vendor's folder so the extensions can be built on first use
+    package_data={"glm5_core.backends": ["*/csrc/*.cpp", "*/csrc/*.h", "*/csrc/*.cu", "*/csrc/*.cuh"]},
     install_requires=["torch>=2.4"] + TRAIN,
     extras_require=EXTRAS,
     entry_points=ENTRY_POINTS,

@@ -9,8 +9,8 @@ Issue-4 targets (``--bench-large``), one run, medians:
 Queries are the last T positions (start_pos = S - T), so nearly every key is visible to every query.
 """
 import pytest
-
 from _measure import fp32_matmul_rate, implementations, peak_extra_bytes
+
 from glm5_core import testing
 
 H, D, K = 32, 128, 2048

@@ -6,8 +6,8 @@ Issue-4 target (``--bench-large``): 64K-token latent cache, top-k 2048, 16 heads
 """
 import pytest
 import torch
-
 from _measure import implementations
+
 from glm5_core import registry, testing
 
 H, DN, DR, DV, C, K = 16, 192, 64, 256, 512, 2048

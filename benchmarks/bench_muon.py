@@ -13,8 +13,8 @@ import collections
 
 import pytest
 import torch
-
 from _measure import implementations
+
 from glm5_core import registry, testing
 from glm5_core.backends.cpu import muon as cpu_muon
 from glm5_core.ops import muon

@@ -37,7 +37,7 @@ def restore_threads():
 
 @pytest.mark.parametrize("threads", [None, 2], ids=["config_threads", "2_threads"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("backend", registry.BUILTIN_BACKENDS)
+@pytest.mark.parametrize("backend", registry.builtin_backend_names())
 def test_train_step_throughput(benchmark, backend, kind, threads, tmp_path, restore_threads):
     ok, reason = registry.get_backend(backend).available()
     if not ok:

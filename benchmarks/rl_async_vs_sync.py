@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from _results import write_json
+
 from glm5_core.rl.config import load_config
 from glm5_core.rl.driver import RLRun
 

@@ -43,15 +43,15 @@ import threading
 import time
 
 import torch
-
 from _results import write_json
+
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.envs.calculator import CalculatorEnv
-from glm5_core.rl.prefix_cache import common_prefix_length
-from glm5_core.rl.protocol import parse_generate_request
-from glm5_core.rl.rollout import RolloutRunner
-from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
+from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
+from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
+from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.prefix_cache import common_prefix_length
+from glm5_core.rl.serving.protocol import parse_generate_request
 
 
 def measure(router_kind: str, model, args) -> dict:

@@ -18,13 +18,13 @@ SUBCOMMANDS = {
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
 }
-BACKEND_CHOICES = ("auto", "cpu", "cuda", "rocm", "ascend")
-
-
 def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str] = "auto",
                          help: str = "kernel backend (default: %(default)s = detect the hardware)") -> None:
-    """``--backend`` as every command takes it (third-party backends are accepted by name too)."""
-    parser.add_argument("--backend", default=default, metavar="{" + ",".join(BACKEND_CHOICES) + ",...}", help=help)
+    """``--backend`` as every command takes it: ``auto`` or any discovered backend, third-party ones included."""
+    from glm5_core import registry
+
+    choices = ("auto", *registry.backends())
+    parser.add_argument("--backend", default=default, metavar="{" + ",".join(choices) + "}", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -121,16 +121,3 @@ def triton_runtime_device() -> str:
     """Where a Triton backend's tensors live: ``cpu`` under the interpreter, else ``cuda`` (ROCm builds of
     torch expose AMD GPUs under the ``cuda`` device type too)."""
     return "cpu" if triton_interpreter_enabled() else "cuda"
-
-
-def hardware_backends() -> Tuple[str, ...]:
-    """Built-in backends whose hardware is present, in order of preference (ascend, rocm, cuda); the
-    registry takes the first whose full probe (SDKs included) passes, else ``cpu``."""
-    found = []
-    if npu_probe()[0]:
-        found.append("ascend")
-    if gpu_probe("rocm")[0]:
-        found.append("rocm")
-    if gpu_probe("cuda")[0]:
-        found.append("cuda")
-    return tuple(found)

@@ -4,8 +4,9 @@ Resolution of the backend for a call:
 
 1. the explicit ``backend=`` argument of the op;
 2. the innermost ``use_backend(...)`` context, else the ``GLM5_BACKEND`` environment variable;
-3. auto-detection: the first built-in backend whose hardware is here (``platform.hardware_backends``) and
-   whose probe passes, else ``cpu``.
+3. auto-detection: of every discovered backend (built-in and out-of-tree alike) whose ``detect()`` says its
+   hardware is here, the one with the highest ``priority`` whose probe passes; ``cpu`` detects always and has
+   the lowest priority.
 
 ``"auto"`` anywhere means "go on to the next rule". An explicitly requested backend that is not
 available raises :class:`BackendUnavailableError` with the reason; it never falls back silently.
@@ -14,9 +15,10 @@ An op the chosen backend does not implement (or a call it declines through its k
 implementation each op resolves to and why. ``GLM5_STRICT=1`` turns every such fallback into a
 :class:`BackendCoverageError`, for vendors proving coverage.
 
-Backends are discovered through the entry-point group ``glm5_core.backends`` (the built-in ones are
-declared there too) and, when the package is used from a source tree without being installed, from
-the built-in list below. Discovery, availability probes and kernel tables are computed lazily, once.
+Backends are discovered from the vendor folders of ``glm5_core/backends/`` (each with a ``backend.py``
+declaring ``BACKEND``: so a source tree works without being installed) and through the entry-point group
+``glm5_core.backends``, the group an out-of-tree vendor package uses. Discovery, availability probes and
+kernel tables are computed lazily, once; :func:`reset` forgets them (tests, plug-ins installed at run time).
 """
 from __future__ import annotations
 
@@ -25,15 +27,17 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import itertools
 import os
+import pkgutil
 from importlib import metadata
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
 ENTRY_POINT_GROUP = "glm5_core.backends"
-BUILTIN_BACKENDS = ("cpu", "cuda", "rocm", "ascend")
+BUILTIN_PACKAGE = "glm5_core.backends"  # in-tree vendors: <package>.<vendor>.backend:BACKEND
 
 # Every dispatchable op, with the dotted path of its reference implementation (the spec).
 REFERENCES: Mapping[str, str] = {
@@ -91,6 +95,9 @@ class Backend:
     ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
     ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
+    ``detect`` says, cheaply and without side effects beyond a cached probe, whether this backend's hardware
+    is here; auto-detection takes, among the backends that detect, the highest ``priority`` whose ``probe``
+    passes (ties by name). The default never detects: such a backend runs only when asked for by name.
     """
 
     name: str
@@ -102,6 +109,8 @@ class Backend:
     runtime_device: Optional[Callable[[], str]] = None
     description: str = ""
     details: Optional[Callable[[], str]] = None  # extra status once the kernel table is loaded (e.g. build state)
+    detect: Callable[[], bool] = lambda: False
+    priority: int = 0
 
     def available(self) -> Tuple[bool, str]:
         return self.probe()
@@ -145,26 +154,37 @@ def reference(op: str) -> Callable:
     return _import_target(REFERENCES[op])
 
 
+def builtin_backend_names() -> Tuple[str, ...]:
+    """The vendor folders of ``glm5_core/backends/`` that declare a backend (``backend.py``), sorted."""
+    package = importlib.import_module(BUILTIN_PACKAGE)
+    return tuple(sorted(info.name for info in pkgutil.iter_modules(package.__path__)
+                        if info.ispkg and importlib.util.find_spec(f"{BUILTIN_PACKAGE}.{info.name}.backend")))
+
+
+def _entry_points():
+    try:
+        return metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10
+        return metadata.entry_points().get(ENTRY_POINT_GROUP, [])
+
+
 @functools.lru_cache(maxsize=1)
 def _discover() -> Dict[str, Backend]:
     found: Dict[str, Backend] = {}
-    try:
-        eps = metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except TypeError:  # Python < 3.10
-        eps = metadata.entry_points().get(ENTRY_POINT_GROUP, [])
-    for ep in eps:
-        if ep.name in BUILTIN_BACKENDS and ep.value != f"glm5_core.backends.{ep.name}.backend:BACKEND":
-            continue  # a plugin cannot replace a built-in backend (its name is taken)
+    for name in builtin_backend_names():
+        found[name] = _import_target(f"{BUILTIN_PACKAGE}.{name}.backend:BACKEND")
+    for ep in _entry_points():
+        if ep.name in found or ep.value.startswith(f"{BUILTIN_PACKAGE}."):
+            continue  # the built-in vendors' own entry points, or a plugin reusing a built-in name
         try:
             backend = ep.load()
         except Exception as exc:  # a broken third-party plugin must not break the others
             backend = _broken_backend(ep.name, f"entry point {ep.value!r} failed to load: {exc!r}")
         if not isinstance(backend, Backend):
             backend = _broken_backend(ep.name, f"entry point {ep.value!r} is not a glm5_core.registry.Backend")
-        found.setdefault(backend.name, backend)
-    for name in BUILTIN_BACKENDS:  # source-tree use without `pip install`
-        if name not in found:
-            found[name] = _import_target(f"glm5_core.backends.{name}.backend:BACKEND")
+        if backend.name in found:
+            continue  # a plugin cannot replace a backend that is already known (its name is taken)
+        found[backend.name] = backend
     return found
 
 
@@ -173,10 +193,20 @@ def _broken_backend(name: str, reason: str) -> Backend:
 
 
 def backends() -> Dict[str, Backend]:
-    """All known backends by name (built-in first, then third-party)."""
+    """All known backends by name: built-in ones by priority (cpu first), then third-party ones by name."""
     found = _discover()
-    order = [n for n in BUILTIN_BACKENDS if n in found] + sorted(n for n in found if n not in BUILTIN_BACKENDS)
+    builtin = set(builtin_backend_names())
+    order = sorted((n for n in found if n in builtin), key=lambda n: (found[n].priority, n))
+    order += sorted(n for n in found if n not in builtin)
     return {n: found[n] for n in order}
+
+
+def reset() -> None:
+    """Forget discovered backends, kernel tables and resolved references (for tests, and for a process that
+    installed a plug-in after its first op call). Availability probes cached by the backends themselves stay."""
+    _discover.cache_clear()
+    _kernel_table.cache_clear()
+    reference.cache_clear()
 
 
 def get_backend(name: str) -> Backend:
@@ -222,14 +252,20 @@ def resolve_backend_name(backend: Optional[str] = None) -> str:
 
 
 def _auto_backend() -> str:
-    """The first built-in backend whose hardware is here and whose probe passes (a GPU without triton
-    falls through to ``cpu``)."""
-    from glm5_core import platform
-
-    for name in platform.hardware_backends():
-        if get_backend(name).available()[0]:
-            return name
+    """Among the backends whose ``detect()`` sees their hardware, the highest-priority one whose probe passes
+    (a GPU without triton falls through to the next, finally ``cpu``)."""
+    detected = [b for b in backends().values() if _detects(b)]
+    for backend in sorted(detected, key=lambda b: (-b.priority, b.name)):
+        if backend.available()[0]:
+            return backend.name
     return "cpu"
+
+
+def _detects(backend: Backend) -> bool:
+    try:
+        return bool(backend.detect())
+    except Exception:  # a broken third-party detect() must not break auto-detection for the others
+        return False
 
 
 def require_available(name: str) -> Backend:

@@ -1,5 +1,4 @@
 """Registry contract: resolution order, explicit-unavailable errors, fallbacks, strict mode, entry points."""
-import os
 import subprocess
 import sys
 import textwrap
@@ -14,11 +13,9 @@ from glm5_core.ops import muon
 
 @pytest.fixture
 def fresh_registry():
-    registry._discover.cache_clear()
-    registry._kernel_table.cache_clear()
+    registry.reset()
     yield
-    registry._discover.cache_clear()
-    registry._kernel_table.cache_clear()
+    registry.reset()
 
 
 def test_import_probes_nothing_and_imports_no_vendor_sdk():
@@ -164,13 +161,68 @@ def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monke
         muon.orthogonalize(G, backend="vendorx")
 
 
-def test_auto_skips_hardware_whose_backend_cannot_run(monkeypatch):
-    from glm5_core import platform
+def _with_detect(monkeypatch, detected):
+    """Pretend the hardware of the backends named in ``detected`` is here (and no other's)."""
+    import dataclasses
 
+    known = {n: dataclasses.replace(b, detect=(lambda n=n: n in detected)) for n, b in registry.backends().items()}
+    monkeypatch.setattr(registry, "_discover", lambda: known)
+
+
+def test_auto_skips_hardware_whose_backend_cannot_run(monkeypatch):
     monkeypatch.delenv("GLM5_BACKEND", raising=False)
-    monkeypatch.setattr(platform, "hardware_backends", lambda: ("ascend", "cuda"))
+    _with_detect(monkeypatch, {"ascend", "cuda"})
     expected = next((n for n in ("ascend", "cuda") if registry.get_backend(n).available()[0]), "cpu")
     assert registry.resolve_backend_name() == expected
+
+
+def test_auto_detection_selects_an_out_of_tree_backend_when_its_detect_says_so(tmp_path, monkeypatch, fresh_registry):
+    """A toy vendor package installed through the entry point joins auto-detection by its own detect() and
+    priority; when detect() says its hardware is absent, auto-detection passes it over."""
+    pkg = tmp_path / "toyvendor_glm5"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent("""
+        import os
+        from glm5_core.registry import Backend
+        from glm5_core.ops import muon
+
+        def orthogonalize(G, *, steps, coefficients):
+            orthogonalize.calls += 1
+            return muon.orthogonalize_reference(G, steps=steps, coefficients=coefficients)
+        orthogonalize.calls = 0
+
+        BACKEND = Backend(name="toyvendor", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "toy"),
+                          kernel_table=lambda: {"muon_orthogonalize": orthogonalize},
+                          detect=lambda: os.environ.get("TOY_DEVICE") == "1", priority=100)
+    """))
+    dist = tmp_path / "toyvendor_glm5-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toyvendor-glm5\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[glm5_core.backends]\ntoyvendor = toyvendor_glm5:BACKEND\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    monkeypatch.delenv("TOY_DEVICE", raising=False)
+    assert "toyvendor" in registry.backends()
+    assert registry.resolve_backend_name() != "toyvendor"
+    monkeypatch.setenv("TOY_DEVICE", "1")
+    assert registry.resolve_backend_name() == "toyvendor"
+    import toyvendor_glm5
+
+    muon.orthogonalize(torch.randn(5, 3))
+    assert toyvendor_glm5.orthogonalize.calls == 1
+
+
+def test_a_broken_detect_does_not_break_auto_detection(monkeypatch):
+    import dataclasses
+
+    def broken():
+        raise RuntimeError("driver exploded")
+
+    known = dict(registry.backends())
+    known["brokenvendor"] = dataclasses.replace(known["cpu"], name="brokenvendor", detect=broken, priority=1000)
+    monkeypatch.setattr(registry, "_discover", lambda: known)
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    assert registry.resolve_backend_name() in known and registry.resolve_backend_name() != "brokenvendor"
 
 
 def test_a_plugin_cannot_replace_a_builtin_backend(tmp_path, monkeypatch, fresh_registry):

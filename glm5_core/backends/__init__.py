@@ -1,2 +1,4 @@
-"""Built-in backends. Each vendor folder lives at the repository's top-level ``backends/<vendor>/``
-and is installed as ``glm5_core.backends.<vendor>``; importing this package imports no vendor SDK."""
+"""Backends, one folder per vendor (``glm5_core/backends/<vendor>/``: its ``backend.py`` declaration, kernel
+table, launch configurations and native sources), plus ``triton/``: the vendor-neutral Triton kernels that
+cuda, rocm and any other vendor with a Triton backend launch with their own configurations. Importing this
+package imports no vendor SDK."""

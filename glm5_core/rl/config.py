@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from glm5_core.rl.sampling import check_top_p
-from glm5_core.rl.trainer import TrainerConfig, check_training_temperature
+from glm5_core.rl.algorithm.trainer import TrainerConfig
+from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
 ENVIRONMENTS = ("arithmetic", "calculator")
 

@@ -18,17 +18,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from glm5_core.rl.buffer import TrajectoryBuffer, staleness
-from glm5_core.rl.client import EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
+from glm5_core.rl.algorithm.trainer import Trainer
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
-from glm5_core.rl.envs.codec import ByteCodec
+from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
+from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
-from glm5_core.rl.replicas import ReplicaSet, TrajectoryCloser
-from glm5_core.rl.rollout import RolloutRunner
-from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
-from glm5_core.rl.trainer import Trainer
-from glm5_core.rl.worker import WorkerSpec
+from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.serving.worker import WorkerSpec
 
 StepHook = Callable[[int, "RLRun"], None]
 PRODUCER_DRAIN_S = 300.0  # after the last step, how long trajectories in flight may take to finish
@@ -39,10 +39,10 @@ def build_env(env_cfg: Dict, seed: int):
     name = cfg.pop("name")
     codec = ByteCodec(int(cfg.pop("byte_offset", 0)))
     if name == "arithmetic":
-        from glm5_core.rl.envs.arithmetic import ArithmeticEnv
+        from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 
         return ArithmeticEnv(codec=codec, seed=seed, **cfg)
-    from glm5_core.rl.envs.calculator import CalculatorEnv
+    from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
 
     return CalculatorEnv(codec=codec, seed=seed, **cfg)
 
@@ -133,10 +133,10 @@ class RLRun:
 
     def _make_executor(self):
         if self.cfg.executor == "ray":
-            from glm5_core.rl.executors.ray_executor import RayExecutor
+            from glm5_core.rl.fleet.executors.ray_executor import RayExecutor
 
             return RayExecutor(self._spec)
-        from glm5_core.rl.executors.local import LocalProcessExecutor
+        from glm5_core.rl.fleet.executors.local import LocalProcessExecutor
 
         return LocalProcessExecutor(self._spec)
 

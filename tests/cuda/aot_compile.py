@@ -23,7 +23,7 @@ def _sig(pointers, scalars, constexprs):
 
 def kernels():
     """(name, jit function, signature, constexpr values), at small but representative sizes."""
-    from glm5_core.backends.cuda import indexer, moe_experts, moe_permute, moe_route, newton_schulz, sparse_mla
+    from glm5_core.backends.triton import indexer, moe_experts, moe_permute, moe_route, newton_schulz, sparse_mla
 
     idx_strides = [(n, I32) for n in ("stride_qb", "stride_qt", "stride_qh", "stride_qd", "stride_kb", "stride_ks",
                                       "stride_kd", "stride_wb", "stride_wt", "stride_wh")]

@@ -3,7 +3,7 @@ the interpreter is switched on)."""
 import triton
 import triton.language as tl
 
-from glm5_core.backends.cuda.bitonic import merge_top
+from glm5_core.backends.triton.bitonic import merge_top
 
 
 @triton.jit

@@ -6,7 +6,6 @@ import subprocess
 import pytest
 import torch
 
-from glm5_core import csrc
 from glm5_core.ops import dsa, mla
 
 
@@ -16,9 +15,9 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
 
     from glm5_core.backends.cuda import ext
 
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{csrc.source_dir()}"]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{ext.SOURCE_DIR}"]
     cmd = ["nvcc", "-c", *ext.nvcc_flags(), "-arch=sm_90", *includes,
-           str(csrc.source_dir() / "deterministic_topk.cu"), "-o", str(tmp_path / "topk.o")]
+           str(ext.SOURCE_DIR / "deterministic_topk.cu"), "-o", str(tmp_path / "topk.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "topk.o").stat().st_size > 0

@@ -19,8 +19,8 @@ def _inputs(num_keys):
 def test_fused_topk_extra_memory_is_independent_of_the_key_count(device):
     if device != "cpu":
         pytest.skip("counts CPU allocations under the interpreter")
-    from glm5_core.backends.cuda import indexer
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
+    from glm5_core.backends.triton import indexer
 
     topk = kernel("dsa_indexer_topk")
     K, block, queries = 8, CUDA_CONFIGS.indexer.block("keys"), 2

@@ -97,7 +97,7 @@ def test_grouped_swiglu_matches_reference(dtype, device):
 
 
 def test_tile_schedule_covers_every_row_once():
-    from glm5_core.backends.cuda.moe_experts import tile_schedule
+    from glm5_core.backends.triton.moe_experts import tile_schedule
 
     experts, row0, row1 = tile_schedule(torch.tensor([3, 0, 9, 1]), block_m=4)
     assert experts.tolist() == [0, 2, 2, 2, 3]

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("first_dense, compile_backend", [(2, "inductor"), (1, "aot_eager")])
 def test_compiled_forward_matches_eager(first_dense, compile_backend, make_model, make_config):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
 
 

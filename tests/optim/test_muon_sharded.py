@@ -8,7 +8,6 @@ orthogonalises a different batch of matrices than the unsharded step does, which
 """
 import os
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from glm5_core import registry
+from glm5_core.rl.algorithm.trainer import pad_samples
 from glm5_core.rl.config import config_from_dict
 from glm5_core.rl.device import module_device, runtime_device
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.protocol import GenerateRequest
-from glm5_core.rl.trainer import pad_samples
-from glm5_core.rl.trajectory import Sample
+from glm5_core.rl.rollout.trajectory import Sample
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.protocol import GenerateRequest
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_policy_is_built_on_the_backend_device(meta_cpu_backend):
 
 def test_engine_worker_model_is_built_on_the_backend_device(meta_cpu_backend):
     from glm5_core.model import GLM5Config
-    from glm5_core.rl.worker import WorkerSpec, build_model
+    from glm5_core.rl.serving.worker import WorkerSpec, build_model
 
     spec = WorkerSpec(model_config=GLM5Config.tiny(num_hidden_layers=2, indexer_types=["full", "shared"]).to_hf_dict(),
                       weights_path="unused", weight_version=0, weights_dir="unused", backend="cpu")

@@ -3,10 +3,10 @@ DSA top-k the trainer selects is the one the engine selected, token by token (10
 import pytest
 import torch
 
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.protocol import GenerateRequest
-from glm5_core.rl.trainer import pad_samples, sequence_logprobs
-from glm5_core.rl.trajectory import Sample
+from glm5_core.rl.algorithm.trainer import pad_samples, sequence_logprobs
+from glm5_core.rl.rollout.trajectory import Sample
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.protocol import GenerateRequest
 
 
 def make_requests(n, prompt_len, max_new, temperature=1.0, prefix=""):
@@ -110,7 +110,7 @@ def test_kv_computed_before_a_mid_generation_weight_update_is_not_reused(tiny_po
 
 
 def test_prefix_cache_lookup_ignores_entries_older_than_min_version():
-    from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
+    from glm5_core.rl.serving.prefix_cache import TrajectoryPrefixCache
 
     cache = TrajectoryPrefixCache(4)
     cache.store("t", [1, 2, 3, 4], [torch.zeros(1, 4, 2)], version=2)

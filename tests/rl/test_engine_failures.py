@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.protocol import GenerateRequest
-from glm5_core.rl.sampling import GREEDY_BELOW, sample, token_logprobs
-from glm5_core.rl.trainer import check_training_temperature
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.protocol import GenerateRequest
+from glm5_core.rl.serving.sampling import GREEDY_BELOW, check_training_temperature, sample, token_logprobs
 
 
 def _request(rid, temperature=1.0, n=4):

@@ -2,11 +2,11 @@ import random
 
 import pytest
 
-from glm5_core.rl.envs.arithmetic import ArithmeticEnv, score_answer
-from glm5_core.rl.envs.calculator import CalculatorEnv, long_tailed_count
-from glm5_core.rl.envs.calculator_tool import ToolError, calculate
-from glm5_core.rl.envs.codec import ByteCodec
-from glm5_core.rl.envs.context import DROPPED_TEXT, FOLDED_TEXT, ContextManager
+from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv, score_answer
+from glm5_core.rl.rollout.envs.calculator import CalculatorEnv, long_tailed_count
+from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
+from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.envs.context import DROPPED_TEXT, FOLDED_TEXT, ContextManager
 
 
 def test_score_answer_exact_match_on_first_line():

@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
-from glm5_core.rl.client import EngineClient, EngineRequestError, EngineUnavailable
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.executors.boot_weights import BootWeights, boot_path
-from glm5_core.rl.replicas import ReplicaSet, TrajectoryCloser
-from glm5_core.rl.router import ConsistentHashRouter
-from glm5_core.rl.server import EngineServer
-from glm5_core.rl.worker import WorkerSpec, exit_with_parent
+from glm5_core.rl.fleet.executors.boot_weights import BootWeights, boot_path
+from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
+from glm5_core.rl.fleet.router import ConsistentHashRouter
+from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.server import EngineServer
+from glm5_core.rl.serving.worker import WorkerSpec, exit_with_parent
 
 GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
 
@@ -425,7 +425,7 @@ class _ExitWhenUnpickled:
 
 
 def test_a_worker_that_dies_before_reporting_is_a_failed_start(tmp_path):
-    from glm5_core.rl.executors.local import LocalProcessExecutor
+    from glm5_core.rl.fleet.executors.local import LocalProcessExecutor
 
     (tmp_path / "v000000.safetensors").write_bytes(b"unused")
     spec = WorkerSpec({"poison": _ExitWhenUnpickled()}, str(tmp_path / "v000000.safetensors"), 0, str(tmp_path))
@@ -446,7 +446,7 @@ def save_tiny_weights(path):
 
 
 def test_a_restart_boots_although_its_weights_file_was_pruned(tmp_path):
-    from glm5_core.rl.executors.local import LocalProcessExecutor
+    from glm5_core.rl.fleet.executors.local import LocalProcessExecutor
 
     weights = tmp_path / "v000000.safetensors"
     save_tiny_weights(weights)
@@ -466,8 +466,8 @@ def test_a_restart_boots_although_its_weights_file_was_pruned(tmp_path):
 
 DRIVER_SCRIPT = """
 import json, sys, time
-from glm5_core.rl.executors.local import LocalProcessExecutor
-from glm5_core.rl.worker import WorkerSpec
+from glm5_core.rl.fleet.executors.local import LocalProcessExecutor
+from glm5_core.rl.serving.worker import WorkerSpec
 
 if __name__ == "__main__":
     spec = WorkerSpec(**json.load(open(sys.argv[1])))

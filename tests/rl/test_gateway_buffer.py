@@ -1,8 +1,8 @@
 import pytest
 
-from glm5_core.rl.buffer import TrajectoryBuffer
-from glm5_core.rl.gateway import TITOGateway
-from glm5_core.rl.trajectory import Sample, Trajectory
+from glm5_core.rl.algorithm.buffer import TrajectoryBuffer
+from glm5_core.rl.rollout.gateway import TITOGateway
+from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 
 
 class FakeEngine:
@@ -99,7 +99,7 @@ def test_a_trajectory_that_sampled_nothing_does_not_make_its_fresh_group_stale()
 
 
 def test_staleness_leaves_out_trajectories_that_sampled_nothing():
-    from glm5_core.rl.buffer import staleness
+    from glm5_core.rl.algorithm.buffer import staleness
 
     batch = [traj("a0", "a", 3), Trajectory("a1", "a", [], 0.0), traj("b0", "b", 5)]
     assert staleness(batch, policy_version=5) == [2, 0]

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from glm5_core.rl.advantages import distillation_advantage, group_normalized
-from glm5_core.rl.loss import double_sided_is_loss
+from glm5_core.rl.algorithm.advantages import distillation_advantage, group_normalized
+from glm5_core.rl.algorithm.loss import double_sided_is_loss
 
 
 def test_group_normalized_matches_manual_and_zero_for_flat_groups():

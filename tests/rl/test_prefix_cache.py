@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.prefix_cache import TrajectoryPrefixCache
-from glm5_core.rl.protocol import GenerateRequest
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.prefix_cache import TrajectoryPrefixCache
+from glm5_core.rl.serving.protocol import GenerateRequest
 
 
 def kv(n):

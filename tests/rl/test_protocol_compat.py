@@ -1,7 +1,7 @@
 """SGLang clients' default sampling parameters, and values that used to be coerced or crash the parser."""
 import pytest
 
-from glm5_core.rl.protocol import NEUTRAL_PARAMS, Limits, parse_generate_request
+from glm5_core.rl.serving.protocol import NEUTRAL_PARAMS, Limits, parse_generate_request
 
 LIMITS = Limits(vocab_size=300, max_input_tokens=100, max_new_tokens=50)
 

@@ -6,10 +6,10 @@ import urllib.request
 import pytest
 import torch
 
-from glm5_core.rl.client import EngineClient, EngineRequestError
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.protocol import Limits, parse_generate_request
-from glm5_core.rl.server import EngineServer
+from glm5_core.rl.serving.client import EngineClient, EngineRequestError
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.protocol import Limits, parse_generate_request
+from glm5_core.rl.serving.server import EngineServer
 
 LIMITS = Limits(vocab_size=100, max_input_tokens=10, max_new_tokens=5)
 
@@ -158,7 +158,7 @@ def test_end_trajectories_frees_prefix_cache_entries_and_validates(served):
 def test_trajectory_closer_sends_in_batches_and_flushes_the_rest():
     import threading
 
-    from glm5_core.rl.replicas import TrajectoryCloser
+    from glm5_core.rl.fleet.replicas import TrajectoryCloser
 
     sent = []
     closer = TrajectoryCloser(sent.append, batch=4)

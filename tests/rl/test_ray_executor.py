@@ -7,9 +7,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from glm5_core.rl.replicas import ReplicaSet  # noqa: E402
-from glm5_core.rl.router import ConsistentHashRouter  # noqa: E402
-from glm5_core.rl.worker import WorkerSpec  # noqa: E402
+from glm5_core.rl.fleet.replicas import ReplicaSet  # noqa: E402
+from glm5_core.rl.fleet.router import ConsistentHashRouter  # noqa: E402
+from glm5_core.rl.serving.worker import WorkerSpec  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def test_ray_workers_serve_and_get_replaced(local_ray, tmp_path):
     from safetensors.torch import save_file
 
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
-    from glm5_core.rl.executors.ray_executor import RayExecutor
+    from glm5_core.rl.fleet.executors.ray_executor import RayExecutor
 
     cfg = GLM5Config.tiny()
     torch.manual_seed(0)

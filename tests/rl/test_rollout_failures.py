@@ -2,9 +2,9 @@
 the engines reject as malformed (4xx) is a bug and still raises."""
 import pytest
 
-from glm5_core.rl.client import EngineRequestError, EngineUnavailable
-from glm5_core.rl.envs.arithmetic import ArithmeticEnv
-from glm5_core.rl.rollout import RolloutRunner
+from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
+from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
 
 
 def fake_generate(fail):

@@ -1,6 +1,6 @@
 import pytest
 
-from glm5_core.rl.router import ConsistentHashRouter, RoundRobinRouter
+from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
 
 KEYS = [f"traj-{i}" for i in range(3000)]
 

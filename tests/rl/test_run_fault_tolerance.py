@@ -128,7 +128,7 @@ def test_config_errors_name_the_field(tmp_path):
 
 
 def test_the_prefix_cache_budget_reaches_the_workers_engines(tmp_path):
-    from glm5_core.rl.worker import build_server
+    from glm5_core.rl.serving.worker import build_server
 
     run = RLRun(tiny_config(tmp_path, rollout={"num_engines": 1, "group_size": 2, "prefix_cache_entries": 7,
                                                "prefix_cache_tokens": 300}), log=lambda m: None)

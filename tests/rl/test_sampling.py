@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from glm5_core.rl.sampling import sample, token_logprobs, top_p_filter
+from glm5_core.rl.serving.sampling import sample, token_logprobs, top_p_filter
 
 
 def brute_force_top_p(probs, p):

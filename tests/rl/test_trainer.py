@@ -3,12 +3,12 @@ training rollouts, and leaves the MoE router biases alone."""
 import pytest
 import torch
 
+from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig
 from glm5_core.rl.config import config_from_dict
-from glm5_core.rl.engine import RolloutEngine
-from glm5_core.rl.protocol import GenerateRequest
-from glm5_core.rl.rollout import RolloutRunner
-from glm5_core.rl.trainer import Trainer, TrainerConfig
-from glm5_core.rl.trajectory import Sample, Trajectory
+from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.rollout.trajectory import Sample, Trajectory
+from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.protocol import GenerateRequest
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ def test_distillation_from_an_identical_teacher_changes_nothing(small_policy):
 
 
 def test_distillation_advantage_is_teacher_minus_student_on_sampled_tokens(small_policy):
-    from glm5_core.rl.trainer import pad_samples, sequence_logprobs
+    from glm5_core.rl.algorithm.trainer import pad_samples, sequence_logprobs
 
     batch = rollouts(small_policy, 1.0)
     teacher = _policy_copy(small_policy, perturb=0.5)

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm5_core.train.data import (ByteTokenizer, HFTokenizer, SequencePacker, TokenStream, make_corpus,
-                                  stdlib_corpus)
+from glm5_core.train.data import ByteTokenizer, HFTokenizer, SequencePacker, TokenStream, make_corpus, stdlib_corpus
 
 
 def _packer(corpus, B=3, T=5, tokenizer=None):

@@ -3,7 +3,6 @@ key, a list entry, a key only one rank has) is a ValueError on every rank naming
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from glm5_core.cli import main
 from glm5_core.train import RunOptions, parse_config, pretrain
-from glm5_core.train.trainer import Trainer
 from glm5_core.train.checkpoint import resolve_checkpoint
+from glm5_core.train.trainer import Trainer
 
 NON_DETERMINISTIC = {"tokens_per_s"}
 

@@ -1,0 +1,82 @@
+"""Declaration of the ``cpu`` backend: always available; native kernels where the extension builds.
+
+The C++/OpenMP extension (``csrc/cpu_*.cpp``) is built on first use, i.e. the first time an op resolves
+on this backend (``kernel_table``), never at import. When it cannot be built (``GLM5_SKIP_EXT=1``, no
+compiler, no ninja, a compile error) every op runs the reference, and ``explain()`` / ``glm5 backends``
+give the reason for each op.
+"""
+import importlib
+from typing import Callable, Dict, Iterator, Mapping
+
+from glm5_core.registry import Backend
+
+# op -> "module:function" of its native kernel wrapper (imported only once the extension is loaded)
+NATIVE_KERNELS: Mapping[str, str] = {
+    "dsa_indexer_topk": "glm5_core.backends.cpu.dsa:indexer_topk",
+    "dsa_sparse_decode": "glm5_core.backends.cpu.dsa:sparse_decode",
+    "dsa_sparse_prefill": "glm5_core.backends.cpu.dsa:sparse_prefill",
+    "moe_route": "glm5_core.backends.cpu.moe:route",
+    "moe_dispatch": "glm5_core.backends.cpu.moe:dispatch",
+    "moe_combine": "glm5_core.backends.cpu.moe:combine",
+    "moe_experts": "glm5_core.backends.cpu.moe:experts",
+    "moe_fused_experts": "glm5_core.backends.cpu.moe:fused_experts",
+    "muon_orthogonalize": "glm5_core.backends.cpu.muon:orthogonalize",
+}
+
+# Why the ops without a native kernel keep the reference even when the extension is built.
+REFERENCE_BY_CHOICE: Mapping[str, str] = {
+    "mla_prefill": "no native kernel: the reference's batched GEMMs (MKL) already bound it",
+    "mla_decode": "no native kernel: dense absorbed decode is GEMV-bound in the reference; use DSA sparse decode",
+    "dsa_indexer_scores": "no native kernel: the full [B, T, S] score matrix is the output (the fused top-k avoids it)",
+}
+
+
+def status():
+    """Build (first call only) and report the native extension: an ``ExtensionStatus``."""
+    from glm5_core.backends.cpu import extension
+
+    return extension.load()
+
+
+def kernel_table() -> Dict[str, Callable]:
+    if not status().built:
+        return {}
+    table = {}
+    for op, target in NATIVE_KERNELS.items():
+        module_name, _, attr = target.partition(":")
+        table[op] = getattr(importlib.import_module(module_name), attr)
+    return table
+
+
+class _MissingReasons(Mapping):
+    """Per-op reason for running the reference; says whether the extension is built and why not."""
+
+    def __getitem__(self, op: str) -> str:
+        ext = status()
+        if op in NATIVE_KERNELS:
+            if ext.built:
+                raise KeyError(op)
+            return f"{ext.describe()}; running the reference"
+        if op not in REFERENCE_BY_CHOICE:
+            raise KeyError(op)
+        return f"{REFERENCE_BY_CHOICE[op]} ({ext.describe()})"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(NATIVE_KERNELS) + list(REFERENCE_BY_CHOICE))
+
+    def __len__(self) -> int:
+        return len(NATIVE_KERNELS) + len(REFERENCE_BY_CHOICE)
+
+
+BACKEND = Backend(
+    name="cpu",
+    device_type="cpu",
+    dist_backend="gloo",
+    probe=lambda: (True, "always available"),
+    kernel_table=kernel_table,
+    missing=_MissingReasons(),
+    description="CPU: C++/OpenMP kernels from csrc/ (built on first use), pure-torch reference elsewhere",
+    details=lambda: status().describe(),
+    detect=lambda: True,  # always here: the last resort of auto-detection
+    priority=0,
+)

@@ -1,0 +1,45 @@
+"""Declaration of the ``rocm`` backend. Import-light: triton / aiter are imported only by ``kernel_table``."""
+import functools
+import importlib.util
+from typing import Callable, Dict
+
+from glm5_core import platform
+from glm5_core.registry import Backend
+
+
+def aiter_available() -> bool:
+    """``aiter`` is installed (found, not imported: importing it initialises HIP)."""
+    return importlib.util.find_spec("aiter") is not None
+
+
+def kernel_table() -> Dict[str, Callable]:
+    """The shared Triton kernels with AMD launch configs; aiter's operators where aiter is installed
+    (not under the Triton interpreter: aiter needs a GPU)."""
+    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+    from glm5_core.backends.triton.table import build_kernel_table
+
+    table = build_kernel_table(ROCM_CONFIGS)
+    if aiter_available() and not platform.triton_interpreter_enabled():
+        from glm5_core.backends.rocm.aiter_ops import aiter_kernels
+
+        table.update(aiter_kernels(ROCM_CONFIGS))
+    return table
+
+
+MISSING = {
+    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
+}
+
+
+BACKEND = Backend(
+    name="rocm",
+    device_type="cuda",
+    dist_backend="nccl",
+    probe=functools.partial(platform.triton_backend_probe, "rocm"),
+    kernel_table=kernel_table,
+    missing=MISSING,
+    runtime_device=platform.triton_runtime_device,
+    description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
+    detect=lambda: platform.gpu_probe("rocm")[0],
+    priority=20,
+)

@@ -1,0 +1,91 @@
+"""Grouped-GEMM SwiGLU experts in Triton: every expert's contiguous rows through its own weights.
+
+Legend: M expert-sorted rows, D hidden, F expert FFN width, E experts; BM / BN / BK tiles.
+
+A host-side schedule lists the row tiles of every expert (expert id, first row, end row), so one
+launch covers all experts with no padding of the token dimension:
+  pass 1 (SWIGLU):  hidden[M, F] = silu(x @ Wg[e]^T) * (x @ Wu[e]^T)      fp32
+  pass 2:           out[M, D]    = hidden @ Wd[e]^T
+Both passes are the same kernel (``_grouped_gemm_kernel``), with or without the gated pair.
+Accumulation is fp32 with exact fp32 products (16-bit tiles are widened), like the reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5_core.backends.triton import _util
+from glm5_core.backends.triton.launch import LaunchConfig
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b1_ptr, b2_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
+                         NOUT, KDIM, stride_am, stride_be, stride_bn, stride_om,
+                         SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    row0 = tl.load(tile_row0_ptr + tile)
+    row1 = tl.load(tile_row1_ptr + tile)
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    acc1 = tl.zeros([BM, BN], tl.float32)
+    acc2 = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, KDIM, BK):
+        kk = k0 + offs_k
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + kk[None, :],
+                    mask=(offs_m[:, None] < row1) & (kk[None, :] < KDIM), other=0.0).to(tl.float32)
+        b_offs = e * stride_be + offs_n[:, None] * stride_bn + kk[None, :]
+        b_mask = (offs_n[:, None] < NOUT) & (kk[None, :] < KDIM)
+        b1 = tl.load(b1_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+        acc1 = tl.dot(a, tl.trans(b1), acc1, input_precision="ieee")
+        if SWIGLU:
+            b2 = tl.load(b2_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
+            acc2 = tl.dot(a, tl.trans(b2), acc2, input_precision="ieee")
+    if SWIGLU:
+        acc1 = acc1 / (1.0 + tl.exp(-acc1)) * acc2  # silu(gate) * up
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc1,
+             mask=(offs_m[:, None] < row1) & (offs_n[None, :] < NOUT))
+
+
+def tile_schedule(counts: torch.Tensor, block_m: int):
+    """(expert, first row, end row) int32 [n_tiles] each: the BM-row tiles of every expert, in order."""
+    experts, row0s, row1s = [], [], []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        for r in range(start, start + n, block_m):
+            experts.append(e)
+            row0s.append(r)
+            row1s.append(start + n)
+        start += n
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=counts.device)  # noqa: E731
+    return as_tensor(experts), as_tensor(row0s), as_tensor(row1s)
+
+
+def _launch(a, b1, b2, out, schedule, config: LaunchConfig, swiglu: bool):
+    BM, BN, BK = config.block("m"), config.block("n"), config.block("k")
+    n_out, k_dim = b1.shape[1], b1.shape[2]
+    _grouped_gemm_kernel[(schedule[0].numel(), triton.cdiv(n_out, BN))](
+        a, b1, b2, out, *schedule, n_out, k_dim, a.stride(0), b1.stride(0), b1.stride(1), out.stride(0),
+        SWIGLU=swiglu, BM=BM, BN=BN, BK=BK, **config.launch_kwargs())
+
+
+def grouped_swiglu(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
+    """``moe_experts``: [M, D] in x_sorted's dtype."""
+    M, D = x_sorted.shape
+    F = w_gate.shape[1]
+    out = torch.zeros((M, D), dtype=torch.float32, device=x_sorted.device)
+    schedule = tile_schedule(counts, config.block("m"))
+    if schedule[0].numel() == 0:
+        return out.to(x_sorted.dtype)
+    x, w_gate, w_up, w_down = (t.contiguous() for t in (x_sorted, w_gate, w_up, w_down))
+    hidden = torch.empty((M, F), dtype=torch.float32, device=x.device)
+    _launch(x, w_gate, w_up, hidden, schedule, config, swiglu=True)
+    _launch(hidden, w_down, w_down, out, schedule, config, swiglu=False)
+    return out.to(x_sorted.dtype)
+
+
+def supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):
+    why = _util.float_dtype_verdict("x_sorted", x_sorted)
+    return (False, why) if why else (True, "")

@@ -1,0 +1,117 @@
+"""Batched Newton-Schulz orthogonalisation in Triton, with symmetric Gram products.
+
+Legend: G [..., m, n] -> a batch [Bt, m, n] made wide (m <= n); BM / BN / BK tiles.
+
+Per quintic step (a, b, c), on fp32 X [Bt, m, n]:
+  A = X X^T          -- ``_symmetric_kernel`` without addend: only tiles (i, j) with j >= i are
+                        computed, each written to (i, j) and, transposed, to (j, i);
+  B = b A + c A A    -- the same kernel on A (A A = A A^T since A is symmetric), with addend b A;
+  X = a X + B X      -- ``_gemm_kernel`` (a plain batched GEMM with the a X epilogue).
+So each symmetric product is computed once per step, over half of its tiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5_core.backends.triton import _util
+from glm5_core.backends.triton.launch import LaunchConfig
+
+
+@triton.jit
+def _symmetric_kernel(y_ptr, z_ptr, out_ptr, R, KDIM, alpha, beta, HAS_Z: tl.constexpr,
+                      BM: tl.constexpr, BK: tl.constexpr):
+    """out = beta * Y Y^T (+ alpha * Z) for Y [Bt, R, KDIM], Z / out [Bt, R, R] (Z symmetric)."""
+    bt = tl.program_id(0).to(tl.int64)
+    ti = tl.program_id(1)
+    tj = tl.program_id(2)
+    if tj >= ti:  # upper triangle of tiles only; the mirror is written below
+        offs_i = ti * BM + tl.arange(0, BM)
+        offs_j = tj * BM + tl.arange(0, BM)
+        offs_k = tl.arange(0, BK)
+        y_base = y_ptr + bt * R * KDIM
+        acc = tl.zeros([BM, BM], tl.float32)
+        for k0 in range(0, KDIM, BK):
+            kk = k0 + offs_k
+            yi = tl.load(y_base + offs_i[:, None] * KDIM + kk[None, :],
+                         mask=(offs_i[:, None] < R) & (kk[None, :] < KDIM), other=0.0)
+            yj = tl.load(y_base + offs_j[:, None] * KDIM + kk[None, :],
+                         mask=(offs_j[:, None] < R) & (kk[None, :] < KDIM), other=0.0)
+            acc = tl.dot(yi, tl.trans(yj), acc, input_precision="ieee")
+        acc = acc * beta
+        mask = (offs_i[:, None] < R) & (offs_j[None, :] < R)
+        tile = bt * R * R + offs_i[:, None] * R + offs_j[None, :]
+        if HAS_Z:
+            acc += alpha * tl.load(z_ptr + tile, mask=mask, other=0.0)
+        tl.store(out_ptr + tile, acc, mask=mask)
+        if tj > ti:
+            mirror = bt * R * R + offs_j[None, :] * R + offs_i[:, None]
+            tl.store(out_ptr + mirror, acc, mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(b_ptr, x_ptr, out_ptr, R, N, a_coef, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out = a X + B X for B [Bt, R, R], X / out [Bt, R, N]."""
+    bt = tl.program_id(0).to(tl.int64)
+    offs_i = tl.program_id(1) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(2) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    b_base = b_ptr + bt * R * R
+    x_base = x_ptr + bt * R * N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, R, BK):
+        kk = k0 + offs_k
+        b = tl.load(b_base + offs_i[:, None] * R + kk[None, :], mask=(offs_i[:, None] < R) & (kk[None, :] < R),
+                    other=0.0)
+        x = tl.load(x_base + kk[:, None] * N + offs_n[None, :], mask=(kk[:, None] < R) & (offs_n[None, :] < N),
+                    other=0.0)
+        acc = tl.dot(b, x, acc, input_precision="ieee")
+    mask = (offs_i[:, None] < R) & (offs_n[None, :] < N)
+    tile = offs_i[:, None] * N + offs_n[None, :]
+    acc += a_coef * tl.load(x_base + tile, mask=mask, other=0.0)
+    tl.store(out_ptr + bt * R * N + tile, acc, mask=mask)
+
+
+def _symmetric(y, z, alpha: float, beta: float, config: LaunchConfig):
+    Bt, R, KDIM = y.shape
+    BM, BK = config.block("m"), config.block("k")
+    out = torch.empty((Bt, R, R), dtype=torch.float32, device=y.device)
+    nt = triton.cdiv(R, BM)
+    _symmetric_kernel[(Bt, nt, nt)](y, z if z is not None else out, out, R, KDIM, alpha, beta,
+                                    HAS_Z=z is not None, BM=BM, BK=BK, **config.launch_kwargs())
+    return out
+
+
+def _step(x, a: float, b: float, c: float, config: LaunchConfig):
+    Bt, R, N = x.shape
+    gram = _symmetric(x, None, 0.0, 1.0, config)  # A = X X^T
+    poly = _symmetric(gram, gram, b, c, config)  # B = b A + c A A
+    out = torch.empty_like(x)
+    BM, BN, BK = config.block("m"), config.block("n"), config.block("k")
+    _gemm_kernel[(Bt, triton.cdiv(R, BM), triton.cdiv(N, BN))](poly, x, out, R, N, a, BM=BM, BN=BN, BK=BK,
+                                                               **config.launch_kwargs())
+    return out
+
+
+def orthogonalize(G, *, steps: int, coefficients, config: LaunchConfig):
+    """``muon_orthogonalize``: G's shape and dtype."""
+    X = G.float()
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)  # [..., n, m]: wide
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # [Bt, m, n]
+    norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)  # [Bt, 1, 1]
+    X = (X / (norm * coefficients.norm_scale + 1e-7)).contiguous()
+    for a, b, c in coefficients.schedule(steps):
+        X = _step(X, float(a), float(b), float(c), config)
+    X = X.reshape(*lead, *X.shape[-2:])
+    if tall:
+        X = X.transpose(-2, -1)
+    return X.to(G.dtype)
+
+
+def supports(G, **kwargs):
+    why = _util.float_dtype_verdict("G", G)
+    return (False, why) if why else (True, "")

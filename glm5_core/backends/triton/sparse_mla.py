@@ -1,0 +1,298 @@
+"""Sparse MLA attention over the selected latent rows (DSA), forward and backward, as Triton kernels.
+
+Legend: B batch, T queries, S key slots, H attention heads, C latent width (kv_lora_rank),
+        Dr rope dim, K selected keys per query, R = B * T query rows, BH / BK head / key tiles.
+
+The public ops take the full-level arguments; the kernels work on the absorbed (latent) level:
+  q_lat = absorb_query(q_nope, w_uk)      [B, T, H, C]     (torch, fp32)
+  o_lat = softmax(scale * (q_lat . c_kv[idx] + q_pe . k_pe[idx])) @ c_kv[idx]   (kernel)
+  out   = project_output(o_lat, w_uv)     [B, T, H, Dv]    (torch)
+so autograd covers the two projections and ``_SparseLatentAttention`` covers the kernel.
+
+Forward: one program per (query row, head tile); it walks the query's K selected indices in tiles
+of BK, gathers those latent rows, and keeps an online softmax (running max, running sum, fp32
+accumulator). Entries equal to -1 are skipped; a query with no selected key yields zeros.
+
+Backward (recomputes probabilities from the saved log-sum-exp):
+  dq kernel   -- one program per (query row, head tile): dq_lat, dq_pe (a sum over the K keys);
+  dkv kernel  -- one program per (query row, key tile): the gradient each selected slot sends to its
+                 latent row, summed over heads in head order, written per slot;
+then the per-slot gradients are summed into dc_kv / dk_pe by a sorted (deterministic) index_put.
+All arithmetic is fp32 (tiles of 16-bit inputs are widened), so the result tracks the fp32 reference.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from glm5_core.backends.triton import _util
+from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.ops.mla import absorb_query, project_output
+
+_SLOT_BUDGET = 1 << 26  # fp32 elements of per-slot key gradients held at once by the backward (256 MiB)
+
+
+@triton.jit
+def _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs, stride_kb, stride_ks, stride_ir,
+                 C: tl.constexpr, DR: tl.constexpr, BK: tl.constexpr, C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    """Latent rows [BK, C] and rope keys [BK, DR] (fp32) of selected slots k0..k0+BK-1, and their mask."""
+    offs_k = k0 + tl.arange(0, BK)
+    ids = tl.load(idx_ptr + row * stride_ir + offs_k, mask=offs_k < K, other=-1).to(tl.int64)
+    valid = ids >= 0
+    rows = tl.where(valid, ids, 0)
+    offs_c = tl.arange(0, C_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    kv = tl.load(ckv_ptr + b * stride_cb + rows[:, None] * stride_cs + offs_c[None, :],
+                 mask=valid[:, None] & (offs_c[None, :] < C), other=0.0).to(tl.float32)
+    kr = tl.load(kpe_ptr + b * stride_kb + rows[:, None] * stride_ks + offs_r[None, :],
+                 mask=valid[:, None] & (offs_r[None, :] < DR), other=0.0).to(tl.float32)
+    return kv, kr, valid
+
+
+@triton.jit
+def _load_heads(ptr, row, h0, stride_r, stride_h, H, D: tl.constexpr, BH: tl.constexpr, D_PAD: tl.constexpr):
+    """Rows h0..h0+BH-1 of a [R, H, D] fp32 tensor (contiguous last dim) -> [BH, D_PAD]."""
+    offs_h = h0 + tl.arange(0, BH)
+    offs_d = tl.arange(0, D_PAD)
+    return tl.load(ptr + row * stride_r + offs_h[:, None] * stride_h + offs_d[None, :],
+                   mask=(offs_h[:, None] < H) & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, lse_ptr,
+                       T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks, stride_ir,
+                       C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                       C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    b = row // T
+    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
+    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, C_PAD], tl.float32)
+    for k0 in range(0, K, BK):
+        kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
+                                     stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
+        s = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(q_pe, tl.trans(kr), input_precision="ieee")
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+        m = m_new
+    has_key = l > 0.0
+    out = tl.where(has_key[:, None], acc / tl.where(has_key, l, 1.0)[:, None], 0.0)
+    lse = tl.where(has_key, m + tl.log(tl.where(has_key, l, 1.0)), float("inf"))  # +inf: every p is 0
+    offs_h = h0 + tl.arange(0, BH)
+    offs_c = tl.arange(0, C_PAD)
+    tl.store(out_ptr + row * H * C + offs_h[:, None] * C + offs_c[None, :], out,
+             mask=(offs_h[:, None] < H) & (offs_c[None, :] < C))
+    tl.store(lse_ptr + row * H + offs_h, lse, mask=offs_h < H)
+
+
+@triton.jit
+def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale):
+    """Recompute p = exp(s - lse) and ds = p * (dO . kv - delta) for one [heads, keys] tile."""
+    s = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(q_pe, tl.trans(kr), input_precision="ieee")
+    p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
+    dp = tl.dot(d_out, tl.trans(kv), input_precision="ieee")
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
+                          dqlat_ptr, dqpe_ptr, T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks,
+                          stride_ir, C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                          C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    b = row // T
+    offs_h = h0 + tl.arange(0, BH)
+    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
+    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
+    d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
+    delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+    dq_lat = tl.zeros([BH, C_PAD], tl.float32)
+    dq_pe = tl.zeros([BH, DR_PAD], tl.float32)
+    for k0 in range(0, K, BK):
+        kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
+                                     stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
+        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale)
+        dq_lat += tl.dot(ds, kv, input_precision="ieee")
+        dq_pe += tl.dot(ds, kr, input_precision="ieee")
+    offs_c = tl.arange(0, C_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    tl.store(dqlat_ptr + row * H * C + offs_h[:, None] * C + offs_c[None, :], dq_lat * scale,
+             mask=(offs_h[:, None] < H) & (offs_c[None, :] < C))
+    tl.store(dqpe_ptr + row * H * DR + offs_h[:, None] * DR + offs_r[None, :], dq_pe * scale,
+             mask=(offs_h[:, None] < H) & (offs_r[None, :] < DR))
+
+
+@triton.jit
+def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
+                           dkv_slots_ptr, dkr_slots_ptr, row0, T, H, K, scale, stride_cb, stride_cs,
+                           stride_kb, stride_ks, stride_ir,
+                           C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                           C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    local = tl.program_id(0).to(tl.int64)  # row within this chunk
+    row = row0 + local
+    k0 = tl.program_id(1) * BK
+    b = row // T
+    kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
+                                 stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
+    dkv = tl.zeros([BK, C_PAD], tl.float32)
+    dkr = tl.zeros([BK, DR_PAD], tl.float32)
+    for h0 in range(0, H, BH):  # fixed head order
+        offs_h = h0 + tl.arange(0, BH)
+        q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
+        q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
+        d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
+        lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
+        delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale)
+        dkv += tl.dot(tl.trans(p), d_out, input_precision="ieee")
+        dkv += tl.dot(tl.trans(ds), q_lat, input_precision="ieee") * scale
+        dkr += tl.dot(tl.trans(ds), q_pe, input_precision="ieee") * scale
+    offs_k = k0 + tl.arange(0, BK)
+    offs_c = tl.arange(0, C_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    kmask = offs_k[:, None] < K
+    tl.store(dkv_slots_ptr + local * K * C + offs_k[:, None] * C + offs_c[None, :], dkv,
+             mask=kmask & (offs_c[None, :] < C))
+    tl.store(dkr_slots_ptr + local * K * DR + offs_k[:, None] * DR + offs_r[None, :], dkr,
+             mask=kmask & (offs_r[None, :] < DR))
+
+
+def _meta(q_lat, q_pe, config: LaunchConfig):
+    C, DR = q_lat.shape[-1], q_pe.shape[-1]
+    return dict(C=C, DR=DR, BH=config.block("heads"), BK=config.block("keys"),
+                C_PAD=_util.next_pow2(C, 16), DR_PAD=_util.next_pow2(DR, 16))
+
+
+def _key_strides(c_kv, k_pe, idx):
+    assert c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1 and idx.is_contiguous()
+    return (c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1), idx.shape[-1])
+
+
+def latent_forward(q_lat, q_pe, c_kv, k_pe, idx, scale: float, config: LaunchConfig):
+    """o_lat fp32 [B, T, H, C] and log-sum-exp fp32 [B, T, H] (+inf for a query with no key)."""
+    B, T, H, C = q_lat.shape
+    K = idx.shape[-1]
+    out = torch.empty((B, T, H, C), dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty((B, T, H), dtype=torch.float32, device=q_lat.device)
+    meta = _meta(q_lat, q_pe, config)
+    _sparse_fwd_kernel[(B * T, triton.cdiv(H, meta["BH"]))](
+        q_lat, q_pe, c_kv, k_pe, idx, out, lse, T, H, K, scale, *_key_strides(c_kv, k_pe, idx),
+        **meta, **config.launch_kwargs())
+    return out, lse
+
+
+def _slot_rows(idx: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Flat target row (b * S + index) of every slot of idx [b, t, K]; -1 slots map to a dump row."""
+    B = idx.shape[0]
+    base = torch.arange(B, device=idx.device).view(B, 1, 1) * num_keys
+    return torch.where(idx >= 0, idx.long() + base, torch.full_like(idx, B * num_keys, dtype=torch.long))
+
+
+def latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, scale: float, config: LaunchConfig):
+    """Gradients (dq_lat, dq_pe, dc_kv, dk_pe), all fp32."""
+    B, T, H, C = q_lat.shape
+    S, DR, K = c_kv.shape[1], q_pe.shape[-1], idx.shape[-1]
+    d_out = d_out.float().contiguous()
+    delta = (out * d_out).sum(-1).contiguous()  # [B, T, H]
+    meta = _meta(q_lat, q_pe, config)
+    strides = _key_strides(c_kv, k_pe, idx)
+    dq_lat = torch.empty_like(q_lat, dtype=torch.float32)
+    dq_pe = torch.empty_like(q_pe, dtype=torch.float32)
+    _sparse_bwd_dq_kernel[(B * T, triton.cdiv(H, meta["BH"]))](
+        q_lat, q_pe, c_kv, k_pe, idx, d_out, lse, delta, dq_lat, dq_pe, T, H, K, scale, *strides,
+        **meta, **config.launch_kwargs())
+    # Key side: per-slot gradients for a chunk of query rows, then a sorted accumulation.
+    dkv = torch.zeros((B * S + 1, C), dtype=torch.float32, device=q_lat.device)  # last row: -1 slots
+    dkr = torch.zeros((B * S + 1, DR), dtype=torch.float32, device=q_lat.device)
+    targets = _slot_rows(idx, S).view(B * T, K)  # [R, K]
+    rows_per_chunk = max(1, _SLOT_BUDGET // max(1, K * (C + DR)))
+    for row0 in range(0, B * T, rows_per_chunk):
+        n = min(rows_per_chunk, B * T - row0)
+        dkv_slots = torch.empty((n, K, C), dtype=torch.float32, device=q_lat.device)
+        dkr_slots = torch.empty((n, K, DR), dtype=torch.float32, device=q_lat.device)
+        _sparse_bwd_dkv_kernel[(n, triton.cdiv(K, meta["BK"]))](
+            q_lat, q_pe, c_kv, k_pe, idx, d_out, lse, delta, dkv_slots, dkr_slots, row0, T, H, K, scale,
+            *strides, **meta, **config.launch_kwargs())
+        flat = targets[row0:row0 + n].reshape(-1)  # [n * K]
+        dkv.index_put_((flat,), dkv_slots.view(-1, C), accumulate=True)
+        dkr.index_put_((flat,), dkr_slots.view(-1, DR), accumulate=True)
+    return dq_lat, dq_pe, dkv[:-1].view(B, S, C), dkr[:-1].view(B, S, DR)
+
+
+class _SparseLatentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_lat, q_pe, c_kv, k_pe, idx, scale, config):
+        out, lse = latent_forward(q_lat, q_pe, c_kv, k_pe, idx, scale, config)
+        ctx.save_for_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse)
+        ctx.scale, ctx.config = scale, config
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q_lat, q_pe, c_kv, k_pe, idx, out, lse = ctx.saved_tensors
+        grads = latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, ctx.scale, ctx.config)
+        return (*grads, None, None, None)
+
+
+def _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx):
+    """fp32 contiguous latent-level operands (the reference computes in fp32 too)."""
+    q_lat = absorb_query(q_nope.float(), w_uk.float()).contiguous()  # [B, T, H, C]
+    return q_lat, q_pe.float().contiguous(), c_kv.contiguous(), k_pe.contiguous(), topk_idx.contiguous()
+
+
+def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float, config: LaunchConfig):
+    """``dsa_sparse_prefill``: differentiable in q_nope, q_pe, c_kv, k_pe, w_uk, w_uv."""
+    q_lat, q_pe32, c_kv32, k_pe32, idx = _latent_inputs(q_nope, q_pe, c_kv.float(), k_pe.float(), w_uk, topk_idx)
+    o_lat = _SparseLatentAttention.apply(q_lat, q_pe32, c_kv32, k_pe32, idx, float(scale), config)
+    return project_output(o_lat, w_uv.float()).to(q_nope.dtype)
+
+
+sparse_prefill.differentiable = True  # backward through _SparseLatentAttention
+
+
+def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float, config: LaunchConfig):
+    """``dsa_sparse_decode``: inference only (no autograd graph through the kernel)."""
+    q_lat, q_pe32, c_kv, k_pe, idx = _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx)
+    o_lat, _ = latent_forward(q_lat, q_pe32, c_kv, k_pe, idx, float(scale), config)
+    return project_output(o_lat, w_uv.float()).to(q_nope.dtype)
+
+
+def dense_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale: float, start_pos, config: LaunchConfig):
+    """``mla_decode`` as sparse attention over every causal key: idx [B, T, S] selects 0..pos, -1 after."""
+    B, T = q_nope.shape[:2]
+    S = c_kv.shape[1]
+    pos = _util.start_tensor(start_pos, B, q_nope.device).long().view(B, 1) + torch.arange(T, device=q_nope.device)
+    keys = torch.arange(S, device=q_nope.device, dtype=torch.int32).expand(B, T, S)  # [B, T, S]
+    idx = torch.where(keys <= pos.unsqueeze(-1), keys, torch.full_like(keys, -1))
+    return sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, idx, scale=scale, config=config)
+
+
+_DENSE_DECODE_MAX_QUERIES = 64
+
+
+def dense_decode_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **kwargs):
+    if q_nope.shape[1] > _DENSE_DECODE_MAX_QUERIES:
+        return False, f"T={q_nope.shape[1]} queries > {_DENSE_DECODE_MAX_QUERIES}: use mla_prefill for long chunks"
+    return supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, torch.empty((1, 1, 1)), **kwargs)
+
+
+def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwargs):
+    why = _util.float_dtype_verdict("q_nope", q_nope)
+    if why:
+        return False, why
+    if c_kv.shape[-1] > 1024 or q_pe.shape[-1] > 256:
+        return False, f"latent width C={c_kv.shape[-1]} > 1024 or rope dim {q_pe.shape[-1]} > 256"
+    if topk_idx.shape[-1] == 0:
+        return False, "no selected keys (K=0)"
+    return True, ""

@@ -1,0 +1,107 @@
+"""Trajectory buffer between rollout and trainer.
+
+* the trainer takes a batch only once ``batch_size`` trajectories are ready (whole groups, so advantages can be
+  normalised within the group);
+* samples older than ``max_staleness`` policy versions are dropped at take time (counted, not trained), with
+  their whole group; a trajectory without sampled tokens (its prompt filled ``max_len``) is never stale;
+* exactly-once accounting: a trajectory id can be put once and taken once; a duplicate is a bug and raises.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Dict, List, Optional
+
+from glm5_core.rl.rollout.trajectory import Trajectory
+
+
+def staleness(trajectories: List[Trajectory], policy_version: int) -> List[int]:
+    """Policy versions each trajectory's oldest sampled token is behind ``policy_version``. A trajectory that
+    sampled nothing (``oldest_version`` -1) has no age and is left out."""
+    return [max(0, policy_version - t.oldest_version) for t in trajectories if t.oldest_version >= 0]
+
+
+class TrajectoryBuffer:
+    def __init__(self, *, batch_size: int, group_size: int, max_staleness: Optional[int] = None):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+        if not isinstance(group_size, int) or group_size < 1 or batch_size % group_size:
+            raise ValueError(f"group_size: expected an int >= 1 dividing batch_size={batch_size}, got {group_size!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness: expected None or an int >= 0, got {max_staleness!r}")
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self._cond = threading.Condition()
+        self._pending: Dict[str, List[Trajectory]] = collections.OrderedDict()  # group id -> members so far
+        self._ready: List[List[Trajectory]] = []  # complete groups, oldest first
+        self._seen: set = set()
+        self.taken_ids: List[str] = []
+        self.dropped_stale = 0
+        self.dropped_ids: List[str] = []
+        self.dropped_env_failures = 0
+        self.staleness_histogram: Dict[int, int] = collections.Counter()
+        self._closed = False
+
+    def put(self, trajectory: Trajectory) -> None:
+        with self._cond:
+            if trajectory.trajectory_id in self._seen:
+                raise RuntimeError(f"trajectory {trajectory.trajectory_id!r} put twice")
+            self._seen.add(trajectory.trajectory_id)
+            group = self._pending.setdefault(trajectory.group_id, [])
+            group.append(trajectory)
+            if len(group) == self.group_size:
+                del self._pending[trajectory.group_id]
+                self._ready.append(group)
+                self._cond.notify_all()
+
+    def num_ready(self) -> int:
+        with self._cond:
+            return sum(len(g) for g in self._ready)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _drop_stale(self, policy_version: int) -> None:
+        keep = []
+        for group in self._ready:
+            if any(t.env_failed for t in group):
+                self.dropped_env_failures += len(group)
+                self.dropped_ids.extend(t.trajectory_id for t in group)
+                continue
+            stale = self.max_staleness is not None and any(  # oldest_version -1: no sampled token, never stale
+                t.oldest_version >= 0 and policy_version - t.oldest_version > self.max_staleness for t in group)
+            if stale:
+                self.dropped_stale += len(group)
+                self.dropped_ids.extend(t.trajectory_id for t in group)
+            else:
+                keep.append(group)
+        self._ready = keep
+
+    def take(self, policy_version: int, timeout: Optional[float] = None) -> Optional[List[Trajectory]]:
+        """Block until ``batch_size`` fresh trajectories are ready; None on timeout or close."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._drop_stale(policy_version)
+                if sum(len(g) for g in self._ready) >= self.batch_size:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if self._closed or (remaining is not None and remaining <= 0):
+                    return None
+                self._cond.wait(remaining if remaining is not None else 0.5)
+            batch: List[Trajectory] = []
+            while len(batch) < self.batch_size:
+                batch.extend(self._ready.pop(0))
+            self.taken_ids.extend(t.trajectory_id for t in batch)
+            self.staleness_histogram.update(staleness(batch, policy_version))
+            return batch
+
+    def leftover_ids(self) -> List[str]:
+        with self._cond:
+            ids = [t.trajectory_id for g in self._ready for t in g]
+            ids += [t.trajectory_id for g in self._pending.values() for t in g]
+            return ids

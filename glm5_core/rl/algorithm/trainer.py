@@ -1,0 +1,167 @@
+"""RL trainer: recomputes log-probs of the sampled tokens, applies the double-sided IS loss, steps the
+optimizer, and publishes weights for the engines every ``push_every`` steps.
+
+Legend: B samples in a micro-batch, T padded length (targets shifted: position t scores token t + 1).
+
+During RL the DSA indexer is frozen (no gradient, no indexer loss) and attention runs in ``"sparse"`` mode
+with the deterministic top-k, so the trainer selects exactly the keys the engine selected. MoE router
+biases (``e_score_correction_bias``, buffers, so never in the optimizer) are not updated: the trainer
+takes no aux-loss-free step during RL.
+
+Log-probs are recomputed at the rollout's sampling temperature (``rollout.temperature``, passed in as
+``temperature``), the single temperature both sides of the importance ratio pi_theta / pi_rollout use.
+Every tensor the trainer builds is created on the policy's device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from glm5_core.rl.algorithm.advantages import distillation_advantage, group_normalized
+from glm5_core.rl.algorithm.loss import double_sided_is_loss
+from glm5_core.rl.device import module_device
+from glm5_core.rl.rollout.trajectory import Sample, Trajectory
+from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: Tuple[float, float] = (0.9, 0.99)
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    micro_batch_size: int = 16
+    grad_clip: float = 1.0
+    push_every: int = 1
+    distill_coef: float = 0.0  # > 0 needs a teacher model
+
+    def validate(self) -> "TrainerConfig":
+        if not self.lr > 0:
+            raise ValueError(f"trainer.lr: expected > 0, got {self.lr!r}")
+        if not isinstance(self.push_every, int) or self.push_every < 1:
+            raise ValueError(f"trainer.push_every: expected an int >= 1, got {self.push_every!r}")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size: expected an int >= 1, got {self.micro_batch_size!r}")
+        if not 0.0 < self.eps_low <= 1.0:  # checked with the config, not at the first loss after a batch of rollouts
+            raise ValueError(f"trainer.eps_low: expected a float in (0, 1], got {self.eps_low!r}")
+        if not self.eps_high > 0.0:
+            raise ValueError(f"trainer.eps_high: expected a float > 0, got {self.eps_high!r}")
+        if self.distill_coef < 0:
+            raise ValueError(f"trainer.distill_coef: expected >= 0, got {self.distill_coef!r}")
+        return self
+
+
+def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tensor]:
+    """Right-pad samples into input ids [B, T] and shifted targets / masks / rollout log-probs [B, T-1],
+    on ``device`` (default cpu)."""
+    T = max(len(s.tokens) for s in samples)
+    B = len(samples)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.float32)
+    rollout = torch.zeros(B, T, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        ids[i, :n] = torch.tensor(s.tokens, dtype=torch.long)
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        rollout[i, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+    if bool(mask[:, 0].any()):
+        raise ValueError("samples: the first token of a sample cannot be a sampled token (no context)")
+    ids, mask, rollout = (t.to(device) for t in (ids, mask, rollout))  # built on the host, moved once
+    return {"input_ids": ids, "targets": ids[:, 1:], "loss_mask": mask[:, 1:], "rollout_logprobs": rollout[:, 1:]}
+
+
+def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """log pi(token t+1 | tokens <= t) for t < T-1: [B, T-1], and the DSA top-k per full-indexer layer."""
+    out = model(input_ids_BT, attention="sparse")
+    logp = token_logprobs(out.logits[:, :-1], input_ids_BT[:, 1:], temperature)  # [B, T-1]
+    return logp, out.topk_idx
+
+
+class Trainer:
+    """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0."""
+
+    def __init__(self, model, config: TrainerConfig, *, temperature: float, teacher=None):
+        self.model = model
+        self.config = config.validate()
+        self.temperature = check_training_temperature(temperature)
+        self.device = module_device(model)
+        if config.distill_coef > 0 and teacher is None:
+            raise ValueError("trainer.distill_coef > 0 needs a teacher checkpoint")
+        if teacher is not None and module_device(teacher) != self.device:
+            raise ValueError(f"teacher: expected a model on the policy's device {self.device}, "
+                             f"got one on {module_device(teacher)}")
+        self.teacher = teacher.eval() if teacher is not None else None
+        for p in model.indexer_parameters():
+            p.requires_grad_(False)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.step_count = 0
+
+    @property
+    def version(self) -> int:
+        """Policy version = optimizer steps taken."""
+        return self.step_count
+
+    def train_step(self, trajectories: List[Trajectory]) -> Dict[str, float]:
+        cfg = self.config
+        self.model.train()
+        advantages = group_normalized([t.reward for t in trajectories], [t.group_id for t in trajectories])
+        items = [(s, a) for t, a in zip(trajectories, advantages) for s in t.samples]
+        total_tokens = sum(s.num_generated for s, _ in items)
+        stats = {"masked_tokens": 0.0, "abs_logprob_diff": 0.0, "ratio": 0.0, "loss": 0.0, "distill_adv": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for start in range(0, len(items), cfg.micro_batch_size):
+            chunk = items[start:start + cfg.micro_batch_size]
+            batch = pad_samples([s for s, _ in chunk], self.device)
+            logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature)
+            adv_B = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=self.device)
+            adv = adv_B.unsqueeze(1).expand_as(logp).clone()  # [B, T-1]
+            if self.teacher is not None and cfg.distill_coef > 0:
+                with torch.no_grad():
+                    teacher_logp, _ = sequence_logprobs(self.teacher, batch["input_ids"], self.temperature)
+                distill = distillation_advantage(teacher_logp, logp.detach())
+                adv = adv + cfg.distill_coef * distill
+                stats["distill_adv"] += float((distill * batch["loss_mask"]).sum())
+            result = double_sided_is_loss(logp, batch["rollout_logprobs"], adv, batch["loss_mask"],
+                                          eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+            n = result.num_tokens
+            (result.loss * n / max(total_tokens, 1)).backward()  # token mean over the whole batch
+            stats["loss"] += float(result.loss.detach()) * n
+            stats["masked_tokens"] += result.masked_fraction * n
+            stats["abs_logprob_diff"] += result.mean_abs_logprob_diff * n
+            stats["ratio"] += result.mean_ratio * n
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.grad_clip) if cfg.grad_clip > 0 else None
+        self.optimizer.step()
+        self.step_count += 1
+        denom = max(total_tokens, 1)
+        out = {k: v / denom for k, v in stats.items()}
+        out.update(trained_tokens=float(total_tokens), trained_samples=float(len(items)),
+                   context_tokens=float(sum(len(s.tokens) for s, _ in items)),
+                   grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
+        return out
+
+    def should_push(self) -> bool:
+        return self.step_count % self.config.push_every == 0
+
+    def save_weights(self, weights_dir: str, keep: int = 3) -> str:
+        """Write the current weights as ``v{version}.safetensors`` (atomically) and prune old files."""
+        from safetensors.torch import save_file
+
+        os.makedirs(weights_dir, exist_ok=True)
+        path = os.path.join(weights_dir, f"v{self.version:06d}.safetensors")
+        tmp = path + ".tmp"
+        state = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
+        save_file(state, tmp)
+        os.replace(tmp, path)
+        files = sorted(f for f in os.listdir(weights_dir) if f.startswith("v") and f.endswith(".safetensors"))
+        for old in files[:-keep]:
+            try:
+                os.remove(os.path.join(weights_dir, old))
+            except FileNotFoundError:
+                pass
+        return path

@@ -1,0 +1,218 @@
+"""The set of engine replicas the rollout talks to: executor + clients + router + a supervisor.
+
+:meth:`ReplicaSet.generate` routes one request of a trajectory (DP-aware). When the replica does not answer
+(or answers 503: its engine failed, the request never ran) it marks it unhealthy, waits for a healthy one and
+resends the same request there (the trajectory's recorded tokens live in the gateway, so nothing is lost; the
+partial generation on the dead replica was never recorded). A 4xx is the request's own fault and is raised at
+once; a 500/504 (the request ran and failed) is retried on another replica at most ``max_server_errors - 1``
+times, so one poisoned request cannot take down every replica in turn. A busy 503 (``Retry-After``) is
+retried on the same replica after a pause.
+
+The supervisor thread replaces dead workers and puts them back on the ring. A failed replacement (e.g. the
+worker could not start) is logged and retried with exponential backoff; it never stops the supervisor.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, List, Optional
+
+from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSet:
+    def __init__(self, executor, router, names: List[str], *, poll_seconds: float = 0.5,
+                 retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
+                 end_trajectories_timeout: float = 5.0):
+        if isinstance(max_server_errors, bool) or not isinstance(max_server_errors, int) or max_server_errors < 1:
+            raise ValueError(f"max_server_errors: expected an int >= 1, got {max_server_errors!r}")
+        self.executor = executor
+        self.router = router
+        self.names = list(names)
+        self.clients: Dict[str, EngineClient] = {}
+        self.replacements = 0
+        self.failed_restarts = 0
+        self.failed_requests = 0
+        self.last_error = ""
+        self._poll = poll_seconds
+        self._retry_timeout = retry_timeout
+        self._max_server_errors = max_server_errors
+        self._max_backoff = max_restart_backoff
+        self._end_timeout = end_trajectories_timeout
+        self._lock = threading.Lock()  # one replacement at a time
+        self._stats_lock = threading.Lock()  # counters written by many episode threads
+        self._restart_failures: Dict[str, int] = {}  # supervisor thread only
+        self._next_restart: Dict[str, float] = {}  # supervisor thread only: monotonic time of the next try
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "ReplicaSet":
+        for name in self.names:
+            self.clients[name] = EngineClient(self.executor.start(name))
+            self.router.add_replica(name)
+        self._thread = threading.Thread(target=self._supervise, name="rl-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    # -- supervision ------------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        while not self._stop.wait(self._poll):
+            for name in self.names:
+                if self._stop.is_set():
+                    return
+                if time.monotonic() < self._next_restart.get(name, 0.0):
+                    continue
+                try:
+                    self._check(name)
+                except Exception as exc:  # a failed restart must not end supervision: back off, try again
+                    self._restart_failed(name, exc)
+                else:
+                    self._restart_failures.pop(name, None)
+                    self._next_restart.pop(name, None)
+
+    def _check(self, name: str) -> None:
+        if not self.executor.is_alive(name):
+            self.replace(name)
+        elif name not in self.router.healthy_replicas():
+            if self.clients[name].health():  # a transient failure: back on the ring
+                self.router.mark_healthy(name)
+            else:
+                self.replace(name)
+
+    def _restart_failed(self, name: str, exc: Exception) -> None:
+        failures = self._restart_failures.get(name, 0) + 1
+        self._restart_failures[name] = failures
+        delay = min(self._max_backoff, self._poll * 2 ** min(failures, 30))
+        self._next_restart[name] = time.monotonic() + delay
+        with self._stats_lock:
+            self.failed_restarts += 1
+            self.last_error = f"replacing {name}: {type(exc).__name__}: {exc}"
+        logger.warning("replica %s: replacement failed (attempt %d, next try in %.1fs): %s: %s",
+                       name, failures, delay, type(exc).__name__, exc)
+
+    def replace(self, name: str) -> None:
+        """Restart worker ``name`` unless it is alive and healthy; raises what the executor raised."""
+        with self._lock:
+            if self.executor.is_alive(name) and name in self.clients and self.clients[name].health():
+                return
+            self.router.mark_unhealthy(name)
+            url = self.executor.restart(name)
+            self.clients[name] = EngineClient(url)
+            self.replacements += 1
+            self.router.mark_healthy(name)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _request_failed(self, name: Optional[str], exc: Exception) -> None:
+        with self._stats_lock:
+            self.failed_requests += 1
+            self.last_error = repr(exc)
+        if name is not None:
+            self.router.mark_unhealthy(name)
+
+    def generate(self, trajectory_id: str, request: Dict) -> Dict:
+        deadline = time.monotonic() + self._retry_timeout
+        server_errors = 0
+        while True:
+            try:
+                name = self.router.acquire(trajectory_id)
+            except RuntimeError:  # no healthy replica right now: the supervisor is replacing one
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(self._poll)
+                continue
+            try:
+                return self.clients[name].generate(request)
+            except EngineRequestError as exc:
+                if exc.status < 500:  # the request's own fault: the same answer anywhere
+                    raise
+                if exc.busy:  # alive, at its connection cap: wait, then try again (same replica, same cache)
+                    self._request_failed(None, exc)
+                    if time.monotonic() + exc.retry_after > deadline:
+                        raise
+                    time.sleep(exc.retry_after)
+                    continue
+                if exc.status != 503:  # it ran and failed: maybe this request is what breaks engines
+                    server_errors += 1
+                # a 504 is a slow replica, not a broken one: keep it (and its trajectories' caches) on the ring
+                self._request_failed(None if exc.status == 504 else name, exc)
+                if server_errors >= self._max_server_errors or time.monotonic() > deadline:
+                    raise
+            except EngineUnavailable as exc:
+                self._request_failed(name, exc)
+                if time.monotonic() > deadline:
+                    raise
+            finally:
+                self.router.release(trajectory_id, name)
+
+    def broadcast_weights(self, path: str, version: int) -> None:
+        """Tell every replica to load ``path``; an unreachable or failing one is marked unhealthy (its
+        replacement starts from the latest weights anyway). A 4xx (bad file, version moving back) is raised."""
+        for name in self.names:
+            try:
+                self.clients[name].update_weights_from_disk(path, version)
+            except EngineRequestError as exc:
+                if exc.status < 500:
+                    raise
+                self.router.mark_unhealthy(name)
+            except EngineUnavailable:
+                self.router.mark_unhealthy(name)
+
+    def end_trajectories(self, rids: List[str]) -> None:
+        """Finished trajectories: every healthy replica frees their prefix-cache entries. Best effort, with a
+        short timeout (``end_trajectories_timeout``): this runs on episode threads, and a replica that does not
+        answer has lost its cache anyway, or keeps dead entries until LRU eviction."""
+        if not rids:
+            return
+        healthy = set(self.router.healthy_replicas())
+        for name in self.names:
+            if name not in healthy or name not in self.clients:
+                continue
+            try:
+                self.clients[name].end_trajectories(rids, timeout=self._end_timeout)
+            except (EngineUnavailable, EngineRequestError):
+                pass
+
+    def info(self) -> Dict[str, Dict]:
+        out = {}
+        for name in self.names:
+            try:
+                out[name] = self.clients[name].info()
+            except (EngineUnavailable, EngineRequestError):
+                out[name] = {}
+        return out
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.executor.shutdown()
+
+
+class TrajectoryCloser:
+    """Collects finished trajectory ids and sends them to ``send`` (``ReplicaSet.end_trajectories``) in
+    batches of ``batch``, so a short-trajectory task does not pay one HTTP round trip per trajectory.
+    Thread-safe; :meth:`flush` sends what is left."""
+
+    def __init__(self, send, *, batch: int = 16):
+        if not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: expected an int >= 1, got {batch!r}")
+        self._send = send
+        self._batch = batch
+        self._pending: List[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, trajectory_id: str) -> None:
+        with self._lock:
+            self._pending.append(trajectory_id)
+            if len(self._pending) < self._batch:
+                return
+            ready, self._pending = self._pending, []
+        self._send(ready)
+
+    def flush(self) -> None:
+        with self._lock:
+            ready, self._pending = self._pending, []
+        self._send(ready)

@@ -1,0 +1,106 @@
+"""Multi-turn calculator-tool task with long-tailed turn counts.
+
+Task: add ``n`` integers that the environment reveals one per turn (like an agent that must look things up).
+The prompt shows the first number; each model turn is one calculator call (its first line is evaluated by
+:func:`calculate`); the tool replies with the result and the next number. After the last number the tool
+asks for the answer, and the reward is 1.0 iff the model's final line is exactly the total.
+``n`` is long-tailed: ``1 + floor(pareto(alpha))`` capped at ``max_numbers``, so most episodes are short and a
+few are very long, which is what leaves a synchronous RL loop waiting on stragglers.
+"""
+from __future__ import annotations
+
+import random
+from typing import Dict, List
+
+from glm5_core.rl.rollout.envs.arithmetic import score_answer
+from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
+from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
+from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.envs.context import ContextManager
+
+
+def long_tailed_count(rng: random.Random, alpha: float, cap: int) -> int:
+    return min(cap, 1 + int(rng.paretovariate(alpha)))
+
+
+class CalculatorEpisode(Episode):
+    def __init__(self, group_id: str, numbers: List[int], codec: ByteCodec, *, max_new_tokens: int,
+                 keep_recent: int, token_budget: int):
+        self.group_id = group_id
+        self.numbers = numbers
+        self._codec = codec
+        prompt = codec.encode(f"Add the numbers with calc. First: {numbers[0]}\n")
+        self.context = ContextManager(prompt, codec, keep_recent=keep_recent, token_budget=token_budget)
+        self._limits = TurnLimits(max_new_tokens, (codec.token("\n"),))
+        self._revealed = 1
+        self._turns = 0
+        self._final: List[int] = []
+        self._asked_answer = len(numbers) == 1
+        if self._asked_answer:
+            self.context.prompt += codec.encode("answer:")
+
+    def context_tokens(self) -> List[int]:
+        return self.context.render()
+
+    def turn_limits(self) -> TurnLimits:
+        return self._limits
+
+    def observe(self, output_ids: List[int]) -> bool:
+        self._turns += 1
+        if self._asked_answer:
+            self._final = list(output_ids)
+            return True
+        expression = self._codec.decode(output_ids).split("\n", 1)[0]
+        try:
+            result = str(calculate(expression))
+        except ToolError as exc:
+            result = f"error: {exc}"
+        reply = f"<tool>{result}</tool>"
+        if self._revealed < len(self.numbers):
+            reply += f" next: {self.numbers[self._revealed]}\n"
+            self._revealed += 1
+        if self._revealed == len(self.numbers):
+            reply += "answer:"
+            self._asked_answer = True
+        self.context.add_turn(output_ids, self._codec.encode(reply))
+        return False
+
+    @property
+    def reward(self) -> float:
+        return score_answer(self._codec.decode(self._final), sum(self.numbers))
+
+    @property
+    def num_turns(self) -> int:
+        return self._turns
+
+    def info(self) -> Dict[str, float]:
+        return {"numbers": float(len(self.numbers)), "history_drops": float(self.context.num_drops)}
+
+
+class CalculatorEnv(Environment):
+    def __init__(self, *, pareto_alpha: float = 1.2, max_numbers: int = 16, min_numbers: int = 1, max_value: int = 9,
+                 max_new_tokens: int = 8, keep_recent: int = 5, token_budget: int = 32768,
+                 codec: ByteCodec = None, seed: int = 0):
+        if not pareto_alpha > 0:
+            raise ValueError(f"pareto_alpha: expected > 0, got {pareto_alpha!r}")
+        if not isinstance(max_numbers, int) or max_numbers < 1:
+            raise ValueError(f"max_numbers: expected an int >= 1, got {max_numbers!r}")
+        if not isinstance(min_numbers, int) or not 1 <= min_numbers <= max_numbers:
+            raise ValueError(f"min_numbers: expected an int in [1, max_numbers={max_numbers}], got {min_numbers!r}")
+        # checked here, not at the first episode (in a rollout thread, as a bare KeyError / randrange error)
+        for name, value, low in (("max_value", max_value, 0), ("max_new_tokens", max_new_tokens, 1),
+                                 ("keep_recent", keep_recent, 1), ("token_budget", token_budget, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        self.pareto_alpha, self.max_numbers, self.max_value = pareto_alpha, max_numbers, max_value
+        self.min_numbers = min_numbers
+        self.max_new_tokens, self.keep_recent, self.token_budget = max_new_tokens, keep_recent, token_budget
+        self.codec = codec or ByteCodec()
+        self._rng = random.Random(seed)
+
+    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+        n = max(self.min_numbers, long_tailed_count(self._rng, self.pareto_alpha, self.max_numbers))
+        numbers = [self._rng.randint(0, self.max_value) for _ in range(n)]
+        return [CalculatorEpisode(group_id, list(numbers), self.codec, max_new_tokens=self.max_new_tokens,
+                                  keep_recent=self.keep_recent, token_budget=self.token_budget)
+                for _ in range(group_size)]

@@ -1,0 +1,138 @@
+"""Agent loops: environment <-> TITO gateway <-> replicas.
+
+:class:`RolloutRunner` plays episodes on a thread pool. In async mode :meth:`RolloutRunner.run_forever`
+keeps ``max_inflight_groups`` groups going and feeds the buffer as trajectories finish (pausing while the
+buffer already holds ``max_buffered`` trajectories); in sync mode :meth:`RolloutRunner.run_groups` plays a
+fixed number of groups and returns when all are done. Every trajectory id is issued once.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+import time
+from typing import Callable, Dict, List
+
+from glm5_core.rl.rollout.envs.base import Environment, Episode
+from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.rollout.trajectory import Trajectory
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
+
+
+class RolloutRunner:
+    def __init__(self, env: Environment, generate_fn: GenerateFn, *, group_size: int, temperature: float,
+                 top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None):
+        self.env = env
+        self.generate_fn = generate_fn
+        self.group_size = group_size
+        self.temperature = check_training_temperature(temperature, "temperature")  # its trajectories are trained on
+        self.top_p = check_top_p(top_p)  # else every engine refuses every request
+        self.max_len = max_len
+        self.forget_fn = forget_fn or (lambda tid: None)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rl-episode")
+        self._group_counter = itertools.count()
+        self._lock = threading.Lock()
+        self.issued_ids: List[str] = []
+        self.env_failures = 0
+        self.rollout_failures = 0  # trajectories whose generation failed on every replica tried (dropped)
+        self._stop = threading.Event()
+
+    def _new_group(self) -> List[Episode]:
+        with self._lock:
+            gid = f"g{next(self._group_counter)}"
+            episodes = self.env.new_group(gid, self.group_size)
+            return episodes
+
+    def play(self, episode: Episode, trajectory_id: str) -> Trajectory:
+        """Run one episode to the end through a TITO gateway."""
+        gateway = TITOGateway(trajectory_id, self.generate_fn)
+        failed = rollout_failed = False
+        try:
+            while True:
+                context = episode.context_tokens()
+                limits = episode.turn_limits()
+                budget = self.max_len - len(context)
+                if budget < 1:
+                    break  # context full: the episode ends unfinished (reward as the env scores it)
+                params = {"temperature": self.temperature, "top_p": self.top_p,
+                          "max_new_tokens": min(limits.max_new_tokens, budget),
+                          "stop_token_ids": list(limits.stop_token_ids)}
+                try:
+                    response = gateway.generate(context, params)
+                except (EngineUnavailable, EngineRequestError) as exc:
+                    if not is_fleet_failure(exc):
+                        raise  # the request's own fault (a bug here), the same on any replica
+                    rollout_failed = failed = True  # the fleet gave up on it (retries spent): drop, go on
+                    break
+                try:
+                    if episode.observe(response["output_ids"]):
+                        break
+                except Exception:  # an environment crash is not a task failure
+                    failed = True
+                    break
+            reward = 0.0 if failed else float(episode.reward)
+        finally:
+            self.forget_fn(trajectory_id)
+        if failed:
+            with self._lock:
+                if rollout_failed:
+                    self.rollout_failures += 1
+                else:
+                    self.env_failures += 1
+        return Trajectory(trajectory_id, episode.group_id, gateway.finished_samples(), reward,
+                          num_turns=episode.num_turns, info=episode.info(), env_failed=failed)
+
+    def _submit_group(self) -> List[concurrent.futures.Future]:
+        futures = []
+        for i, episode in enumerate(self._new_group()):
+            tid = f"{episode.group_id}-{i}"
+            with self._lock:
+                self.issued_ids.append(tid)
+            futures.append(self._pool.submit(self.play, episode, tid))
+        return futures
+
+    def run_groups(self, num_groups: int) -> List[Trajectory]:
+        """Sync mode: play ``num_groups`` groups concurrently, return when every trajectory is done."""
+        futures = [f for _ in range(num_groups) for f in self._submit_group()]
+        return [f.result() for f in futures]
+
+    def run_forever(self, sink: Callable[[Trajectory], None], *, max_inflight_groups: int,
+                    backlog: Callable[[], int], max_buffered: int, errors: List[BaseException],
+                    drain_timeout: float = 300.0) -> None:
+        """Async mode: keep groups in flight until :meth:`stop`; finished trajectories go to ``sink``.
+        After the stop, trajectories in flight are finished and sunk too, so none is abandoned."""
+        inflight: Dict[concurrent.futures.Future, None] = {}
+        while not self._stop.is_set():
+            while len(inflight) < max_inflight_groups * self.group_size and backlog() < max_buffered:
+                for f in self._submit_group():
+                    inflight[f] = None
+            if not inflight:
+                time.sleep(0.01)
+                continue
+            done, _ = concurrent.futures.wait(list(inflight), timeout=0.1,
+                                              return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in done:
+                del inflight[f]
+                try:
+                    sink(f.result())
+                except BaseException as exc:  # surface to the driver instead of dying silently
+                    errors.append(exc)
+                    self._stop.set()
+        # drain: trajectories already started are finished and handed over (the buffer keeps them untrained)
+        try:
+            for f in concurrent.futures.as_completed(list(inflight), timeout=drain_timeout):
+                try:
+                    sink(f.result())
+                except BaseException as exc:
+                    errors.append(exc)
+        except concurrent.futures.TimeoutError:
+            unfinished = sum(not f.done() for f in inflight)
+            errors.append(TimeoutError(f"{unfinished} trajectories still running {drain_timeout} s after the stop"))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,398 @@
+"""Rollout engine: continuous batching over the model's KV cache.
+
+Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
+
+* One batched KVCache of S slots. Requests admitted in one step are prefilled together in a scratch
+  cache of one row per request (seeded with whatever prefix the trajectory's prefix cache can supply);
+  their rows are then copied into free slots of the batched cache. Every scheduler step decodes one token
+  for all active slots at once (ragged ``start_pos [S]``). A finished request frees its slot at once and a
+  waiting one takes it on the next step (continuous batching).
+* Attention is ``"sparse"`` (DSA with the deterministic top-k, the same path the trainer recomputes).
+* Each sampled token carries its log-prob (temperature-scaled softmax, see ``sampling``) and the weight
+  version that produced it. Weight updates land between steps; the prefix cache is flushed then. Each
+  slot remembers the weight version its KV was computed under (the oldest one, if an update landed
+  mid-generation); a finished slot whose KV predates the current weights is not stored in the prefix
+  cache, so the trajectory's next turn is prefilled in full under the new weights. The prefix cache is
+  budgeted in entries and optionally in cached positions (``prefix_cache_tokens``). It holds only
+  trajectories that are not running here: an admitted request's entry leaves the cache (its KV now lives in
+  the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
+  finished trajectory's entry.
+* Every tensor the engine creates lives on the model's device.
+* Thread model: :meth:`submit` may be called from any thread; :meth:`step` runs on one scheduler thread
+  (:meth:`start`) or is driven by the caller (:meth:`run_until_idle`).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+
+from glm5_core.ops import _checks
+from glm5_core.rl.device import module_device
+from glm5_core.rl.serving import kv_slots
+from glm5_core.rl.serving.prefix_cache import TrajectoryPrefixCache
+from glm5_core.rl.serving.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    GenerateResult,
+    Limits,
+)
+from glm5_core.rl.serving.sampling import sample
+
+
+@dataclasses.dataclass
+class EngineStats:
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+    busy_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # part of busy_seconds spent in prefill forwards (incl. prefix-cache copies)
+    prefill_tokens: int = 0  # positions actually computed by prefill
+    cached_tokens: int = 0  # positions reused from the prefix cache
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_slot_steps: int = 0  # sum over decode steps of active slots (occupancy = this / (steps * S))
+    requests: int = 0
+    weight_updates: int = 0
+
+    def as_dict(self) -> Dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["uptime_seconds"] = time.monotonic() - self.started_at
+        return d
+
+
+@dataclasses.dataclass
+class _Active:
+    request: GenerateRequest
+    future: concurrent.futures.Future
+    tokens: List[int]  # context + generated so far
+    kv_len: int  # positions of ``tokens`` already in the cache
+    cached: int
+    kv_version: int  # oldest weight version any of the slot's cached positions was computed under
+    outputs: List[int] = dataclasses.field(default_factory=list)
+    logprobs: List[float] = dataclasses.field(default_factory=list)
+    versions: List[int] = dataclasses.field(default_factory=list)
+    topk: List[List[List[int]]] = dataclasses.field(default_factory=list)
+
+
+class RolloutEngine:
+    def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
+                 prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False):
+        config = model.config
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
+        max_len = int(max_len or config.max_position_embeddings)
+        if not 2 <= max_len <= config.max_position_embeddings:
+            raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
+        self.model = model.eval()
+        if reuse_stacked_weights:  # for a model only this engine writes (load_state_dict), e.g. a worker's own
+            model.reuse_stacked_expert_weights(True)
+        self.device = module_device(model)
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.limits = Limits(vocab_size=config.vocab_size, max_input_tokens=max_len - 1,
+                             max_new_tokens=min(max_new_tokens_cap, max_len - 1))
+        self.record_topk = record_topk
+        self.version = int(weight_version)
+        self._newest_version = self.version  # the newest version accepted by update_weights
+        self.stats = EngineStats()
+        self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
+        self._cache = model.new_cache(max_batch, max_len)
+        self._slots: List[Optional[_Active]] = [None] * max_batch
+        self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
+        self._cond = threading.Condition()
+        self._pending_weights: Optional[Tuple[Dict[str, torch.Tensor], int]] = None
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
+        self._aborted: set = set()  # futures of running requests whose callers gave up (see abort)
+
+    # -- public API ---------------------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
+        if len(request.input_ids) > self.limits.max_input_tokens:
+            raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, "
+                             f"got {len(request.input_ids)}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._raise_if_failed()
+            self._waiting.append((request, future))
+            self._cond.notify_all()
+        return future
+
+    def update_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
+        """Queue new weights; they replace the current ones before the next scheduler step."""
+        expected = self.model.state_dict()
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state_dict.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(f"state_dict[{name!r}]: expected shape {tuple(expected[name].shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+        floats = [(name, t) for name, t in state_dict.items() if t.is_floating_point()]
+        flags = [torch.isfinite(t).all() for _, t in floats]
+        if len({f.device for f in flags}) > 1:
+            flags = [f.cpu() for f in flags]
+        finite = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool)
+        if not bool(finite.all()):  # one host sync per push (tensors on one device), not one per tensor
+            name = floats[int((~finite).nonzero()[0])][0]
+            raise ValueError(f"state_dict[{name!r}]: expected finite values, got NaN or inf")
+        with self._cond:
+            self._raise_if_failed()
+            if int(version) < self._newest_version:
+                raise ValueError(f"weight_version: expected >= {self._newest_version} (versions only move forward), "
+                                 f"got {version}")
+            self._newest_version = int(version)  # accepted: later pushes compare with it, even mid-apply
+            self._pending_weights = (state_dict, int(version))
+            self._cond.notify_all()
+        if self._thread is None:
+            self._apply_pending_weights()
+
+    def end_trajectory(self, rid: str) -> None:
+        """The trajectory ``rid`` is over (like closing an SGLang session): free its prefix-cache entry now
+        instead of leaving dead KV to push live trajectories out of the cache."""
+        self.prefix_cache.drop(rid)
+
+    def abort(self, future: concurrent.futures.Future) -> None:
+        """Stop the request behind ``future`` (its caller gave up, e.g. an HTTP timeout): a waiting request is
+        dropped, a running one finishes with ``finish_reason`` abort at the next step, freeing its slot."""
+        if future.cancel():  # it was waiting: take it out of the queue now
+            with self._cond:
+                self._waiting = collections.deque(item for item in self._waiting if item[1] is not future)
+        elif not future.done():  # running: flag it for the scheduler
+            with self._cond:
+                self._aborted.add(future)
+                if future.done():  # it finished meanwhile: nothing left to stop
+                    self._aborted.discard(future)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"engine scheduler failed: {type(self.failure).__name__}: {self.failure}")
+
+    def healthy(self) -> bool:
+        """False once the scheduler thread has failed or exited: a supervisor should replace this engine."""
+        if self.failure is not None:
+            return False
+        return self._thread is None or self._thread.is_alive() or self._stopping
+
+    def num_active(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.num_active() > 0
+
+    def start(self) -> "RolloutEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        for state in [s for s in self._slots if s is not None]:
+            self._finish_result(state, FINISH_ABORT)
+        while self._waiting:
+            request, future = self._waiting.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_result(GenerateResult(request.rid, [], [], [], FINISH_ABORT, len(request.input_ids), 0))
+
+    def run_until_idle(self) -> None:
+        """Drive the scheduler from the calling thread until no work is left (no scheduler thread)."""
+        while self.has_work():
+            self.step()
+
+    def generate(self, requests: List[GenerateRequest]) -> List[GenerateResult]:
+        futures = [self.submit(r) for r in requests]
+        if self._thread is None:
+            self.run_until_idle()
+        return [f.result() for f in futures]
+
+    # -- scheduler ----------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and self.num_active() == 0 \
+                        and self._pending_weights is None:
+                    self._cond.wait(timeout=0.5)
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a poisoned step (e.g. NaN logits): fail every request, never hang them
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self.failure = exc
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for slot, state in enumerate(self._slots):
+            if state is not None:
+                self._slots[slot] = None
+                if not state.future.done():
+                    state.future.set_exception(exc)
+        for _, future in waiting:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+        with self._cond:
+            self._aborted.clear()
+        self.prefix_cache.flush()
+
+    def _apply_pending_weights(self) -> None:
+        with self._cond:
+            pending, self._pending_weights = self._pending_weights, None
+        if pending is None:
+            return
+        state_dict, version = pending
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+        self.prefix_cache.flush()
+        self.stats.weight_updates += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply pending weights, admit waiting requests into free slots (prefill), decode one token."""
+        t0 = time.monotonic()
+        self._apply_pending_weights()
+        admitted = []
+        with self._cond:
+            free = [slot for slot in range(self.max_batch) if self._slots[slot] is None]
+            while free and self._waiting:
+                request, future = self._waiting.popleft()
+                if future.set_running_or_notify_cancel():  # False: its caller gave up while it waited
+                    admitted.append((free.pop(0), request, future))
+        if admitted:
+            t_prefill = time.monotonic()
+            try:
+                self._prefill(admitted)
+            except Exception as exc:  # requests no longer waiting and maybe not in a slot yet: fail them here
+                for _, _, future in admitted:
+                    if not future.done():
+                        future.set_exception(exc)
+                raise
+            self.stats.prefill_seconds += time.monotonic() - t_prefill
+        decoded = self.num_active() > 0
+        if decoded:
+            self._decode()
+        if admitted or decoded:
+            self.stats.busy_seconds += time.monotonic() - t0
+
+    def _forward(self, input_ids: torch.Tensor, cache, start_pos):
+        # The engine builds every op input itself (token ids checked at submit, positions from its own
+        # bookkeeping): the per-op value checks (a device sync each) would only slow the decode loop.
+        with _checks.skip_value_checks():
+            return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
+
+    def _prefill(self, admitted: List[Tuple[int, GenerateRequest, concurrent.futures.Future]]) -> None:
+        """Prefill newly admitted requests together: a scratch cache of one row per request receives each
+        trajectory's cached prefix, one right-padded forward computes the rest (ragged ``start_pos``), and the
+        rows are copied into the requests' slots."""
+        k = len(admitted)
+        reuse = []
+        scratch = self.model.new_cache(k, self.max_len)
+        for row, (_, request, _) in enumerate(admitted):
+            n, entry = self.prefix_cache.lookup(request.rid, request.input_ids, min_version=self.version)
+            if entry is not None:
+                kv_slots.write_rows(scratch, row, entry.tensors, n)
+            reuse.append(n)
+        new_lens = [len(r.input_ids) - n for (_, r, _), n in zip(admitted, reuse)]
+        T = max(new_lens)
+        if k > 1 and max(reuse) + T > self.max_len:  # the padded window would overrun the cache: one by one
+            for item in admitted:
+                self._prefill([item])
+            return
+        for _, request, _ in admitted:  # the KV moves into the slot (a superset, stored back at finish): a copy
+            self.prefix_cache.drop(request.rid)  # left in the cache would only take room from waiting trajectories
+        ids = torch.zeros(k, T, dtype=torch.long)  # [k, T] right-padded new tokens, built on the host
+        for row, ((_, request, _), n) in enumerate(zip(admitted, reuse)):
+            ids[row, :new_lens[row]] = torch.tensor(request.input_ids[n:], dtype=torch.long)
+        start = reuse[0] if len(set(reuse)) == 1 else torch.tensor(reuse, dtype=torch.long, device=self.device)
+        out = self._forward(ids.to(self.device), scratch, start)
+        last = torch.tensor(new_lens, dtype=torch.long) - 1  # [k] last real position per row
+        logits = out.logits[torch.arange(k, device=self.device), last.to(self.device)]  # [k, V]
+        slots, topk = [], []
+        for row, ((slot, request, future), n) in enumerate(zip(admitted, reuse)):
+            kv_slots.write_rows(self._cache, slot, kv_slots.read_rows(scratch, row, len(request.input_ids)),
+                                len(request.input_ids))
+            # the reused prefix passed lookup(min_version=self.version): all of the slot's KV is current
+            self._slots[slot] = _Active(request, future, list(request.input_ids), kv_len=len(request.input_ids),
+                                        cached=n, kv_version=self.version)
+            self.stats.prefill_tokens += new_lens[row]
+            self.stats.cached_tokens += n
+            self.stats.requests += 1
+            slots.append(slot)
+            topk.append([t[row, int(last[row])].tolist() for t in out.topk_idx] if self.record_topk else None)
+        self._accept_many(slots, logits, topk)
+
+    def _decode(self) -> None:
+        S = self.max_batch
+        last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
+        pos = torch.zeros(S, dtype=torch.long)  # [S]
+        for slot, state in enumerate(self._slots):
+            if state is not None:
+                last[slot, 0] = state.tokens[-1]
+                pos[slot] = state.kv_len
+        out = self._forward(last.to(self.device), self._cache, pos.to(self.device))
+        active = [i for i, s in enumerate(self._slots) if s is not None]
+        for i in active:
+            self._slots[i].kv_len += 1  # versions only grow: the slot's oldest KV version is unchanged
+        self.stats.decode_steps += 1
+        self.stats.decode_slot_steps += len(active)
+        rows = torch.tensor(active, dtype=torch.long, device=self.device)
+        topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
+        self._accept_many(active, out.logits[rows, 0], topk)
+
+    def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
+        states = [self._slots[i] for i in slots]
+        temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32, device=self.device)
+        top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32, device=self.device)
+        tokens, logprobs = sample(logits_BV, temperature, top_p, self._generator)
+        for slot, state, tok, lp, tk in zip(slots, states, tokens.tolist(), logprobs.tolist(), topk):
+            state.tokens.append(tok)
+            state.outputs.append(tok)
+            state.logprobs.append(lp)
+            state.versions.append(self.version)
+            if tk is not None:
+                state.topk.append(tk)
+            self.stats.generated_tokens += 1
+            if state.future in self._aborted:
+                self._finish(slot, FINISH_ABORT)
+            elif tok in state.request.stop_token_ids:
+                self._finish(slot, FINISH_STOP)
+            elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
+                self._finish(slot, FINISH_LENGTH)
+
+    def _finish(self, slot: int, reason: str) -> None:
+        state = self._slots[slot]
+        self._slots[slot] = None
+        if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
+            self.prefix_cache.drop(state.request.rid)
+        else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
+            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
+                                    kv_slots.read_rows(self._cache, slot, state.kv_len), version=state.kv_version)
+        self._finish_result(state, reason)
+
+    def _finish_result(self, state: _Active, reason: str) -> None:
+        result = GenerateResult(state.request.rid, state.outputs, state.logprobs, state.versions, reason,
+                                prompt_tokens=len(state.request.input_ids), cached_tokens=state.cached,
+                                topk_trace=state.topk if self.record_topk else None)
+        if not state.future.done():
+            state.future.set_result(result)
+        if self._aborted:  # after set_result: an abort() racing with this finish sees the future done
+            with self._cond:
+                self._aborted.discard(state.future)

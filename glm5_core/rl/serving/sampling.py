@@ -1,0 +1,77 @@
+"""Temperature / top-p sampling with the log-probability of each sampled token.
+
+Legend: B rows being decoded, V vocabulary.
+
+The recorded log-prob is that of the distribution the trainer's importance ratio refers to: the
+temperature-scaled softmax over the full vocabulary (``log_softmax(logits / temperature)``). Top-p only
+restricts which tokens may be drawn; like SGLang's ``return_logprob`` it does not renormalise the recorded
+value, so the trainer can recompute it from logits alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
+
+
+def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
+    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float >= GREEDY_BELOW.
+
+    Temperature 0 (greedy) records temperature-1 log-probs of an argmax, which no policy ratio refers to."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < GREEDY_BELOW:
+        raise ValueError(f"{name}: expected a finite number >= {GREEDY_BELOW} for training rollouts (greedy "
+                         f"decoding, temperature 0, is for evaluation only), got {temperature!r}")
+    return float(temperature)
+
+
+def check_top_p(top_p, name: str = "top_p") -> float:
+    """A nucleus mass the engines accept: a number in (0, 1] (1 keeps the whole vocabulary)."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {top_p!r}")
+    return float(top_p)
+
+
+def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[tokens] in fp32: [B, V], [B] -> [B]. Works on any leading dims."""
+    scaled = logits_BV.float() / max(float(temperature), GREEDY_BELOW)
+    logp = torch.log_softmax(scaled, dim=-1)
+    return logp.gather(-1, tokens_B.long().unsqueeze(-1)).squeeze(-1)
+
+
+def top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every token outside the smallest set whose probability mass reaches top_p (per row).
+
+    The most likely token always survives; ties in probability keep the lower token id first. A row with
+    top_p >= 1 keeps every token: its fp32 running sum can reach 1.0 before the tail of a large vocabulary
+    (rounding), which would otherwise drop thousands of tokens of nonzero probability."""
+    probs = torch.softmax(logits_BV, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(order.values, dim=-1) - order.values  # [B, V] mass of strictly better tokens
+    top_p_B1 = top_p_B.unsqueeze(-1)  # [B, 1]
+    drop_sorted = (mass_before >= top_p_B1) & (top_p_B1 < 1.0)  # [B, V]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order.indices, drop_sorted)
+    return logits_BV.masked_fill(drop, float("-inf"))
+
+
+def sample(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
+           generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. Returns (tokens int64 [B], logprobs fp32 [B]).
+
+    Rows with temperature below ``GREEDY_BELOW`` (0 included) decode greedily (lowest id among equal maxima)
+    and record the temperature-1 log-prob of the chosen token: that value is no sampling probability, so greedy
+    rows are for evaluation only (training rollouts reject them, see ``check_training_temperature``)."""
+    logits = logits_BV.float()
+    greedy = temperature_B < GREEDY_BELOW
+    temp = torch.where(greedy, torch.ones_like(temperature_B), temperature_B).float()  # [B]
+    scaled = logits / temp.unsqueeze(-1)  # [B, V]
+    logp_full = torch.log_softmax(scaled, dim=-1)
+    filtered = top_p_filter(scaled, top_p_B.float())
+    probs = torch.softmax(filtered, dim=-1)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+    argmax = torch.argmax(logits, dim=-1)  # first maximum = lowest id
+    tokens = torch.where(greedy, argmax, drawn)
+    return tokens, logp_full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,97 @@
+"""What a rollout-engine worker runs, whichever executor started it: build the policy from a config and a
+safetensors weights file, wrap it in a :class:`RolloutEngine` and serve it over HTTP on 127.0.0.1.
+
+A local worker process watches its parent (:func:`exit_with_parent`): when the driver dies without shutting
+it down (SIGKILL, OOM killer) the worker is re-parented, notices, and exits instead of holding its memory and
+port forever."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+EXIT_ORPHANED = 3  # exit status of a worker whose parent died
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    model_config: Dict[str, Any]  # HF glm_moe_dsa config dict
+    weights_path: str  # safetensors file with the weights to start from
+    weight_version: int
+    weights_dir: str  # the only directory /update_weights_from_disk may read from
+    backend: Optional[str] = None
+    max_batch: int = 8
+    max_len: int = 256
+    prefix_cache_entries: int = 256
+    prefix_cache_tokens: Optional[int] = None
+    record_topk: bool = False
+    seed: int = 0
+    torch_threads: int = 1
+
+
+def build_model(spec: WorkerSpec):
+    """The engine's policy (random init, weights come from ``spec.weights_path``) on the backend's device."""
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.rl.device import runtime_device
+
+    model = GLM5ForCausalLM(GLM5Config.from_hf_dict(spec.model_config), backend=spec.backend)
+    return model.to(runtime_device(spec.backend))
+
+
+def build_server(spec: WorkerSpec):
+    """Model + engine + (not yet started) HTTP server for ``spec``."""
+    import torch
+
+    from glm5_core.rl.serving.engine import RolloutEngine
+    from glm5_core.rl.serving.server import EngineServer, load_weights_file
+
+    torch.set_num_threads(max(1, int(spec.torch_threads)))
+    model = build_model(spec)
+    engine = RolloutEngine(model, max_batch=spec.max_batch, max_len=spec.max_len,
+                           prefix_cache_entries=spec.prefix_cache_entries,
+                           prefix_cache_tokens=spec.prefix_cache_tokens, seed=spec.seed,
+                           record_topk=spec.record_topk, reuse_stacked_weights=True)  # the worker owns the model
+    engine.update_weights(load_weights_file(spec.weights_path), spec.weight_version)
+    return EngineServer(engine, weights_dir=spec.weights_dir)
+
+
+def _exit_orphaned() -> None:
+    print(f"rl worker {os.getpid()}: parent process died, exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_ORPHANED)  # nobody is left to shut the server down cleanly
+
+
+def exit_with_parent(parent_pid: int, *, poll_seconds: float = 0.5,
+                     on_orphaned: Optional[Callable[[], None]] = None) -> threading.Thread:
+    """Start a daemon thread that calls ``on_orphaned`` (default: exit the process with ``EXIT_ORPHANED``) once
+    this process's parent is no longer ``parent_pid`` (it died and the process was re-parented), checking
+    every ``poll_seconds``. A parent that died before the thread started is caught on the first check."""
+    if isinstance(parent_pid, bool) or not isinstance(parent_pid, int) or parent_pid < 1:
+        raise ValueError(f"parent_pid: expected a process id >= 1, got {parent_pid!r}")
+    action = on_orphaned or _exit_orphaned
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_seconds)
+        action()
+
+    thread = threading.Thread(target=watch, name="rl-worker-parent-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def process_main(spec: WorkerSpec, conn, parent_pid: Optional[int] = None) -> None:
+    """Entry point of a local worker process: report the port through ``conn``, then serve until killed.
+    With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
+    try:
+        server = build_server(spec)
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("port", server.port))
+    conn.close()
+    server.serve_forever()
