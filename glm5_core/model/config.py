@@ -220,7 +220,7 @@ class GLM5Config:
 
     @classmethod
     def glm5(cls) -> "GLM5Config":
-        """GLM-5's published architecture (FACTS.md). For config round-trips only: never instantiate a model."""
+        """GLM-5's published architecture (HF zai-org/GLM-5 config.json). For config round-trips only: never instantiate a model."""
         return cls().validate()
 
     def replace(self, **changes: Any) -> "GLM5Config":

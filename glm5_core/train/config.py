@@ -3,7 +3,7 @@
 Top level: ``seed``, ``output_dir``, ``torch_threads``. Sections: ``model`` (a preset plus GLM5Config
 overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``,
 ``parallel``.
-Stage kinds follow the DSA recipe (FACTS.md): ``dense`` (dense attention, LM + MTP loss, indexer idle),
+Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 report): ``dense`` (dense attention, LM + MTP loss, indexer idle),
 ``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
 ``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
 """

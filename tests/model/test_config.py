@@ -9,7 +9,7 @@ from glm5_core.model import GLM5Config
 
 
 def glm5_published_config() -> dict:
-    """GLM-5's config.json keys and values as published (see /work/shared/FACTS.md, HF zai-org/GLM-5)."""
+    """GLM-5's config.json keys and values as published (HF zai-org/GLM-5 config.json; transformers models/glm_moe_dsa)."""
     return {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "torch_dtype": "bfloat16",
         "vocab_size": 154880, "hidden_size": 6144, "num_hidden_layers": 78, "first_k_dense_replace": 3,
