@@ -20,7 +20,8 @@ GIB = 1 << 30
 
 _SETUP = """
 from glm5_core import registry, testing
-impl = registry.reference("dsa_indexer_topk") if {name!r} == "reference" else registry.resolve("dsa_indexer_topk", "cpu").impl
+impl = registry.reference("dsa_indexer_topk") if {name!r} == "reference" \
+else registry.resolve("dsa_indexer_topk", "cpu").impl
 def make(T, S):
     return testing.make_indexer_inputs(testing.IndexerShape(B=1, T=T, S=S, H={H}, D={D}, K={K}), seed=0), S - T
 """

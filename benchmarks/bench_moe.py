@@ -4,7 +4,8 @@ HF-style model code uses (one_hot mask, torch.where per expert, index_add_).
 Issue-4 target (``--bench-large``): 4096 tokens, 64 experts, top-8, hidden 512: the glm5 MoE layer (route +
 fused experts, as the model runs it, with the experts' weights already stacked) on the cpu backend >= 2x
 faster than the loop. ``cpu_unfused`` runs dispatch / experts / combine as three native ops, for
-comparison. The expert FFN width F is not fixed by the issue; F=128 keeps GLM-5's hidden/FFN ratio (6144/2048 = 3) rounded to a power of two (512/4).
+comparison. The expert FFN width F is not fixed by the issue; F=128 keeps GLM-5's hidden/FFN ratio
+(6144/2048 = 3) rounded to a power of two (512/4).
 Routing: sigmoid scores, selection bias, renormalised, scale 2.5, as GLM-5 (one group).
 """
 import pytest

@@ -5,7 +5,7 @@ baseline, extra_info) and a PNG bar plot of medians.
 
 The baseline of a group is the first implementation (``extra_info['impl']``) of ``--baseline`` present in it;
 ratio = baseline median / this median (> 1: faster than the baseline).
-"""
+"""  # noqa: E501 (the command line above is copied as is)
 from __future__ import annotations
 
 import argparse
@@ -42,11 +42,13 @@ def markdown(groups: Dict[str, List[dict]], baselines: List[str]) -> str:
     for group, benches in groups.items():
         by_impl = {b["extra_info"].get("impl", b["name"]): b for b in benches}
         base = next((by_impl[n] for n in baselines if n in by_impl), None)
-        lines += [f"### {group}", "", "| impl | median (ms) | rounds | speed-up vs baseline | extra |", "|---|---|---|---|---|"]
+        lines += [f"### {group}", "", "| impl | median (ms) | rounds | speed-up vs baseline | extra |",
+                  "|---|---|---|---|---|"]
         for impl, b in by_impl.items():
             median = b["stats"]["median"]
             ratio = f"{base['stats']['median'] / median:.2f}x" if base is not None else "-"
-            lines.append(f"| {impl} | {median * 1e3:.2f} | {b['stats']['rounds']} | {ratio} | {_fmt_extra(b['extra_info'])} |")
+            lines.append(f"| {impl} | {median * 1e3:.2f} | {b['stats']['rounds']} | {ratio} | "
+                         f"{_fmt_extra(b['extra_info'])} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -56,7 +56,8 @@ from glm5_core.rl.serving.protocol import parse_generate_request
 
 def measure(router_kind: str, model, args) -> dict:
     entries = args.cache_entries if args.cache_entries > 0 else 10**6
-    engines = {f"engine{i}": RolloutEngine(model, max_batch=8, max_len=args.max_len, seed=i, prefix_cache_entries=entries,
+    engines = {f"engine{i}": RolloutEngine(model, max_batch=8, max_len=args.max_len, seed=i,
+                                           prefix_cache_entries=entries,
                                            prefix_cache_tokens=args.cache_tokens or None).start()
                for i in range(args.replicas)}
     router = ConsistentHashRouter(engines) if router_kind == "dp_aware" else RoundRobinRouter(engines)
@@ -166,7 +167,8 @@ def main() -> int:
     for _ in range(args.repeats):  # thread timing decides which engine round-robin picks: the ratio varies
         rows = [measure("round_robin", model, args), measure("dp_aware", model, args)]
         rr_sent = rows[0]["prefill_tokens"] + rows[0]["cached_tokens"]  # every context position round-robin sent
-        runs.append({"rows": rows, "dp_aware_over_round_robin_prefill": rows[1]["prefill_tokens"] / rows[0]["prefill_tokens"],
+        runs.append({"rows": rows,
+                     "dp_aware_over_round_robin_prefill": rows[1]["prefill_tokens"] / rows[0]["prefill_tokens"],
                      "dp_aware_over_round_robin_without_prefix_cache": rows[1]["prefill_tokens"] / rr_sent})
     ratio = statistics.median(r["dp_aware_over_round_robin_prefill"] for r in runs)
     result = {"command": "python " + " ".join(sys.argv), "replicas": args.replicas, "runs": runs,

@@ -196,7 +196,8 @@ def main() -> int:
     cost = json.load(open(args.cost)) if args.cost else calibrate(args.engine_batch)
     results = {"sync": simulate_sync(args, cost, random.Random(args.seed)),
                "async": simulate_async(args, cost, random.Random(args.seed))}
-    results["async_over_sync_throughput"] = results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"]
+    results["async_over_sync_throughput"] = (results["async"]["trained_tokens_per_s"]
+                                             / results["sync"]["trained_tokens_per_s"])
     out = {"command": "python " + " ".join(sys.argv), "cost_model": cost, "workload": {
         k: getattr(args, k) for k in ("rollout", "train", "slots", "batch", "iterations", "median", "sigma", "cap",
                                       "staleness", "push_seconds")}, "results": results}

@@ -36,7 +36,8 @@ class Check:
     name: str
     ops: Sequence[str]
     fn: CheckFn
-    against_reference: bool = True  # False: a property (determinism, two forms agreeing) worth checking on the reference too
+    # False: a property (determinism, two forms agreeing) worth checking on the reference too
+    against_reference: bool = True
 
     def __str__(self) -> str:
         return self.name
@@ -439,7 +440,8 @@ def run_check(check: Check, backend: str) -> Result:
         return Result(check.family, check.name, list(check.ops), status, cmp.max_error, cmp.allowed, detail,
                       time.perf_counter() - start)
     except registry.BackendCoverageError as exc:
-        return Result(check.family, check.name, list(check.ops), "fail", None, None, str(exc), time.perf_counter() - start)
+        return Result(check.family, check.name, list(check.ops), "fail", None, None, str(exc),
+                      time.perf_counter() - start)
     except Exception as exc:  # a crashing kernel is a failed check, with its traceback in the report
         tb = traceback.format_exc(limit=4)
         return Result(check.family, check.name, list(check.ops), "error", None, None, f"{exc!r}\n{tb}",

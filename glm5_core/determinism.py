@@ -52,7 +52,8 @@ def topk_batch_invariance(backend: str, device: str, ties=None) -> testing.Compa
     base = s.S - s.T
     full = dsa.indexer_topk(x["q"], x["k"], x["w"], s.K, start_pos=base, backend=backend)  # [B, T, K]
     for b in range(s.B):  # each batch row alone
-        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K, start_pos=base, backend=backend)
+        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K, start_pos=base,
+                                 backend=backend)
         if not torch.equal(alone[0], full[b]):
             return _mismatch(f"batch row {b} alone differs from the batched call")
     for chunk in (1, 4, 7):  # the queries in chunks, keys unchanged

@@ -240,7 +240,8 @@ def use_backend(name: Optional[str]) -> Iterator[str]:
 
 def resolve_backend_name(backend: Optional[str] = None) -> str:
     """Apply the resolution order (argument > context / ``GLM5_BACKEND`` > hardware)."""
-    sources = (("backend", backend), ("backend", _ACTIVE_BACKEND.get()), ("GLM5_BACKEND", os.environ.get("GLM5_BACKEND")))
+    sources = (("backend", backend), ("backend", _ACTIVE_BACKEND.get()),
+               ("GLM5_BACKEND", os.environ.get("GLM5_BACKEND")))
     for source, candidate in sources:
         if candidate not in (None, "", "auto"):
             if not isinstance(candidate, str):
@@ -380,7 +381,8 @@ def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Reso
         if own is not None:
             rows.append(own)
         else:
-            rows.append(Resolution(op, name, reference(op), "reference", be.missing.get(op, f"{name} does not implement {op}")))
+            rows.append(Resolution(op, name, reference(op), "reference",
+                                   be.missing.get(op, f"{name} does not implement {op}")))
     return rows
 
 

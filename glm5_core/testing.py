@@ -270,7 +270,8 @@ def topk_sets_agree(idx: torch.Tensor, ref_idx: torch.Tensor, scores: torch.Tens
 
     ``scores`` are the fp64 reference scores [B, T, S] (-inf where not visible)."""
     if idx.shape != ref_idx.shape or idx.dtype != torch.int32:
-        return Comparison(False, float("inf"), 0.0, f"got {tuple(idx.shape)} {idx.dtype}, want {tuple(ref_idx.shape)} int32")
+        return Comparison(False, float("inf"), 0.0,
+                          f"got {tuple(idx.shape)} {idx.dtype}, want {tuple(ref_idx.shape)} int32")
     idx, ref_idx, scores = idx.cpu().long(), ref_idx.cpu().long(), scores.cpu().to(torch.float64)
     if not torch.equal(idx < 0, ref_idx < 0):
         return Comparison(False, float("inf"), 0.0, "-1 padding differs from the reference")

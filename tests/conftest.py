@@ -1,7 +1,8 @@
 """Shared pytest configuration.
 
 Backends under test: ``GLM5_TEST_BACKENDS`` (comma-separated), else ``GLM5_BACKEND``, else every backend
-available here (on a machine without a GPU that includes cuda and rocm under ``TRITON_INTERPRET=1``). A named backend that is unavailable is skipped with its reason, never an error, so
+available here (on a machine without a GPU that includes cuda and rocm under ``TRITON_INTERPRET=1``).
+A named backend that is unavailable is skipped with its reason, never an error, so
 ``GLM5_BACKEND=ascend pytest`` on a machine without NPUs skips the Ascend checks.
 """
 import importlib.util

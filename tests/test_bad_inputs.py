@@ -124,7 +124,8 @@ def test_malformed_tensor_arguments_are_rejected_by_name(op, how, which, dim_cho
     ("mla.decode", "start_pos", torch.tensor([0, 9])), ("moe.route", "top_k", 9), ("moe.route", "n_group", 3),
     ("moe.route", "topk_group", 3), ("moe.route", "routed_scaling_factor", -1.0), ("moe.dispatch", "num_experts", 0),
     ("muon.orthogonalize", "steps", 0), ("dsa.sparse_decode", "topk_idx", torch.full((2, 3, 3), 7)),
-    ("moe.dispatch", "expert_ids", torch.full((5, 2), 8)), ("moe.grouped_swiglu", "counts", torch.ones(8, dtype=torch.int64)),
+    ("moe.dispatch", "expert_ids", torch.full((5, 2), 8)),
+    ("moe.grouped_swiglu", "counts", torch.ones(8, dtype=torch.int64)),
 ])
 def test_bad_scalar_arguments_are_rejected_by_name(op, field, value):
     args = valid_args(op)

@@ -19,7 +19,8 @@ def fresh_registry():
 
 
 def test_import_probes_nothing_and_imports_no_vendor_sdk():
-    code = "import sys, glm5_core, glm5_core.ops; print(sorted(m for m in ('triton', 'torch_npu', 'ray') if m in sys.modules))"
+    code = ("import sys, glm5_core, glm5_core.ops; "
+            "print(sorted(m for m in ('triton', 'torch_npu', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -35,7 +35,8 @@ class KVCache:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         if max_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_len: expected <= max_position_embeddings={cfg.max_position_embeddings}, got {max_len}")
+            raise ValueError(f"max_len: expected <= max_position_embeddings={cfg.max_position_embeddings}, "
+                             f"got {max_len}")
 
         def zeros(width: int) -> torch.Tensor:
             return torch.zeros(batch_size, max_len, width, dtype=dtype, device=device)

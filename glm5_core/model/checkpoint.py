@@ -123,7 +123,8 @@ def _weight_map(path: str) -> Dict[str, str]:
         raise ValueError(f"{INDEX_NAME}: expected a non-empty object 'weight_map' {{tensor name: shard file}}")
     for name, file in weight_map.items():
         if not isinstance(file, str) or not _SHARD_RE.match(file) or file in (".", ".."):
-            raise ValueError(f"{INDEX_NAME}: weight_map[{name!r}]: expected a plain *.safetensors file name, got {file!r}")
+            raise ValueError(f"{INDEX_NAME}: weight_map[{name!r}]: expected a plain *.safetensors file name, "
+                             f"got {file!r}")
     return weight_map
 
 
@@ -206,7 +207,8 @@ def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tenso
     missing = sorted(set(expected) - set(specs))
     if unknown or missing:
         raise ValueError(f"checkpoint: tensor names do not match the config: unknown {unknown[:5]}"
-                         f"{' ...' if len(unknown) > 5 else ''}, missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+                         f"{' ...' if len(unknown) > 5 else ''}, missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}")
     for name, want in expected.items():
         shape, dtype = specs[name]
         if shape != tuple(want.shape):

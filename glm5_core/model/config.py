@@ -118,12 +118,14 @@ class GLM5Config:
             raise ValueError(f"num_experts_per_tok: expected <= n_routed_experts={self.n_routed_experts}, "
                              f"got {self.num_experts_per_tok}")
         if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group: expected a divisor of n_routed_experts={self.n_routed_experts}, got {self.n_group}")
+            raise ValueError(f"n_group: expected a divisor of n_routed_experts={self.n_routed_experts}, "
+                             f"got {self.n_group}")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group: expected <= n_group={self.n_group}, got {self.topk_group}")
         if self.num_experts_per_tok > (self.n_routed_experts // self.n_group) * self.topk_group:
             raise ValueError(f"num_experts_per_tok: expected <= experts in the kept groups "
-                             f"({(self.n_routed_experts // self.n_group) * self.topk_group}), got {self.num_experts_per_tok}")
+                             f"({(self.n_routed_experts // self.n_group) * self.topk_group}), "
+                             f"got {self.num_experts_per_tok}")
         for name in ("qk_rope_head_dim",):
             if getattr(self, name) % 2:
                 raise ValueError(f"{name}: expected an even size (RoPE rotates pairs), got {getattr(self, name)}")
@@ -220,7 +222,8 @@ class GLM5Config:
 
     @classmethod
     def glm5(cls) -> "GLM5Config":
-        """GLM-5's published architecture (HF zai-org/GLM-5 config.json). For config round-trips only: never instantiate a model."""
+        """GLM-5's published architecture (HF zai-org/GLM-5 config.json).
+        For config round-trips only: never instantiate a model."""
         return cls().validate()
 
     def replace(self, **changes: Any) -> "GLM5Config":

@@ -122,7 +122,8 @@ class GLM5ForCausalLM(nn.Module):
         layers = self.moe_layers()
         E = self.config.n_routed_experts
         if not isinstance(expert_counts, torch.Tensor) or tuple(expert_counts.shape) != (len(layers), E):
-            got = tuple(expert_counts.shape) if isinstance(expert_counts, torch.Tensor) else type(expert_counts).__name__
+            got = (tuple(expert_counts.shape) if isinstance(expert_counts, torch.Tensor)
+                   else type(expert_counts).__name__)
             raise ValueError(f"expert_counts: expected a tensor [{len(layers)}, {E}] (num_moe_layers, "
                              f"n_routed_experts), got {got}")
         for layer, counts in zip(layers, expert_counts):
@@ -135,8 +136,10 @@ class GLM5ForCausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_call(self, input_ids, attention, mtp_depths, cache, start_pos) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+                or input_ids.dtype not in (torch.int64, torch.int32)):
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
             raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
         if input_ids.shape[1] < 1:
             raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
@@ -153,17 +156,20 @@ class GLM5ForCausalLM(nn.Module):
         if mtp_depths and cache is not None:
             raise ValueError("mtp_depths: expected 0 when decoding with a cache (MTP runs in training forwards)")
         if isinstance(start_pos, torch.Tensor):
-            if start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0] or start_pos.dtype not in (torch.int64, torch.int32):
+            if (start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0]
+                    or start_pos.dtype not in (torch.int64, torch.int32)):
                 raise ValueError(f"start_pos: expected an int or an int64 tensor [B={input_ids.shape[0]}], "
                                  f"got {start_pos.dtype} {tuple(start_pos.shape)}")
         elif isinstance(start_pos, bool) or not isinstance(start_pos, int):
             raise TypeError(f"start_pos: expected an int or an int64 tensor [B], got {type(start_pos).__name__}")
         if cache is None:
             if not isinstance(start_pos, int) or start_pos != 0:
-                raise ValueError(f"start_pos: expected 0 without a cache (positions come from the cache), got {start_pos}")
+                raise ValueError(f"start_pos: expected 0 without a cache (positions come from the cache), "
+                                 f"got {start_pos}")
             limit = self.config.max_position_embeddings
             if input_ids.shape[1] > limit:
-                raise ValueError(f"input_ids: expected at most max_position_embeddings={limit} tokens, got {input_ids.shape[1]}")
+                raise ValueError(f"input_ids: expected at most max_position_embeddings={limit} tokens, "
+                                 f"got {input_ids.shape[1]}")
         else:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache: expected a KVCache (model.new_cache), got {type(cache).__name__}")

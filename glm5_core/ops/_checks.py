@@ -46,7 +46,8 @@ def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtyp
                 )
             sizes.setdefault(want, got)
         elif want != got:
-            raise ValueError(f"{name}: expected {shape_text} with size {want} at dim {axis}, got shape {tuple(value.shape)}")
+            raise ValueError(f"{name}: expected {shape_text} with size {want} at dim {axis}, "
+                             f"got shape {tuple(value.shape)}")
     return value
 
 

@@ -118,7 +118,8 @@ def split_heads(weight: torch.Tensor, num_heads: int, dim: int = 0) -> torch.Ten
     if dim not in (0, 1):
         raise ValueError(f"dim: expected 0 or 1, got {dim}")
     if weight.shape[dim] % num_heads:
-        raise ValueError(f"weight: expected dim {dim} divisible by num_heads={num_heads}, got shape {tuple(weight.shape)}")
+        raise ValueError(f"weight: expected dim {dim} divisible by num_heads={num_heads}, "
+                         f"got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     if dim == 0:
         return weight.reshape(num_heads, rows // num_heads, cols)  # [H, d, n]

@@ -195,7 +195,8 @@ class RLRun:
             waited = 0.0
             trained_tokens = context_tokens = 0.0
             if cfg.mode == "async":
-                producer = threading.Thread(target=self.runner.run_forever, name="rl-producer", daemon=True, kwargs=dict(
+                producer = threading.Thread(target=self.runner.run_forever, name="rl-producer",
+                                            daemon=True, kwargs=dict(
                     sink=self.buffer.put, max_inflight_groups=cfg.rollout.max_inflight_groups,
                     backlog=self.buffer.num_ready, max_buffered=cfg.rollout.max_buffered, errors=producer_errors,
                     drain_timeout=PRODUCER_DRAIN_S))

@@ -171,7 +171,8 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
         except (KeyError, json.JSONDecodeError):
             raise ValueError(f"checkpoint: {path} lacks valid param_groups metadata") from None
         if not isinstance(groups, dict):
-            raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, got {type(groups).__name__}")
+            raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, "
+                             f"got {type(groups).__name__}")
         out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
         stored: Dict[str, Dict[int, Dict[str, str]]] = {part: {} for part in expected}  # part -> pid -> key -> name
         for name in f.keys():
@@ -270,7 +271,8 @@ def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = Fa
     try:
         missing, unexpected = _load_model(model, path)
     except RuntimeError as exc:  # shape mismatches
-        raise ValueError(f"checkpoint: model tensors do not match this model ({str(exc).splitlines()[-1].strip()})") from None
+        raise ValueError(f"checkpoint: model tensors do not match this model "
+                         f"({str(exc).splitlines()[-1].strip()})") from None
     if missing or unexpected:
         raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]})")
@@ -375,7 +377,8 @@ def resolve_checkpoint(path: Path) -> Path:
             if not name.startswith("step_") or "/" in name or not (candidate / name).is_dir():
                 raise ValueError(f"--resume: {candidate / LATEST} names {name!r}, which is not a checkpoint here")
             return candidate / name
-    raise FileNotFoundError(f"--resume: no checkpoint at {str(path)!r} (expected trainer_state.json or a 'latest' file)")
+    raise FileNotFoundError(f"--resume: no checkpoint at {str(path)!r} "
+                            f"(expected trainer_state.json or a 'latest' file)")
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
@@ -390,7 +393,8 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"checkpoint: cannot read {path / 'trainer_state.json'} ({exc})") from None
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint: {path} has format_version {state.get('format_version') if isinstance(state, dict) else '?'}, "
+        raise ValueError(f"checkpoint: {path} has format_version "
+                         f"{state.get('format_version') if isinstance(state, dict) else '?'}, "
                          f"expected {FORMAT_VERSION}")
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:

@@ -3,7 +3,8 @@
 Top level: ``seed``, ``output_dir``, ``torch_threads``. Sections: ``model`` (a preset plus GLM5Config
 overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``,
 ``parallel``.
-Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 report): ``dense`` (dense attention, LM + MTP loss, indexer idle),
+Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 report):
+``dense`` (dense attention, LM + MTP loss, indexer idle),
 ``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
 ``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
 """
@@ -165,7 +166,8 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
         problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
     model = cfg.model_config()
     if cfg.loss.mtp_depths > 0 and model.num_nextn_predict_layers == 0:
-        problems.append(f"loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, got {cfg.loss.mtp_depths}")
+        problems.append(f"loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, "
+                        f"got {cfg.loss.mtp_depths}")
     if cfg.data.seq_len > model.max_position_embeddings:
         problems.append(f"data.seq_len: expected <= model.max_position_embeddings ({model.max_position_embeddings}), "
                         f"got {cfg.data.seq_len}")

@@ -10,7 +10,8 @@ Tokens: each document is encoded and followed by an end-of-document token; docum
 one stream that wraps around (epochs), in corpus order or (``shuffle``) in a permutation of it drawn from
 Python's ``random.Random`` seeded by (seed, epoch), so every machine reads the same order.
 A batch is ``B`` rows of ``T + 1`` tokens cut from the stream in order, row ``i`` starting ``i * T`` after
-the batch start (inputs ``row[:-1]``, labels ``row[1:]``), and the stream advances by ``B * T``. The position (epoch, document, offset) after each batch is all a resumed run
+the batch start (inputs ``row[:-1]``, labels ``row[1:]``), and the stream advances by ``B * T``. The position
+(epoch, document, offset) after each batch is all a resumed run
 needs to continue with the same batches.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ValueError("data.tokenizer: a tokenizer.json needs the 'tokenizers' package (pip install tokenizers)") from None
+            raise ValueError("data.tokenizer: a tokenizer.json needs the 'tokenizers' package "
+                             "(pip install tokenizers)") from None
         if not Path(path).is_file():
             raise FileNotFoundError(f"data.tokenizer: no such file {path!r}")
         try:

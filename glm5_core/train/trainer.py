@@ -115,7 +115,8 @@ class Trainer:
         model_cfg = cfg.model_config()
         vocab = self.packer.stream.tokenizer.vocab_size
         if model_cfg.vocab_size < vocab:
-            raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary ({vocab}), got {model_cfg.vocab_size}")
+            raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary ({vocab}), "
+                             f"got {model_cfg.vocab_size}")
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)

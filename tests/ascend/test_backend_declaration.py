@@ -65,7 +65,7 @@ def test_ops_called_with_backend_ascend_fail_fast():
 @needs_no_torch_npu
 def test_cli_reports_the_reason(capsys):
     assert cli.main(["backends"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("ascend "))
+    line = next(out for out in capsys.readouterr().out.splitlines() if out.startswith("ascend "))
     assert "no" in line.split() and "torch_npu is not installed" in line
     assert cli.main(["conformance", "--backend", "ascend"]) == 2
     assert "torch_npu is not installed" in capsys.readouterr().err

@@ -46,7 +46,8 @@ def test_ragged_start_positions_use_tnd_with_packed_keys():
     call = L.indexer_call(q, k, w, start, sparse_count=5)
     lengths = (start + shape.T).tolist()  # keys each row sees
     assert call.layout == "TND"
-    assert tuple(call.query.shape) == (shape.B * shape.T, 64, D) and tuple(call.weights.shape) == (shape.B * shape.T, 64)
+    assert (tuple(call.query.shape) == (shape.B * shape.T, 64, D)
+            and tuple(call.weights.shape) == (shape.B * shape.T, 64))
     assert call.actual_seq_lengths_query.tolist() == [5, 10, 15]
     assert call.actual_seq_lengths_key.dtype == torch.int32
     assert call.actual_seq_lengths_key.tolist() == torch.tensor(lengths).cumsum(0).tolist()
@@ -189,7 +190,8 @@ def _scramble(idx, seed):
     return out
 
 
-@pytest.mark.parametrize("shape,dtype", list(itertools.product(SPARSE_SHAPES, (torch.bfloat16, torch.float16))), ids=str)
+@pytest.mark.parametrize("shape,dtype", list(itertools.product(SPARSE_SHAPES, (torch.bfloat16, torch.float16))),
+                         ids=str)
 def test_sparse_attention_matches_reference(shape, dtype):
     inputs = testing.make_sparse_inputs(shape, K=6, dtype=dtype, seed=2)
     inputs["topk_idx"] = _scramble(inputs["topk_idx"], seed=9)

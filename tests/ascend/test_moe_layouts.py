@@ -226,7 +226,8 @@ def test_moe_layer_end_to_end_in_bf16():
         return combine_fn(y, sort_idx, weights)
 
     npu = AscendSemantics()
-    out = layer(*(lambda *a, f=f, **k: f(*a, **k, npu=npu) for f in (moe.route, moe.dispatch, moe.experts, moe.combine)))
+    out = layer(*(lambda *a, f=f, **k: f(*a, **k, npu=npu)
+                  for f in (moe.route, moe.dispatch, moe.experts, moe.combine)))
     ref = layer(route_reference, dispatch_reference, grouped_swiglu_reference, combine_reference)
     atol, rtol = testing.TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol * 4, rtol=rtol * 4)

@@ -37,7 +37,8 @@ def require(condition: bool, message: str) -> None:
 
 def _prefix_sums_ok(name: str, sums: Optional[torch.Tensor], total: int) -> List[int]:
     require(sums is not None, f"{name}: required for TND layouts")
-    require(sums.dtype == torch.int32 and sums.dim() == 1, f"{name}: expected 1-D int32, got {sums.dtype} {tuple(sums.shape)}")
+    require(sums.dtype == torch.int32 and sums.dim() == 1,
+            f"{name}: expected 1-D int32, got {sums.dtype} {tuple(sums.shape)}")
     values = sums.tolist()
     require(all(b >= a for a, b in zip([0] + values, values)), f"{name}: prefix sums must not decrease, got {values}")
     require(values[-1] == total, f"{name}: last prefix sum {values[-1]} != {total} packed tokens")
@@ -148,13 +149,15 @@ class AscendSemantics:
         B, S1, N1, D = query.shape
         require(D == 512 and key.shape[-1] == 512, f"latent D must be 512, got {D}, {key.shape[-1]}")
         require(N1 in (1, 2, 4, 8, 16, 32, 64, 128), f"N1 {N1}")
-        require(key.dim() == 4 and key.shape[0] == B and key.shape[2] == 1, f"key must be [B, S2, 1, 512], got {tuple(key.shape)}")
+        require(key.dim() == 4 and key.shape[0] == B and key.shape[2] == 1,
+                f"key must be [B, S2, 1, 512], got {tuple(key.shape)}")
         require(value.shape == key.shape and torch.equal(value, key), "attention_mode 2: value shares key's data")
         S2 = key.shape[1]
         require(tuple(query_rope.shape) == (B, S1, N1, 64) and tuple(key_rope.shape) == (B, S2, 1, 64), "rope shapes")
         require(sparse_indices.dtype == torch.int32 and sparse_indices.dim() == 4 and
                 tuple(sparse_indices.shape[:3]) == (B, S1, 1) and sparse_indices.shape[3] > 0,
-                f"sparse_indices must be int32 [B, S1, 1, K>0], got {sparse_indices.dtype} {tuple(sparse_indices.shape)}")
+                f"sparse_indices must be int32 [B, S1, 1, K>0], "
+                f"got {sparse_indices.dtype} {tuple(sparse_indices.shape)}")
         require(sparse_mode in (0, 3), f"sparse_mode {sparse_mode}")
         kv_lens = _lengths_ok("actual_seq_lengths_kv", actual_seq_lengths_kv, B, S2)
         out = torch.empty(B, S1, N1, D, dtype=torch.float32)
@@ -192,8 +195,10 @@ class AscendSemantics:
         require(N == num_heads and N in (32, 64, 128), f"num_heads {num_heads} / query N {N} (32, 64, 128)")
         require(1 <= S <= 16, f"MLA query S must be 1..16, got {S}")
         require(num_key_value_heads == 1, f"MLA key heads must be 1, got {num_key_value_heads}")
-        require(block_table is not None and block_size in (16, 128), "MLA with D=512 requires PageAttention (block 16/128)")
-        require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == B, "block_table int32 [B, NB]")
+        require(block_table is not None and block_size in (16, 128),
+                "MLA with D=512 requires PageAttention (block 16/128)")
+        require(block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == B,
+                "block_table int32 [B, NB]")
         require(key.dim() == 3 and key.shape[1] == block_size and key.shape[2] == 512,
                 f"paged key for BSND queries must be [blocks, block_size, 512], got {tuple(key.shape)}")
         require(value.shape == key.shape and torch.equal(value, key), "MLA value is the latent key cache")
@@ -221,7 +226,8 @@ class AscendSemantics:
             require(1 <= q_len <= S, f"row {b}: query length {q_len}")
             for t in range(q_len):
                 visible = kv_len - q_len + t + 1 if sparse_mode == 3 else kv_len
-                scores = (query[b, t].float() @ latent[:visible].T + query_rope[b, t].float() @ rope[:visible].T) * scale
+                scores = (query[b, t].float() @ latent[:visible].T
+                          + query_rope[b, t].float() @ rope[:visible].T) * scale
                 out[b, t] = torch.softmax(scores, dim=-1) @ latent[:visible]
         return out.to(query.dtype), torch.zeros(1)
 
@@ -234,12 +240,14 @@ class AscendSemantics:
         require(E <= 2048, f"at most 2048 experts, got {E}")
         if bias is not None:
             require(bias.dim() == 1 and bias.shape[0] == E and bias.dtype == x.dtype, "bias must be [E] in x's dtype")
-        require(group_count > 0 and E % group_count == 0 and E // group_count > 2, f"group_count {group_count} for E={E}")
+        require(group_count > 0 and E % group_count == 0 and E // group_count > 2,
+                f"group_count {group_count} for E={E}")
         per_group = E // group_count
         require(-(-per_group // 32) * 32 * group_count <= 2048, "aligned group size times group_count above 2048")
         require(1 <= k_group <= group_count, f"k_group {k_group}")
         require(1 <= k <= per_group * k_group, f"k {k} outside [1, {per_group * k_group}]")
-        require(renorm == 0 and norm_type in (0, 1) and group_select_mode in (0, 1), "renorm 0, norm_type 0/1, mode 0/1")
+        require(renorm == 0 and norm_type in (0, 1) and group_select_mode in (0, 1),
+                "renorm 0, norm_type 0/1, mode 0/1")
         xf = x.float()
         norm = torch.sigmoid(xf) if norm_type == 1 else torch.softmax(xf, dim=-1)  # [N, E]
         select = norm + bias.float() if bias is not None else norm.clone()

@@ -30,7 +30,8 @@ def kernels():
     pads = dict(H=4, D=24, H_PAD=16, D_PAD=32, BS=64, WIDEN=False)
     yield ("indexer_topk", indexer._indexer_topk_kernel,
            _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "start_ptr": "*i32", "out_ptr": "*i32",
-                 "scratch_ptr": "*i64", "nan_ptr": "*i8"}, [("T", I32), ("S", I32), ("K", I32)] + idx_strides, list(pads) + ["KP"]),
+                 "scratch_ptr": "*i64", "nan_ptr": "*i8"}, [("T", I32), ("S", I32), ("K", I32)] + idx_strides,
+                list(pads) + ["KP"]),
            dict(pads, KP=128))
     yield ("indexer_scores", indexer._indexer_scores_kernel,
            _sig({"q_ptr": "*fp32", "k_ptr": "*fp32", "w_ptr": "*fp32", "start_ptr": "*i32", "out_ptr": "*fp32"},

@@ -27,7 +27,8 @@ def test_flop_counts_follow_the_formulas():
     cases = _load("cases")
     muon_case = cases.muon_case("cpu", tiny=True)
     Bt, m, n = 2, 16, 48
-    assert muon_case.flops == Bt * 5 * (4 * m * m * n + 2 * m ** 3)  # per Newton-Schulz step on m x n, m <= n: A = X X^T (2 m^2 n), B = b A + c A A (2 m^3), B X (2 m^2 n)
+    # per Newton-Schulz step on m x n, m <= n: A = X X^T (2 m^2 n), B = b A + c A A (2 m^3), B X (2 m^2 n)
+    assert muon_case.flops == Bt * 5 * (4 * m * m * n + 2 * m ** 3)
     indexer = cases.indexer_case("cpu", tiny=True)
     assert indexer.flops == 2 * 1 * 4 * 300 * 4 * 32
     assert set(indexer.impls) >= {"cuda fused top-k", "torch.topk on materialised scores"}

@@ -169,7 +169,8 @@ def test_mtp_depth_d_sees_tokens_up_to_t_plus_d(small_model):
             visible[:, t + d] = (visible[:, t + d] + 1) % cfg.vocab_size
             torch.testing.assert_close(small_model(later, mtp_depths=depths).mtp_logits[d - 1][:, t], base[d - 1][:, t],
                                        atol=1e-12, rtol=1e-12)
-            assert not torch.allclose(small_model(visible, mtp_depths=depths).mtp_logits[d - 1][:, t], base[d - 1][:, t])
+            assert not torch.allclose(small_model(visible, mtp_depths=depths).mtp_logits[d - 1][:, t],
+                                      base[d - 1][:, t])
 
 
 def test_mtp_is_one_module_shared_across_depths(small_model):
@@ -269,7 +270,8 @@ def test_token_id_range_check_reads_the_device_once(small_model, monkeypatch):
     for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name,
-                            lambda self, *a, _real=real, _name=name, **k: (reads.append(_name), _real(self, *a, **k))[1])
+                            lambda self, *a, _real=real, _name=name, **k: (
+                                reads.append(_name), _real(self, *a, **k))[1])
     ids = _ids(small_model.config, T=5)
     small_model._check_call(ids, "dense", 0, None, 0)
     assert len(reads) == 1, reads

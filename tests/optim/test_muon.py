@@ -36,7 +36,8 @@ def test_steps_match_the_reference(dtype, shape, split_heads, split_dim, nestero
     for grad in _grads(shape, dtype, steps=3, seed=2):
         p.grad = grad.clone()
         opt.step()
-        ref_p, ref_buf = muon_reference_step(ref_p, grad, ref_buf, split_heads=split_heads, split_dim=split_dim, **hyper)
+        ref_p, ref_buf = muon_reference_step(ref_p, grad, ref_buf, split_heads=split_heads, split_dim=split_dim,
+                                             **hyper)
     torch.testing.assert_close(p.detach(), ref_p, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_buf, atol=TOL[dtype], rtol=TOL[dtype])
 

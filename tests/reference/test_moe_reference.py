@@ -138,7 +138,7 @@ def test_route_gradient_is_finite_when_a_score_underflows(dtype, very_negative):
 
 def test_route_reference_sigmoid_has_second_derivatives():
     logits = testing.randn((3, 5), seed=2, dtype=torch.float64).requires_grad_()
-    assert torch.autograd.gradgradcheck(lambda l: moe.route_reference(l, None, top_k=2)[0], (logits,))
+    assert torch.autograd.gradgradcheck(lambda x: moe.route_reference(x, None, top_k=2)[0], (logits,))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -155,7 +155,8 @@ def test_update_bias_compares_loads_exactly_whatever_the_bias_dtype(dtype):
 def test_zero_slots_per_token_combine_to_zeros():
     """K=0: every output row is the empty sum (the cpu kernel's answer; the reference raised IndexError)."""
     x = testing.randn((3, 4), seed=1)
-    w_gate, w_up, w_down = testing.randn((2, 5, 4), seed=2), testing.randn((2, 5, 4), seed=3), testing.randn((2, 4, 5), seed=4)
+    w_gate, w_up, w_down = (testing.randn((2, 5, 4), seed=2), testing.randn((2, 5, 4), seed=3),
+                            testing.randn((2, 4, 5), seed=4))
     weights, ids = torch.zeros(3, 0), torch.zeros(3, 0, dtype=torch.int32)
     assert torch.equal(moe.fused_experts_reference(x, weights, ids, w_gate, w_up, w_down), torch.zeros(3, 4))
     y_sorted = torch.zeros(0, 4, requires_grad=True)

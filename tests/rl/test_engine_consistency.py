@@ -51,7 +51,8 @@ def test_recomputed_logprobs_and_topk_match_engine(tiny_policy, temperature):
             for layer, idx in enumerate(topk):
                 assert idx[row, P - 1 + j].tolist() == res.topk_trace[j][layer], (row, j, layer)
                 compared += 1
-        assert torch.equal(batch["rollout_logprobs"][row, P - 1:P - 1 + len(res.output_ids)], torch.tensor(res.logprobs))
+        assert torch.equal(batch["rollout_logprobs"][row, P - 1:P - 1 + len(res.output_ids)],
+                           torch.tensor(res.logprobs))
     assert worst <= 1e-5
     assert compared > 100
     # the sequences are longer than k: the selection is really sparse somewhere

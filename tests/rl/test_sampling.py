@@ -38,7 +38,8 @@ def test_sampled_logprob_is_temperature_scaled_full_softmax():
     for b in range(4):
         expected = torch.log_softmax(logits[b] / temp[b], -1)[tokens[b]]
         assert logp[b].item() == pytest.approx(expected.item(), abs=1e-6)
-    assert torch.allclose(token_logprobs(logits, tokens, 2.0), torch.log_softmax(logits / 2, -1).gather(1, tokens[:, None])[:, 0])
+    assert torch.allclose(token_logprobs(logits, tokens, 2.0),
+                          torch.log_softmax(logits / 2, -1).gather(1, tokens[:, None])[:, 0])
 
 
 def test_greedy_takes_lowest_id_among_maxima_and_top_p_bounds_support():

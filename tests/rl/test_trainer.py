@@ -76,7 +76,8 @@ def test_a_top_p_every_engine_would_refuse_is_refused_with_the_config(bad):
     assert config_from_dict({"rollout": {"top_p": 1}}).rollout.top_p == 1
 
 
-@pytest.mark.parametrize("key, bad", [("eps_low", 0.0), ("eps_low", 1.5), ("eps_high", 0.0), ("eps_high", float("nan"))])
+@pytest.mark.parametrize("key, bad", [("eps_low", 0.0), ("eps_low", 1.5), ("eps_high", 0.0),
+                                      ("eps_high", float("nan"))])
 def test_an_importance_sampling_band_the_loss_refuses_is_refused_with_the_config(key, bad):
     # before, it passed config validation and raised only at the first loss, after a whole batch of rollouts
     with pytest.raises(ValueError, match=key):

@@ -16,7 +16,8 @@ CASES = [
     (lambda v: v["optimizer"].update(weight_decay=0.5),
      r"config: expected the same on every rank; rank 1 differs from rank 0 in 1 key\(s\): "
      r"optimizer\.weight_decay: 0\.1 on rank 0, 0\.5 on rank 1"),
-    (lambda v: v["optimizer"]["betas"].__setitem__(1, 0.99), r"rank 1 differs .* optimizer\.betas: \[0\.9, 0\.95\] on rank 0"),
+    (lambda v: v["optimizer"]["betas"].__setitem__(1, 0.99),
+     r"rank 1 differs .* optimizer\.betas: \[0\.9, 0\.95\] on rank 0"),
     (lambda v: v.update(extra=1), r"1 key\(s\): extra: '<absent>' on rank 0, 1 on rank 1"),
 ]
 

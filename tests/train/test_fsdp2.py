@@ -51,7 +51,8 @@ def _raw(root: Path) -> dict:
         seed=3, torch_threads=1, output_dir=str(root / "run"), model=dict(shared.SMALL_MODEL),
         data=dict(source="path", path=str(corpus), seq_len=24, batch_size=4),  # 2 rows per rank
         schedule=dict(lr=1e-2, warmup_steps=1),
-        stages=[dict(kind="dense", steps=2), dict(kind="indexer_warmup", steps=1, indexer_lr=5e-3, indexer_final_lr=2e-4),
+        stages=[dict(kind="dense", steps=2),
+                dict(kind="indexer_warmup", steps=1, indexer_lr=5e-3, indexer_final_lr=2e-4),
                 dict(kind="sparse", steps=1)],
         loss=dict(mtp_depths=2, mtp_weight=0.3), router=dict(bias_update_rate=1e-2),
         checkpoint=dict(every_steps=3, keep_last=2),
@@ -159,7 +160,8 @@ def test_fsdp2_checkpoint_resumes_in_one_process_like_the_ddp_one(runs, tmp_path
     resumed = {}
     for strategy in ("ddp", "fsdp2"):
         out = tmp_path / strategy
-        pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out), resume=str(_checkpoint(runs["root"] / strategy, 3))))
+        pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out),
+                                 resume=str(_checkpoint(runs["root"] / strategy, 3))))
         resumed[strategy] = out
     a, b = _records(resumed["fsdp2"]), _records(resumed["ddp"])
     assert [r["step"] for r in a] == [r["step"] for r in b] == [4]  # a fresh output dir: the resumed step only
@@ -208,7 +210,8 @@ def test_fsdp2_resumes_and_saves_tied_embeddings_in_the_single_process_format(tm
     _torchrun(config, sharded, "--parallel", "fsdp2", "--resume", str(_checkpoint(single, 1)))
     want = load_file(str(_checkpoint(single, 2) / "model.safetensors"))
     assert "lm_head.weight" in want and "model.embed_tokens.weight" not in want
-    assert _header(_checkpoint(sharded, 2) / "model.safetensors") == _header(_checkpoint(single, 2) / "model.safetensors")
+    assert (_header(_checkpoint(sharded, 2) / "model.safetensors")
+            == _header(_checkpoint(single, 2) / "model.safetensors"))
     got = load_file(str(_checkpoint(sharded, 2) / "model.safetensors"))
     _assert_close_models(got, want, TOL)
     before = load_file(str(_checkpoint(single, 1) / "model.safetensors"))
@@ -287,7 +290,8 @@ def _toy_sharded(world: int):
     fully_shard_function()(model, mesh=init_device_mesh("cpu", (world,)))
     matrices = [p for p in model.parameters() if p.dim() == 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizers = {"muon": Muon(matrices, lr=0.05, momentum=0.9), "adamw": torch.optim.AdamW(vectors, lr=0.01, foreach=False)}
+    optimizers = {"muon": Muon(matrices, lr=0.05, momentum=0.9),
+                  "adamw": torch.optim.AdamW(vectors, lr=0.01, foreach=False)}
     return model, HybridOptimizer(optimizers, [])
 
 
@@ -341,7 +345,8 @@ def _resume_memory_worker(rank: int, init_file: str, root: str) -> None:
         real = ckpt.safe_open
         ckpt.safe_open = _tracking_safe_open(real, reads)
         try:
-            ckpt.load_checkpoint(folder, model=fresh, optimizer=fresh_opt, total_steps=1, world_size=2, device_type="cpu")
+            ckpt.load_checkpoint(folder, model=fresh, optimizer=fresh_opt, total_steps=1, world_size=2,
+                                 device_type="cpu")
         finally:
             ckpt.safe_open = real
         # 3 momentum buffers + 2 x 2 Adam moments read, at most one parameter's (2 moments) held whole at once

@@ -94,7 +94,8 @@ def test_resume_rejects_a_checkpoint_of_another_model(small_raw, tmp_path):
     pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run), max_steps=1))
     small_raw["model"]["hidden_size"] = 48
     with pytest.raises(ValueError, match="checkpoint: model tensors do not match"):
-        pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "other"), resume=str(run)))
+        pretrain(parse_config(small_raw),
+                 RunOptions(backend="cpu", output_dir=str(tmp_path / "other"), resume=str(run)))
 
 
 def test_cli_runs_and_resumes(small_raw, tmp_path, capsys):
@@ -103,7 +104,8 @@ def test_cli_runs_and_resumes(small_raw, tmp_path, capsys):
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(small_raw))
     out = tmp_path / "cli"
-    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out), "--max-steps", "5"]) == 0
+    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out),
+                 "--max-steps", "5"]) == 0
     assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out), "--resume"]) == 0
     assert "stages: dense, indexer_warmup, sparse" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
@@ -173,7 +175,8 @@ def test_cli_says_which_metrics_outputs_a_missing_package_skipped(small_raw, tmp
     path = tmp_path / "small.yaml"
     path.write_text(yaml.safe_dump(small_raw))
     out = tmp_path / "cli"
-    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out), "--max-steps", "6"]) == 0
+    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(out),
+                 "--max-steps", "6"]) == 0
     err = capsys.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert (out / "loss.png").is_file() == installed and (out / "tensorboard").is_dir() == installed

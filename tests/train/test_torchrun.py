@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+@pytest.mark.skipif(shutil.which("torchrun") is None
+                    and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
                     reason="torchrun is not installed")
 def test_two_process_ddp_run_stays_in_sync(small_raw, tmp_path):
     small_raw["data"]["batch_size"] = 4  # 2 rows per rank

@@ -7,8 +7,10 @@ from glm5_core import platform
 from glm5_core.registry import Backend
 
 MISSING = {
-    "mla_prefill": "no vendor op mapped for the expanded, differentiable prefill; the reference runs as torch ops on the NPU",
-    "dsa_indexer_scores": "npu_lightning_indexer returns positions, not the score matrix; the reference runs on the NPU",
+    "mla_prefill": "no vendor op mapped for the expanded, differentiable prefill; the reference runs as torch ops "
+                   "on the NPU",
+    "dsa_indexer_scores": "npu_lightning_indexer returns positions, not the score matrix; the reference runs on "
+                          "the NPU",
     "muon_orthogonalize": "Newton-Schulz is batched matmuls that torch_npu already runs on the cube units: the "
                           "reference (one batched chain over the leading dims) runs on npu tensors; no fused vendor op",
 }

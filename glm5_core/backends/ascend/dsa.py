@@ -90,11 +90,13 @@ attach_supports(indexer_topk, indexer_topk_limits, lambda q, k, w, **kw: (q, k, 
 
 # ------------------------------------------------------------------------------ sparse flash attention
 def sparse_attention_limits(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> Decision:
-    """npu_sparse_flash_attention's documented limits (op-plugin docs/context/torch_npu-npu_sparse_flash_attention.md)."""
+    """npu_sparse_flash_attention's documented limits
+    (op-plugin docs/context/torch_npu-npu_sparse_flash_attention.md)."""
     op = "npu_sparse_flash_attention"
     Hm, C, Dr, K = q_nope.shape[2], c_kv.shape[-1], k_pe.shape[-1], topk_idx.shape[-1]
     if C != SPARSE_ATTENTION_LATENT or Dr != SPARSE_ATTENTION_ROPE:
-        return False, f"{op} (attention_mode=2) needs latent {SPARSE_ATTENTION_LATENT} + rope {SPARSE_ATTENTION_ROPE}, got {C} + {Dr}"
+        return False, (f"{op} (attention_mode=2) needs latent {SPARSE_ATTENTION_LATENT} + rope "
+                       f"{SPARSE_ATTENTION_ROPE}, got {C} + {Dr}")
     if Hm not in SPARSE_ATTENTION_HEADS:
         return False, f"{op} takes {SPARSE_ATTENTION_HEADS} query heads, got {Hm}"
     if K < 1:
@@ -114,5 +116,6 @@ def sparse_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: f
 
 
 attach_supports(sparse_attention, sparse_attention_limits,
-                lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kw: (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx),
+                lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kw: (
+                    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx),
                 "npu_sparse_flash_attention")

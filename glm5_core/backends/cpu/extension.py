@@ -101,7 +101,8 @@ def load() -> ExtensionStatus:
         return ExtensionStatus(False, f"torch.utils.cpp_extension unavailable: {exc!r}")
     sources, headers = _sources()
     if not sources:
-        return ExtensionStatus(False, "no csrc/cpu_*.cpp sources in the installed package (glm5_core/backends/cpu/csrc)")
+        return ExtensionStatus(False, "no csrc/cpu_*.cpp sources in the installed package "
+                                      "(glm5_core/backends/cpu/csrc)")
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return ExtensionStatus(False, f"no C++ compiler ({compiler!r} not on PATH; set CXX)")

@@ -54,7 +54,8 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select,
-             "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine, "moe_experts": _moe_experts,
+             "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
+             "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts,
              "ns_orthogonalize": _ns_orthogonalize}
     for name in NATIVE_OPS:

@@ -151,7 +151,8 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
     pos = tl.load(start_ptr + row_b) + row_t
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
-    score = _block_scores(q_HD, w_H, k_ptr + row_b.to(tl.int64) * stride_kb, stride_ks, stride_kd, s0, S, D, BS, D_PAD, WIDEN)
+    score = _block_scores(q_HD, w_H, k_ptr + row_b.to(tl.int64) * stride_kb, stride_ks, stride_kd,
+                          s0, S, D, BS, D_PAD, WIDEN)
     offs_s = s0 + tl.arange(0, BS)
     score = tl.where(offs_s <= pos, score, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * S + offs_s, score, mask=offs_s < S)

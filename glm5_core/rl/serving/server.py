@@ -215,7 +215,8 @@ class EngineServer:
             raise ValueError(f"weight_version: expected an int >= 0, got {version!r}")
         real = os.path.realpath(path)
         if os.path.dirname(real) != self.weights_dir or not real.endswith(".safetensors"):
-            raise ValueError(f"model_path: expected a .safetensors file directly inside {self.weights_dir}, got {path!r}")
+            raise ValueError(f"model_path: expected a .safetensors file directly inside {self.weights_dir}, "
+                             f"got {path!r}")
         if not os.path.isfile(real):
             raise ValueError(f"model_path: no such file {path!r}")
         try:
@@ -278,7 +279,8 @@ class EngineServer:
                 try:
                     return json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise ValueError(f"request body: invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+                    raise ValueError(f"request body: invalid JSON "
+                                     f"({exc.msg if hasattr(exc, 'msg') else exc})") from None
 
             def do_GET(self):
                 if self.path == "/health":

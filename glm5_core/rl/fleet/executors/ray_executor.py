@@ -35,8 +35,8 @@ def _actor_class():
 
 
 class RayExecutor:
-    def __init__(self, spec_fn: Callable[[str], WorkerSpec], *, address: Optional[str] = None, num_cpus: Optional[int] = None,
-                 start_timeout: float = 300.0):
+    def __init__(self, spec_fn: Callable[[str], WorkerSpec], *, address: Optional[str] = None,
+                 num_cpus: Optional[int] = None, start_timeout: float = 300.0):
         try:
             import ray
         except ImportError as exc:

@@ -32,7 +32,8 @@ class ContextManager:
         if not isinstance(keep_recent, int) or keep_recent < 1:
             raise ValueError(f"keep_recent: expected an int >= 1, got {keep_recent!r}")
         if not isinstance(token_budget, int) or token_budget < len(prompt_tokens) + 1:
-            raise ValueError(f"token_budget: expected an int > prompt length {len(prompt_tokens)}, got {token_budget!r}")
+            raise ValueError(f"token_budget: expected an int > prompt length {len(prompt_tokens)}, "
+                             f"got {token_budget!r}")
         self.prompt = list(prompt_tokens)
         self.keep_recent = keep_recent
         self.token_budget = token_budget
