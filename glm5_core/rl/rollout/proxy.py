@@ -1,0 +1,397 @@
+"""OpenAI-compatible token-in-token-out proxy: an unmodified agent written against the ``openai`` package rolls
+out trajectories that train on exactly the tokens the engine sampled.
+
+Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /health``. The agent points its client at :attr:`OpenAIProxy.base_url`.
+
+* Each request names its trajectory in the ``X-Trajectory-Id`` header or, without the header, the ``user`` field.
+  The driver opens a trajectory (:meth:`OpenAIProxy.open_trajectory`) before starting its agent and closes it
+  (:meth:`OpenAIProxy.close_trajectory`) when the episode is over, taking its recorded samples; a request for a
+  trajectory that is not open is refused (``auto_open`` opens them on first use instead, for standalone serving).
+  Requests of one trajectory are served one at a time, in arrival order.
+* Chat requests are turned into token ids by the trajectory's :class:`ChatTranscript` (appending to the recorded
+  ids while the agent's messages extend them; see that module), completion requests from their ``prompt`` (token
+  ids as given; a string that extends the recorded text keeps the recorded ids and encodes only the rest).
+* Every generation goes through the trajectory's :class:`TITOGateway` (``generate_fn`` routes it to an engine, as in
+  the rollout runner): it records the prompt ids (loss mask 0) and the engine's sampled ids, log-probs and weight
+  versions (loss mask 1), exactly as the engine returned them.
+* Tools (``tools`` in the request) are rendered by the chat template; the model's tool-call text is parsed into
+  ``message.tool_calls`` (:class:`ToolCallParser`) with ``finish_reason`` ``tool_calls``; ``role: tool`` messages are
+  appended as context like any other message.
+* Sampling stops on the tokenizer's end-of-turn ids plus ``stop`` strings that are single tokens (the engine stops
+  on token ids). ``max_tokens`` defaults to ``default_max_tokens`` (capped by the room left in the context).
+
+Requests are untrusted: bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
+every field is checked (:mod:`openai_protocol`); errors are OpenAI's error body. Engine failures are 503 (the
+engines could not serve: retry), inconsistent engine answers 502.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Dict, List, Optional, Tuple
+
+from glm5_core.rl.rollout.chat_transcript import ChatTranscript
+from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.rollout.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingRequest,
+    chat_completion,
+    chat_token_logprob,
+    completion_logprobs,
+    json_depth_at_most,
+    model_list,
+    parse_chat_request,
+    parse_completion_request,
+    parse_message,
+    text_completion,
+)
+from glm5_core.rl.rollout.tokenizer import ChatTokenizer
+from glm5_core.rl.rollout.tool_calls import ToolCallParser
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
+from glm5_core.rl.serving.server import BoundedThreadingHTTPServer
+
+LOCALHOST = "127.0.0.1"
+TRAJECTORY_HEADER = "X-Trajectory-Id"
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_JSON_DEPTH = 64
+MAX_TRAJECTORY_ID_CHARS = 256
+
+
+@dataclasses.dataclass
+class ProxyTrajectory:
+    """One open trajectory: its gateway (the training record) and its chat transcript."""
+
+    trajectory_id: str
+    gateway: TITOGateway
+    transcript: ChatTranscript
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    closed: bool = False
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    return value
+
+
+class OpenAIProxy:
+    """Serves ``tokenizer`` + ``generate_fn`` as an OpenAI API on 127.0.0.1:``port`` (0 = any free port).
+
+    ``max_context_tokens`` is the engines' context length (prompt + completion); ``max_new_tokens`` the most
+    tokens one request may ask for (the engines' cap)."""
+
+    def __init__(self, tokenizer: ChatTokenizer, generate_fn: GenerateFn, *, max_context_tokens: int,
+                 model_name: str = "glm5-core", default_max_tokens: int = 256, max_new_tokens: int = 1024,
+                 port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
+                 max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
+                 tool_parser: Optional[ToolCallParser] = None):
+        if not isinstance(tokenizer, ChatTokenizer) or not tokenizer.has_chat_template:
+            raise ValueError(f"tokenizer: expected a ChatTokenizer with a chat template, got {tokenizer!r:.80}")
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name: expected a non-empty str, got {model_name!r}")
+        self.max_context_tokens = _check_int("max_context_tokens", max_context_tokens, 2)
+        self.default_max_tokens = _check_int("default_max_tokens", default_max_tokens, 1)
+        self.max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+        self.max_body_bytes = _check_int("max_body_bytes", max_body_bytes, 1)
+        self.max_json_depth = _check_int("max_json_depth", max_json_depth, 2)
+        self.max_trajectories = _check_int("max_trajectories", max_trajectories, 1)
+        if not socket_timeout > 0:
+            raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
+        self.socket_timeout = float(socket_timeout)
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.model_name = model_name
+        self.auto_open = bool(auto_open)
+        self.tool_parser = tool_parser or ToolCallParser()
+        self.created = int(time.time())
+        self._trajectories: Dict[str, ProxyTrajectory] = {}
+        self._lock = threading.Lock()
+        self._httpd = BoundedThreadingHTTPServer((LOCALHOST, port), self._handler_class(),
+                                                 max_connections=_check_int("max_connections", max_connections, 1))
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """What an ``openai.OpenAI(base_url=...)`` client takes."""
+        return self.url + "/v1"
+
+    def start(self) -> "OpenAIProxy":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="openai-proxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    # -- trajectories ----------------------------------------------------------------------------------------
+    def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:
+        if len(self._trajectories) >= self.max_trajectories:
+            raise ValueError(f"trajectory_id: {self.max_trajectories} trajectories already open (max_trajectories)")
+        record = ProxyTrajectory(trajectory_id, TITOGateway(trajectory_id, self.generate_fn),
+                                 ChatTranscript(self.tokenizer))
+        self._trajectories[trajectory_id] = record
+        return record
+
+    def open_trajectory(self, trajectory_id: str) -> ProxyTrajectory:
+        if not isinstance(trajectory_id, str) or not 1 <= len(trajectory_id) <= MAX_TRAJECTORY_ID_CHARS:
+            raise ValueError(f"trajectory_id: expected a str of 1 to {MAX_TRAJECTORY_ID_CHARS} characters, "
+                             f"got {trajectory_id!r:.80}")
+        with self._lock:
+            if trajectory_id in self._trajectories:
+                raise ValueError(f"trajectory_id: {trajectory_id!r} is already open")
+            return self._open_locked(trajectory_id)
+
+    def close_trajectory(self, trajectory_id: str) -> ProxyTrajectory:
+        """End the trajectory: it takes no more requests (one in flight finishes first). Its training record is
+        ``.gateway.finished_samples()``."""
+        with self._lock:
+            record = self._trajectories.pop(trajectory_id, None)
+        if record is None:
+            raise ValueError(f"trajectory_id: {trajectory_id!r} is not open")
+        with record.lock:
+            record.closed = True
+        return record
+
+    def open_trajectories(self) -> List[str]:
+        with self._lock:
+            return list(self._trajectories)
+
+    def _trajectory(self, header: Optional[str], request: SamplingRequest) -> ProxyTrajectory:
+        trajectory_id = header if header is not None else request.user
+        param = TRAJECTORY_HEADER if header is not None else "user"
+        if not trajectory_id or len(trajectory_id) > MAX_TRAJECTORY_ID_CHARS:
+            raise OpenAIError(f"every request names its trajectory: the {TRAJECTORY_HEADER} header or the user field "
+                              f"(1 to {MAX_TRAJECTORY_ID_CHARS} characters), got {trajectory_id!r:.80}", param=param)
+        with self._lock:
+            record = self._trajectories.get(trajectory_id)
+            if record is None and self.auto_open:
+                try:
+                    record = self._open_locked(trajectory_id)
+                except ValueError as exc:
+                    raise OpenAIError(str(exc), status=429, type="rate_limit_error", param=param) from None
+        if record is None:
+            raise OpenAIError(f"trajectory {trajectory_id!r} is not open", status=404, param=param,
+                              code="trajectory_not_found")
+        return record
+
+    # -- generation ----------------------------------------------------------------------------------------------
+    def _check_model(self, request: SamplingRequest) -> None:
+        if request.model != self.model_name:
+            raise OpenAIError(f"The model {request.model!r} does not exist; this server serves {self.model_name!r}",
+                              status=404, param="model", code="model_not_found")
+
+    def _stop_ids(self, request: SamplingRequest) -> List[int]:
+        ids = list(self.tokenizer.stop_token_ids)
+        for text in request.stop:
+            try:
+                ids.append(self.tokenizer.token(text))
+            except ValueError:
+                raise OpenAIError(f"stop: each stop string must be one token of this tokenizer (the engine stops on "
+                                  f"token ids), got {text!r:.80}", param="stop") from None
+        return list(dict.fromkeys(ids))
+
+    def _new_tokens(self, request: SamplingRequest, prompt_len: int, param: str) -> int:
+        room = self.max_context_tokens - prompt_len
+        if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
+            asked = "" if request.max_tokens is None else f" plus {request.max_tokens} completion tokens"
+            raise OpenAIError(f"This model's maximum context length is {self.max_context_tokens} tokens; the request "
+                              f"has {prompt_len} prompt tokens{asked}", param=param, code="context_length_exceeded")
+        if request.max_tokens is None:
+            return min(self.default_max_tokens, self.max_new_tokens, room)
+        if request.max_tokens > self.max_new_tokens:
+            raise OpenAIError(f"max_tokens: expected at most {self.max_new_tokens}, got {request.max_tokens}",
+                              param="max_tokens")
+        return request.max_tokens
+
+    def _generate(self, record: ProxyTrajectory, input_ids: List[int], request: SamplingRequest,
+                  stop_ids: List[int], param: str) -> Dict:
+        params = {"temperature": request.temperature, "top_p": request.top_p,
+                  "max_new_tokens": self._new_tokens(request, len(input_ids), param), "stop_token_ids": stop_ids}
+        try:
+            response = record.gateway.generate(input_ids, params)
+        except EngineUnavailable as exc:
+            raise OpenAIError(f"no engine could serve the request: {exc}", status=503, type="server_error",
+                              code="engine_unavailable") from None
+        except EngineRequestError as exc:
+            status = 503 if exc.status >= 500 else 500
+            raise OpenAIError(f"engine refused the request: {exc}", status=status, type="server_error") from None
+        except ValueError as exc:  # the gateway found the engine's answer inconsistent
+            raise OpenAIError(f"bad engine response: {exc}", status=502, type="server_error") from None
+        if response["meta_info"]["finish_reason"]["type"] == "abort":
+            raise OpenAIError("the engine aborted the generation", status=503, type="server_error",
+                              code="engine_unavailable")
+        return response
+
+    def _split_stop(self, response: Dict, stop_ids: List[int]) -> Tuple[List[int], List[float], Optional[int]]:
+        """(the returned tokens, their log-probs, the stop token the engine ended on or None)."""
+        ids = [int(t) for t in response["output_ids"]]
+        logprobs = [float(e[0]) for e in response["meta_info"]["output_token_logprobs"]]
+        if response["meta_info"]["finish_reason"]["type"] == "stop" and ids and ids[-1] in stop_ids:
+            return ids[:-1], logprobs[:-1], ids[-1]
+        return ids, logprobs, None
+
+    @staticmethod
+    def _usage(response: Dict, prompt_len: int) -> Dict[str, Any]:
+        return dict(prompt_tokens=prompt_len, completion_tokens=len(response["output_ids"]),
+                    cached_tokens=response["meta_info"].get("cached_tokens"))
+
+    def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
+        request: ChatRequest = parse_chat_request(body)
+        self._check_model(request)
+        stop_ids = self._stop_ids(request)
+        record = self._trajectory(trajectory_header, request)
+        with record.lock:
+            if record.closed:
+                raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
+                                  code="trajectory_not_found")
+            try:
+                prompt_ids = record.transcript.prompt_ids(request.messages, request.tools)
+            except ValueError as exc:
+                raise OpenAIError(f"messages: {exc}", param="messages") from None
+            except Exception as exc:  # the template raised (raise_exception, a Jinja error): the request's fault
+                raise OpenAIError(f"messages: the chat template failed: {type(exc).__name__}: {exc}",
+                                  param="messages") from None
+            response = self._generate(record, prompt_ids, request, stop_ids, "messages")
+            ids, logprobs, stop = self._split_stop(response, stop_ids)
+            text = self.tokenizer.decode(ids)
+            content, calls = self.tool_parser.parse(text) if request.tools else (text, [])
+            finish = response["meta_info"]["finish_reason"]["type"]
+            reason = "length" if finish == "length" else "tool_calls" if calls else "stop"
+            assistant = parse_message({"role": "assistant", "content": content, "tool_calls": calls}, 0)
+            record.transcript.record(request.messages, request.tools, prompt_ids, assistant, response["output_ids"],
+                                     None if stop is None else self.tokenizer.token_text(stop))
+        token_logprobs = None
+        if request.logprobs:
+            token_logprobs = [chat_token_logprob(self.tokenizer.token_text(t), lp) for t, lp in zip(ids, logprobs)]
+        return chat_completion(model=self.model_name, content=content, tool_calls=calls, finish_reason=reason,
+                               logprobs=token_logprobs, **self._usage(response, len(prompt_ids)))
+
+    def _completion_prompt(self, record: ProxyTrajectory, prompt) -> List[int]:
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if t >= self.tokenizer.min_vocab_size]
+            if bad:
+                raise OpenAIError(f"prompt: token ids must be below {self.tokenizer.min_vocab_size}, got {bad[0]}",
+                                  param="prompt")
+            return list(prompt)
+        recorded = record.gateway.current.tokens
+        done = self.tokenizer.decode(recorded, skip_special_tokens=False) if recorded else ""
+        if recorded and prompt.startswith(done):  # extends what was recorded: keep the sampled ids as sampled
+            return recorded + self.tokenizer.encode_with_control_tokens(prompt[len(done):])
+        return self.tokenizer.encode_with_control_tokens(prompt)
+
+    def handle_completion(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
+        request: CompletionRequest = parse_completion_request(body)
+        self._check_model(request)
+        stop_ids = self._stop_ids(request)
+        record = self._trajectory(trajectory_header, request)
+        with record.lock:
+            if record.closed:
+                raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
+                                  code="trajectory_not_found")
+            prompt_ids = self._completion_prompt(record, request.prompt)
+            response = self._generate(record, prompt_ids, request, stop_ids, "prompt")
+        ids, logprobs, _ = self._split_stop(response, stop_ids)
+        finish = "length" if response["meta_info"]["finish_reason"]["type"] == "length" else "stop"
+        token_logprobs = None
+        if request.logprobs:
+            token_logprobs = completion_logprobs([self.tokenizer.token_text(t) for t in ids], logprobs)
+        return text_completion(model=self.model_name, text=self.tokenizer.decode(ids), finish_reason=finish,
+                               logprobs=token_logprobs, **self._usage(response, len(prompt_ids)))
+
+    def handle_models(self) -> Dict[str, Any]:
+        return model_list([self.model_name], self.created)
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+    def _handler_class(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = proxy.socket_timeout
+
+            def log_message(self, fmt, *args):  # quiet
+                return
+
+            def _reply(self, status: int, payload: Dict) -> None:
+                data = json.dumps(payload).encode("utf-8")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> Any:
+                length = self.headers.get("Content-Length")
+                if length is None or not length.isdigit():
+                    raise OpenAIError("Content-Length: expected a byte count", status=411)
+                if int(length) > proxy.max_body_bytes:
+                    self.close_connection = True  # the body is not read
+                    raise OpenAIError(f"request body: expected at most {proxy.max_body_bytes} bytes, got {length}",
+                                      status=413)
+                try:
+                    raw = self.rfile.read(int(length))
+                except TimeoutError:
+                    raw = b""
+                if len(raw) != int(length):
+                    raise ConnectionAbortedError("the client stopped sending its request")
+                try:
+                    body = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise OpenAIError(f"request body: invalid JSON ({getattr(exc, 'msg', exc)})") from None
+                except RecursionError:
+                    body = None
+                if body is None and raw.strip() != b"null" or not json_depth_at_most(body, proxy.max_json_depth):
+                    raise OpenAIError(f"request body: JSON nested deeper than {proxy.max_json_depth} levels")
+                return body
+
+            def _serve(self, route) -> None:
+                try:
+                    self._reply(200, route())
+                except ConnectionAbortedError:  # nobody to answer
+                    self.close_connection = True
+                except OpenAIError as exc:
+                    self._reply(exc.status, exc.body())
+                except Exception as exc:  # a bug here or in the engine path: report, keep serving
+                    self._reply(500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
+                                                 type="server_error").body())
+
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if path == "/v1/models":
+                    self._serve(proxy.handle_models)
+                elif path == "/health":
+                    self._serve(lambda: {"ok": True, "open_trajectories": len(proxy.open_trajectories())})
+                else:
+                    self._serve(self._not_found)
+
+            def do_POST(self):
+                path = self.path.split("?", 1)[0]
+                header = self.headers.get(TRAJECTORY_HEADER)
+                if path == "/v1/chat/completions":
+                    self._serve(lambda: proxy.handle_chat(self._body(), header))
+                elif path == "/v1/completions":
+                    self._serve(lambda: proxy.handle_completion(self._body(), header))
+                else:
+                    self.close_connection = True  # the body is not read
+                    self._serve(self._not_found)
+
+            def _not_found(self):
+                raise OpenAIError(f"unknown route {self.command} {self.path[:200]}", status=404, code="not_found")
+
+        return Handler
