@@ -1,12 +1,13 @@
 """Test tokenizers: a byte-level BPE trained here with the ``tokenizers`` package on a few KB of generated text,
 saved as a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json`` with a Jinja
-``chat_template``), with one of two chat templates:
+``chat_template``), with one of three chat templates:
 
 * ``CHATML_TEMPLATE``: ChatML with a role separator token, as Phi-4 writes it
   (``<|im_start|>{role}<|im_sep|>{content}<|im_end|>``): every boundary between pieces appended one message at a
   time is next to a special token, so byte-level BPE can never merge across it. Tool calls are Hermes-style
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; tools are listed in the system turn.
   ``{% generation %}`` marks assistant text, so transformers can return its own assistant-token mask.
+* ``NEWLINE_CHATML_TEMPLATE``: the same with classic ChatML role headers (``<|im_start|>assistant\\n``);
 * ``GLM_TEMPLATE``: GLM-4 style (``[gMASK]<sop><|user|>\\n...<|assistant|>\\n...<|observation|>\\n...``): there is
   no end-of-turn token; the assistant stops on the next role token (``<|user|>`` / ``<|observation|>``, listed in
   ``generation_config.json``), which is also the first token of the next message.
@@ -51,6 +52,11 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant<|im_sep|>{% endif %}"
 )
 
+# Classic ChatML (the role header ends in "\n"): the model's first token follows a newline, not a special token,
+# so byte-level BPE can merge across that boundary ("\n" + "    x" is "\n   " + " x" as one text). For tests that
+# show why CHATML_TEMPLATE is laid out as it is.
+NEWLINE_CHATML_TEMPLATE = CHATML_TEMPLATE.replace("<|im_sep|>", "{{ '\\n' }}")
+
 GLM_TEMPLATE = (
     "[gMASK]<sop>"
     "{%- if tools %}<|system|>\nTools:"
@@ -87,26 +93,29 @@ def training_text(seed: int = 0, size: int = 6000) -> str:
             lines.append(json.dumps({"name": "calc", "arguments": {"expression": expr}}))
         else:
             lines.append(f"next: {rng.randint(0, 9)} answer: {rng.randint(0, 99)}")
-    return "\n".join(lines)
+    # indented lines: whitespace runs after a newline become merges ("\n " ...), as in real vocabularies
+    return "".join(("    " if i % 3 == 2 else "") + line + "\n" for i, line in enumerate(lines))
 
 
 def build_tokenizer_dir(path: str, *, style: str = "chatml", vocab_size: int = 400,
                         template_in_config: bool = True) -> str:
-    """Train a byte-level BPE and save it with the ``style`` chat template ("chatml" or "glm") under ``path``.
+    """Train a byte-level BPE and save it with the ``style`` chat template ("chatml", "chatml_newline" or "glm")
+    under ``path``.
     With ``template_in_config`` false the template goes to ``chat_template.jinja`` (newer transformers layout)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials = {"chatml": CHATML_SPECIALS, "glm": GLM_SPECIALS}[style]
+    specials = GLM_SPECIALS if style == "glm" else CHATML_SPECIALS
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(training_text().split("\n"), trainer)
+    text = training_text()
+    tokenizer.train_from_iterator([text[i:i + 500] for i in range(0, len(text), 500)], trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     os.makedirs(path, exist_ok=True)
     tokenizer.save(os.path.join(path, "tokenizer.json"))
-    template = {"chatml": CHATML_TEMPLATE, "glm": GLM_TEMPLATE}[style]
+    template = {"chatml": CHATML_TEMPLATE, "chatml_newline": NEWLINE_CHATML_TEMPLATE, "glm": GLM_TEMPLATE}[style]
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>" if style == "glm"
               else "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 4096}
     if template_in_config:

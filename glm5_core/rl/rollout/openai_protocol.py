@@ -193,7 +193,8 @@ def parse_message(message: Any, i: int) -> Dict[str, Any]:
         raise _fail(f"{where}.role", f"one of {list(ROLES)}", role)
     extra = set(message) - _MESSAGE_KEYS[role]
     if extra:
-        raise OpenAIError(f"{where}: unsupported fields {sorted(extra)} for role {role!r}", param=f"{where}.{min(extra)}")
+        raise OpenAIError(f"{where}: unsupported fields {sorted(extra)} for role {role!r}",
+                          param=f"{where}.{min(extra)}")
     out: Dict[str, Any] = {"role": role, "content": _content(message, where, optional=role == "assistant")}
     if message.get("name") is not None:
         out["name"] = _str(message, "name", required=True, max_chars=MAX_ID_CHARS)

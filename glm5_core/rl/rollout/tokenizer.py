@@ -82,7 +82,8 @@ def _chat_template(path: str, config: Dict[str, Any]) -> Optional[str]:
                              f"'default', got names {sorted(map(str, named))}")
         template = named["default"]
     if template is not None and not isinstance(template, str):
-        raise ValueError(f"tokenizer_config.json: chat_template: expected a Jinja string, got {type(template).__name__}")
+        raise ValueError(f"tokenizer_config.json: chat_template: expected a Jinja string, "
+                         f"got {type(template).__name__}")
     if template is not None and len(template.encode("utf-8")) > MAX_TEMPLATE_BYTES:
         raise ValueError(f"tokenizer_config.json: chat_template: expected at most {MAX_TEMPLATE_BYTES} bytes")
     return template
