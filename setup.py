@@ -24,6 +24,8 @@ EXTRAS = {
     "ascend": ["torch-npu>=2.4", "decorator", "attrs", "psutil"],
     "onnx": ["onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
     "rl": ["ray>=2.9"],
+    # real tokenizers with chat templates (the ``tokenizer:`` setting) and the OpenAI-compatible rollout proxy
+    "agents": ["transformers>=4.45", "tokenizers>=0.15", "jinja2>=3.1"],
     "metrics": ["tensorboard>=2.14", "matplotlib>=3.7"],
     "dev": [
         "pytest>=7",
@@ -34,6 +36,9 @@ EXTRAS = {
         "tensorboard>=2.14",
         "matplotlib>=3.7",
         "tokenizers>=0.15",
+        "transformers>=5.24",  # chat-template tests compare with its apply_chat_template(sanitize_control_tokens=...)
+        "jinja2>=3.1",
+        "openai>=1.40",  # the OpenAI-compatible rollout proxy is tested with the real client
         "onnx>=1.16",
         "onnxruntime>=1.18",
         "onnxscript>=0.1",

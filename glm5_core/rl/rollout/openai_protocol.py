@@ -58,13 +58,14 @@ def _fail(param: str, expected: str, value: Any) -> OpenAIError:
     return OpenAIError(f"{param}: expected {expected}, got {value!r:.80}", param=param)
 
 
-def _str(body: Dict, name: str, *, required: bool = False, max_chars: Optional[int] = None) -> Optional[str]:
+def _str(body: Dict, name: str, *, required: bool = False, max_chars: Optional[int] = None,
+         where: str = "") -> Optional[str]:
     value = body.get(name)
     if value is None and not required:
         return None
     if not isinstance(value, str) or (required and not value) or (max_chars and len(value) > max_chars):
         limit = f" of at most {max_chars} characters" if max_chars else ""
-        raise _fail(name, f"a {'non-empty ' if required else ''}string{limit}", value)
+        raise _fail(f"{where}.{name}" if where else name, f"a {'non-empty ' if required else ''}string{limit}", value)
     return value
 
 
@@ -161,11 +162,11 @@ def _tool_calls(value: Any, where: str) -> List[Dict]:
         if not isinstance(call, dict) or call.get("type", "function") != "function" or set(call) - {"id", "type",
                                                                                                      "function"}:
             raise _fail(at, '{"id", "type": "function", "function": {"name", "arguments"}}', call)
-        call_id = _str(call, "id", required=True, max_chars=MAX_ID_CHARS)
+        call_id = _str(call, "id", required=True, max_chars=MAX_ID_CHARS, where=at)
         function = call.get("function")
         if not isinstance(function, dict) or set(function) - {"name", "arguments"}:
             raise _fail(f"{at}.function", '{"name", "arguments"}', function)
-        name = _str(function, "name", required=True, max_chars=MAX_ID_CHARS)
+        name = _str(function, "name", required=True, max_chars=MAX_ID_CHARS, where=f"{at}.function")
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
             raise _fail(f"{at}.function.arguments", "a JSON string", arguments)
@@ -197,7 +198,7 @@ def parse_message(message: Any, i: int) -> Dict[str, Any]:
                           param=f"{where}.{min(extra)}")
     out: Dict[str, Any] = {"role": role, "content": _content(message, where, optional=role == "assistant")}
     if message.get("name") is not None:
-        out["name"] = _str(message, "name", required=True, max_chars=MAX_ID_CHARS)
+        out["name"] = _str(message, "name", required=True, max_chars=MAX_ID_CHARS, where=where)
     if role == "assistant":
         for name in ("audio", "function_call", "refusal"):
             if message.get(name) is not None:
@@ -210,7 +211,7 @@ def parse_message(message: Any, i: int) -> Dict[str, Any]:
         if calls:
             out["tool_calls"] = calls
     if role == "tool":
-        out["tool_call_id"] = _str(message, "tool_call_id", required=True, max_chars=MAX_ID_CHARS)
+        out["tool_call_id"] = _str(message, "tool_call_id", required=True, max_chars=MAX_ID_CHARS, where=where)
     return out
 
 
