@@ -447,6 +447,24 @@ def test_engine_failure_is_503_and_the_retry_appends_to_the_same_sample(tok):
         proxy.shutdown()
 
 
+def test_fixed_training_sampling_is_applied_and_other_values_refused(tok):
+    recorder = Recorder(lambda tid, r: sglang_response([tok.token("<|im_end|>")]))
+    proxy = OpenAIProxy(tok, recorder, max_context_tokens=400, auto_open=True, temperature=0.9, top_p=0.95).start()
+    try:
+        client = client_for(proxy, "s")
+        client.chat.completions.create(model=MODEL, messages=GOOD["messages"])
+        client.chat.completions.create(model=MODEL, messages=GOOD["messages"], temperature=0.9)
+        assert all(r["sampling_params"]["temperature"] == 0.9 and r["sampling_params"]["top_p"] == 0.95
+                   for _, r, _ in recorder.calls)
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=MODEL, messages=GOOD["messages"], temperature=0.2)
+        assert exc.value.param == "temperature" and len(recorder.calls) == 2
+    finally:
+        proxy.shutdown()
+    with pytest.raises(ValueError, match="temperature"):
+        OpenAIProxy(tok, recorder, max_context_tokens=400, temperature=0.0)
+
+
 def test_binds_localhost_only(scripted):
     assert scripted.url.startswith("http://127.0.0.1:")
     assert scripted._httpd.socket.getsockname()[0] == "127.0.0.1"

@@ -69,10 +69,10 @@ def _str(body: Dict, name: str, *, required: bool = False, max_chars: Optional[i
     return value
 
 
-def _number(body: Dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+def _number(body: Dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> Optional[float]:
     value = body.get(name)
     if value is None:
-        return default
+        return None
     try:
         ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     except OverflowError:
@@ -240,8 +240,8 @@ class SamplingRequest:
 
     model: str
     max_tokens: Optional[int]  # None: the server's default
-    temperature: float
-    top_p: float
+    temperature: Optional[float]  # None: not given
+    top_p: Optional[float]
     stop: List[str]
     user: Optional[str]
 
@@ -277,8 +277,8 @@ def _sampling(body: Dict) -> Dict[str, Any]:
     if body.get("stream_options") is not None:
         raise OpenAIError("stream_options: streaming is not supported", param="stream_options")
     return dict(model=_str(body, "model", required=True, max_chars=MAX_ID_CHARS), max_tokens=_max_tokens(body),
-                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), stop=_stop(body),
+                temperature=_number(body, "temperature", 0.0, 2.0),
+                top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True), stop=_stop(body),
                 user=_str(body, "user", max_chars=MAX_ID_CHARS))
 
 

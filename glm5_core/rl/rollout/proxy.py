@@ -20,6 +20,10 @@ Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completion
   appended as context like any other message.
 * Sampling stops on the tokenizer's end-of-turn ids plus ``stop`` strings that are single tokens (the engine stops
   on token ids). ``max_tokens`` defaults to ``default_max_tokens`` (capped by the room left in the context).
+  ``temperature`` / ``top_p`` given to the proxy fix the sampling of every request (the trainer's setting: the
+  recorded log-probs are of that distribution); a request asking for other values is refused, one that names
+  none is sampled at them. Without them the request's values are used (default 1).
+* The returned ``logprobs`` are the engine's, for the returned tokens (the end-of-turn token is not content).
 
 Requests are untrusted: bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
 every field is checked (:mod:`openai_protocol`); errors are OpenAI's error body. Engine failures are 503 (the
@@ -54,6 +58,7 @@ from glm5_core.rl.rollout.openai_protocol import (
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
+from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 from glm5_core.rl.serving.server import BoundedThreadingHTTPServer
 
 LOCALHOST = "127.0.0.1"
@@ -91,7 +96,8 @@ class OpenAIProxy:
                  port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
                  max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
-                 tool_parser: Optional[ToolCallParser] = None):
+                 tool_parser: Optional[ToolCallParser] = None, temperature: Optional[float] = None,
+                 top_p: Optional[float] = None):
         if not isinstance(tokenizer, ChatTokenizer) or not tokenizer.has_chat_template:
             raise ValueError(f"tokenizer: expected a ChatTokenizer with a chat template, got {tokenizer!r:.80}")
         if not isinstance(model_name, str) or not model_name:
@@ -105,6 +111,8 @@ class OpenAIProxy:
         if not socket_timeout > 0:
             raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
         self.socket_timeout = float(socket_timeout)
+        self.temperature = None if temperature is None else check_training_temperature(temperature, "temperature")
+        self.top_p = None if top_p is None else check_top_p(top_p)
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
         self.model_name = model_name
@@ -206,6 +214,16 @@ class OpenAIProxy:
                                   f"token ids), got {text!r:.80}", param="stop") from None
         return list(dict.fromkeys(ids))
 
+    def _sampling(self, request: SamplingRequest) -> Dict[str, float]:
+        values = {}
+        for name, fixed in (("temperature", self.temperature), ("top_p", self.top_p)):
+            asked = getattr(request, name)
+            if fixed is not None and asked is not None and asked != fixed:
+                raise OpenAIError(f"{name}: this server samples every request at {name}={fixed} (the trainer's "
+                                  f"setting), got {asked}", param=name)
+            values[name] = fixed if fixed is not None else 1.0 if asked is None else asked
+        return values
+
     def _new_tokens(self, request: SamplingRequest, prompt_len: int, param: str) -> int:
         room = self.max_context_tokens - prompt_len
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
@@ -221,8 +239,8 @@ class OpenAIProxy:
 
     def _generate(self, record: ProxyTrajectory, input_ids: List[int], request: SamplingRequest,
                   stop_ids: List[int], param: str) -> Dict:
-        params = {"temperature": request.temperature, "top_p": request.top_p,
-                  "max_new_tokens": self._new_tokens(request, len(input_ids), param), "stop_token_ids": stop_ids}
+        params = {**self._sampling(request), "max_new_tokens": self._new_tokens(request, len(input_ids), param),
+                  "stop_token_ids": stop_ids}
         try:
             response = record.gateway.generate(input_ids, params)
         except EngineUnavailable as exc:
@@ -350,14 +368,15 @@ class OpenAIProxy:
                     raw = b""
                 if len(raw) != int(length):
                     raise ConnectionAbortedError("the client stopped sending its request")
+                too_deep = OpenAIError(f"request body: JSON nested deeper than {proxy.max_json_depth} levels")
                 try:
                     body = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                     raise OpenAIError(f"request body: invalid JSON ({getattr(exc, 'msg', exc)})") from None
-                except RecursionError:
-                    body = None
-                if body is None and raw.strip() != b"null" or not json_depth_at_most(body, proxy.max_json_depth):
-                    raise OpenAIError(f"request body: JSON nested deeper than {proxy.max_json_depth} levels")
+                except RecursionError:  # nested past Python's recursion limit
+                    raise too_deep from None
+                if not json_depth_at_most(body, proxy.max_json_depth):
+                    raise too_deep
                 return body
 
             def _serve(self, route) -> None:

@@ -123,12 +123,16 @@ class ChatTokenizer:
 
     def __init__(self, hf_tokenizer, plain_tokenizer, *, chat_template: Optional[str], stop_token_ids: Sequence[int],
                  source: str = "<memory>"):
-        self.hf = hf_tokenizer  # transformers PreTrainedTokenizerFast: template rendering, encoding with added tokens
-        self._plain = plain_tokenizer  # tokenizers.Tokenizer without added tokens: control tokens as plain text
+        self.hf = hf_tokenizer  # transformers PreTrainedTokenizerFast: chat-template rendering
+        # encoding and decoding go straight to the tokenizers pipeline: thread-safe, and no text clean-up on decode
+        self._backend = hf_tokenizer.backend_tokenizer
+        self._plain = plain_tokenizer  # the same pipeline without added tokens: control tokens as plain text
         self.chat_template = chat_template
         self.source = source
         self.stop_token_ids: Tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in stop_token_ids))
         self.control_tokens: Dict[str, int] = dict(hf_tokenizer.added_tokens_encoder)
+        self._control_ids = frozenset(self.control_tokens.values())
+        self._stop_texts = {i: self.token_text(i) for i in self.stop_token_ids}
         longest_first = sorted(self.control_tokens, key=len, reverse=True)
         self._control_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!) matches nothing
 
@@ -141,29 +145,29 @@ class ChatTokenizer:
     def encode(self, text: str) -> List[int]:
         """Plain text to ids: a control token's text in ``text`` is encoded as text, never as the control token."""
         ids = self._plain.encode(text, add_special_tokens=False).ids
-        control = set(self.control_tokens.values()).intersection(ids)
+        control = self._control_ids.intersection(ids)
         if control:  # the vocabulary's merges rebuild a control token from plain text: it cannot be kept as text
-            names = sorted(self.hf.convert_ids_to_tokens(sorted(control)))
+            names = sorted(self._backend.id_to_token(i) for i in control)
             raise ValueError(f"text: the tokenizer produces control tokens {names} from plain text {text!r:.80}")
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def encode_with_control_tokens(self, text: str) -> List[int]:
         """Text written in the template's own format (a raw completion prompt): control tokens become their ids."""
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self._backend.encode(text, add_special_tokens=False).ids
 
     def token(self, text: str) -> int:
         """The id of ``text`` when it is exactly one token (a control token's text gives the control token)."""
-        ids = self.hf.encode(text, add_special_tokens=False)
+        ids = self.encode_with_control_tokens(text)
         if len(ids) != 1:
             raise ValueError(f"text: expected one token, got {text!r} as {len(ids)} tokens")
         return ids[0]
 
     def token_text(self, token_id: int) -> str:
         """Text of one token, special tokens included (a byte of a multi-byte character decodes to U+FFFD)."""
-        return self.hf.decode([int(token_id)], skip_special_tokens=False)
+        return self._backend.decode([int(token_id)], skip_special_tokens=False)
 
     # -- chat rendering ----------------------------------------------------------------------------------------
     @property
@@ -185,11 +189,11 @@ class ChatTokenizer:
         marked ones as plain text. A lone marker (a template string method split a pair) is dropped, but still
         separates the text on either side."""
         pieces = _MARKED_OR_LONE.split(text)  # [text, marked, text, marked, ..., text]; None for a lone marker
-        ids = list(self.hf.encode(pieces[0], add_special_tokens=False)) if pieces[0] else []
+        ids = self.encode_with_control_tokens(pieces[0]) if pieces[0] else []
         for i, piece in enumerate(pieces[1:], start=1):
             if not piece:
                 continue
-            ids += self.encode(piece) if i % 2 == 1 else self.hf.encode(piece, add_special_tokens=False)
+            ids += self.encode(piece) if i % 2 == 1 else self.encode_with_control_tokens(piece)
         return ids
 
     def apply_chat_template(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None, *,
@@ -198,7 +202,8 @@ class ChatTokenizer:
         return self.encode_rendered(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
 
     def stop_texts(self) -> Dict[int, str]:
-        return {i: self.token_text(i) for i in self.stop_token_ids}
+        """Text of each end-of-turn token."""
+        return dict(self._stop_texts)
 
 
 def load_chat_tokenizer(path: str, *, stop_tokens: Optional[Sequence[str]] = None) -> ChatTokenizer:
@@ -229,8 +234,11 @@ def load_chat_tokenizer(path: str, *, stop_tokens: Optional[Sequence[str]] = Non
     vocab_size = backend.get_vocab_size(with_added_tokens=True)
     if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
         raise ValueError(f"tokenizer: {tokenizer_file}: expected 1 to {MAX_VOCAB_SIZE} tokens, got {vocab_size}")
-    specials = {key: _token_content(config, key)
-                for key in ("bos_token", "eos_token", "unk_token", "pad_token") if _token_content(config, key)}
+    specials = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        content = _token_content(config, key)
+        if content:
+            specials[key] = content
     template = _chat_template(path, config)
     hf = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=template, **specials)
 
