@@ -304,6 +304,25 @@ def test_completions_append_token_ids_and_extending_text(scripted, tok):
             request["input_ids"] + response["output_ids"]
 
 
+@pytest.mark.parametrize("echo", ["model_dump", "model_dump_exclude_none", "to_dict", "message_object", "minimal"])
+def test_the_assistant_message_sent_back_in_any_client_form_extends_the_record(scripted, echo):
+    client = client_for(scripted, "echo")
+    call = '<tool_call>{"name": "calc", "arguments": {"expression": "1+1"}}</tool_call>'
+    scripted.queue += [("Let me see." + call + "<|im_end|>", "stop"), ("2<|im_end|>", "stop")]
+    messages = [{"role": "user", "content": "1+1?"}]
+    message = client.chat.completions.create(model=MODEL, messages=messages, tools=[CALC_TOOL]).choices[0].message
+    sent = {"model_dump": message.model_dump(), "model_dump_exclude_none": message.model_dump(exclude_none=True),
+            "to_dict": message.to_dict(), "message_object": message,
+            "minimal": {"role": "assistant", "content": message.content, "tool_calls": [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                               "arguments": c.function.arguments}}
+                for c in message.tool_calls]}}[echo]
+    tool = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "2"}
+    client.chat.completions.create(model=MODEL, messages=[*messages, sent, tool], tools=[CALC_TOOL])
+    record = scripted.close_trajectory("echo")
+    assert len(record.gateway.finished_samples()) == 1 and record.transcript.rerenders == 0
+
+
 def test_an_agent_that_rewrites_history_opens_a_new_sample(scripted):
     client = client_for(scripted, "r")
     scripted.queue += [("one<|im_end|>", "stop"), ("two<|im_end|>", "stop")]
