@@ -126,6 +126,8 @@ def test_malformed_tensor_arguments_are_rejected_by_name(op, how, which, dim_cho
     ("muon.orthogonalize", "steps", 0), ("dsa.sparse_decode", "topk_idx", torch.full((2, 3, 3), 7)),
     ("moe.dispatch", "expert_ids", torch.full((5, 2), 8)),
     ("moe.grouped_swiglu", "counts", torch.ones(8, dtype=torch.int64)),
+    # sizes an argument asks for that no machine holds: [B, T, topk] int32 outputs, [E] int64 counts
+    ("dsa.indexer_topk", "topk", 2**45), ("moe.dispatch", "num_experts", 2**50),
 ])
 def test_bad_scalar_arguments_are_rejected_by_name(op, field, value):
     args = valid_args(op)
@@ -189,3 +191,66 @@ def test_value_checks_are_off_and_traceable_under_torch_compile():
     x = torch.arange(3.0)
     torch.testing.assert_close(compiled(x), x * 2)
     assert _checks.value_checks_enabled()
+
+
+@pytest.mark.parametrize("op", sorted(CALLS))
+def test_inputs_all_on_meta_are_rejected_by_name(op):
+    """Meta tensors have no values for the checks and selections to read: one ValueError naming an argument,
+    the same for every op (not a Tensor.item() error from whichever value check comes first)."""
+    args = {n: v.to("meta") if isinstance(v, torch.Tensor) else v for n, v in valid_args(op).items()}
+    with pytest.raises(ValueError, match="meta") as info:
+        CALLS[op](**args)
+    assert str(info.value).split(":")[0] in args, info.value
+
+
+@pytest.mark.parametrize("entry", ("indexer_topk", "indexer_scores"))
+def test_zero_indexer_heads_are_rejected_on_every_backend(backend, entry):
+    """H = 0: the reference raised IndexError while the native top-k returned the first k keys."""
+    args = valid_args("dsa.indexer_topk")
+    q, w = args["q"][:, :, :0], args["w"][:, :, :0]  # [B, T, 0, D], [B, T, 0]
+    kwargs = {"topk": args["topk"]} if entry == "indexer_topk" else {}
+    with pytest.raises(ValueError, match=r"q / w: .*H >= 1"):
+        getattr(dsa, entry)(q, args["k"], w, start_pos=args["start_pos"], backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("op", ("dsa.sparse_prefill", "dsa.sparse_decode"))
+@pytest.mark.parametrize("empty", ("queries", "keys"))
+def test_sparse_attention_without_queries_or_keys_is_rejected_on_every_backend(backend, op, empty):
+    """T = 0 made the reference fail in torch.cat (the native kernel returned an empty tensor); S = 0 made it
+    index an empty cache. Both are rejected as MLA rejects them."""
+    args = valid_args(op)
+    if empty == "queries":
+        args.update(q_nope=args["q_nope"][:, :0], q_pe=args["q_pe"][:, :0], topk_idx=args["topk_idx"][:, :0])
+    else:
+        args.update(c_kv=args["c_kv"][:, :0], k_pe=args["k_pe"][:, :0], topk_idx=torch.full_like(args["topk_idx"], -1))
+    entry = getattr(dsa, op.split(".")[1])
+    with pytest.raises(ValueError, match=r"c_kv / q_nope: expected at least one key and one query"):
+        entry(args["q_nope"], args["q_pe"], args["c_kv"], args["k_pe"], args["w_uk"], args["w_uv"], args["topk_idx"],
+              scale=args["scale"], backend=backend)
+
+
+@pytest.mark.parametrize("schedule", [
+    muon.NSCoefficients("nan", ((math.nan, 1.0, 1.0),)),
+    muon.NSCoefficients("inf", ((3.0, -math.inf, 1.0),)),
+    muon.NSCoefficients("past fp32", ((1e300, -1.0, 1.0),)),
+    muon.NSCoefficients("inf norm", ((3.0, -3.0, 1.0),), norm_scale=math.inf),
+    muon.NSCoefficients("zero norm", ((3.0, -3.0, 1.0),), norm_scale=0.0),
+    muon.NSCoefficients("no steps", ()),
+    [(1e39, 0.0, 0.0)],
+], ids=lambda s: getattr(s, "name", "triples"))
+def test_newton_schulz_schedules_outside_float_range_are_rejected(backend, schedule):
+    """A non-finite schedule turned every update into NaN without a word (or, natively, a 'cannot be converted
+    to type float' error naming nothing); the schedule is checked however it is given."""
+    with pytest.raises(ValueError, match="coefficients"):
+        muon.orthogonalize(torch.randn(4, 6), coefficients=schedule, backend=backend)
+
+
+def test_topk_wider_than_the_keys_pads_with_minus_one_on_every_backend(backend):
+    """A topk far past S (still allocatable) follows the contract: k = min(topk, visible keys), then -1. The
+    kernels size their working sets by min(topk, S), so a wide topk costs its output, nothing more."""
+    args = valid_args("dsa.indexer_topk")
+    topk = 4096
+    got = dsa.indexer_topk(args["q"], args["k"], args["w"], topk, start_pos=args["start_pos"], backend=backend)
+    want = dsa.indexer_topk_reference(args["q"], args["k"], args["w"], topk=topk, start_pos=args["start_pos"])
+    assert got.shape == (2, 3, topk) and torch.equal(got, want)
+    assert bool((got[..., args["k"].shape[1]:] == -1).all())

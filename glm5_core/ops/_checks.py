@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 from typing import Dict, Optional, Sequence, Tuple, Union
 
@@ -29,6 +30,9 @@ def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtyp
     shape_text = legend or "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor {shape_text}, got {type(value).__name__}")
+    if value.device.type == "meta":  # every op reads values (checks, selections, counts): none to read
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device "
+                         "(to trace shapes, use FakeTensorMode or torch.compile)")
     if value.dim() != len(dims):
         raise ValueError(f"{name}: expected rank {len(dims)} {shape_text}, got shape {tuple(value.shape)}")
     if value.dtype not in dtypes:
@@ -85,6 +89,73 @@ def positive_float(name: str, value, *, allow_zero: bool = False) -> float:
     return value
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling()
+
+
+_LARGE_ALLOCATION_BYTES = 1 << 30  # below this, no buffer is worth a memory query
+
+
+def _host_memory_bytes() -> Optional[int]:
+    """Physical memory, capped by the process's address-space limit (``ulimit -v``); None if unknown."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows) or no such name
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """The most one buffer on ``device`` could ever get: host memory (capped by the address-space limit) for
+    ``cpu``, the accelerator's total memory otherwise; None where unknown (then nothing is checked)."""
+    if device.type == "cpu":
+        return _host_memory_bytes()
+    properties = getattr(getattr(torch, device.type, None), "get_device_properties", None)
+    if properties is None:
+        return None
+    try:
+        return int(properties(device).total_memory)
+    except Exception:  # a vendor module without total_memory, or no such device: no bound
+        return None
+
+
+def allocation(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *, legend: str,
+               hint: str = "") -> None:
+    """A buffer whose size argument ``name`` chooses (an output width, a count table) must fit the device:
+    a ValueError naming the argument, before anything is allocated, instead of an allocator error (or an
+    abort, where the allocation would happen inside a native parallel region)."""
+    if _compiling():  # shapes may be symbolic while tracing; the eager call checked them
+        return
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _LARGE_ALLOCATION_BYTES:
+        return
+    limit = device_memory_bytes(device)
+    if limit is not None and nbytes > limit:
+        raise ValueError(f"{name}: {legend} {str(dtype).replace('torch.', '')} of shape {tuple(shape)} needs "
+                         f"{nbytes / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB of {device.type} "
+                         f"memory{hint}")
+
+
+def topk_width(name: str, value, *, batch: int, queries: int, keys: int, device: torch.device) -> int:
+    """An int >= 1. A width past the key count S is valid (the contract pads with -1: a fixed ``index_topk``
+    meets short sequences), so what bounds it is the [B, T, topk] int32 output, which must fit the device.
+    Kernels size their working sets by min(topk, S), never by topk."""
+    positive_int(name, value)
+    allocation(name, (batch, queries, value), torch.int32, device, legend="the output [B, T, topk]",
+               hint=f" (S={keys} key slots: entries past {keys} would all be -1 padding)" if value > keys else "")
+    return value
+
+
 _SKIP_VALUE_CHECKS = contextvars.ContextVar("glm5_skip_value_checks", default=False)
 
 
@@ -103,8 +174,7 @@ def value_checks_enabled() -> bool:
     """Checks that read tensor values (NaN, index ranges) cost a device sync each. They are on by default,
     off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators), inside
     :func:`skip_value_checks` and while torch.compile traces."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling():
+    if _compiling():
         return False  # asked first: dynamo folds it, while ContextVar.get below would be a graph break
     return not (_SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0")
 

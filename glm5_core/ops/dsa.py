@@ -47,6 +47,8 @@ def _validate_indexer(q, k, w, start_pos) -> Dict[str, int]:
     device = _checks.same_device(q=q, k=k, w=w)
     if sizes["S"] < 1 or sizes["T"] < 1:
         raise ValueError(f"q / k: expected at least one query and one key, got T={sizes['T']}, S={sizes['S']}")
+    if sizes["H"] < 1:  # no head: every score would be the empty sum, and the backends would disagree on it
+        raise ValueError(f"q / w: expected at least one indexer head (H >= 1), got H={sizes['H']}")
     _checks.start_positions(start_pos, sizes["B"], sizes["T"], sizes["S"], device)
     _checks.finite("q", q)
     _checks.finite("k", k)
@@ -140,8 +142,8 @@ def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, start_p
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *, start_pos: StartPos = 0,
                  backend: Optional[str] = None) -> torch.Tensor:
     """Deterministic top-k of the indexer scores: int32 [B, T, topk] (see the module contract)."""
-    _validate_indexer(q, k, w, start_pos)
-    _checks.positive_int("topk", topk)
+    sizes = _validate_indexer(q, k, w, start_pos)
+    _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
     return registry.call("dsa_indexer_topk", q, k, w, topk=topk, start_pos=start_pos, backend=backend)
 
 
@@ -150,6 +152,8 @@ def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> N
     _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                    legend="[B, T, K] int32")
     _checks.same_device(q_nope=q_nope, topk_idx=topk_idx)
+    if sizes["S"] < 1 or sizes["T"] < 1:
+        raise ValueError(f"c_kv / q_nope: expected at least one key and one query, got S={sizes['S']}, T={sizes['T']}")
     _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
 
 

@@ -187,6 +187,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
                    legend="[N, K] int32")
     _checks.same_device(x=x, expert_ids=expert_ids)
     _checks.positive_int("num_experts", num_experts)
+    _checks.allocation("num_experts", (num_experts,), torch.int64, x.device, legend="the counts [E]")
     _checks.index_range("expert_ids", expert_ids, 0, num_experts - 1)
     return registry.call("moe_dispatch", x, expert_ids, num_experts=num_experts, backend=backend)
 

@@ -56,10 +56,30 @@ COEFFICIENTS = {
 DEFAULT_STEPS = 5
 
 
+_COEFF_LIMIT = torch.finfo(torch.float32).max  # the iteration runs in fp32 for every input but fp64
+
+
+def _checked(schedule: NSCoefficients, given) -> NSCoefficients:
+    """Finite coefficients within fp32's range and a finite norm_scale > 0: anything else turns every
+    update into NaN / inf (or, in a native kernel, an overflow error naming nothing)."""
+    steps = schedule.steps
+    if not isinstance(steps, (tuple, list)) or not steps or any(
+            not isinstance(abc, (tuple, list)) or len(abc) != 3 for abc in steps):
+        raise ValueError(f"coefficients: expected a non-empty sequence of (a, b, c) triples, got {given!r}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= _COEFF_LIMIT
+               for abc in steps for v in abc):
+        raise ValueError(f"coefficients: expected finite numbers within the float32 range, got {given!r}")
+    norm_scale = schedule.norm_scale
+    if isinstance(norm_scale, bool) or not isinstance(norm_scale, (int, float)) or not (
+            math.isfinite(norm_scale) and 0 < norm_scale <= _COEFF_LIMIT):
+        raise ValueError(f"coefficients: expected a finite norm_scale > 0, got {norm_scale!r} in {given!r}")
+    return schedule
+
+
 def coefficients_for(coefficients: Union[str, NSCoefficients, Sequence[Coeff]]) -> NSCoefficients:
     """A schedule from a name (``"jordan"``, ``"polar_express"``), an NSCoefficients, or (a, b, c) triples."""
     if isinstance(coefficients, NSCoefficients):
-        return coefficients
+        return _checked(coefficients, coefficients)
     if isinstance(coefficients, str):
         if coefficients not in COEFFICIENTS:
             raise ValueError(f"coefficients: expected one of {sorted(COEFFICIENTS)}, got {coefficients!r}")
@@ -68,11 +88,7 @@ def coefficients_for(coefficients: Union[str, NSCoefficients, Sequence[Coeff]]) 
         steps = tuple(tuple(float(v) for v in abc) for abc in coefficients)
     except (TypeError, ValueError):  # not iterable, or entries that are not numbers ("abc", a dict's keys)
         raise TypeError(f"coefficients: expected a name or a sequence of (a, b, c), got {coefficients!r}") from None
-    if not steps or any(len(abc) != 3 for abc in steps):
-        raise ValueError(f"coefficients: expected a non-empty sequence of (a, b, c) triples, got {coefficients!r}")
-    if not all(math.isfinite(v) for abc in steps for v in abc):
-        raise ValueError(f"coefficients: expected finite numbers, got {coefficients!r}")
-    return NSCoefficients("custom", steps)
+    return _checked(NSCoefficients("custom", steps), coefficients)
 
 
 def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tensor:

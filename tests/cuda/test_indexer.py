@@ -140,11 +140,17 @@ def test_scores_overflowing_to_nan_raise_like_the_reference(device):
 
 
 def test_declines_a_topk_tile_past_tritons_largest_tensor(device):
+    """The tile holds min(topk, S) keys: a topk far past a short row's keys runs (its output is -1 padded),
+    only a row with that many keys is past Triton's largest tensor."""
     import triton.language as tl
 
+    huge = tl.TRITON_MAX_TENSOR_NUMEL + 1
     q, k, w = _inputs(S(B=1, T=1, S=4, H=2, D=16, K=1), torch.float32, device)
-    ok, why = kernel("dsa_indexer_topk").supports(q, k, w, topk=tl.TRITON_MAX_TENSOR_NUMEL + 1, start_pos=3)
+    assert kernel("dsa_indexer_topk").supports(q, k, w, topk=huge, start_pos=3) == (True, "")
+    many_keys = k[:, :1].expand(1, huge, 16)  # [1, huge, D]: a view; supports reads shapes only
+    ok, why = kernel("dsa_indexer_topk").supports(q, many_keys, w, topk=huge, start_pos=3)
     assert not ok and "topk" in why
     assert kernel("dsa_indexer_topk").supports(q, k, w, topk=2048, start_pos=3) == (True, "")
-    out = dsa.indexer_topk(q, k, w, tl.TRITON_MAX_TENSOR_NUMEL + 1, start_pos=3, backend="cuda")  # the reference runs
-    assert torch.equal(out[..., :6], dsa.indexer_topk_reference(q, k, w, topk=6, start_pos=3))
+    out = dsa.indexer_topk(q, k, w, huge, start_pos=3, backend="cuda")
+    assert out.shape == (1, 1, huge)
+    assert torch.equal(out, dsa.indexer_topk_reference(q, k, w, topk=huge, start_pos=3))

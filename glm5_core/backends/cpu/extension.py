@@ -3,9 +3,10 @@
 torch's ``cpp_extension`` compiles the sources with ninja into a cache folder keyed by everything that
 changes the binary: the sources, the compile flags, the CPU's vector ISA (the flags target it, so a
 cache shared between machines never runs AVX-512 code on an AVX2 CPU), torch and Python versions.
-Later processes load the cached library without compiling. The library registers its kernels as
-``torch.ops.glm5_cpu.*`` custom ops; their fake (meta) implementations are registered here so
-``torch.compile`` can trace through them.
+Later processes load the cached library without compiling; one process builds a folder at a time
+(``glm5_core.backends.jit_build``: a builder that was killed leaves nobody waiting). The library
+registers its kernels as ``torch.ops.glm5_cpu.*`` custom ops; their fake (meta) implementations are
+registered here so ``torch.compile`` can trace through them.
 
 Environment:
   GLM5_SKIP_EXT=1      do not build or load the extension (the cpu backend then runs the reference)
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
+
+from glm5_core.backends import jit_build
 
 NAMESPACE = "glm5_cpu"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"  # cpu_*.cpp / cpu_*.h, shipped in the package
@@ -65,23 +67,17 @@ def _isa() -> Tuple[str, Tuple[str, ...]]:
     return capability, _ISA_FLAGS.get(capability, ())
 
 
-def _cache_root() -> Path:
-    if os.environ.get("GLM5_EXT_DIR"):
-        return Path(os.environ["GLM5_EXT_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "glm5_core" / "ext"
-
-
 def _build_key(files: List[Path], flags: Tuple[str, ...], isa: str) -> str:
     import torch
 
-    digest = hashlib.sha256()
-    for part in (torch.__version__, sys.version, isa, " ".join(flags)):
-        digest.update(part.encode())
-    for path in files:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return jit_build.build_key(files, (torch.__version__, sys.version, isa, " ".join(flags)))
+
+
+def build_directory() -> Path:
+    """This build's cache folder, ``<cache root>/glm5_cpu_<key>`` (see ``glm5_core.backends.jit_build``)."""
+    sources, headers = _sources()
+    isa, isa_flags = _isa()
+    return jit_build.cache_root() / f"{NAMESPACE}_{_build_key(sources + headers, BASE_FLAGS + isa_flags, isa)}"
 
 
 def _last_lines(text: str, count: int = 6) -> str:
@@ -99,7 +95,7 @@ def load() -> ExtensionStatus:
         from torch.utils import cpp_extension
     except Exception as exc:  # a broken torch install must not break the reference path
         return ExtensionStatus(False, f"torch.utils.cpp_extension unavailable: {exc!r}")
-    sources, headers = _sources()
+    sources, _ = _sources()
     if not sources:
         return ExtensionStatus(False, "no csrc/cpu_*.cpp sources in the installed package "
                                       "(glm5_core/backends/cpu/csrc)")
@@ -110,20 +106,19 @@ def load() -> ExtensionStatus:
         return ExtensionStatus(False, "ninja is not installed (pip install ninja)")
     isa, isa_flags = _isa()
     flags = BASE_FLAGS + isa_flags
-    key = _build_key(sources + headers, flags, isa)
-    build_dir = _cache_root() / f"{NAMESPACE}_{key}"
+    build_dir = build_directory()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=f"{NAMESPACE}_{key}",
-            sources=[str(p) for p in sources],
-            extra_cflags=list(flags),
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(sources[0].parent)],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=_env_flag("GLM5_EXT_VERBOSE"),
-        )
+        with jit_build.exclusive_build(build_dir):  # a killed builder cannot leave later processes waiting
+            cpp_extension.load(
+                name=build_dir.name,
+                sources=[str(p) for p in sources],
+                extra_cflags=list(flags),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(sources[0].parent)],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=_env_flag("GLM5_EXT_VERBOSE"),
+            )
     except Exception as exc:
         return ExtensionStatus(False, f"build failed in {build_dir}: {_last_lines(exc)} "
                                       "(GLM5_EXT_VERBOSE=1 shows the compiler output)", str(build_dir), isa)

@@ -2,7 +2,8 @@
 
 Built with ``torch.utils.cpp_extension.load`` on first use (a TORCH_LIBRARY operator,
 ``torch.ops.glm5_cuda.deterministic_topk``), only where a CUDA toolkit (nvcc) and a
-CUDA build of torch are present; ``GLM5_SKIP_EXT=1`` skips it. ``load_extension()`` returns
+CUDA build of torch are present; ``GLM5_SKIP_EXT=1`` skips it. It builds into the glm5_core
+extension cache (``glm5_core.backends.jit_build``), one process at a time. ``load_extension()`` returns
 ``(operator or None, reason)`` and is cached for the process, so a failed build is tried once.
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from glm5_core.backends import jit_build
 
 EXTENSION_NAME = "glm5_cuda_deterministic_topk"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"  # the .cu / .cuh sources, shipped in the package
@@ -37,6 +40,13 @@ def nvcc_flags():
     return ["-O3", "-std=c++20", "-lineinfo"]
 
 
+def build_directory() -> Path:
+    """The cache folder of this build: keyed by the sources, the nvcc flags, torch's and CUDA's versions."""
+    files = sorted(SOURCE_DIR.glob("*.cu")) + sorted(SOURCE_DIR.glob("*.cuh"))
+    key = jit_build.build_key(files, (torch.__version__, str(torch.version.cuda), " ".join(nvcc_flags())))
+    return jit_build.cache_root() / f"{EXTENSION_NAME}_{key}"
+
+
 @functools.lru_cache(maxsize=1)
 def load_extension():
     why = toolchain_verdict()
@@ -46,8 +56,11 @@ def load_extension():
 
     source = SOURCE_DIR / "deterministic_topk.cu"
     try:
-        cpp_extension.load(name=EXTENSION_NAME, sources=[str(source)], extra_include_paths=[str(source.parent)],
-                           extra_cuda_cflags=nvcc_flags(), is_python_module=False, verbose=False)
+        build_dir = build_directory()
+        with jit_build.exclusive_build(build_dir):  # a killed builder cannot leave later processes waiting
+            cpp_extension.load(name=EXTENSION_NAME, sources=[str(source)], extra_include_paths=[str(source.parent)],
+                               extra_cuda_cflags=nvcc_flags(), build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
     except Exception as exc:  # a failed build must leave the Triton path usable
         return None, f"building {source.name} failed: {exc!r}"
     return torch.ops.glm5_cuda.deterministic_topk, f"built {EXTENSION_NAME}"

@@ -170,6 +170,12 @@ def _pads(q):
     return dict(H=H, D=D, H_PAD=_util.next_pow2(H, 16), D_PAD=_util.next_pow2(D, 16), WIDEN=widen)
 
 
+def kernel_width(topk: int, num_keys: int) -> int:
+    """The top-k the kernel computes: a row never has more than S keys, so a wider ``topk`` only adds -1
+    columns, and neither the scratch nor the register tile grows with it."""
+    return max(1, min(topk, num_keys))
+
+
 def scratch_shape(num_rows: int, topk: int, key_block: int):
     """The top-k kernel's scratch: int64 [Q, 2 * KP] (best + staging per query row).
 
@@ -181,14 +187,17 @@ def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: Launch
     """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN)."""
     B, T = q.shape[:2]
     S = k.shape[1]
-    out = torch.empty((B, T, topk), dtype=torch.int32, device=q.device)
-    scratch = torch.empty(scratch_shape(B * T, topk, config.block("keys")), dtype=torch.int64, device=q.device)
+    width = kernel_width(topk, S)
+    out = torch.empty((B, T, width), dtype=torch.int32, device=q.device)
+    scratch = torch.empty(scratch_shape(B * T, width, config.block("keys")), dtype=torch.int64, device=q.device)
     nan_rows = torch.empty(B * T, dtype=torch.int8, device=q.device)
     w = w.float() if w.dtype == torch.float64 else w
     _indexer_topk_kernel[(B * T,)](
-        q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, nan_rows, T, S, topk,
+        q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, nan_rows, T, S, width,
         *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, **_pads(q),
         **config.launch_kwargs())
+    if width < topk:  # columns past the key count: the contract's -1 padding
+        out = torch.nn.functional.pad(out, (0, topk - width), value=-1)  # [B, T, topk]
     return out, nan_rows
 
 
@@ -229,7 +238,8 @@ def supports(q, k, w, *args, topk: int = None, **kwargs):
         return False, why
     if q.shape[3] > 256 or q.shape[2] > 128:
         return False, f"H={q.shape[2]} > 128 or D={q.shape[3]} > 256 does not fit one register tile"
-    if topk is not None and _util.next_pow2(topk) > tl.TRITON_MAX_TENSOR_NUMEL:
-        return False, f"topk={topk}: a top-k tile of {_util.next_pow2(topk)} keys is past Triton's " \
+    tile = None if topk is None else _util.next_pow2(kernel_width(topk, k.shape[1]))
+    if tile is not None and tile > tl.TRITON_MAX_TENSOR_NUMEL:
+        return False, f"topk={topk} (S={k.shape[1]} keys): a top-k tile of {tile} keys is past Triton's " \
                       f"{tl.TRITON_MAX_TENSOR_NUMEL}-element limit"
     return True, ""

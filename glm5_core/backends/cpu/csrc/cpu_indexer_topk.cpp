@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_simd.h"
 
 namespace glm5 {
@@ -174,50 +175,60 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
 
   // partial[item][query in group]: that segment's top-k candidates.
   std::vector<std::vector<std::vector<Candidate<T>>>> partial(items.size());
+  // Per-thread scratch, allocated here: nothing that can fail is allocated when the region starts.
+  const int64_t packed_size = kKeyBlock * D, scores_size = kQueryGroup * kKeyBlock;
+  std::vector<T> packed_all(threads * packed_size), scores_all(threads * scores_size);
+  RegionErrors errors;
   bool saw_nan = false;
 
 #pragma omp parallel num_threads(threads) reduction(|| : saw_nan)
   {
-    std::vector<T> packed(kKeyBlock * D);
-    std::vector<T> scores(kQueryGroup * kKeyBlock);
+    T* packed = packed_all.data() + omp_get_thread_num() * packed_size;
+    T* scores = scores_all.data() + omp_get_thread_num() * scores_size;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
-      const WorkItem it = items[i];
-      const int64_t nq = it.t1 - it.t0;
-      std::vector<RunningTopK<T>> tops;
-      tops.reserve(nq);
-      for (int64_t tl = 0; tl < nq; ++tl) tops.emplace_back(K, kKeyBlock);
-      const T* k_SD = k + it.b * S * D;
-      for (int64_t s0 = it.key_begin; s0 < it.key_end; s0 += kKeyBlock) {
-        const int64_t s1 = std::min(it.key_end, s0 + kKeyBlock);
-        pack_keys(k_SD, D, s0, s1, packed.data());
-        const int64_t panels = (s1 - s0 + NR - 1) / NR;
-        for (int64_t p = 0; p < panels; ++p) {
+      errors.run([&] {
+        const WorkItem it = items[i];
+        const int64_t nq = it.t1 - it.t0;
+        // A segment holds at most (key_end - key_begin) keys: no query keeps more candidates than that,
+        // whatever K is (K past the key count only pads the output with -1).
+        const int64_t keep = std::max<int64_t>(1, std::min(K, it.key_end - it.key_begin));
+        std::vector<RunningTopK<T>> tops;
+        tops.reserve(nq);
+        for (int64_t tl = 0; tl < nq; ++tl) tops.emplace_back(keep, kKeyBlock);
+        const T* k_SD = k + it.b * S * D;
+        for (int64_t s0 = it.key_begin; s0 < it.key_end; s0 += kKeyBlock) {
+          const int64_t s1 = std::min(it.key_end, s0 + kKeyBlock);
+          pack_keys(k_SD, D, s0, s1, packed);
+          const int64_t panels = (s1 - s0 + NR - 1) / NR;
+          for (int64_t p = 0; p < panels; ++p) {
+            for (int64_t tl = 0; tl < nq; ++tl) {
+              const int64_t t = it.t0 + tl;
+              if (s0 + p * NR > start[it.b] + t) continue;  // whole panel in this query's future
+              V score_N[kTileVecs];
+              for (int v = 0; v < kTileVecs; ++v) score_N[v] = V{};
+              const int64_t row = it.b * T_ + t;
+              score_heads<T>(q + row * H * D, H, D, packed + p * D * NR, w + row * H, score_N);
+              for (int v = 0; v < kTileVecs; ++v)
+                store(scores + tl * kKeyBlock + p * NR + v * Simd<T>::width, score_N[v]);
+            }
+          }
           for (int64_t tl = 0; tl < nq; ++tl) {
-            const int64_t t = it.t0 + tl;
-            if (s0 + p * NR > start[it.b] + t) continue;  // whole panel in this query's future
-            V score_N[kTileVecs];
-            for (int v = 0; v < kTileVecs; ++v) score_N[v] = V{};
-            const int64_t row = it.b * T_ + t;
-            score_heads<T>(q + row * H * D, H, D, packed.data() + p * D * NR, w + row * H, score_N);
-            for (int v = 0; v < kTileVecs; ++v)
-              store(scores.data() + tl * kKeyBlock + p * NR + v * Simd<T>::width, score_N[v]);
+            const int64_t visible_end = std::min(s1, start[it.b] + it.t0 + tl + 1);
+            const T* row_scores = scores + tl * kKeyBlock;
+            for (int64_t s = s0; s < visible_end; ++s) {
+              const T value = row_scores[s - s0];
+              saw_nan = saw_nan || (value != value);
+              tops[tl].push(value, static_cast<int32_t>(s));
+            }
           }
         }
-        for (int64_t tl = 0; tl < nq; ++tl) {
-          const int64_t visible_end = std::min(s1, start[it.b] + it.t0 + tl + 1);
-          const T* row_scores = scores.data() + tl * kKeyBlock;
-          for (int64_t s = s0; s < visible_end; ++s) {
-            const T value = row_scores[s - s0];
-            saw_nan = saw_nan || (value != value);
-            tops[tl].push(value, static_cast<int32_t>(s));
-          }
-        }
-      }
-      partial[i].resize(nq);
-      for (int64_t tl = 0; tl < nq; ++tl) partial[i][tl] = std::move(tops[tl].finish());
+        partial[i].resize(nq);
+        for (int64_t tl = 0; tl < nq; ++tl) partial[i][tl] = std::move(tops[tl].finish());
+      });
     }
   }
+  errors.rethrow_if_failed("indexer_topk");
   TORCH_CHECK_VALUE(!saw_nan, "q, k, w: indexer scores overflowed to NaN; rescale the inputs");
 
   // Merge the segments of each query and write the contract's layout (sorted, -1 padded).

@@ -22,13 +22,12 @@
 #include <torch/library.h>
 
 #include "cpu_alloc.h"
+#include "cpu_parallel.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <functional>
-#include <mutex>
 #include <limits>
 #include <vector>
 
@@ -253,14 +252,12 @@ void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_
   const int64_t tasks = static_cast<int64_t>(order.size());
   const at::ScalarType ct = y_MD.scalar_type();
   // Worker threads do not inherit ATen's thread-local state (inference mode, grad mode, dispatch keys):
-  // each task installs the caller's. An exception must not leave an OpenMP region (that aborts the
-  // process): the first one is kept and rethrown after the region.
+  // each task installs the caller's. Exceptions stay inside the region (cpu_parallel.h).
   const at::ThreadLocalState caller_state;
-  std::exception_ptr failure;
-  std::mutex failure_lock;
+  RegionErrors errors;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min<int>(at::get_num_threads(), tasks)))
   for (int64_t t = 0; t < tasks; ++t) {
-    try {
+    errors.run([&] {
       at::ThreadLocalStateGuard state_guard(caller_state);
       const int64_t e = order[t];
       at::Tensor x_rows = rows_of(first_row[e], count_E[e]);  // [n, D]
@@ -268,12 +265,9 @@ void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_
       at::Tensor hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));  // [n, F]
       at::Tensor y_rows = y_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
       at::mm_out(y_rows, hidden, wd.t());
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(failure_lock);
-      if (!failure) failure = std::current_exception();
-    }
+    });
   }
-  if (failure) std::rethrow_exception(failure);
+  errors.rethrow_if_failed("moe_experts");
 }
 
 at::ScalarType compute_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }

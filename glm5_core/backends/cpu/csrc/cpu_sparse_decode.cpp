@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "cpu_simd.h"
 
 namespace glm5 {
@@ -44,56 +45,67 @@ void sparse_decode_kernel(const acc_t* q_lat, const acc_t* q_pe, const cache_t* 
   const int64_t rows = B * T_, block = std::max<int64_t>(4 * threads, kPartialBytes / std::max<int64_t>(1, row_bytes));
   std::vector<Partial<acc_t>> partial(std::min(rows, block) * chunks);  // [rows of the block][chunk]
 
+  // Per-thread scratch, allocated here: nothing that can fail is allocated when a region starts.
+  const int64_t rows_size = kKeyChunk * (C + R), scores_size = H * kKeyChunk;
+  std::vector<acc_t> rows_all(threads * rows_size);   // selected rows, converted to acc_t
+  std::vector<acc_t> scores_all(threads * scores_size);
+  std::vector<std::vector<int64_t>> valid_all(threads);
+  for (auto& valid : valid_all) valid.reserve(kKeyChunk);
+  RegionErrors errors;
+
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
     const int64_t row1 = std::min(rows, row0 + block), items = (row1 - row0) * chunks;
 #pragma omp parallel num_threads(threads)
     {
-      std::vector<acc_t> rows_KC(kKeyChunk * (C + R));  // selected rows, converted to acc_t
-      std::vector<acc_t> scores_HK(H * kKeyChunk);
-      std::vector<int64_t> valid;
+      acc_t* rows_KC = rows_all.data() + omp_get_thread_num() * rows_size;
+      acc_t* scores_HK = scores_all.data() + omp_get_thread_num() * scores_size;
+      std::vector<int64_t>& valid = valid_all[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
       for (int64_t item = 0; item < items; ++item) {
-        const int64_t row = row0 + item / chunks, chunk = item % chunks, b = row / T_;
-        const int64_t j0 = chunk * kKeyChunk, j1 = std::min(K, j0 + kKeyChunk);
-        valid.clear();
-        for (int64_t j = j0; j < j1; ++j) {
-          const int64_t s = idx[row * K + j];
-          if (s < 0) continue;
-          acc_t* dst = rows_KC.data() + static_cast<int64_t>(valid.size()) * (C + R);
-          const cache_t* lat = c_kv + (b * S + s) * C;
-          const cache_t* rope = k_pe + (b * S + s) * R;
-          for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
-          for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
-          valid.push_back(s);
-        }
-        Partial<acc_t>& part = partial[item];
-        part.max_H.assign(H, neg_inf);
-        part.sum_H.assign(H, acc_t(0));
-        part.out_HC.assign(H * C, acc_t(0));
-        const int64_t n = static_cast<int64_t>(valid.size());
-        if (n == 0) continue;
-        for (int64_t h = 0; h < H; ++h) {
-          const acc_t* ql = q_lat + (row * H + h) * C;
-          const acc_t* qr = q_pe + (row * H + h) * R;
-          acc_t* sc = scores_HK.data() + h * kKeyChunk;
-          acc_t m = neg_inf;
-          for (int64_t j = 0; j < n; ++j) {
-            const acc_t* kv = rows_KC.data() + j * (C + R);
-            sc[j] = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
-            m = std::max(m, sc[j]);
+        errors.run([&] {
+          const int64_t row = row0 + item / chunks, chunk = item % chunks, b = row / T_;
+          const int64_t j0 = chunk * kKeyChunk, j1 = std::min(K, j0 + kKeyChunk);
+          valid.clear();
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t s = idx[row * K + j];
+            if (s < 0) continue;
+            acc_t* dst = rows_KC + static_cast<int64_t>(valid.size()) * (C + R);
+            const cache_t* lat = c_kv + (b * S + s) * C;
+            const cache_t* rope = k_pe + (b * S + s) * R;
+            for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
+            for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
+            valid.push_back(s);
           }
-          acc_t total = 0;
-          acc_t* o = part.out_HC.data() + h * C;
-          for (int64_t j = 0; j < n; ++j) {
-            const acc_t p = std::exp(sc[j] - m);
-            total = total + p;
-            axpy(p, rows_KC.data() + j * (C + R), o, C);
+          Partial<acc_t>& part = partial[item];
+          part.max_H.assign(H, neg_inf);
+          part.sum_H.assign(H, acc_t(0));
+          part.out_HC.assign(H * C, acc_t(0));
+          const int64_t n = static_cast<int64_t>(valid.size());
+          if (n == 0) return;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t* ql = q_lat + (row * H + h) * C;
+            const acc_t* qr = q_pe + (row * H + h) * R;
+            acc_t* sc = scores_HK + h * kKeyChunk;
+            acc_t m = neg_inf;
+            for (int64_t j = 0; j < n; ++j) {
+              const acc_t* kv = rows_KC + j * (C + R);
+              sc[j] = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
+              m = std::max(m, sc[j]);
+            }
+            acc_t total = 0;
+            acc_t* o = part.out_HC.data() + h * C;
+            for (int64_t j = 0; j < n; ++j) {
+              const acc_t p = std::exp(sc[j] - m);
+              total = total + p;
+              axpy(p, rows_KC + j * (C + R), o, C);
+            }
+            part.max_H[h] = m;
+            part.sum_H[h] = total;
           }
-          part.max_H[h] = m;
-          part.sum_H[h] = total;
-        }
+        });
       }
     }
+    errors.rethrow_if_failed("sparse_decode");
 
     // Merge each query's chunks in chunk order (fixed, whatever ran where).
     at::parallel_for(row0 * H, row1 * H, 1, [&](int64_t begin, int64_t end) {
