@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 import yaml
 
 from glm5_core.optim import OptimizerConfig
-from glm5_core.train.schema import ConfigError, build, field, non_negative, positive, unknown_key
+from glm5_core.config_schema import ConfigError, build, field, non_negative, positive, unknown_key
 
 STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
 MODEL_PRESETS = ("tiny",)

@@ -102,7 +102,7 @@ def test_bad_value_gives_one_clear_error(field, value, error):
 def test_from_hf_dict_names_indexer_types_that_are_not_a_list(value):
     d = glm5_published_config()
     d["indexer_types"] = value  # a string or a mapping is not read as its characters or keys
-    with pytest.raises(TypeError, match="^indexer_types: expected a list of 78 entries"):
+    with pytest.raises(TypeError, match="^indexer_types: expected a list"):
         GLM5Config.from_hf_dict(d)
 
 
