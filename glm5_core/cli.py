@@ -18,6 +18,19 @@ SUBCOMMANDS = {
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
 }
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, example: str, set_example: str) -> None:
+    """``--config``, ``--set KEY=VALUE`` (repeatable) and ``--check-config``, as pretrain and rl take them."""
+    parser.add_argument("--config", required=True, help=f"YAML run config (see {example})")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {set_example} (VALUE is read as YAML; "
+                             f"list entries as name[i]; repeatable; checked like the file)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="check the config (and that the run fits this machine's memory), print it resolved, "
+                             "and exit without building anything")
+
+
 def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str] = "auto",
                          help: str = "kernel backend (default: %(default)s = detect the hardware)") -> None:
     """``--backend`` as every command takes it: ``auto`` or any discovered backend, third-party ones included."""
@@ -28,7 +41,8 @@ def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm5", description="glm5-core: portable kernels and drivers for GLM-5-class models")
+    parser = argparse.ArgumentParser(prog="glm5",
+                                     description="glm5-core: portable kernels and drivers for GLM-5-class models")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -41,7 +55,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
-            print(f"glm5: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            print(f"glm5: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}",
+                  file=sys.stderr)
             return 2
         parser.print_help()
         return 0

@@ -111,6 +111,11 @@ def _in_range(value, meta, integer: bool) -> bool:
 # ------------------------------------------------------------------------------------------- one value
 
 
+def convert_value(path: str, value: Any, tp, problems: List[str]) -> Any:
+    """One parsed-YAML value of type ``tp`` (no field metadata), converted as :func:`build` converts fields."""
+    return _value(path, value, tp, {}, problems, convert=True)
+
+
 def _value(path: str, value: Any, tp, meta, problems: List[str], convert: bool) -> Any:
     """``value`` checked against type ``tp`` and ``meta`` (converted when ``convert``); problems appended."""
     before = len(problems)
@@ -198,7 +203,7 @@ def _constraints(path: str, value: Any, tp, meta, problems: List[str]) -> None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         integer = _base_type(tp) is int
         if not _in_range(value, meta, integer):
-            what = "an integer" if integer else "a value"
+            what = "an integer" if integer else "a number"
             problems.append(f"{path}: expected {what}{_range_text(meta, integer)}, got {shown(value)}")
             return
     rule = meta.get("check")
@@ -226,9 +231,13 @@ def convert_fields(cls: type, data: Dict[str, Any], prefix: str, problems: List[
     excluded = set(exclude)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in excluded}
     also_known = set(also_known)
+    moved = getattr(cls, "MOVED_KEYS", {})  # ClassVar: key -> where its setting lives now
     out: Dict[str, Any] = {}
     for key, value in data.items():
         if key in also_known:
+            continue
+        if key in moved:
+            problems.append(f"{prefix}{key}: {moved[key]}; remove {prefix}{key}={shown(value)}")
             continue
         if key not in fields:
             problems.append(unknown_key(prefix, str(key), set(fields) | also_known))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -119,12 +119,12 @@ def load_mapping(path: str, *, empty: Optional[dict] = None) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------- --set
 
 
-def parse_override(text: str) -> tuple:
-    """``"a.b[1].c=value"`` -> ([("a", []), ("b", [1]), ("c", [])], parsed value)."""
-    key, sep, value_text = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError([f"expected KEY=VALUE (e.g. data.batch_size=16), got {shown_text(text)}"], "--set")
+def _shown_text(text: str) -> str:
+    return repr(text if len(text) <= 80 else text[:77] + "...")
+
+
+def parse_key(key: str) -> List[Tuple[str, List[int]]]:
+    """``"a.b[1].c"`` -> [("a", []), ("b", [1]), ("c", [])]."""
     segments = []
     for part in key.split("."):
         match = _SEGMENT.fullmatch(part)
@@ -132,36 +132,41 @@ def parse_override(text: str) -> tuple:
             raise ConfigError([f"{key}: expected dotted names with optional [index] (e.g. stages[0].steps), "
                                f"got {part!r}"], "--set")
         segments.append((match.group(1), [int(i) for i in re.findall(r"\d+", match.group(2))]))
-    return segments, load_yaml(value_text, f"--set {key}")
+    return segments
 
 
-def shown_text(text: str) -> str:
-    return repr(text if len(text) <= 80 else text[:77] + "...")
+def assign(raw: Dict[str, Any], key: str, value: Any) -> None:
+    """Put ``value`` at dotted ``key`` of ``raw`` (missing sections are created; list entries must exist)."""
+    steps = [(name, index) for name, indices in parse_key(key) for index in [None, *indices]]
+    node: Any = raw
+    walked = ""
+    for n, (name, index) in enumerate(steps):
+        last = n == len(steps) - 1
+        if index is None:
+            if not isinstance(node, dict):
+                raise ConfigError([f"{key}: {walked} is not a section (it holds {type(node).__name__})"], "--set")
+            walked = f"{walked}.{name}" if walked else name
+            if last:
+                node[name] = value
+            else:
+                node = node.setdefault(name, [] if steps[n + 1][1] is not None else {})
+        else:
+            if not isinstance(node, list) or index >= len(node):
+                held = f"{len(node)} entries" if isinstance(node, list) else f"a {type(node).__name__}"
+                raise ConfigError([f"{key}: no entry {walked}[{index}] ({walked} holds {held})"], "--set")
+            walked = f"{walked}[{index}]"
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
 
 
 def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
-    """``raw`` with each ``--set KEY=VALUE`` applied in order (sections are created as needed)."""
+    """``raw`` with each ``KEY=VALUE`` (VALUE read as YAML) assigned in order."""
     for text in overrides:
-        segments, value = parse_override(text)
-        node: Any = raw
-        walked = ""
-        for n, (name, indices) in enumerate(segments):
-            last = n == len(segments) - 1 and not indices
-            walked = f"{walked}.{name}" if walked else name
-            if not isinstance(node, dict):
-                raise ConfigError([f"{walked}: {walked.rsplit('.', 1)[0]} is not a section "
-                                   f"(it holds {type(node).__name__})"], "--set")
-            if last:
-                node[name] = value
-                break
-            node = node.setdefault(name, {} if not indices else [])
-            for j, index in enumerate(indices):
-                if not isinstance(node, list) or index >= len(node):
-                    size = f"{len(node)} entries" if isinstance(node, list) else f"a {type(node).__name__}"
-                    raise ConfigError([f"{walked}[{index}]: no such entry ({walked} holds {size})"], "--set")
-                if n == len(segments) - 1 and j == len(indices) - 1:
-                    node[index] = value
-                else:
-                    walked = f"{walked}[{index}]"
-                    node = node[index]
+        key, sep, value_text = text.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError([f"expected KEY=VALUE (e.g. data.batch_size=16), got {_shown_text(text)}"], "--set")
+        assign(raw, key, load_yaml(value_text, f"--set {key}"))
     return raw
