@@ -35,7 +35,8 @@ def test_glm5_published_config_maps_onto_fields():
     assert cfg.softmax_scale == 256 ** -0.5
     assert cfg.kv_lora_rank + cfg.qk_rope_head_dim == 576  # latent cache per token per layer
     assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk) == (32, 128, 2048)
-    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.routed_scaling_factor) == (256, 8, 1, 2.5)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts,
+            cfg.routed_scaling_factor) == (256, 8, 1, 2.5)
     assert cfg.rope_theta == 1e6 and cfg.rope_interleave and cfg.indexer_rope_interleave
     assert cfg.layer_indexer_types() == ["full"] * 78
     assert cfg == GLM5Config.glm5().replace(extra=cfg.extra)

@@ -13,7 +13,8 @@ def _problems(raw):
 
 
 @pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/small.yaml"])
-def test_the_shipped_configs_parse(path):
+def test_the_shipped_configs_parse(path, monkeypatch):
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(64 << 30))  # small.yaml is for an accelerator node
     cfg = load_config(path)
     assert [s.kind for s in cfg.stages] == ["dense", "indexer_warmup", "sparse"]
     assert cfg.model_config().num_attention_heads >= 1
@@ -25,7 +26,8 @@ def test_the_shipped_configs_parse(path):
     ({"data": {"seq_lenn": 12}}, "data.seq_lenn: unknown key; did you mean 'seq_len'?"),
     ({"data": {"seq_len": 0}}, "data.seq_len: expected an integer in [1, inf), got 0"),
     ({"data": {"batch_size": "eight"}}, "data.batch_size: expected an integer in [1, inf), got 'eight'"),
-    ({"data": {"source": "stdlb"}}, "data.source: expected one of 'stdlib', 'path', got 'stdlb'; did you mean 'stdlib'?"),
+    ({"data": {"source": "stdlb"}},
+     "data.source: expected one of 'stdlib', 'path', got 'stdlb'; did you mean 'stdlib'?"),
     ({"schedule": {"min_lr_ratio": 1.5}}, "schedule.min_lr_ratio: expected a number in [0, 1], got 1.5"),
     ({"schedule": {"lr": "fast"}}, "schedule.lr: expected a finite number in (0, inf), got 'fast'"),
     ({"optimizer": {"muon": {"momentum": 1.0}}}, "optimizer.muon.momentum: expected a number in [0, 1), got 1.0"),
@@ -33,14 +35,16 @@ def test_the_shipped_configs_parse(path):
     ({"optimizer": {"muon": {"nesterov": "yes"}}}, "optimizer.muon.nesterov: expected true or false, got 'yes'"),
     ({"optimizer": {"betas": [0.9]}}, "optimizer.betas: expected a list of 2 values, got 1"),
     ({"optimizer": {"betas": [0.9, 1.5]}}, "optimizer.betas: expected two values in [0, 1), got [0.9, 1.5]"),
-    ({"stages": [{"kind": "dens", "steps": 3}]}, "stages[0].kind: expected one of 'dense', 'indexer_warmup', 'sparse', got 'dens'"),
+    ({"stages": [{"kind": "dens", "steps": 3}]},
+     "stages[0].kind: expected one of 'dense', 'indexer_warmup', 'sparse', got 'dens'"),
     ({"stages": [{"kind": "dense", "steps": -1}]}, "stages[0].steps: expected an integer in [1, inf), got -1"),
     ({"stages": [{"kind": "indexer_warmup", "steps": 2}]}, "stages[0].indexer_lr: an indexer_warmup stage needs"),
     ({"stages": [{"kind": "dense", "steps": 2, "indexer_lr": 1e-3, "indexer_final_lr": 1e-4}]},
      "stages[0].indexer_lr: a dense stage does not train the indexer"),
     ({"stages": []}, "stages: expected at least one stage"),
     ({"model": {"preset": "tiny", "hiden_size": 64}}, "model.hiden_size: unknown key; did you mean 'hidden_size'?"),
-    ({"model": {"preset": "tiny", "num_attention_heads": 0}}, "model.num_attention_heads: expected an integer in [1, 16777216], got 0"),
+    ({"model": {"preset": "tiny", "num_attention_heads": 0}},
+     "model.num_attention_heads: expected an integer in [1, 16777216], got 0"),
     ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, got 'huge'"),
     ({"data": {"source": "path"}}, "data.path: expected a file or folder when data.source is 'path'"),
     ({"data": {"eos_token": "</s>"}}, "data.eos_token: only read with an HF tokenizer.json"),
