@@ -54,7 +54,10 @@ def unknown_key(path: str, key: str, options) -> str:
 
 
 def shown(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
+        text = f"<an integer of about {int(value.bit_length() * 0.30103)} digits>"
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
@@ -164,7 +167,7 @@ def _typed(path: str, value: Any, tp, meta, problems: List[str], convert: bool) 
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _mismatch(problems, path, f"a finite number{_range_text(meta, False)}", value)
             return None
-        if not math.isfinite(value):  # a number, but not a usable one: a value problem, not a type problem
+        if (isinstance(value, int) and abs(value) > 1e308) or not math.isfinite(value):  # float() would overflow  # a number, but not a usable one: a value problem, not a type problem
             problems.append(f"{path}: expected a finite number{_range_text(meta, False)}, got {shown(value)}")
             return None
         return float(value) if convert else value

@@ -64,6 +64,9 @@ def load_yaml(text: str, source: str) -> Any:
     except yaml.YAMLError as exc:
         raise ConfigError([f"not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"],
                           source) from None
+    except (ValueError, OverflowError) as exc:  # a scalar the constructor cannot make (a date 2024-13-45, an int
+        # of more digits than Python converts)
+        raise ConfigError([f"not valid YAML: {str(exc).splitlines()[0]}"], source) from None
     finally:
         loader.dispose()
 

@@ -36,8 +36,12 @@ def machine_memory_bytes() -> int:
     raise ValueError("cannot read this machine's memory size; set GLM5_MEMORY_BYTES")
 
 
+def gib(size: int) -> str:
+    return f"{size / GIB:.3g}" if size < 1 << 1000 else "more than 1e291"  # size / GIB overflows a float
+
+
 def describe(parts: Mapping[str, int]) -> str:
-    return ", ".join(f"{name} {size / GIB:.3g} GiB" for name, size in parts.items() if size)
+    return ", ".join(f"{name} {gib(size)} GiB" for name, size in parts.items() if size)
 
 
 def fit_problem(parts: Mapping[str, int], levers: Mapping[str, Callable[[], Mapping[str, int]]],
@@ -50,5 +54,5 @@ def fit_problem(parts: Mapping[str, int], levers: Mapping[str, Callable[[], Mapp
         return None
     saved: Dict[str, int] = {key: need - sum(parts_at_default().values()) for key, parts_at_default in levers.items()}
     key = max(saved, key=saved.get) if saved and max(saved.values()) > 0 else default_key
-    return (f"{key}: the run needs at least {need / GIB:.3g} GiB ({describe(parts)}), more than this machine's "
-            f"{have / GIB:.3g} GiB of memory (counted before allocating; {MEMORY_ENV} overrides the machine's size)")
+    return (f"{key}: the run needs at least {gib(need)} GiB ({describe(parts)}), more than this machine's "
+            f"{gib(have)} GiB of memory (counted before allocating; {MEMORY_ENV} overrides the machine's size)")

@@ -164,32 +164,34 @@ def _environment_class(name: str):
     return CalculatorEnv
 
 
-def _env_problems(env: Dict[str, Any]) -> List[str]:
-    """``env``: ``name``, ``byte_offset`` and the keyword arguments of the environment's constructor, typed by its
-    signature; the constructor itself then checks their ranges (as the run will build it)."""
-    from glm5_core.rl.rollout.envs.codec import ByteCodec
-
-    name = env.get("name")
-    if name not in ENVIRONMENTS:
-        hint = did_you_mean(name, ENVIRONMENTS) if isinstance(name, str) else ""
-        return [f"env.name: expected one of {', '.join(repr(e) for e in ENVIRONMENTS)}, got {shown(name)}{hint}"]
+def _env_types(name: str) -> Dict[str, Any]:
+    """Config key -> type of environment ``name``: its constructor's keyword arguments and ``byte_offset``."""
     cls = _environment_class(name)
     hints = typing.get_type_hints(cls.__init__)
     params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "codec", "seed")]
-    types = {**{p: hints[p] for p in params}, "byte_offset": int}
-    problems: List[str] = []
-    values = {}
-    for key, value in env.items():
-        if key == "name":
-            continue
-        if key not in types:
-            problems.append(unknown_key("env.", str(key), [*types, "name"]))
-            continue
-        values[key] = convert_value(f"env.{key}", value, types[key], problems)
+    return {**{p: hints[p] for p in params}, "byte_offset": int}
+
+
+def _env_problems(env: Dict[str, Any]) -> List[str]:
+    """``env``: ``name`` and the keys of that environment, typed by its constructor's signature; the constructor
+    itself then checks their ranges (as the run will build it)."""
+    from glm5_core.rl.rollout.envs.codec import ByteCodec
+
+    name = env.get("name")
+    known = _env_types(name) if name in ENVIRONMENTS else {k: t for e in ENVIRONMENTS for k, t in _env_types(e).items()}
+    problems = [unknown_key("env.", str(key), [*known, "name"]) for key in env if key not in known and key != "name"]
+    if name not in ENVIRONMENTS:
+        hint = did_you_mean(name, ENVIRONMENTS) if isinstance(name, str) else ""
+        problems.append(f"env.name: expected one of {', '.join(repr(e) for e in ENVIRONMENTS)}, "
+                        f"got {shown(name)}{hint}")
+    if problems:
+        return problems
+    values = {key: convert_value(f"env.{key}", value, known[key], problems) for key, value in env.items()
+              if key != "name"}
     if problems:
         return problems
     try:
-        cls(codec=ByteCodec(values.pop("byte_offset", 0)), **values)
+        _environment_class(name)(codec=ByteCodec(values.pop("byte_offset", 0)), **values)
     except (ValueError, TypeError) as exc:
         return [f"env.{exc}"]
     return []

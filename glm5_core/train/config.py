@@ -156,7 +156,7 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
             problems.append(f"stages[{i}].indexer_lr: a dense stage does not train the indexer; remove it")
         if (stage.indexer_lr is None) != (stage.indexer_final_lr is None):
             problems.append(f"stages[{i}]: expected both indexer_lr and indexer_final_lr, or neither")
-        if stage.kind == "indexer_warmup" and stage.indexer_lr is None:
+        elif stage.kind == "indexer_warmup" and stage.indexer_lr is None:
             problems.append(f"stages[{i}].indexer_lr: an indexer_warmup stage needs indexer_lr and "
                             "indexer_final_lr (GLM-5: 5e-3 -> 2e-4)")
     if cfg.data.source == "path" and not cfg.data.path:

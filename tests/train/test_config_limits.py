@@ -3,8 +3,7 @@ is read, before anything is built or allocated: one line naming the key, exit co
 import pytest
 
 from glm5_core.cli import main
-from glm5_core.config_schema import ConfigError
-from glm5_core.train import load_config, parse_config
+from glm5_core.train import ConfigError, load_config, parse_config
 from glm5_core.train import trainer as trainer_module
 
 MACHINE = 16 << 30  # every test sees a 16 GiB machine, whatever this one has
