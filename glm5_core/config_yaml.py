@@ -56,6 +56,8 @@ def load_yaml(text: str, source: str) -> Any:
             return None
         _check_nodes(node, source)
         return loader.construct_document(node)
+    except ConfigError:
+        raise
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
