@@ -6,13 +6,15 @@ A field may carry ``metadata`` (see :func:`field`):
   ``choices``: the allowed values
   ``check``:   ``check(value, key)`` raising ValueError / TypeError for a rule of its own (a path that must
                exist, a temperature the trainer can reproduce); its message is the problem
+A dataclass may list keys that moved elsewhere in a ``MOVED_KEYS`` ClassVar (key -> where the setting lives
+now): such a key gets that explanation instead of "unknown key".
 Field types understood: bool, int, float, str, Optional[T], Tuple[T, ...] / Tuple[T, T], List[T], nested
 dataclasses, and Dict[str, Any] / Any (kept as they are: their owner validates them).
 
 Two ways in: :func:`build` makes a dataclass from parsed YAML (a list becomes a tuple where a tuple is declared,
 an int a float, and ``5e-3``, which YAML 1.1 reads as a string, a number); :func:`check` checks an instance
 that already exists, converting nothing. Every problem names its full key (``rollout.max_len: expected an
-integer in [2, 16777216], got '1e9'``); type mismatches are :class:`TypeProblem` so that callers raising
+integer in [2, inf), got '1e9'``); type mismatches are :class:`TypeProblem` so that callers raising
 one error can raise TypeError for them.
 """
 from __future__ import annotations
