@@ -169,7 +169,8 @@ def _typed(path: str, value: Any, tp, meta, problems: List[str], convert: bool) 
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _mismatch(problems, path, f"a finite number{_range_text(meta, False)}", value)
             return None
-        if (isinstance(value, int) and abs(value) > 1e308) or not math.isfinite(value):  # float() would overflow  # a number, but not a usable one: a value problem, not a type problem
+        # a number, but not a usable one (inf, nan, an int float() cannot hold): a value problem, not a type problem
+        if (isinstance(value, int) and abs(value) > 1e308) or not math.isfinite(value):
             problems.append(f"{path}: expected a finite number{_range_text(meta, False)}, got {shown(value)}")
             return None
         return float(value) if convert else value

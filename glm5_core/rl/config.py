@@ -141,9 +141,9 @@ def _model_problems(cfg: RLConfig) -> List[str]:
                 ("preset", "overrides")]
     preset, overrides = cfg.model.get("preset", "tiny"), cfg.model.get("overrides", {})
     if not isinstance(preset, str):
-        problems.append(f"model.preset: expected a string ('tiny', or any name with --checkpoint), got {preset!r}")
+        problems.append(f"model.preset: expected a string ('tiny', or any name with --checkpoint), got {shown(preset)}")
     if not isinstance(overrides, dict):
-        problems.append(f"model.overrides: expected a mapping of GLM5Config fields, got {overrides!r}")
+        problems.append(f"model.overrides: expected a mapping of GLM5Config fields, got {shown(overrides)}")
     if problems:
         return problems
     converted = convert_fields(GLM5Config, overrides, "model.overrides.", problems, exclude=("extra",))
