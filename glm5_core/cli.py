@@ -18,6 +18,19 @@ SUBCOMMANDS = {
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
 }
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, example: str, set_example: str) -> None:
+    """``--config``, ``--set KEY=VALUE`` (repeatable) and ``--check-config``, as pretrain and rl take them."""
+    parser.add_argument("--config", required=True, help=f"YAML run config (see {example})")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {set_example} (VALUE is read as YAML; "
+                             f"list entries as name[i]; repeatable; checked like the file)")
+    parser.add_argument("--check-config", action="store_true",
+                        help="check the config (and that the run fits this machine's memory), print it resolved, "
+                             "and exit without building anything")
+
+
 def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str] = "auto",
                          help: str = "kernel backend (default: %(default)s = detect the hardware)") -> None:
     """``--backend`` as every command takes it: ``auto`` or any discovered backend, third-party ones included."""

@@ -11,8 +11,9 @@ HF interop policy (``from_hf_dict`` / ``to_hf_dict``):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Dict, List, Optional, Tuple
+
+from glm5_core.config_schema import TypeProblem, check, field, shown
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
@@ -37,44 +38,48 @@ _ROPE_TYPES = (None, "default")
 MAX_SIZE = 2 ** 24
 MAX_LAYERS = 2 ** 12
 MAX_EXPERTS = 2 ** 14
-_MAX_OF = {"num_hidden_layers": MAX_LAYERS, "first_k_dense_replace": MAX_LAYERS, "n_routed_experts": MAX_EXPERTS,
-           "n_shared_experts": MAX_EXPERTS, "num_experts_per_tok": MAX_EXPERTS, "n_group": MAX_EXPERTS,
-           "topk_group": MAX_EXPERTS}
+
+
+
+_SIZE = dict(range=(1, MAX_SIZE))
+_LAYERS = dict(range=(1, MAX_LAYERS))
+_EXPERTS = dict(range=(1, MAX_EXPERTS))
+_POSITIVE = dict(range=(0, None), open=("lo",))
 
 
 @dataclasses.dataclass
 class GLM5Config:
-    vocab_size: int = 154880
-    hidden_size: int = 6144
-    num_hidden_layers: int = 78
-    first_k_dense_replace: int = 3
-    intermediate_size: int = 12288
-    moe_intermediate_size: int = 2048
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
-    num_experts_per_tok: int = 8
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 2.5
+    vocab_size: int = field(154880, **_SIZE)
+    hidden_size: int = field(6144, **_SIZE)
+    num_hidden_layers: int = field(78, **_LAYERS)
+    first_k_dense_replace: int = field(3, range=(0, MAX_LAYERS))
+    intermediate_size: int = field(12288, **_SIZE)
+    moe_intermediate_size: int = field(2048, **_SIZE)
+    n_routed_experts: int = field(256, **_EXPERTS)
+    n_shared_experts: int = field(1, range=(0, MAX_EXPERTS))
+    num_experts_per_tok: int = field(8, **_EXPERTS)
+    n_group: int = field(1, **_EXPERTS)
+    topk_group: int = field(1, **_EXPERTS)
+    routed_scaling_factor: float = field(2.5, **_POSITIVE)
     norm_topk_prob: bool = True
-    num_attention_heads: int = 64
-    q_lora_rank: int = 2048
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 192
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 256
-    rope_theta: float = 1_000_000.0
+    num_attention_heads: int = field(64, **_SIZE)
+    q_lora_rank: int = field(2048, **_SIZE)
+    kv_lora_rank: int = field(512, **_SIZE)
+    qk_nope_head_dim: int = field(192, **_SIZE)
+    qk_rope_head_dim: int = field(64, **_SIZE)
+    v_head_dim: int = field(256, **_SIZE)
+    rope_theta: float = field(1_000_000.0, **_POSITIVE)
     rope_interleave: bool = True
-    index_n_heads: int = 32
-    index_head_dim: int = 128
-    index_topk: int = 2048
+    index_n_heads: int = field(32, **_SIZE)
+    index_head_dim: int = field(128, **_SIZE)
+    index_topk: int = field(2048, **_SIZE)
     indexer_rope_interleave: bool = True
     indexer_types: Optional[List[str]] = None  # per main layer; None = all "full"
-    num_nextn_predict_layers: int = 1
-    max_position_embeddings: int = 202752
-    rms_norm_eps: float = 1e-5
+    num_nextn_predict_layers: int = field(1, range=(0, 1))  # one MTP module, shared across depths
+    max_position_embeddings: int = field(202752, **_SIZE)
+    rms_norm_eps: float = field(1e-5, **_POSITIVE)
     tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
+    initializer_range: float = field(0.02, **_POSITIVE)
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
 
     # ---- derived sizes -------------------------------------------------------------------------------
@@ -94,60 +99,54 @@ class GLM5Config:
 
     # ---- validation ----------------------------------------------------------------------------------
     def validate(self) -> "GLM5Config":
-        """Raise one ValueError / TypeError naming the first bad field; return self when valid."""
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "moe_intermediate_size",
-                    "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "num_attention_heads",
-                    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings")
-        for name in positive:
-            _check_int(name, getattr(self, name), minimum=1, maximum=_MAX_OF.get(name, MAX_SIZE))
-        for name in ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
-            _check_int(name, getattr(self, name), minimum=0, maximum=_MAX_OF.get(name, MAX_SIZE))
-        for name in ("routed_scaling_factor", "rope_theta", "rms_norm_eps", "initializer_range"):
-            _check_positive_float(name, getattr(self, name))
-        for name in ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "tie_word_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected a bool, got {type(getattr(self, name)).__name__}")
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            raise ValueError(f"first_k_dense_replace: expected <= num_hidden_layers={self.num_hidden_layers}, "
-                             f"got {self.first_k_dense_replace}")
-        if self.num_nextn_predict_layers > 1:
-            raise ValueError(f"num_nextn_predict_layers: expected 0 or 1 (one MTP module shared across depths), "
-                             f"got {self.num_nextn_predict_layers}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok: expected <= n_routed_experts={self.n_routed_experts}, "
-                             f"got {self.num_experts_per_tok}")
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group: expected a divisor of n_routed_experts={self.n_routed_experts}, "
-                             f"got {self.n_group}")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group: expected <= n_group={self.n_group}, got {self.topk_group}")
-        if self.num_experts_per_tok > (self.n_routed_experts // self.n_group) * self.topk_group:
-            raise ValueError(f"num_experts_per_tok: expected <= experts in the kept groups "
-                             f"({(self.n_routed_experts // self.n_group) * self.topk_group}), "
-                             f"got {self.num_experts_per_tok}")
-        for name in ("qk_rope_head_dim",):
-            if getattr(self, name) % 2:
-                raise ValueError(f"{name}: expected an even size (RoPE rotates pairs), got {getattr(self, name)}")
-        if self.index_head_dim < self.qk_rope_head_dim:
-            raise ValueError(f"index_head_dim: expected >= qk_rope_head_dim={self.qk_rope_head_dim} "
-                             f"(its first qk_rope_head_dim dims get RoPE), got {self.index_head_dim}")
-        if self.indexer_types is not None and not isinstance(self.indexer_types, (list, tuple)):
-            raise TypeError(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer) "
-                            f"or None, got {type(self.indexer_types).__name__} {self.indexer_types!r}")
+        """Raise one ValueError (TypeError for a value of the wrong type) naming the first bad field; return self."""
+        problems = self.problems()
+        if problems:
+            raise (TypeError if isinstance(problems[0], TypeProblem) else ValueError)(problems[0])
+        return self
+
+    def problems(self, prefix: str = "") -> List[str]:
+        """Every problem of the fields (declared above), else of the rules between them; keys start with ``prefix``."""
+        problems = check(self, prefix)
+        if problems:
+            return problems
+        return [f"{prefix}{problem}" for problem in self._rule_problems()]
+
+    def _rule_problems(self) -> List[str]:
+        experts_kept = (self.n_routed_experts // self.n_group) * self.topk_group
+        rules = [
+            (self.first_k_dense_replace <= self.num_hidden_layers,
+             f"first_k_dense_replace: expected <= num_hidden_layers={self.num_hidden_layers}, "
+             f"got {self.first_k_dense_replace}"),
+            (self.num_experts_per_tok <= self.n_routed_experts,
+             f"num_experts_per_tok: expected <= n_routed_experts={self.n_routed_experts}, "
+             f"got {self.num_experts_per_tok}"),
+            (self.n_routed_experts % self.n_group == 0,
+             f"n_group: expected a divisor of n_routed_experts={self.n_routed_experts}, got {self.n_group}"),
+            (self.topk_group <= self.n_group, f"topk_group: expected <= n_group={self.n_group}, got {self.topk_group}"),
+            (self.num_experts_per_tok <= experts_kept,
+             f"num_experts_per_tok: expected <= experts in the kept groups ({experts_kept}), "
+             f"got {self.num_experts_per_tok}"),
+            (self.qk_rope_head_dim % 2 == 0,
+             f"qk_rope_head_dim: expected an even size (RoPE rotates pairs), got {self.qk_rope_head_dim}"),
+            (self.index_head_dim >= self.qk_rope_head_dim,
+             f"index_head_dim: expected >= qk_rope_head_dim={self.qk_rope_head_dim} (its first qk_rope_head_dim "
+             f"dims get RoPE), got {self.index_head_dim}"),
+            (self.index_topk <= self.max_position_embeddings,
+             f"index_topk: expected <= max_position_embeddings={self.max_position_embeddings} (a query never has "
+             f"more keys), got {self.index_topk}"),
+        ]
+        problems = [message for ok, message in rules if not ok]
         types = self.layer_indexer_types()
         if len(types) != self.num_hidden_layers:
-            raise ValueError(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
-                             f"got {self.indexer_types!r}")
-        for i, kind in enumerate(types):
-            if kind not in INDEXER_TYPES:
-                raise ValueError(f"indexer_types[{i}]: expected one of {INDEXER_TYPES}, got {kind!r}")
+            problems.append(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
+                            f"got {shown(self.indexer_types)}")
+        problems += [f"indexer_types[{i}]: expected one of {INDEXER_TYPES}, got {shown(kind)}"
+                     for i, kind in enumerate(types) if kind not in INDEXER_TYPES]
         if types and types[0] != "full":
-            raise ValueError(f"indexer_types[0]: expected 'full' (a 'shared' layer reuses the previous full "
-                             f"layer's top-k), got {types[0]!r}")
-        if not isinstance(self.extra, dict):
-            raise TypeError(f"extra: expected a dict of preserved HF keys, got {type(self.extra).__name__}")
-        return self
+            problems.append(f"indexer_types[0]: expected 'full' (a 'shared' layer reuses the previous full "
+                            f"layer's top-k), got {shown(types[0])}")
+        return problems
 
     # ---- HF config.json ------------------------------------------------------------------------------
     @classmethod
@@ -229,18 +228,3 @@ class GLM5Config:
     def replace(self, **changes: Any) -> "GLM5Config":
         return dataclasses.replace(self, **changes).validate()
 
-
-def _check_int(name: str, value: Any, *, minimum: int, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int in [{minimum}, {maximum}], got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if value > maximum:
-        raise ValueError(f"{name}: expected an int <= {maximum}, got {value}")
-
-
-def _check_positive_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float > 0, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite float > 0, got {value!r}")

@@ -1,15 +1,21 @@
-"""``glm5 rl``: asynchronous (or synchronous) RL from a pretraining checkpoint."""
+"""``glm5 rl``: asynchronous (or synchronous) RL from a pretraining checkpoint.
+
+    glm5 rl --config configs/rl_tiny.yaml --checkpoint runs/tiny/final [--set rollout.max_batch=32] [--check-config]
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from glm5_core.cli import add_backend_argument
+import yaml
+
+from glm5_core.cli import add_backend_argument, add_config_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML run config (e.g. configs/rl_tiny.yaml)")
+    add_config_arguments(parser, set_example="rollout.max_batch=32", example="configs/rl_tiny.yaml")
     parser.add_argument("--checkpoint", default=None,
                         help="pretraining checkpoint directory (save_pretrained); default: random init of model.preset")
     parser.add_argument("--mode", choices=("sync", "async"), default=None, help="override the config's mode")
@@ -21,14 +27,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_argument(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    from glm5_core.registry import require_available, resolve_backend_name
+def _checked_config(args: argparse.Namespace):
+    """The config with --set and the override flags, checked against the architecture the run will train
+    (``--checkpoint``'s config.json when it has one) before anything is built."""
+    from glm5_core.config_schema import ConfigError
     from glm5_core.rl.config import load_config
+
+    flags = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", args.output_dir),
+                               ("max_minutes", args.max_minutes), ("max_steps", args.max_steps)) if v is not None}
+    cfg = load_config(args.config, flags, args.set)
+    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
+        from glm5_core.model.checkpoint import load_config as load_model_config
+
+        problems = cfg.size_problems(load_model_config(args.checkpoint))
+        if problems:
+            raise ConfigError(problems, f"{args.config} with --checkpoint {args.checkpoint}")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _checked_config(args)
+    if args.check_config:
+        from glm5_core.config_schema import as_plain
+
+        print(yaml.safe_dump(as_plain(cfg), sort_keys=False), end="")
+        return 0
+    from glm5_core.registry import require_available, resolve_backend_name
     from glm5_core.rl.driver import RLRun
 
-    overrides = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", args.output_dir),
-                                   ("max_minutes", args.max_minutes), ("max_steps", args.max_steps)) if v is not None}
-    cfg = load_config(args.config, overrides)
     backend = resolve_backend_name(args.backend)
     require_available(backend)
     summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()

@@ -1,6 +1,7 @@
 """``glm5 pretrain``: train a GLM-5-style model from a YAML config.
 
     glm5 pretrain --config configs/tiny.yaml [--backend cpu] [--output-dir runs/x] [--resume [PATH]] [--max-steps N]
+    glm5 pretrain --config configs/tiny.yaml --set data.batch_size=16 --set 'stages[0].steps=50' --check-config
     torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml     # DDP, one process per device
     torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml --parallel fsdp2   # sharded
 """
@@ -9,12 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm5_core.cli import add_backend_argument
+import yaml
+
+from glm5_core.cli import add_backend_argument, add_config_arguments
 from glm5_core.train.config import PARALLEL_STRATEGIES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML run config (see configs/tiny.yaml)")
+    add_config_arguments(parser, set_example="data.batch_size=16", example="configs/tiny.yaml")
     add_backend_argument(parser)
     parser.add_argument("--output-dir", default=None, help="where metrics, plots and checkpoints go "
                         "(default: the config's output_dir)")
@@ -29,15 +32,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from glm5_core.config_schema import as_plain
     from glm5_core.train.config import load_config
     from glm5_core.train.trainer import LAST_LOSS_WINDOW, RunOptions, pretrain
 
-    cfg = load_config(args.config)
-    if args.parallel is not None:
-        cfg.parallel.strategy = args.parallel
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps: expected an int >= 1, got {args.max_steps}")
-    output_dir = args.output_dir or cfg.output_dir
+    flags = {key: value for key, value in (("output_dir", args.output_dir), ("parallel.strategy", args.parallel))
+             if value is not None}  # applied after --set, and checked with the config
+    cfg = load_config(args.config, args.set, flags)
+    if args.check_config:
+        print(yaml.safe_dump(as_plain(cfg), sort_keys=False), end="")
+        return 0
+    output_dir = cfg.output_dir
     resume = None if args.resume is None else (args.resume or output_dir)
     summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
                                        max_steps=args.max_steps))

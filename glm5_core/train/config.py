@@ -11,26 +11,31 @@ Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 repor
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
-import yaml
-
+from glm5_core import config_paths
+from glm5_core.config_schema import ConfigError, build, convert_fields, field, non_negative, positive
+from glm5_core.config_yaml import apply_overrides, assign, load_mapping
 from glm5_core.optim import OptimizerConfig
-from glm5_core.train.schema import ConfigError, build, field, non_negative, positive, unknown_key
 
 STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
 MODEL_PRESETS = ("tiny",)
 PARALLEL_STRATEGIES = ("ddp", "fsdp2")
+MAX_SEED = 2 ** 64 - 1  # torch.manual_seed's largest
+
+
+def _tokenizer_path(value: str, key: str) -> None:
+    if value != "byte":
+        config_paths.input_file(value, key)
 
 
 @dataclasses.dataclass
 class DataConfig:
     source: str = field("stdlib", choices=("stdlib", "path"))
-    path: Optional[str] = None  # with source "path": a .txt/.jsonl file or a folder of text files
+    path: Optional[str] = field(None, check=config_paths.input_path)  # source "path": a .txt/.jsonl file or a folder
     text_key: str = "text"  # jsonl: the field holding the document text
     extensions: List[str] = field(factory=lambda: [".txt", ".md", ".py", ".jsonl"])  # folder: files to read
-    tokenizer: str = "byte"  # "byte" or the path of an HF tokenizer.json
+    tokenizer: str = field("byte", check=_tokenizer_path)  # "byte" or the path of an HF tokenizer.json
     eos_token: Optional[str] = None  # HF tokenizer: the token appended after each document
     shuffle: bool = True  # read documents in a seeded permutation (per epoch) instead of corpus order
     seq_len: int = field(128, **positive())
@@ -99,8 +104,8 @@ class ParallelConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    seed: int = field(0, **non_negative())
-    output_dir: str = "runs/pretrain"
+    seed: int = field(0, range=(0, MAX_SEED))
+    output_dir: str = field("runs/pretrain", check=config_paths.output_dir)
     # CPU threads for torch's intra-op pool (0: torch's default). Small models on a few shared cores run
     # faster on 1 thread; a resumed run must use the same count to repeat the uninterrupted one bitwise.
     torch_threads: int = field(0, range=(0, 4096))
@@ -127,22 +132,20 @@ class TrainConfig:
         return getattr(GLM5Config, self.model.get("preset", "tiny"))(**overrides)
 
 
-def _model_problems(model: Dict[str, Any]) -> List[str]:
+def _model_problems(cfg: TrainConfig) -> List[str]:
+    """``model``: a preset plus GLM5Config fields, each converted and checked by GLM5Config's own declaration;
+    ``cfg.model`` keeps the converted values."""
     from glm5_core.model import GLM5Config
 
-    known = set(GLM5Config.field_names()) - {"extra"} | {"preset"}
-    problems = [unknown_key("model.", str(k), known) for k in model if k not in known]
-    preset = model.get("preset", "tiny")
+    problems: List[str] = []
+    overrides = convert_fields(GLM5Config, cfg.model, "model.", problems, also_known=("preset",), exclude=("extra",))
+    preset = cfg.model.get("preset", "tiny")
     if preset not in MODEL_PRESETS:
         problems.append(f"model.preset: expected one of {', '.join(MODEL_PRESETS)}, got {preset!r}")
     if problems:
         return problems
-    overrides = {k: v for k, v in model.items() if k != "preset"}
-    try:
-        getattr(GLM5Config, preset)(**overrides)
-    except (TypeError, ValueError) as exc:
-        return [f"model.{exc}"]
-    return []
+    cfg.model = {**cfg.model, **overrides}
+    return dataclasses.replace(getattr(GLM5Config, preset)(), **overrides).problems("model.")
 
 
 def _cross_problems(cfg: TrainConfig) -> List[str]:
@@ -154,7 +157,7 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
             problems.append(f"stages[{i}].indexer_lr: a dense stage does not train the indexer; remove it")
         if (stage.indexer_lr is None) != (stage.indexer_final_lr is None):
             problems.append(f"stages[{i}]: expected both indexer_lr and indexer_final_lr, or neither")
-        if stage.kind == "indexer_warmup" and stage.indexer_lr is None:
+        elif stage.kind == "indexer_warmup" and stage.indexer_lr is None:
             problems.append(f"stages[{i}].indexer_lr: an indexer_warmup stage needs indexer_lr and "
                             "indexer_final_lr (GLM-5: 5e-3 -> 2e-4)")
     if cfg.data.source == "path" and not cfg.data.path:
@@ -171,30 +174,34 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
     if cfg.data.seq_len > model.max_position_embeddings:
         problems.append(f"data.seq_len: expected <= model.max_position_embeddings ({model.max_position_embeddings}), "
                         f"got {cfg.data.seq_len}")
+    elif cfg.loss.mtp_depths >= cfg.data.seq_len:
+        problems.append(f"loss.mtp_depths: expected <= data.seq_len - 1 ({cfg.data.seq_len - 1}): a deeper MTP depth "
+                        f"has no label in a sequence, got {cfg.loss.mtp_depths}")
     return problems
 
 
 def parse_config(raw: Any, source: str = "config") -> TrainConfig:
-    """Validate parsed YAML; raise :class:`ConfigError` listing every problem, one per line."""
+    """Validate parsed YAML, then check that the run fits this machine's memory; raise :class:`ConfigError`
+    listing every problem, one per line."""
     if not isinstance(raw, dict):
         raise ConfigError([f"expected a mapping of sections at the top level, got {type(raw).__name__}"], source)
     problems: List[str] = []
     cfg = build(TrainConfig, raw, "", problems)
-    if not problems:
-        problems += _model_problems(cfg.model)
-    if not problems:
-        problems += _cross_problems(cfg)
+    from glm5_core.train.step_memory import memory_problems
+
+    for stage in (_model_problems, _cross_problems, memory_problems):
+        if problems:
+            break
+        problems += stage(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg
 
 
-def load_config(path) -> TrainConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"not valid YAML: {str(exc).splitlines()[0]}"], str(path)) from None
+def load_config(path, overrides: Sequence[str] = (), values: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """A YAML file (see ``glm5_core.config_yaml`` for what is refused) with ``--set KEY=VALUE`` overrides, then
+    ``values`` (dotted key -> value, as command-line flags give them) assigned as they are."""
+    raw = apply_overrides(load_mapping(str(path)), overrides)
+    for key, value in (values or {}).items():
+        assign(raw, key, value)
     return parse_config(raw, str(path))

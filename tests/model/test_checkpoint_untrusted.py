@@ -65,7 +65,7 @@ def no_data_read(monkeypatch):
 
 def test_huge_vocab_in_config_is_rejected_before_any_model(saved, no_model_built):
     _edit_config(saved, vocab_size=10 ** 9)
-    with pytest.raises(ValueError, match=f"vocab_size: expected an int <= {MAX_SIZE}, got 1000000000"):
+    with pytest.raises(ValueError, match=rf"vocab_size: expected an integer in \[1, {MAX_SIZE}\], got 1000000000"):
         load_pretrained(saved)
 
 

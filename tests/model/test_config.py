@@ -86,7 +86,9 @@ BAD_VALUES = [
     ("rms_norm_eps", 0.0, ValueError), ("routed_scaling_factor", -2.5, ValueError),
     ("norm_topk_prob", 1, TypeError), ("num_nextn_predict_layers", 2, ValueError),
     ("indexer_types", 4, TypeError), ("indexer_types", "full", TypeError),
-    ("indexer_types", {"full": 1, "shared": 2}, TypeError),
+    ("indexer_types", {"full": 1, "shared": 2}, TypeError), ("index_topk", 513, ValueError),
+    ("vocab_size", 2 ** 24 + 1, ValueError), ("n_routed_experts", 2 ** 14 + 1, ValueError),
+    ("num_hidden_layers", 2 ** 12 + 1, ValueError), ("initializer_range", "0.02", TypeError), ("extra", [], TypeError),
 ]
 
 
@@ -104,7 +106,7 @@ def test_bad_value_gives_one_clear_error(field, value, error):
 def test_from_hf_dict_names_indexer_types_that_are_not_a_list(value):
     d = glm5_published_config()
     d["indexer_types"] = value  # a string or a mapping is not read as its characters or keys
-    with pytest.raises(TypeError, match="^indexer_types: expected a list of 78 entries"):
+    with pytest.raises(TypeError, match="^indexer_types: expected a list"):
         GLM5Config.from_hf_dict(d)
 
 
@@ -115,3 +117,22 @@ def test_from_hf_dict_rejects_non_dict_and_bad_rope_parameters():
     d["rope_parameters"] = {"rope_theta": 1e6, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match="rope_parameters"):
         GLM5Config.from_hf_dict(d)
+
+
+def test_every_problem_of_the_fields_is_listed_with_a_prefix():
+    from glm5_core.config_schema import TypeProblem
+
+    cfg = GLM5Config.tiny().replace(extra={})
+    object.__setattr__(cfg, "hidden_size", 0)
+    object.__setattr__(cfg, "rope_interleave", "yes")
+    problems = cfg.problems("model.")
+    assert problems == ["model.hidden_size: expected an integer in [1, 16777216], got 0",
+                        "model.rope_interleave: expected true or false, got 'yes'"]
+    assert [isinstance(p, TypeProblem) for p in problems] == [False, True]
+
+
+def test_index_topk_is_bounded_by_the_positions():
+    with pytest.raises(ValueError, match=r"^index_topk: expected <= max_position_embeddings=512 \(a query never has "
+                                         r"more keys\), got 16777216$"):
+        GLM5Config.tiny(index_topk=2 ** 24)
+    assert GLM5Config.tiny(index_topk=512).index_topk == 512

@@ -118,7 +118,7 @@ def test_config_errors_name_the_field(tmp_path):
         tiny_config(tmp_path, mode="fast")
     with pytest.raises(ValueError, match="batch_size"):
         tiny_config(tmp_path, train={"batch_size": 3})
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="rollout.engines: unknown key; did you mean 'num_engines'"):
         tiny_config(tmp_path, rollout={"engines": 2})
     with pytest.raises(ValueError, match="env.name"):
         tiny_config(tmp_path, env={"name": "chess"})

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import ClassVar, Dict, List, Sequence, Tuple
 
 import torch
 
+from glm5_core.config_schema import check, field, non_negative, positive
 from glm5_core.rl.algorithm.advantages import distillation_advantage, group_normalized
 from glm5_core.rl.algorithm.loss import double_sided_is_loss
 from glm5_core.rl.device import module_device
@@ -27,31 +28,34 @@ from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
 
 
+def check_betas(betas, key: str) -> None:
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{key}: expected two values in [0, 1), got {list(betas)}")
+
+
 @dataclasses.dataclass
 class TrainerConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: Tuple[float, float] = (0.9, 0.99)
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    micro_batch_size: int = 16
-    grad_clip: float = 1.0
-    push_every: int = 1
-    distill_coef: float = 0.0  # > 0 needs a teacher model
+    """``train.optim`` of an RL config; each field declares its own check (``glm5_core.config_schema``)."""
+
+    lr: float = field(1e-4, **positive())
+    weight_decay: float = field(0.0, **non_negative())
+    betas: Tuple[float, float] = field((0.9, 0.99), check=check_betas)
+    eps_low: float = field(0.2, range=(0.0, 1.0), open=("lo",))  # checked with the config, not at the first loss
+    eps_high: float = field(0.28, **positive())
+    micro_batch_size: int = field(16, range=(1, None))
+    grad_clip: float = field(1.0, **non_negative())  # 0: no clipping
+    push_every: int = field(1, range=(1, None))
+    distill_coef: float = field(0.0, **non_negative())  # > 0 needs a teacher model
+
+    # keys that moved elsewhere (the config loader tells where instead of "unknown key")
+    MOVED_KEYS: ClassVar[Dict[str, str]] = {
+        "temperature": "the trainer recomputes log-probs at rollout.temperature (the importance ratio needs both "
+                       "at one temperature); set rollout.temperature instead"}
 
     def validate(self) -> "TrainerConfig":
-        if not self.lr > 0:
-            raise ValueError(f"trainer.lr: expected > 0, got {self.lr!r}")
-        if not isinstance(self.push_every, int) or self.push_every < 1:
-            raise ValueError(f"trainer.push_every: expected an int >= 1, got {self.push_every!r}")
-        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
-            raise ValueError(f"trainer.micro_batch_size: expected an int >= 1, got {self.micro_batch_size!r}")
-        if not 0.0 < self.eps_low <= 1.0:  # checked with the config, not at the first loss after a batch of rollouts
-            raise ValueError(f"trainer.eps_low: expected a float in (0, 1], got {self.eps_low!r}")
-        if not self.eps_high > 0.0:
-            raise ValueError(f"trainer.eps_high: expected a float > 0, got {self.eps_high!r}")
-        if self.distill_coef < 0:
-            raise ValueError(f"trainer.distill_coef: expected >= 0, got {self.distill_coef!r}")
+        problems = check(self, "train.optim.")
+        if problems:
+            raise ValueError(problems[0])
         return self
 
 

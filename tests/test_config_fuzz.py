@@ -1,0 +1,111 @@
+"""Fuzz: random mutations of the shipped configs, through the CLI (``--check-config``: nothing is built).
+
+Each mutation sets a value (of any YAML type, sizes included), renames or deletes a key, or adds one (a
+GLM5Config field or a made-up name). Whatever comes, the command returns 0 (a valid config) or 2 with exactly
+one line naming a key, and never a traceback."""
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from glm5_core.cli import main
+from glm5_core.model import GLM5Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"pretrain": ROOT / "configs" / "tiny.yaml", "rl": ROOT / "configs" / "rl_tiny.yaml"}
+KEY_PATH = re.compile(r"(\d+ problems: )?[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*(\.[A-Za-z_][A-Za-z0-9_]*(\[\d+\])*)*: ")
+
+VALUES = st.one_of(
+    st.integers(-2 ** 70, 2 ** 70), st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+    st.text(max_size=12),
+    st.sampled_from([0, 1, -1, 2, 3, 7, 64, 2 ** 24, 2 ** 31, 10 ** 9, 2 ** 64, 10 ** 400, "1e9", "5e-3", "many",
+                     "/dev/zero", "", "tiny", "sparse", "dense", "async", ".txt", [0.9, 0.95], [0.9, 1.5]]),
+    st.lists(st.integers(-3, 3), max_size=3),
+    st.dictionaries(st.sampled_from(["kind", "steps", "name", "x"]), st.integers(-2, 2), max_size=2),
+)
+NEW_KEYS = st.one_of(st.sampled_from(list(GLM5Config.field_names()) + ["preset", "overrides", "name"]),
+                     st.from_regex(r"[a-z_]{1,10}", fullmatch=True))
+
+
+def _paths(node, prefix=()):
+    """(path, is_section) of every key and list entry; a path is a tuple of keys and indices."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        path = prefix + (key,)
+        yield path, isinstance(value, dict)
+        yield from _paths(value, path)
+
+
+def _parent(raw, path):
+    node = raw
+    for key in path[:-1]:
+        node = node[key]
+    return node
+
+
+def _mutate(raw, data) -> str:
+    """Apply one random mutation; return the key name the error must mention ('' when any key will do)."""
+    paths = list(_paths(raw))
+    op = data.draw(st.sampled_from(["value", "value", "rename", "delete", "add"]))
+    if op == "add":
+        sections = [()] + [p for p, is_section in paths if is_section]
+        section = data.draw(st.sampled_from(sections))
+        key = data.draw(NEW_KEYS)
+        node = raw
+        for k in section:
+            node = node[k]
+        node[key] = data.draw(VALUES)
+        return key
+    path = data.draw(st.sampled_from([p for p, _ in paths]))
+    parent, last = _parent(raw, path), path[-1]
+    if op == "value":
+        parent[last] = data.draw(VALUES)
+        return last if isinstance(last, str) else ""
+    if isinstance(parent, list):  # renaming or deleting a list entry: drop it
+        del parent[last]
+        return ""
+    value = parent.pop(last)
+    if op == "rename":
+        new = data.draw(st.sampled_from([last + "s", last[:-1], last.upper(), "x" + last]))
+        parent[new] = value
+        return new
+    return ""
+
+
+def _check_one(command, raw, must_name, tmp_path, capsys):
+    path = tmp_path / "fuzzed.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    rc = main([command, "--config", str(path), "--check-config"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if rc == 0:
+        assert err == "" and yaml.safe_load(out)  # the resolved config
+        return
+    assert rc == 2, (rc, err)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    prefix = f"glm5 {command}: error: {path}: "
+    assert err.startswith(prefix), err
+    assert KEY_PATH.match(err[len(prefix):]) or err[len(prefix):].startswith("line "), err
+    if must_name:
+        assert str(must_name) in err, (must_name, err)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "rl"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mutated_config_is_valid_or_one_line_naming_a_key(command, data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    monkeypatch.chdir(tmp_path)  # relative output_dir / data paths resolve in an empty folder
+    raw = copy.deepcopy(yaml.safe_load(CONFIGS[command].read_text()))
+    must_name = _mutate(raw, data)
+    _check_one(command, raw, must_name, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("command", ["pretrain", "rl"])
+def test_the_unmutated_configs_pass(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    _check_one(command, yaml.safe_load(CONFIGS[command].read_text()), "", tmp_path, capsys)
