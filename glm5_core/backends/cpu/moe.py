@@ -8,7 +8,8 @@ top-k selection is native. ``dispatch``
 is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order;
 ``experts`` runs whole experts in parallel, one thread each, with single-threaded GEMMs (the reference's
 multi-threaded BLAS calls are too small to split well across cores); ``fused_experts`` is dispatch + experts
-+ combine in one op whose expert tasks gather their own rows.
++ combine in one op whose expert tasks gather their own rows, with a native backward (per expert, on its own
+rows only) when gradients are needed.
 Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
@@ -90,14 +91,40 @@ def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
 experts.supports = _experts_supports
 
 
+class _FusedExperts(torch.autograd.Function):
+    """The native fused experts with the native backward: the forward keeps the gate / up projections [M, F]
+    (in the compute dtype) and the expert sort; the backward recomputes nothing else (see
+    ``moe_fused_experts_backward`` in csrc/cpu_moe.cpp). Gradients to x, the routing weights and the three
+    expert weight stacks; none to the integer ids."""
+
+    @staticmethod
+    def forward(ctx, x, weights, expert_ids, w_gate, w_up, w_down):
+        out, gate, up, sort_idx, counts = torch.ops.glm5_cpu.moe_fused_experts_train(x, weights, expert_ids, w_gate,
+                                                                                      w_up, w_down)
+        ctx.save_for_backward(x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)
+        ctx.mark_non_differentiable(gate, up, sort_idx, counts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = torch.ops.glm5_cpu.moe_fused_experts_backward(grad_out, *ctx.saved_tensors)  # dx, dw, dWg, dWu, dWd
+        dx, dweights, dw_gate, dw_up, dw_down = (g if need else None for g, need in
+                                                 zip(grads, [ctx.needs_input_grad[i] for i in (0, 1, 3, 4, 5)]))
+        return dx, dweights, None, dw_gate, dw_up, dw_down
+
+
 def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
-    """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs)."""
+    """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs); with
+    gradients, the same forward through the native backward."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
+        return _FusedExperts.apply(x, weights, expert_ids, w_gate, w_up, w_down)
     return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down)
 
 
+fused_experts.differentiable = True  # native backward (moe_fused_experts_backward)
+
+
 def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
-        return False, "the native fused experts have no backward (the reference is differentiable)"
     if x.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {x.device}"
     return True, ""
