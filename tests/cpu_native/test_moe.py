@@ -159,7 +159,7 @@ def test_fused_experts_thread_invariance(native, threads):
     assert torch.equal(outs[0], outs[1])
     ok, why = native_moe.fused_experts.supports(w["x"].requires_grad_(True), weights, ids, w["w_gate"], w["w_up"],
                                                 w["w_down"])
-    assert not ok and "backward" in why
+    assert ok and native_moe.fused_experts.differentiable, why  # native backward (test_moe_backward.py)
 
 
 INFERENCE_MODE_SCRIPT = """

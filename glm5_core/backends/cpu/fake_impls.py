@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 NATIVE_OPS = ("indexer_topk", "sparse_decode", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "moe_experts",
-              "moe_fused_experts", "ns_orthogonalize")
+              "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
 
 def _indexer_topk(q, k, w, start, topk):
@@ -47,6 +47,22 @@ def _moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
     return x.new_empty(x.shape)  # [N, D]
 
 
+def _compute_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _moe_fused_experts_train(x, weights, expert_ids, w_gate, w_up, w_down):
+    rows, width = expert_ids.shape[0] * expert_ids.shape[1], w_gate.shape[1]  # M, F
+    kept = x.new_empty((rows, width), dtype=_compute_dtype(x))  # gate / up [M, F]
+    return (x.new_empty(x.shape), kept, torch.empty_like(kept), x.new_empty((rows,), dtype=torch.int64),
+            x.new_empty((w_gate.shape[0],), dtype=torch.int64))
+
+
+def _moe_fused_experts_backward(grad_out, x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down):
+    return (x.new_empty(x.shape), weights.new_empty(weights.shape), w_gate.new_empty(w_gate.shape),
+            w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
+
+
 def _ns_orthogonalize(X_wide, coeffs, loop_batch):
     return X_wide.new_empty(X_wide.shape)  # [P, m, n]
 
@@ -56,7 +72,8 @@ def register() -> None:
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode, "moe_select": _moe_select,
              "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "moe_experts": _moe_experts,
-             "moe_fused_experts": _moe_fused_experts,
+             "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,
+             "moe_fused_experts_backward": _moe_fused_experts_backward,
              "ns_orthogonalize": _ns_orthogonalize}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

@@ -8,7 +8,9 @@ top-k selection is native. ``dispatch``
 is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order;
 ``experts`` runs whole experts in parallel, one thread each, with single-threaded GEMMs (the reference's
 multi-threaded BLAS calls are too small to split well across cores); ``fused_experts`` is dispatch + experts
-+ combine in one op whose expert tasks gather their own rows.
++ combine in one op whose expert tasks gather their own rows, with a native backward (per expert, on its own
+rows only) when gradients are needed. ``dispatch`` and ``combine`` are differentiable too (their backwards are
+gathers and slot-order sums over the routed rows; the unfused ``experts`` stays forward-only).
 Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
@@ -58,14 +60,36 @@ def _route_supports(logits, bias, **kwargs):
 route.supports = _route_supports
 
 
+class _Dispatch(torch.autograd.Function):
+    """Native dispatch; its backward sums each token's K row gradients in slot order (the native combine with
+    unit weights: 1 * g is exact), so dx is deterministic and costs O(N K D) whatever E is."""
+
+    @staticmethod
+    def forward(ctx, x, expert_ids, num_experts):
+        x_sorted, sort_idx, counts = torch.ops.glm5_cpu.moe_dispatch(x, expert_ids, num_experts)
+        ctx.mark_non_differentiable(sort_idx, counts)
+        ctx.save_for_backward(sort_idx)
+        ctx.slots = expert_ids.shape  # (N, K)
+        return x_sorted, sort_idx, counts
+
+    @staticmethod
+    def backward(ctx, grad_x_sorted, _grad_sort_idx, _grad_counts):
+        (sort_idx,) = ctx.saved_tensors
+        ones = grad_x_sorted.new_ones(ctx.slots, dtype=_checks.compute_dtype(grad_x_sorted.dtype))  # [N, K]
+        return torch.ops.glm5_cpu.moe_combine(grad_x_sorted, sort_idx, ones), None, None
+
+
 def dispatch(x, expert_ids, *, num_experts: int):
     """Returns (x_sorted [M, D], sort_idx int64 [M], counts int64 [E])."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Dispatch.apply(x, expert_ids, num_experts)
     return torch.ops.glm5_cpu.moe_dispatch(x, expert_ids, num_experts)
 
 
+dispatch.differentiable = True  # _Dispatch
+
+
 def _dispatch_supports(x, expert_ids, *, num_experts: int):
-    if torch.is_grad_enabled() and x.requires_grad:
-        return False, "the native dispatch has no backward (the reference gather is differentiable)"
     if x.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {x.device}"
     return True, ""
@@ -90,14 +114,40 @@ def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
 experts.supports = _experts_supports
 
 
+class _FusedExperts(torch.autograd.Function):
+    """The native fused experts with the native backward: the forward keeps the gate / up projections [M, F]
+    (in the compute dtype) and the expert sort; the backward recomputes nothing else (see
+    ``moe_fused_experts_backward`` in csrc/cpu_moe.cpp). Gradients to x, the routing weights and the three
+    expert weight stacks; none to the integer ids."""
+
+    @staticmethod
+    def forward(ctx, x, weights, expert_ids, w_gate, w_up, w_down):
+        out, gate, up, sort_idx, counts = torch.ops.glm5_cpu.moe_fused_experts_train(x, weights, expert_ids, w_gate,
+                                                                                      w_up, w_down)
+        ctx.save_for_backward(x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)
+        ctx.mark_non_differentiable(gate, up, sort_idx, counts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = torch.ops.glm5_cpu.moe_fused_experts_backward(grad_out, *ctx.saved_tensors)  # dx, dw, dWg, dWu, dWd
+        dx, dweights, dw_gate, dw_up, dw_down = (g if need else None for g, need in
+                                                 zip(grads, [ctx.needs_input_grad[i] for i in (0, 1, 3, 4, 5)]))
+        return dx, dweights, None, dw_gate, dw_up, dw_down
+
+
 def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
-    """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs)."""
+    """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs); with
+    gradients, the same forward through the native backward."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
+        return _FusedExperts.apply(x, weights, expert_ids, w_gate, w_up, w_down)
     return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down)
 
 
+fused_experts.differentiable = True  # native backward (moe_fused_experts_backward)
+
+
 def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
-        return False, "the native fused experts have no backward (the reference is differentiable)"
     if x.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {x.device}"
     return True, ""
@@ -106,14 +156,45 @@ def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
 fused_experts.supports = _fused_supports
 
 
+class _Combine(torch.autograd.Function):
+    """Native combine; backward (in the compute dtype, as the reference): d y_sorted[r] = w(r) * grad_out[token(r)]
+    (a row gather) and d weights[n, j] = <grad_out[n], y_sorted[row of (n, j)]>, both O(N K D) whatever E is."""
+
+    @staticmethod
+    def forward(ctx, y_sorted, sort_idx, weights):
+        ctx.save_for_backward(y_sorted, sort_idx, weights)
+        return torch.ops.glm5_cpu.moe_combine(y_sorted, sort_idx, weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y_sorted, sort_idx, weights = ctx.saved_tensors
+        N, K = weights.shape
+        ct = _checks.compute_dtype(y_sorted.dtype)
+        order = sort_idx.to(torch.int64)
+        grad = grad_out.to(ct)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_sorted = weights.reshape(-1).to(ct).index_select(0, order).unsqueeze(1)  # [M, 1]
+            grad_y = (grad.index_select(0, order // K) * w_sorted).to(y_sorted.dtype)  # [M, D]
+        if ctx.needs_input_grad[2]:
+            row_of = torch.empty_like(order)
+            row_of[order] = torch.arange(order.numel())  # flat assignment -> sorted row
+            y = y_sorted.to(ct).index_select(0, row_of).view(N, K, -1)  # [N, K, D]
+            grad_w = (y * grad.unsqueeze(1)).sum(-1).to(weights.dtype)  # [N, K]
+        return grad_y, None, grad_w
+
+
 def combine(y_sorted, sort_idx, weights):
     """out [N, D] in y_sorted's dtype: the weighted sum of each token's K expert rows, in slot order."""
+    if torch.is_grad_enabled() and (y_sorted.requires_grad or weights.requires_grad):
+        return _Combine.apply(y_sorted, sort_idx, weights)
     return torch.ops.glm5_cpu.moe_combine(y_sorted, sort_idx, weights)
 
 
+combine.differentiable = True  # _Combine
+
+
 def _combine_supports(y_sorted, sort_idx, weights):
-    if torch.is_grad_enabled() and (y_sorted.requires_grad or weights.requires_grad):
-        return False, "the native combine has no backward (the reference is differentiable)"
     if y_sorted.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {y_sorted.device}"
     return True, ""

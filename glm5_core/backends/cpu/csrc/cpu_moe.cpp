@@ -15,6 +15,10 @@
 //       GEMM single-threaded (see experts_kernel).
 //   moe_fused_experts(x [N, D], weights [N, K], ids [N, K], w_gate, w_up, w_down) -> out [N, D]: dispatch,
 //       experts and combine in one op, each expert gathering its own rows (no [M, D] input copy).
+//   moe_fused_experts_train(same) -> (out, gate [M, F], up [M, F], sort_idx [M], counts [E]): the same output
+//       plus what the backward needs.
+//   moe_fused_experts_backward(grad_out [N, D], x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)
+//       -> (dx [N, D], dweights [N, K], dw_gate [E, F, D], dw_up [E, F, D], dw_down [E, D, F]).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -240,17 +244,23 @@ at::Tensor moe_combine(const at::Tensor& y_sorted, const at::Tensor& sort_idx, c
 // rows_of(first, n) -> the n input rows of the expert whose sorted rows start at ``first``, [n, D], in the
 // compute dtype; called from inside the parallel region (it must not start a parallel region itself).
 using RowSource = std::function<at::Tensor(int64_t first, int64_t n)>;
+// task(e, first, n): the work of expert e over its n sorted rows starting at ``first``.
+using ExpertTask = std::function<void(int64_t e, int64_t first, int64_t n)>;
 
-void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_E, const at::Tensor& w_gate_EFD,
-                    const at::Tensor& w_up_EFD, const at::Tensor& w_down_EDF, at::Tensor& y_MD) {
+std::vector<int64_t> first_rows(const std::vector<int64_t>& count_E) {
+  std::vector<int64_t> first_row(count_E.size(), 0);  // exclusive prefix sum of the counts
+  for (size_t e = 1; e < count_E.size(); ++e) first_row[e] = first_row[e - 1] + count_E[e - 1];
+  return first_row;
+}
+
+// Runs task on every non-empty expert, one thread each, largest first (see the note above).
+void for_each_expert(const std::vector<int64_t>& count_E, const ExpertTask& task) {
   const int64_t E = static_cast<int64_t>(count_E.size());
-  std::vector<int64_t> first_row(E, 0);  // exclusive prefix sum of the counts
-  for (int64_t e = 1; e < E; ++e) first_row[e] = first_row[e - 1] + count_E[e - 1];
+  const std::vector<int64_t> first_row = first_rows(count_E);
   std::vector<int64_t> order;  // non-empty experts, most rows first
   for (int64_t e = 0; e < E; ++e) if (count_E[e] > 0) order.push_back(e);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return count_E[a] > count_E[b]; });
   const int64_t tasks = static_cast<int64_t>(order.size());
-  const at::ScalarType ct = y_MD.scalar_type();
   // Worker threads do not inherit ATen's thread-local state (inference mode, grad mode, dispatch keys):
   // each task installs the caller's. Exceptions stay inside the region (cpu_parallel.h).
   const at::ThreadLocalState caller_state;
@@ -260,14 +270,34 @@ void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_
     errors.run([&] {
       at::ThreadLocalStateGuard state_guard(caller_state);
       const int64_t e = order[t];
-      at::Tensor x_rows = rows_of(first_row[e], count_E[e]);  // [n, D]
-      at::Tensor wg = w_gate_EFD[e].to(ct), wu = w_up_EFD[e].to(ct), wd = w_down_EDF[e].to(ct);  // no-op when ct
-      at::Tensor hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));  // [n, F]
-      at::Tensor y_rows = y_MD.narrow(0, first_row[e], count_E[e]);  // [n, D]
-      at::mm_out(y_rows, hidden, wd.t());
+      task(e, first_row[e], count_E[e]);
     });
   }
   errors.rethrow_if_failed("moe_experts");
+}
+
+// y_MD = SwiGLU of each expert over its rows. With gate_MF / up_MF defined (training), the gate and up
+// projections [M, F] are kept there for the backward; the arithmetic is the same either way.
+void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_E, const at::Tensor& w_gate_EFD,
+                    const at::Tensor& w_up_EFD, const at::Tensor& w_down_EDF, at::Tensor& y_MD,
+                    at::Tensor gate_MF = at::Tensor(), at::Tensor up_MF = at::Tensor()) {
+  const at::ScalarType ct = y_MD.scalar_type();
+  const bool keep = gate_MF.defined();
+  for_each_expert(count_E, [&](int64_t e, int64_t first, int64_t n) {
+    at::Tensor x_rows = rows_of(first, n);  // [n, D]
+    at::Tensor wg = w_gate_EFD[e].to(ct), wu = w_up_EFD[e].to(ct), wd = w_down_EDF[e].to(ct);  // no-op when ct
+    at::Tensor hidden;  // [n, F]
+    if (keep) {
+      at::Tensor gate = gate_MF.narrow(0, first, n), up = up_MF.narrow(0, first, n);  // [n, F] each
+      at::mm_out(gate, x_rows, wg.t());
+      at::mm_out(up, x_rows, wu.t());
+      hidden = at::silu(gate).mul_(up);
+    } else {
+      hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));
+    }
+    at::Tensor y_rows = y_MD.narrow(0, first, n);  // [n, D]
+    at::mm_out(y_rows, hidden, wd.t());
+  });
 }
 
 at::ScalarType compute_type(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
@@ -312,25 +342,126 @@ at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, con
 
 // dispatch -> experts -> combine without the [M, D] copy of the routed inputs: each expert task gathers its
 // tokens' rows itself (x is N x D, cache-resident next to the M x D copy). Same arithmetic as the three ops:
-// expert outputs rounded to x's dtype, then combined per token in slot order.
-at::Tensor moe_fused_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
-                             const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down) {
-  check_expert_weights(x, w_gate, w_up, w_down, "moe_fused_experts");
+// expert outputs rounded to x's dtype, then combined per token in slot order. With ``keep`` (training) the
+// gate and up projections are kept: (out [N, D], gate [M, F], up [M, F], sort_idx [M], counts [E]), gate and
+// up in the compute dtype and expert-sorted row order; undefined tensors otherwise.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_forward(
+    const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids, const at::Tensor& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down, bool keep, const char* op) {
+  check_expert_weights(x, w_gate, w_up, w_down, op);
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && weights.sizes() == expert_ids.sizes(),
-              "moe_fused_experts: expert_ids and weights must be [N, K]");
-  const int64_t K = expert_ids.size(1), M = expert_ids.numel(), D = x.size(1);
-  auto [sort_idx, counts] = sort_by_expert(expert_ids, w_gate.size(0), "moe_fused_experts");
-  std::vector<int64_t> count_E = checked_counts(counts, M, "moe_fused_experts");
+              op, ": expert_ids and weights must be [N, K]");
+  const int64_t K = expert_ids.size(1), M = expert_ids.numel(), D = x.size(1), F = w_gate.size(1);
+  auto [sort_idx, counts] = sort_by_expert(expert_ids, w_gate.size(0), op);
+  std::vector<int64_t> count_E = checked_counts(counts, M, op);
   auto token_of_row = at::div(sort_idx, K, "floor");  // [M] token of each sorted row
   const at::ScalarType ct = compute_type(x);
   auto y = empty_large({M, D}, x.options().dtype(ct));
+  at::Tensor gate, up;
+  if (keep) {
+    gate = empty_large({M, F}, x.options().dtype(ct));
+    up = empty_large({M, F}, x.options().dtype(ct));
+  }
   auto xc = x.contiguous();
   auto gather_rows = [&](int64_t first, int64_t n) {
     return at::index_select(xc, 0, token_of_row.narrow(0, first, n)).to(ct);  // [n, D]
   };
-  experts_kernel(gather_rows, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
+  experts_kernel(gather_rows, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y, gate, up);
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
-  return moe_combine(y, sort_idx, weights);
+  return {moe_combine(y, sort_idx, weights), gate, up, sort_idx, counts};
+}
+
+at::Tensor moe_fused_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
+                             const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down) {
+  return std::get<0>(fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, false, "moe_fused_experts"));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused_experts_train(
+    const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids, const at::Tensor& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down) {
+  return fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, true, "moe_fused_experts_train");
+}
+
+// out = a b, written into ``out`` (a slice of a gradient stack) whatever its dtype.
+void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
+  if (out.scalar_type() == a.scalar_type()) {
+    at::mm_out(out, a, b);
+  } else {
+    out.copy_(at::mm(a, b));
+  }
+}
+
+// Gradients of moe_fused_experts from what moe_fused_experts_train kept: (dx [N, D], dweights [N, K],
+// dw_gate [E, F, D], dw_up [E, F, D], dw_down [E, D, F]). Per expert e over its sorted rows r (token t_r,
+// routing weight w_r, saved projections g = x Wg^T and u = x Wu^T, s = sigmoid(g), h = silu(g) * u):
+//   p = grad_out[t] Wd                      [n, F]  (before the routing weight)
+//   dweights[r] = <p_r, h_r>                        (= <grad_out[t_r], y_r>)
+//   dWd = grad_out[t]^T (w * h)             [D, F]
+//   dh = w * p, du = dh * silu(g), dg = dh * u * s * (1 + g * (1 - s))
+//   dWg = dg^T x[t], dWu = du^T x[t]        [F, D]
+//   dx_rows = dg Wg + du Wu                 [n, D]
+// then dx[n] = the sum of its K rows in slot order. Six GEMMs per expert, all on the expert's own rows: the
+// cost never depends on the experts a token did not visit. Each expert's weight gradients are written once by
+// the thread that owns the expert, an expert without rows gets zeros; no atomics, so bitwise repeatable.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused_experts_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& sort_idx,
+    const at::Tensor& counts, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w_gate,
+    const at::Tensor& w_up, const at::Tensor& w_down) {
+  const char* op = "moe_fused_experts_backward";
+  check_expert_weights(x, w_gate, w_up, w_down, op);
+  const int64_t N = x.size(0), D = x.size(1), E = w_gate.size(0), F = w_gate.size(1);
+  TORCH_CHECK(weights.dim() == 2 && weights.size(0) == N, op, ": weights must be [N, K]");
+  const int64_t K = weights.size(1), M = N * K;
+  TORCH_CHECK(grad_out.sizes() == x.sizes(), op, ": grad_out must be [N, D]");
+  TORCH_CHECK(sort_idx.dim() == 1 && sort_idx.size(0) == M, op, ": sort_idx must be [N*K]");
+  TORCH_CHECK(counts.dim() == 1 && counts.size(0) == E, op, ": counts must be [E]");
+  const at::ScalarType ct = compute_type(x);
+  TORCH_CHECK(gate.dim() == 2 && gate.size(0) == M && gate.size(1) == F && up.sizes() == gate.sizes() &&
+                  gate.scalar_type() == ct && up.scalar_type() == ct,
+              op, ": gate and up must be [N*K, F] in the compute dtype");
+  std::vector<int64_t> count_E = checked_counts(counts, M, op);
+  auto order = sort_idx.to(at::kLong).contiguous();
+  auto token_of_row = at::div(order, K, "floor");                                // [M]
+  auto w_sorted = weights.reshape({M}).index_select(0, order).to(ct);            // [M] routing weight of each row
+  auto xc = x.contiguous(), gc = grad_out.contiguous(), g_MF = gate.contiguous(), u_MF = up.contiguous();
+  auto wg_EFD = w_gate.contiguous(), wu_EFD = w_up.contiguous(), wd_EDF = w_down.contiguous();
+  auto dw_gate = at::empty_like(wg_EFD), dw_up = at::empty_like(wu_EFD), dw_down = at::empty_like(wd_EDF);
+  for (int64_t e = 0; e < E; ++e) {
+    if (count_E[e] > 0) continue;
+    dw_gate[e].zero_();
+    dw_up[e].zero_();
+    dw_down[e].zero_();
+  }
+  auto dx_rows = empty_large({M, D}, x.options().dtype(ct));       // [M, D] per sorted row
+  auto dweights_sorted = at::empty({M}, x.options().dtype(ct));    // [M] per sorted row
+  for_each_expert(count_E, [&](int64_t e, int64_t first, int64_t n) {
+    at::Tensor tokens = token_of_row.narrow(0, first, n);
+    at::Tensor x_rows = at::index_select(xc, 0, tokens).to(ct);    // [n, D]
+    at::Tensor go_rows = at::index_select(gc, 0, tokens).to(ct);   // [n, D]
+    at::Tensor w_rows = w_sorted.narrow(0, first, n).unsqueeze(1);  // [n, 1]
+    at::Tensor g = g_MF.narrow(0, first, n), u = u_MF.narrow(0, first, n);  // [n, F]
+    at::Tensor wg = wg_EFD[e].to(ct), wu = wu_EFD[e].to(ct), wd = wd_EDF[e].to(ct);
+    at::Tensor silu_g = at::silu(g);
+    at::Tensor hidden = silu_g * u;                                 // [n, F], as in the forward
+    at::Tensor p = at::mm(go_rows, wd);                             // [n, F]
+    at::Tensor dweights_e = dweights_sorted.narrow(0, first, n);    // [n]
+    at::sum_out(dweights_e, p * hidden, at::IntArrayRef{1});
+    mm_into(dw_down[e], go_rows.t(), hidden.mul_(w_rows));          // [D, F]
+    at::Tensor dh = p.mul_(w_rows);                                 // [n, F]
+    at::Tensor s = at::sigmoid(g);
+    at::Tensor dg = dh * u * s * (1 + g * (1 - s));                 // [n, F]
+    at::Tensor du = dh.mul_(silu_g);                                // [n, F]
+    mm_into(dw_gate[e], dg.t(), x_rows);                            // [F, D]
+    mm_into(dw_up[e], du.t(), x_rows);                              // [F, D]
+    at::Tensor dx_e = dx_rows.narrow(0, first, n);                  // [n, D]
+    at::mm_out(dx_e, dg, wg);
+    dx_e.addmm_(du, wu);
+  });
+  // dx: each token's K rows summed in slot order (combine with unit weights: 1 * v is exact).
+  auto dx = moe_combine(dx_rows, order, at::ones({N, K}, x.options().dtype(ct)));
+  auto dweights = at::empty({M}, x.options().dtype(ct));
+  dweights.index_copy_(0, order, dweights_sorted);                  // sorted row -> flat assignment
+  return {dx.to(x.scalar_type()), dweights.view({N, K}).to(weights.scalar_type()), dw_gate, dw_up, dw_down};
 }
 
 }  // namespace
@@ -344,6 +475,11 @@ TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
   m.def("moe_experts(Tensor x_sorted, Tensor counts, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor");
   m.def("moe_fused_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor w_gate, Tensor w_up, "
         "Tensor w_down) -> Tensor");
+  m.def("moe_fused_experts_train(Tensor x, Tensor weights, Tensor expert_ids, Tensor w_gate, Tensor w_up, "
+        "Tensor w_down) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_fused_experts_backward(Tensor grad_out, Tensor x, Tensor weights, Tensor sort_idx, Tensor counts, "
+        "Tensor gate, Tensor up, Tensor w_gate, Tensor w_up, Tensor w_down) -> (Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
@@ -353,6 +489,8 @@ TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
   m.impl("moe_combine", &moe_combine);
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_fused_experts", &moe_fused_experts);
+  m.impl("moe_fused_experts_train", &moe_fused_experts_train);
+  m.impl("moe_fused_experts_backward", &moe_fused_experts_backward);
 }
 
 }  // namespace glm5
