@@ -45,8 +45,10 @@ def build_server(spec: WorkerSpec):
     """Model + engine + (not yet started) HTTP server for ``spec``."""
     import torch
 
+    from safetensors.torch import load_file
+
     from glm5_core.rl.serving.engine import RolloutEngine
-    from glm5_core.rl.serving.server import EngineServer, load_weights_file
+    from glm5_core.rl.serving.server import EngineServer
 
     torch.set_num_threads(max(1, int(spec.torch_threads)))
     model = build_model(spec)
@@ -54,7 +56,7 @@ def build_server(spec: WorkerSpec):
                            prefix_cache_entries=spec.prefix_cache_entries,
                            prefix_cache_tokens=spec.prefix_cache_tokens, seed=spec.seed,
                            record_topk=spec.record_topk, reuse_stacked_weights=True)  # the worker owns the model
-    engine.update_weights(load_weights_file(spec.weights_path), spec.weight_version)
+    engine.update_weights(load_file(spec.weights_path), spec.weight_version)
     return EngineServer(engine, weights_dir=spec.weights_dir)
 
 
