@@ -119,7 +119,8 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
     top_p = _number(params, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     max_new = params.get("max_new_tokens", min(16, limits.max_new_tokens))
     if isinstance(max_new, bool) or not isinstance(max_new, int) or not 1 <= max_new <= limits.max_new_tokens:
-        raise ValueError(f"sampling_params.max_new_tokens: expected an int in [1, {limits.max_new_tokens}], got {max_new!r}")
+        raise ValueError(f"sampling_params.max_new_tokens: expected an int in [1, {limits.max_new_tokens}], "
+                         f"got {max_new!r}")
     stops = params.get("stop_token_ids")
     stops = _int_list("sampling_params.stop_token_ids", [] if stops is None else stops,
                       vocab_size=limits.vocab_size, max_len=limits.max_stop_tokens, min_len=0)

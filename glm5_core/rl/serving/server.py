@@ -134,6 +134,12 @@ class EngineServer:
         self.engine.start()
         self._httpd.serve_forever()
 
+    def shutdown_from_main(self) -> None:
+        """After :meth:`serve_forever` returned on this thread (``httpd.shutdown`` would wait for it forever)."""
+        self.engine.shutdown()
+        self._httpd.server_close()
+        self.receiver.close()
+
     def shutdown(self) -> None:
         """Engine first: requests in flight end now (finish_reason abort) instead of holding the handlers."""
         self.engine.shutdown()

@@ -83,7 +83,8 @@ def load_disk_weights(model_path, weights_dir: Optional[str]) -> Dict[str, torch
     try:
         return load_file(real)
     except Exception as exc:  # truncated / not safetensors: the caller's file is bad, the engine is fine
-        raise ValueError(f"model_path: cannot read {model_path!r} as safetensors ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"model_path: cannot read {model_path!r} as safetensors "
+                         f"({type(exc).__name__}: {exc})") from None
 
 
 class DistributedReceiver:
