@@ -56,13 +56,13 @@ def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
     proc, url = start_serve(checkpoint, "--api-key", "k", "--max-batch", "16", "--max-len", "32")
     try:
         cfg = {
-            "seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 8, "max_steps": 8,
+            "seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 8, "max_steps": 30,
             "env": {"name": "arithmetic", "max_operand": 1, "template": "{a}+{b}=", "max_new_tokens": 1},
             "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
             "rollout": {"max_batch": 16, "max_len": 32, "group_size": 4, "max_inflight_groups": 4,
                         "max_buffered": 16, "episode_threads": 16},
-            "train": {"batch_size": 16, "max_staleness": 2, "optim": {"lr": 3e-3, "micro_batch_size": 16}},
-            "eval": {"every": 0, "samples_per_problem": 16},
+            "train": {"batch_size": 16, "max_staleness": 2, "optim": {"lr": 1e-3, "micro_batch_size": 16}},
+            "eval": {"every": 0, "samples_per_problem": 32},
         }
         (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
         rc = main(["rl", "--config", str(tmp_path / "rl.yaml"), "--checkpoint", str(checkpoint),
@@ -70,9 +70,9 @@ def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
         out = capsys.readouterr().out
         assert rc == 0
         summary = json.loads(out[out.index("{\n"):])
-        assert summary["steps"] == 8 and summary["producer_errors"] == []
+        assert summary["steps"] == 30 and summary["producer_errors"] == []
         assert summary["eval_reward_end"] > summary["eval_reward_start"], summary
-        assert EngineClient(url, api_key="k").info()["weight_version"] == "8"
+        assert EngineClient(url, api_key="k").info()["weight_version"] == "30"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
