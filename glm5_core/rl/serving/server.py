@@ -395,7 +395,7 @@ class EngineServer:
             def do_POST(self):
                 def call(handler):
                     body = self._body()
-                    if handler is server.handle_generate:
+                    if handler == server.handle_generate:  # bound methods: equal, never identical
                         return handler(body, lambda: peer_closed(self.connection))
                     return handler(body)
 
