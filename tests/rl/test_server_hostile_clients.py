@@ -10,7 +10,7 @@ import time
 import pytest
 
 from glm5_core.rl.serving.engine import EngineStats
-from glm5_core.rl.serving.protocol import Limits
+from glm5_core.rl.serving.protocol import GenerateResult, Limits
 from glm5_core.rl.serving.server import EngineServer
 
 
@@ -23,21 +23,26 @@ class NeverFinishingEngine:
 
     def __init__(self):
         self.aborted = []
+        self.futures = []
         self.submitted = threading.Event()
         self.stats = EngineStats()
 
     def start(self):
         return self
 
-    def shutdown(self):
-        return None
+    def shutdown(self):  # like RolloutEngine.shutdown: what is still running ends as an abort
+        for future in self.futures:
+            if not future.done():
+                future.set_result(GenerateResult("x", [], [], [], "abort", 1, 0))
 
     def healthy(self):
         return True
 
     def submit(self, request):
         self.submitted.set()
-        return concurrent.futures.Future()
+        future = concurrent.futures.Future()
+        self.futures.append(future)
+        return future
 
     def abort(self, future):
         self.aborted.append(future)

@@ -118,6 +118,8 @@ class ReplicaSet:
         deadline = time.monotonic() + self._retry_timeout
         server_errors = 0
         while True:
+            if self._stop.is_set():  # shut down: no more retries (episode threads must not outlive the run)
+                raise EngineUnavailable(f"trajectory {trajectory_id}: the replica set was shut down")
             try:
                 name = self.router.acquire(trajectory_id)
             except RuntimeError:  # no healthy replica right now: the supervisor is replacing one
