@@ -29,7 +29,8 @@ def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm5", description="glm5-core: portable kernels and drivers for GLM-5-class models")
+    parser = argparse.ArgumentParser(prog="glm5",
+                                     description="glm5-core: portable kernels and drivers for GLM-5-class models")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -42,7 +43,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
-            print(f"glm5: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+            print(f"glm5: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)}",
+                  file=sys.stderr)
             return 2
         parser.print_help()
         return 0

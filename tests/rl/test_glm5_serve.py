@@ -8,7 +8,6 @@ import select
 import subprocess
 import sys
 
-import pytest
 import torch
 import yaml
 
