@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-dir", default=None, help="override the config's output_dir")
     parser.add_argument("--max-minutes", type=float, default=None, help="override the wall-clock budget")
     parser.add_argument("--max-steps", type=int, default=None, help="override the number of trainer steps")
+    parser.add_argument("--engine-url", action="append", default=None, metavar="URL",
+                        help="an engine glm5 rl does not start (SGLang server or glm5 serve), http://HOST:PORT; "
+                             "repeat for several (sets rollout.engine_urls)")
+    parser.add_argument("--api-key", default=None, help="bearer token of the engines (sets rollout.api_key)")
     add_backend_argument(parser)
 
 
@@ -35,7 +39,12 @@ def _checked_config(args: argparse.Namespace):
 
     flags = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", args.output_dir),
                                ("max_minutes", args.max_minutes), ("max_steps", args.max_steps)) if v is not None}
-    cfg = load_config(args.config, flags, args.set)
+    sets = list(args.set or [])  # --engine-url / --api-key are --set of their keys (JSON is YAML)
+    if args.engine_url is not None:
+        sets.append(f"rollout.engine_urls={json.dumps(args.engine_url)}")
+    if args.api_key is not None:
+        sets.append(f"rollout.api_key={json.dumps(args.api_key)}")
+    cfg = load_config(args.config, flags, sets)
     if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
         from glm5_core.model.checkpoint import load_config as load_model_config
 
@@ -57,7 +66,13 @@ def run(args: argparse.Namespace) -> int:
 
     backend = resolve_backend_name(args.backend)
     require_available(backend)
-    summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()
+    from glm5_core.rl.driver import TrainerStarvedError
+
+    try:
+        summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()
+    except TrainerStarvedError as exc:
+        print(f"glm5 rl: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
     if summary.get("metrics_skipped"):
         print(f"rl: skipped {', '.join(summary['metrics_skipped'])}: pip install 'glm5-core[metrics]'", file=sys.stderr)

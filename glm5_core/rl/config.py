@@ -39,6 +39,37 @@ MAX_SEED = 2 ** 53  # engine seeds are seed * 1000 + engine + 7919 * version: wi
 MAX_THREADS = 4096
 
 
+WEIGHT_SYNCS = ("disk", "distributed")
+SYNC_BACKENDS = ("gloo", "nccl", "hccl")
+
+
+def _check_engine_urls(urls, key: str) -> None:
+    from glm5_core.rl.serving.client import check_engine_url
+
+    if not urls:
+        raise ValueError(f"{key}: expected a non-empty list of http://HOST:PORT, got []")
+    for i, url in enumerate(urls):
+        check_engine_url(url, allow_remote=True, where=f"{key}[{i}]")
+
+
+def _check_api_key(key_value, key: str) -> None:
+    if not key_value:
+        raise ValueError(f"{key}: expected a non-empty string or null, got ''")
+
+
+def _check_devices(devices, key: str) -> None:
+    from glm5_core.rl.fleet.placement import parse_devices
+
+    if devices is not None:
+        parse_devices(devices, key)
+
+
+def _check_device(device, key: str) -> None:
+    from glm5_core.rl.fleet.placement import parse_device
+
+    parse_device(device, key)
+
+
 @dataclasses.dataclass
 class RolloutConfig:
     num_engines: int = field(1, range=(1, None))
@@ -56,6 +87,15 @@ class RolloutConfig:
     prefix_cache_entries: int = field(256, range=(0, None))  # per engine: trajectories whose KV is kept (0: none)
     prefix_cache_tokens: Optional[int] = field(None, range=(1, None))  # per engine: cached KV positions (None: any)
     episode_threads: int = field(64, range=(1, MAX_THREADS))
+    # external engines (SGLang, glm5 serve): glm5 rl starts none and routes over these
+    engine_urls: Optional[List[str]] = field(None, check=_check_engine_urls)
+    api_key: Optional[str] = field(None, check=_check_api_key)  # bearer token the engines were started with
+    weight_sync: str = field("disk", choices=WEIGHT_SYNCS)  # see rl/fleet/weight_sync.py
+    flush_cache_on_sync: bool = field(True)
+    sync_bucket_mb: float = field(64.0, range=(0, 1 << 16), open=("lo",))  # distributed: per update call
+    sync_master_address: str = field("127.0.0.1")  # distributed: the trainer's address the engines connect to
+    sync_backend: str = field("gloo", choices=SYNC_BACKENDS)
+    devices: Any = field(None, check=_check_devices)  # spawned engines: "cuda:1,cuda:2" or a list (one, or one each)
 
 
 @dataclasses.dataclass
@@ -63,6 +103,8 @@ class RLTrainConfig:
     batch_size: int = field(64, range=(1, None))
     max_staleness: Optional[int] = field(4, range=(0, None))
     teacher_checkpoint: Optional[str] = field(None, check=config_paths.input_dir)
+    device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "cuda:0" (None: default)
+    max_idle_minutes: float = field(10.0, range=(0, None), open=("lo",))  # no batch for this long ends the run
     optim: TrainerConfig = field(factory=TrainerConfig)
 
 
@@ -115,6 +157,7 @@ class RLConfig:
             problems.append(f"rollout.max_buffered: expected >= train.batch_size={t.batch_size} (new groups pause "
                             f"at max_buffered waiting trajectories; the trainer waits for a full batch), "
                             f"got {r.max_buffered}")
+        problems += _fleet_problems(r, t)
         if t.optim.distill_coef > 0 and not t.teacher_checkpoint:
             problems.append(f"train.optim.distill_coef: expected 0 without train.teacher_checkpoint (distillation "
                             f"needs a teacher), got {t.optim.distill_coef}")
@@ -130,6 +173,25 @@ class RLConfig:
         from glm5_core.rl.run_memory import memory_problems
 
         return memory_problems(self, model)
+
+
+def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
+    """External engines, placement, and pushes the staleness bound can keep up with."""
+    from glm5_core.rl.fleet.placement import engine_devices
+
+    problems = []
+    if r.engine_urls is not None and r.devices is not None:
+        problems.append("rollout.devices: engines at rollout.engine_urls run where they were started; "
+                        "remove rollout.devices")
+    try:
+        engine_devices(r.devices, r.num_engines)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:
+        problems.append(f"train.optim.push_every: expected <= train.max_staleness + 1 = {t.max_staleness + 1} "
+                        f"(after the first push every sample would be too stale to train on; lower push_every or "
+                        f"raise max_staleness), got {t.optim.push_every}")
+    return problems
 
 
 def _model_problems(cfg: RLConfig) -> List[str]:

@@ -91,11 +91,13 @@ def _moving_average(values: List[float], window: int) -> List[float]:
 
 def idle_ratio_from_engines(before: Dict[str, Dict], after: Dict[str, Dict]) -> Optional[float]:
     """1 - (busy time / wall time) summed over engines between two ``/get_server_info`` snapshots.
-    Engines replaced in between (pid changed) are left out."""
+    Engines replaced in between (pid changed), and engines that report no glm5 counters (SGLang has no
+    ``busy_seconds``), are left out; None when no engine reports them."""
     busy = wall = 0.0
+    keys = ("busy_seconds", "uptime_seconds")
     for name, a in after.items():
         b = before.get(name) or {}
-        if not a or not b or a.get("pid") != b.get("pid"):
+        if not a or not b or a.get("pid") != b.get("pid") or not all(k in a and k in b for k in keys):
             continue
         busy += a["busy_seconds"] - b["busy_seconds"]
         wall += a["uptime_seconds"] - b["uptime_seconds"]

@@ -42,7 +42,8 @@ class RunSize:
 
 def _size(cfg, model) -> RunSize:
     r = cfg.rollout
-    return RunSize(model, r.num_engines if cfg.executor == "local" else 0, r.max_batch, r.max_len,
+    local_engines = r.num_engines if cfg.executor == "local" and r.engine_urls is None else 0
+    return RunSize(model, local_engines, r.max_batch, r.max_len,
                    cfg.train.optim.micro_batch_size, r.max_inflight_groups * r.group_size + r.max_buffered)
 
 

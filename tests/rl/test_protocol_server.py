@@ -64,7 +64,8 @@ def test_server_binds_localhost_and_generates_sglang_shape(served):
     assert [e[1] for e in meta["output_token_logprobs"]] == resp["output_ids"]
     assert all(e[0] <= 0.0 for e in meta["output_token_logprobs"])
     assert meta["finish_reason"]["type"] in ("stop", "length")
-    assert meta["weight_version"] == 0 and meta["prompt_tokens"] == 3
+    assert meta["weight_version"] == "0" and meta["prompt_tokens"] == 3  # SGLang's weight_version is a str
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": len(resp["output_ids"])}]
 
 
 def test_server_rejects_bad_requests_with_400_and_oversized_with_413(served):
@@ -96,7 +97,7 @@ def test_weight_update_only_from_the_weights_dir(served, tiny_policy, tmp_path):
     save_file(state, inside)
     assert client.update_weights_from_disk(inside, 1)["success"]
     resp = client.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})
-    assert resp["meta_info"]["weight_version"] == 1
+    assert resp["meta_info"]["weight_version"] == "1"
     bad = dict(state)
     bad.pop(next(iter(bad)))
     save_file(bad, os.path.join(weights_dir, "v2.safetensors"))
@@ -112,7 +113,8 @@ def test_weight_update_rejects_older_versions_non_finite_and_unreadable_files_wi
     state = {k: v.detach().clone().contiguous() for k, v in tiny_policy.state_dict().items()}
     current = os.path.join(weights_dir, "v7.safetensors")
     save_file(state, current)
-    assert client.update_weights_from_disk(current, 7)["weight_version"] == 7
+    assert client.update_weights_from_disk(current, 7)["success"]
+    assert client._call("GET", "/get_weight_version") == {"weight_version": "7"}
     with pytest.raises(EngineRequestError, match="weight_version") as err:
         client.update_weights_from_disk(current, 6)  # versions only move forward
     assert err.value.status == 400
@@ -128,13 +130,18 @@ def test_weight_update_rejects_older_versions_non_finite_and_unreadable_files_wi
         client.update_weights_from_disk(os.path.join(weights_dir, "v9.safetensors"), 9)
     assert err.value.status == 400
     resp = client.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True})
-    assert resp["meta_info"]["weight_version"] == 7 and all(math.isfinite(e[0]) for e in
+    assert resp["meta_info"]["weight_version"] == "7" and all(math.isfinite(e[0]) for e in
                                                             resp["meta_info"]["output_token_logprobs"])
 
 
-def test_client_refuses_remote_urls():
-    with pytest.raises(ValueError, match="url"):
+def test_client_refuses_remote_urls_unless_listed_explicitly():
+    with pytest.raises(ValueError, match="url.*loopback"):
         EngineClient("http://10.0.0.1:80")
+    assert EngineClient("http://10.0.0.1:80", allow_remote=True).url == "http://10.0.0.1:80"  # no request made
+    assert EngineClient("http://127.0.0.2:80/").url == "http://127.0.0.2:80"
+    for bad in ("https://127.0.0.1:80", "http://127.0.0.1", "http://127.0.0.1:80/generate", "127.0.0.1:80"):
+        with pytest.raises(ValueError, match="url"):
+            EngineClient(bad, allow_remote=True)
 
 
 def test_end_trajectories_frees_prefix_cache_entries_and_validates(served):

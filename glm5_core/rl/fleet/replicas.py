@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
 
@@ -26,13 +26,14 @@ logger = logging.getLogger(__name__)
 class ReplicaSet:
     def __init__(self, executor, router, names: List[str], *, poll_seconds: float = 0.5,
                  retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
-                 end_trajectories_timeout: float = 5.0):
+                 end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient):
         if isinstance(max_server_errors, bool) or not isinstance(max_server_errors, int) or max_server_errors < 1:
             raise ValueError(f"max_server_errors: expected an int >= 1, got {max_server_errors!r}")
         self.executor = executor
         self.router = router
         self.names = list(names)
         self.clients: Dict[str, EngineClient] = {}
+        self._client = client_factory  # url -> client (external engines: remote hosts allowed, api key)
         self.replacements = 0
         self.failed_restarts = 0
         self.failed_requests = 0
@@ -48,10 +49,11 @@ class ReplicaSet:
         self._next_restart: Dict[str, float] = {}  # supervisor thread only: monotonic time of the next try
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._no_end_route: set = set()  # replicas without /end_trajectories (SGLang)
 
     def start(self) -> "ReplicaSet":
         for name in self.names:
-            self.clients[name] = EngineClient(self.executor.start(name))
+            self.clients[name] = self._client(self.executor.start(name))
             self.router.add_replica(name)
         self._thread = threading.Thread(target=self._supervise, name="rl-supervisor", daemon=True)
         self._thread.start()
@@ -100,7 +102,7 @@ class ReplicaSet:
                 return
             self.router.mark_unhealthy(name)
             url = self.executor.restart(name)
-            self.clients[name] = EngineClient(url)
+            self.clients[name] = self._client(url)
             self.replacements += 1
             self.router.mark_healthy(name)
 
@@ -116,6 +118,8 @@ class ReplicaSet:
         deadline = time.monotonic() + self._retry_timeout
         server_errors = 0
         while True:
+            if self._stop.is_set():  # shut down: no more retries (episode threads must not outlive the run)
+                raise EngineUnavailable(f"trajectory {trajectory_id}: the replica set was shut down")
             try:
                 name = self.router.acquire(trajectory_id)
             except RuntimeError:  # no healthy replica right now: the supervisor is replacing one
@@ -147,32 +151,29 @@ class ReplicaSet:
             finally:
                 self.router.release(trajectory_id, name)
 
-    def broadcast_weights(self, path: str, version: int) -> None:
-        """Tell every replica to load ``path``; an unreachable or failing one is marked unhealthy (its
-        replacement starts from the latest weights anyway). A 4xx (bad file, version moving back) is raised."""
-        for name in self.names:
-            try:
-                self.clients[name].update_weights_from_disk(path, version)
-            except EngineRequestError as exc:
-                if exc.status < 500:
-                    raise
-                self.router.mark_unhealthy(name)
-            except EngineUnavailable:
-                self.router.mark_unhealthy(name)
+    def healthy_clients(self) -> Dict[str, EngineClient]:
+        healthy = set(self.router.healthy_replicas())
+        return {name: self.clients[name] for name in self.names if name in healthy and name in self.clients}
+
+    def mark_failed(self, name: str) -> None:
+        self.router.mark_unhealthy(name)
 
     def end_trajectories(self, rids: List[str]) -> None:
         """Finished trajectories: every healthy replica frees their prefix-cache entries. Best effort, with a
         short timeout (``end_trajectories_timeout``): this runs on episode threads, and a replica that does not
-        answer has lost its cache anyway, or keeps dead entries until LRU eviction."""
+        answer has lost its cache anyway, or keeps dead entries until LRU eviction. A server without the route
+        (SGLang: 404) is not asked again."""
         if not rids:
             return
-        healthy = set(self.router.healthy_replicas())
-        for name in self.names:
-            if name not in healthy or name not in self.clients:
+        for name, client in self.healthy_clients().items():
+            if name in self._no_end_route:
                 continue
             try:
-                self.clients[name].end_trajectories(rids, timeout=self._end_timeout)
-            except (EngineUnavailable, EngineRequestError):
+                client.end_trajectories(rids, timeout=self._end_timeout)
+            except EngineRequestError as exc:
+                if exc.status == 404:
+                    self._no_end_route.add(name)
+            except EngineUnavailable:
                 pass
 
     def info(self) -> Dict[str, Dict]:

@@ -5,14 +5,62 @@ The agent loop never hands text to the trainer: every generation request of a tr
 engine's sampled token ids with their log-probs and weight versions (loss mask 1), exactly as returned.
 A request whose ``input_ids`` extend the recorded sequence appends to it; one that does not (the context
 manager folded or dropped history) closes the current sample and opens a new one. Nothing is re-tokenised.
+
+Weight versions come as SGLang sends them: ``meta_info.weight_version`` a string (``"default"`` before any
+update: the checkpoint the engine started from, which is the trainer's version 0) or an int, and per-token
+versions in SGLang's ``weight_versions`` spans (or ``token_weight_versions``, one per token, from older glm5
+servers). The trainer's versions are ints; a version that is neither gives a ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 from glm5_core.rl.rollout.trajectory import Sample
 
 GenerateFn = Callable[[str, Dict], Dict]  # (trajectory id, SGLang request) -> SGLang response
+DEFAULT_VERSION = "default"  # SGLang's ServerArgs.weight_version before any update
+
+
+def parse_weight_version(value: Any, where: str = "meta_info.weight_version") -> int:
+    """A trainer version (int >= 0) from a server's weight version label."""
+    if isinstance(value, str):
+        if value == DEFAULT_VERSION:
+            return 0
+        if value.isdigit() and len(value) < 19:
+            return int(value)
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"{where}: expected a trainer version (an int >= 0, its decimal string, or "
+                     f"{DEFAULT_VERSION!r}), got {value!r:.80}")
+
+
+def token_versions(meta: Dict, num_tokens: int) -> List[int]:
+    """The version each output token was sampled under, from SGLang's ``weight_versions`` spans, the older
+    ``token_weight_versions`` list, or ``weight_version`` for all of them."""
+    spans = meta.get("weight_versions")
+    if spans:
+        out: List[int] = []
+        for i, span in enumerate(spans):
+            if not isinstance(span, dict) or span.get("start") != len(out) or not isinstance(span.get("end"), int):
+                raise ValueError(f"meta_info.weight_versions[{i}]: expected contiguous spans, got {span!r:.80}")
+            out += [parse_weight_version(span.get("version"), f"meta_info.weight_versions[{i}].version")] \
+                * (span["end"] - span["start"])
+        if len(out) != num_tokens:
+            raise ValueError(f"meta_info.weight_versions: spans cover {len(out)} tokens, output has {num_tokens}")
+        return out
+    listed = meta.get("token_weight_versions")
+    if listed:
+        if len(listed) != num_tokens:
+            raise ValueError(f"meta_info.token_weight_versions: {len(listed)} entries for {num_tokens} tokens")
+        return [parse_weight_version(v, "meta_info.token_weight_versions") for v in listed]
+    return [parse_weight_version(meta.get("weight_version"))] * num_tokens
+
+
+def finish_type(reason: Any) -> str:
+    """``finish_reason`` in SGLang's dict forms (``{"type": ..., "matched" | "length" | "message": ...}``)."""
+    if isinstance(reason, dict):
+        return str(reason.get("type"))
+    return str(reason)
 
 
 class TITOGateway:
@@ -44,11 +92,10 @@ class TITOGateway:
         logprob_entries = response["meta_info"]["output_token_logprobs"]
         if len(logprob_entries) != len(output_ids) or any(int(e[1]) != t for e, t in zip(logprob_entries, output_ids)):
             raise ValueError("engine response: output_token_logprobs do not match output_ids")
-        version = int(response["meta_info"]["weight_version"])
-        versions = response["meta_info"].get("token_weight_versions") or [version] * len(output_ids)
+        versions = token_versions(response["meta_info"], len(output_ids))
         self.current.append(output_ids, sampled=True, logprobs=[float(e[0]) for e in logprob_entries],
-                            versions=[int(v) for v in versions])
-        self.current.finish_reasons.append(str(response["meta_info"]["finish_reason"]["type"]))
+                            versions=versions)
+        self.current.finish_reasons.append(finish_type(response["meta_info"].get("finish_reason")))
         self.num_requests += 1
         return response
 

@@ -1,8 +1,18 @@
-"""Minimal HTTP client for :class:`~glm5_core.rl.serving.server.EngineServer` (stdlib only)."""
+"""HTTP client for SGLang servers and for glm5-core's own :class:`~glm5_core.rl.serving.server.EngineServer`
+(stdlib only).
+
+Only loopback hosts (127.0.0.0/8, ``localhost``, ``[::1]``) are accepted unless the caller lists the URL
+explicitly (``allow_remote=True``, what ``rollout.engine_urls`` / ``--engine-url`` do). ``api_key`` is sent as
+``Authorization: Bearer KEY``, SGLang's ``--api-key`` convention. Bodies are read as SGLang writes them: JSON
+for most routes, plain text for ``/flush_cache``, empty for ``/health``; errors as ``{"error": str}``,
+``{"error": {"message": str}}`` or the ``ErrorResponse`` shape ``{"message": str, "code": int}``.
+"""
 from __future__ import annotations
 
+import ipaddress
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional
 
@@ -33,58 +43,144 @@ def _retry_after(headers) -> Optional[float]:
         return None
 
 
+def error_message(raw: bytes, fallback: str) -> str:
+    """The message of an error body in any of SGLang's shapes (or the raw text, or ``fallback``)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        text = raw.decode("utf-8", "replace").strip()
+        return text[:500] or fallback
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message", error))
+        if error is not None:
+            return str(error)
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
 def is_fleet_failure(exc: BaseException) -> bool:
     """The engines could not serve the request (unreachable, failed, timed out: 5xx), as opposed to the request's
     own fault (4xx, a bug on the caller's side that every replica would answer the same way)."""
     return isinstance(exc, EngineUnavailable) or (isinstance(exc, EngineRequestError) and exc.status >= 500)
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_engine_url(url: Any, *, allow_remote: bool, where: str = "url") -> str:
+    """``url`` without a trailing slash; ``ValueError`` naming ``where`` unless it is ``http://HOST:PORT`` with a
+    loopback host (any host when ``allow_remote``)."""
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path.strip("/") or parsed.query:
+        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
+    if not allow_remote and not is_loopback(parsed.hostname):
+        raise ValueError(f"{where}: {parsed.hostname!r} is not a loopback host; list remote engines explicitly "
+                         f"(rollout.engine_urls or --engine-url), got {url!r:.80}")
+    return url.rstrip("/")
+
+
 DEFAULT_TIMEOUT_S = 630.0  # above the server's request_timeout (600 s): a slow request comes back as its 504
 
 
 class EngineClient:
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S):
-        if not url.startswith("http://127.0.0.1:") and not url.startswith("http://localhost:"):
-            raise ValueError(f"url: expected a local http://127.0.0.1:PORT address, got {url!r}")
-        self.url = url.rstrip("/")
+    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT_S, *, api_key: Optional[str] = None,
+                 allow_remote: bool = False):
+        self.url = check_engine_url(url, allow_remote=allow_remote)
         self.timeout = timeout
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
-    def _call(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> Any:
+    def _raw(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> bytes:
         data = None if payload is None else json.dumps(payload).encode("utf-8")
-        request = urllib.request.Request(self.url + route, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(self.url + route, data=data, method=method, headers=self._headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-                return json.loads(response.read())
+                return response.read()
         except urllib.error.HTTPError as exc:
             try:
-                message = json.loads(exc.read()).get("error", "")
+                raw = exc.read()
             except Exception:
-                message = exc.reason
-            raise EngineRequestError(exc.code, message, _retry_after(exc.headers)) from None
+                raw = b""
+            raise EngineRequestError(exc.code, error_message(raw, str(exc.reason)), _retry_after(exc.headers)) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"{self.url}{route}: {exc}") from None
 
+    def _call(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> Any:
+        raw = self._raw(method, route, payload, timeout)
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise EngineUnavailable(f"{self.url}{route}: expected a JSON body, got {raw[:80]!r}") from None
+
     def generate(self, request: Dict) -> Dict:
         response = self._call("POST", "/generate", request)
-        if response["meta_info"]["finish_reason"]["type"] == "abort":
-            raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted")
+        if not isinstance(response, dict) or not isinstance(response.get("meta_info"), dict):
+            raise EngineUnavailable(f"{self.url}/generate: expected a JSON object with meta_info")
+        reason = response["meta_info"].get("finish_reason")
+        if isinstance(reason, dict) and reason.get("type") == "abort":
+            raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})")
         return response
 
-    def update_weights_from_disk(self, path: str, version: int) -> Dict:
-        return self._call("POST", "/update_weights_from_disk", {"model_path": path, "weight_version": version})
+    def update_weights_from_disk(self, path: str, version: Any, *, flush_cache: bool = True) -> Dict:
+        return self._call("POST", "/update_weights_from_disk", {
+            "model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout: Optional[float] = None) -> Dict:
+        return self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout=timeout)
+
+    def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+                                        group_name: str, version: Any, *, flush_cache: bool = True,
+                                        timeout: Optional[float] = None) -> Dict:
+        return self._call("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": str(version)}, timeout=timeout)
+
+    def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> Dict:
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
+
+    def pause_generation(self, mode: str = "in_place") -> Dict:
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> Dict:
+        return self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> str:
+        """SGLang answers plain text (200, or 400 while requests run)."""
+        return self._raw("POST", "/flush_cache").decode("utf-8", "replace")
 
     def end_trajectories(self, rids: List[str], timeout: Optional[float] = None) -> Dict:
+        """glm5-core's own route (SGLang has none: it answers 404, which callers treat as nothing to free)."""
         return self._call("POST", "/end_trajectories", {"rids": list(rids)}, timeout=timeout)
 
     def info(self, timeout: float = 10.0) -> Dict:
         return self._call("GET", "/get_server_info", timeout=timeout)
 
     def health(self, timeout: float = 2.0) -> bool:
-        """True when the engine serves: it answers ``/health`` with ok, or it is alive but at its connection cap
-        (a busy 503 with ``Retry-After``). False when it does not answer or reports a failed engine (503)."""
+        """True when the engine serves: ``/health`` answers 200 (SGLang's body is empty), or it is alive but at
+        its connection cap (a busy 503 with ``Retry-After``). False when it does not answer or reports a failed
+        engine (503)."""
         try:
-            return bool(self._call("GET", "/health", timeout=timeout).get("ok"))
+            self._raw("GET", "/health", timeout=timeout)
+            return True
         except EngineRequestError as exc:
             return exc.busy
         except EngineUnavailable:

@@ -18,6 +18,11 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
   finished trajectory's entry.
 * Every tensor the engine creates lives on the model's device.
+* Weight sync as SGLang does it: :meth:`pause` stops the scheduler between steps (``in_place``: running
+  requests keep their slots and KV; ``abort``: they finish with ``finish_reason`` abort), updates land (a full
+  state dict, or ``partial=True`` buckets of it, applied in order before the next step and while paused),
+  :meth:`resume` continues. A request that spans an update records, per token, the version it was sampled
+  under. Requests submitted while paused wait in the queue.
 * Thread model: :meth:`submit` may be called from any thread; :meth:`step` runs on one scheduler thread
   (:meth:`start`) or is driven by the caller (:meth:`run_until_idle`).
 """
@@ -104,15 +109,18 @@ class RolloutEngine:
         self.stats = EngineStats()
         self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
         self._cache = model.new_cache(max_batch, max_len)
+        self._param_names = frozenset(model.state_dict())
         self._slots: List[Optional[_Active]] = [None] * max_batch
         self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
-        self._pending_weights: Optional[Tuple[Dict[str, torch.Tensor], int]] = None
+        self._pending_weights: List[Tuple[Dict[str, torch.Tensor], int, threading.Event]] = []  # in arrival order
+        self._paused = False
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
         self._aborted: set = set()  # futures of running requests whose callers gave up (see abort)
+        self._step_lock = threading.Lock()  # held by the scheduler for one step
 
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
@@ -128,10 +136,13 @@ class RolloutEngine:
             self._cond.notify_all()
         return future
 
-    def update_weights(self, state_dict: Dict[str, torch.Tensor], version: int) -> None:
-        """Queue new weights; they replace the current ones before the next scheduler step."""
+    def update_weights(self, state_dict: Dict[str, torch.Tensor], version: int, *, partial: bool = False,
+                       wait: Optional[float] = None) -> None:
+        """Queue new weights; they replace the current ones before the next scheduler step (also while paused).
+        ``partial``: ``state_dict`` is one bucket of the weights (any subset of the names). ``wait``: block up to
+        that many seconds until the scheduler applied them (``TimeoutError`` otherwise)."""
         expected = self.model.state_dict()
-        missing = sorted(set(expected) - set(state_dict))
+        missing = [] if partial else sorted(set(expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(expected))
         if missing or unexpected:
             raise ValueError(f"state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -153,10 +164,57 @@ class RolloutEngine:
                 raise ValueError(f"weight_version: expected >= {self._newest_version} (versions only move forward), "
                                  f"got {version}")
             self._newest_version = int(version)  # accepted: later pushes compare with it, even mid-apply
-            self._pending_weights = (state_dict, int(version))
+            applied = threading.Event()
+            self._pending_weights.append((state_dict, int(version), applied))
             self._cond.notify_all()
         if self._thread is None:
             self._apply_pending_weights()
+        elif wait is not None and not applied.wait(wait):
+            raise TimeoutError(f"weights of version {version} not applied within {wait}s")
+
+    def pause(self, mode: str = "in_place") -> int:
+        """Stop scheduling after the current step (SGLang's ``/pause_generation``). ``in_place`` keeps running
+        requests in their slots; ``abort`` finishes them (and the waiting ones) with ``finish_reason`` abort.
+        Returns the number of requests held in place or aborted."""
+        if mode not in ("in_place", "abort"):
+            raise ValueError(f"mode: expected 'in_place' or 'abort', got {mode!r:.80}")
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            if mode == "abort":
+                for future in [s.future for s in self._slots if s is not None]:
+                    self._aborted.add(future)
+                waiting, self._waiting = list(self._waiting), collections.deque()
+        if mode == "abort":
+            for request, future in waiting:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(GenerateResult(request.rid, [], [], [], FINISH_ABORT, len(request.input_ids), 0))
+            self._abort_paused_slots()
+            return len(waiting) + self.num_active()
+        return self.num_active()
+
+    def _abort_paused_slots(self) -> None:
+        """Finish the flagged slots now (the scheduler does not step while paused). Runs under the scheduler
+        lock only between steps: ``pause`` waits for the step in progress (``_step_lock``)."""
+        with self._step_lock:
+            for slot, state in enumerate(self._slots):
+                if state is not None and state.future in self._aborted:
+                    self._finish(slot, FINISH_ABORT)
+
+    def resume(self) -> None:
+        """Continue scheduling (SGLang's ``/continue_generation``)."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def newest_version(self) -> int:
+        """The newest version accepted by :meth:`update_weights` (maybe not applied yet)."""
+        return self._newest_version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def end_trajectory(self, rid: str) -> None:
         """The trajectory ``rid`` is over (like closing an SGLang session): free its prefix-cache entry now
@@ -225,13 +283,18 @@ class RolloutEngine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and self.num_active() == 0 \
-                        and self._pending_weights is None:
+                while not self._stopping and not self._pending_weights and \
+                        (self._paused or (not self._waiting and self.num_active() == 0)):
                     self._cond.wait(timeout=0.5)
                 if self._stopping:
                     return
+                paused = self._paused
             try:
-                self.step()
+                with self._step_lock:
+                    if paused:  # weights land while paused; nothing is scheduled
+                        self._apply_pending_weights()
+                    else:
+                        self.step()
             except Exception as exc:  # a poisoned step (e.g. NaN logits): fail every request, never hang them
                 self._fail(exc)
                 return
@@ -254,15 +317,19 @@ class RolloutEngine:
 
     def _apply_pending_weights(self) -> None:
         with self._cond:
-            pending, self._pending_weights = self._pending_weights, None
-        if pending is None:
-            return
-        state_dict, version = pending
-        with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
-        self.version = version
-        self.prefix_cache.flush()
-        self.stats.weight_updates += 1
+            pending, self._pending_weights = self._pending_weights, []
+        for state_dict, version, applied in pending:
+            with torch.no_grad():
+                if len(state_dict) == len(self._param_names):
+                    self.model.load_state_dict(state_dict, strict=True)
+                else:  # one bucket: copy into the named tensors in place
+                    current = self.model.state_dict()
+                    for name, tensor in state_dict.items():
+                        current[name].copy_(tensor)
+            self.version = version
+            self.prefix_cache.flush()
+            self.stats.weight_updates += 1
+            applied.set()
 
     @torch.no_grad()
     def step(self) -> None:

@@ -1,11 +1,13 @@
 """SGLang-compatible ``/generate`` requests and responses.
 
 Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p", "max_new_tokens",
-"stop_token_ids"}, "return_logprob": bool, "rid": str}``. Response: ``{"text": null, "output_ids": [int],
-"meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
-[[logprob, token_id, null]], "finish_reason": {"type": "stop"|"length"|"abort"}, "weight_version",
-"token_weight_versions"}}`` (the last is our addition: the version of each token when a weight update landed
-mid-generation).
+"stop_token_ids"}, "return_logprob": bool, "rid": str}``. Response, as SGLang's tokenizer manager builds it:
+``{"text": null, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
+"output_token_logprobs": [[logprob, token_id, null]], "finish_reason": {"type": "stop", "matched": id} |
+{"type": "length", "length": n} | {"type": "abort", "message": str, ...}, "weight_version": str,
+"weight_versions": [{"version": str, "start": int, "end": int}]}}``. ``weight_versions`` are SGLang's spans of
+output tokens sampled under one weight version (several when an update landed mid-generation);
+``weight_version`` is the last span's version, a string (SGLang's default before any update is ``"default"``).
 
 SGLang sampling parameters that clients send by default (``top_k: -1``, ``skip_special_tokens``, ...) are
 accepted at their neutral values and refused otherwise (``NEUTRAL_PARAMS``).
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -143,16 +145,44 @@ class GenerateResult:
     cached_tokens: int
     topk_trace: Optional[List[List[List[int]]]] = None  # per sampled token, per full-indexer layer: top-k ids
 
-    def to_json(self, return_logprob: bool = True) -> Dict[str, Any]:
+    def finish_reason_json(self) -> Dict[str, Any]:
+        """SGLang's ``BaseFinishReason.to_json()`` forms."""
+        if self.finish_reason == FINISH_STOP:
+            return {"type": FINISH_STOP, "matched": self.output_ids[-1] if self.output_ids else None}
+        if self.finish_reason == FINISH_LENGTH:
+            return {"type": FINISH_LENGTH, "length": len(self.output_ids)}
+        return {"type": FINISH_ABORT, "message": "Aborted", "status_code": None, "err_type": None}
+
+    def to_json(self, return_logprob: bool = True, label: Callable[[int], str] = str,
+                current_version: Optional[int] = None) -> Dict[str, Any]:
+        """``label`` names an engine version as the server reports it; ``current_version`` is the engine's
+        version now (the ``weight_version`` of a request that sampled nothing)."""
+        spans = version_spans(self.versions, label)
+        if spans:
+            version = spans[-1]["version"]
+        else:
+            version = label(current_version) if current_version is not None else None
         meta: Dict[str, Any] = {
             "id": self.rid,
+            "finish_reason": self.finish_reason_json(),
             "prompt_tokens": self.prompt_tokens,
+            "weight_version": version,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": self.cached_tokens,
-            "finish_reason": {"type": self.finish_reason},
-            "weight_version": self.versions[-1] if self.versions else None,
-            "token_weight_versions": list(self.versions),
+            "weight_versions": spans,
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
         return {"text": None, "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+def version_spans(versions: List[int], label: Callable[[int], str] = str) -> List[Dict[str, Any]]:
+    """SGLang's ``weight_versions``: runs of output tokens sampled under one version, ``[start, end)``."""
+    spans: List[Dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        name = label(v)
+        if spans and spans[-1]["version"] == name:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": name, "start": i, "end": i + 1})
+    return spans

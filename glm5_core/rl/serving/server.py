@@ -1,47 +1,65 @@
-"""HTTP front end of a rollout engine, SGLang-compatible where SGLang defines the route.
+"""HTTP front end of a rollout engine: the routes and response shapes of SGLang's HTTP server
+(``sglang/srt/entrypoints/http_server.py``), plus one glm5 route.
 
-Routes: ``POST /generate`` (see ``protocol``), ``POST /update_weights_from_disk`` ``{"model_path",
-"weight_version"}`` (a safetensors file inside the directory the server was started with),
-``POST /flush_cache``, ``POST /end_trajectories`` ``{"rids": [...]}`` (finished trajectories: free their
-prefix-cache entries, like closing SGLang sessions), ``GET /health``, ``GET /get_server_info`` (engine counters
-and weight version).
+Routes as SGLang answers them: ``POST /generate`` (see ``protocol``); ``GET /health`` (empty 200, 503 once the
+engine failed); ``GET /get_server_info`` (server arguments, ``internal_states``, ``version``; glm5 engine
+counters as extras at the top level); ``GET /get_model_info``, ``GET /get_weight_version``;
+``GET|POST /flush_cache`` (plain-text body); ``POST /update_weights_from_disk`` ``{"model_path", "weight_version",
+"flush_cache"}`` (see ``weight_updates``), answered ``{"success", "message", "num_paused_requests"}`` (400 with
+``success`` false when it fails); ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group`` (``{"success", "message"}``); ``POST /pause_generation`` ``{"mode"}`` and
+``/continue_generation``. glm5's own: ``POST /end_trajectories`` ``{"rids": [...]}`` (finished trajectories:
+free their prefix-cache entries, like closing SGLang sessions).
 
-The server binds to 127.0.0.1 only. Bodies are capped (``max_body_bytes``) and requests validated before
-they reach the engine; a bad request is a 400 with the ``ValueError`` message, never a crash.
+With ``api_key`` every route but ``/health*`` needs ``Authorization: Bearer KEY`` (401 ``{"error":
+"Unauthorized"}`` otherwise), SGLang's ``--api-key`` middleware. The server binds 127.0.0.1 unless given a host.
+Bodies are capped (``max_body_bytes``) and nested at most ``MAX_JSON_DEPTH`` levels; requests are validated
+before they reach the engine; a bad request is a 400 with the ``ValueError`` message, never a crash.
 
 Fault handling:
 
 * ``GET /health`` is 503 with the failure text once the engine's scheduler has failed
   (``RolloutEngine.healthy()``), so a supervisor replaces the worker; ``/generate`` on such an engine is a 503
   too (the request never ran: safe to send elsewhere). A request that failed *inside* the engine is a 500.
-* Every connection has a socket timeout (``socket_timeout``): a client that sends headers and then stalls,
-  or keeps an idle connection open, is dropped after it, not served by a thread forever.
+* A connection may wait ``socket_timeout`` for its next request, and must then send the whole of it within
+  ``request_deadline`` seconds (see ``connections.DeadlineReader``): a client that stalls, or trickles bytes,
+  is dropped, not served by a thread forever.
 * At most ``max_connections`` connections are served at once (one thread each); past that a new connection
   is answered ``503`` with ``Retry-After: 1`` at once and closed (clients treat it as "busy, retry later").
-  The accept loop never reads the request, so a client that was still sending it may see a connection reset
-  instead; :class:`~glm5_core.rl.fleet.replicas.ReplicaSet` retries both, and ``/health`` counts busy as alive.
-* A ``/generate`` that does not finish within ``request_timeout`` is a 504, and the request is withdrawn from
-  the engine (:meth:`RolloutEngine.abort`): dropped if still waiting, stopped at the next step if running.
+* While a ``/generate`` runs, the server watches its connection: a client that hung up has its request
+  withdrawn from the engine (:meth:`RolloutEngine.abort`), so abandoned generations stop costing tokens.
+  One that does not finish within ``request_timeout`` is a 504 and is withdrawn the same way.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import hmac
+import io
 import json
 import os
-import socket
-import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional, Tuple
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Callable, Dict, Optional, Tuple
 
+from glm5_core.rl.serving.connections import (
+    BoundedThreadingHTTPServer,
+    DeadlineReader,
+    parse_json_body,
+    peer_closed,
+)
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import parse_generate_request
+from glm5_core.rl.serving.weight_updates import DistributedReceiver, VersionLabels, load_disk_weights
 
 LOCALHOST = "127.0.0.1"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_END_TRAJECTORIES = 4096  # ids per /end_trajectories request
-DEFAULT_SOCKET_TIMEOUT = 30.0  # seconds a connection may stay silent (headers, body, idle keep-alive)
+DEFAULT_SOCKET_TIMEOUT = 30.0  # seconds a connection may stay silent (idle keep-alive, between reads)
+DEFAULT_REQUEST_DEADLINE = 30.0  # seconds from a request's first byte to its last
 DEFAULT_MAX_CONNECTIONS = 256  # connections (= handler threads) served at once
+HANGUP_POLL_S = 0.05  # how often a running /generate checks that its client is still there
+WEIGHTS_APPLY_TIMEOUT_S = 600.0
+Reply = Tuple[int, Any]  # (status, JSON-able body | str (plain text) | None (empty))
 
 
 class EngineUnavailableError(Exception):
@@ -53,99 +71,48 @@ class RequestTimeoutError(Exception):
 
 
 class ClientStalledError(Exception):
-    """The client stopped sending its request within the socket timeout: the connection is dropped."""
+    """The client stopped sending its request in time: the connection is dropped."""
 
 
-def load_weights_file(path: str) -> Dict[str, Any]:
-    """Tensors of a safetensors file (never pickle)."""
-    from safetensors.torch import load_file
-
-    return load_file(path)
+class ClientGoneError(Exception):
+    """The client hung up while its request ran: nobody to answer."""
 
 
-def _busy_response(max_connections: int) -> bytes:
-    body = json.dumps({"error": f"server busy: {max_connections} connections already being served"}).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    return head.encode("ascii") + body
-
-
-class BoundedThreadingHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``max_connections`` at once; a connection past the cap gets a
-    ``503 Retry-After: 1`` from the accept loop itself (never blocking it) and is closed."""
-
-    daemon_threads = True
-    block_on_close = False  # shutdown must not wait for idle keep-alive connections (up to socket_timeout)
-    request_queue_size = 1024
-
-    def __init__(self, address, handler_class, *, max_connections: int):
-        self.max_connections = max_connections
-        self.open_connections = 0  # served now (under _slots_lock)
-        self.rejected_connections = 0  # written by the accept loop only
-        self._slots_lock = threading.Lock()
-        self._busy = _busy_response(max_connections)
-        super().__init__(address, handler_class)
-
-    def _take_slot(self) -> bool:
-        with self._slots_lock:
-            if self.open_connections >= self.max_connections:
-                return False
-            self.open_connections += 1
-            return True
-
-    def _free_slot(self) -> None:
-        with self._slots_lock:
-            self.open_connections -= 1
-
-    def process_request(self, request, client_address):
-        if not self._take_slot():
-            self.rejected_connections += 1
-            self._reject(request)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)  # starts the handler thread
-        except BaseException:
-            self._free_slot()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._free_slot()
-
-    def handle_error(self, request, client_address):
-        if isinstance(sys.exc_info()[1], OSError):  # the client went away or stalled mid-reply: nothing to report
-            return
-        super().handle_error(request, client_address)
-
-    def _reject(self, request: socket.socket) -> None:
-        try:
-            request.setblocking(False)  # a fresh socket's send buffer is empty: this never waits
-            request.send(self._busy)
-            request.recv(1 << 16)  # drop what already arrived, so closing sends FIN rather than RST
-        except OSError:
-            pass
+def _update_reply(success: bool, message: str, **extra) -> Reply:
+    return (200 if success else 400), {"success": success, "message": message, **extra}
 
 
 class EngineServer:
-    """Serves ``engine`` on 127.0.0.1:``port`` (0 = any free port) from a background thread."""
+    """Serves ``engine`` on ``host``:``port`` (0 = any free port) from a background thread. ``weight_version``
+    is the label of the engine's current version (default: its number; ``glm5 serve`` says ``"default"``)."""
 
-    def __init__(self, engine: RolloutEngine, *, port: int = 0, weights_dir: Optional[str] = None,
+    def __init__(self, engine: RolloutEngine, *, host: str = LOCALHOST, port: int = 0,
+                 weights_dir: Optional[str] = None, api_key: Optional[str] = None,
+                 weight_version: Optional[str] = None, model_path: Optional[str] = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, request_timeout: float = 600.0,
-                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, max_connections: int = DEFAULT_MAX_CONNECTIONS):
+                 socket_timeout: float = DEFAULT_SOCKET_TIMEOUT, request_deadline: float = DEFAULT_REQUEST_DEADLINE,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
         if not socket_timeout > 0:
             raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
+        if not request_deadline > 0:
+            raise ValueError(f"request_deadline: expected seconds > 0, got {request_deadline!r}")
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
             raise ValueError(f"max_connections: expected an int >= 1, got {max_connections!r}")
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key: expected a non-empty str or None")
         self.engine = engine
+        self.host = host
         self.weights_dir = os.path.realpath(weights_dir) if weights_dir else None
+        self.model_path = model_path
+        self.api_key = api_key
         self.max_body_bytes = int(max_body_bytes)
         self.request_timeout = float(request_timeout)
         self.socket_timeout = float(socket_timeout)
-        self._httpd = BoundedThreadingHTTPServer((LOCALHOST, port), self._handler_class(),
-                                                 max_connections=max_connections)
+        self.request_deadline = float(request_deadline)
+        self.labels = VersionLabels(engine.version, weight_version)
+        self.receiver = DistributedReceiver(device_host=host if host not in ("0.0.0.0", "::") else "")
+        self._update_lock = threading.Lock()  # one weight update at a time
+        self._httpd = BoundedThreadingHTTPServer((host, port), self._handler_class(), max_connections=max_connections)
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -154,7 +121,8 @@ class EngineServer:
 
     @property
     def url(self) -> str:
-        return f"http://{LOCALHOST}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> "EngineServer":
         self.engine.start()
@@ -166,13 +134,20 @@ class EngineServer:
         self.engine.start()
         self._httpd.serve_forever()
 
+    def shutdown_from_main(self) -> None:
+        """After :meth:`serve_forever` returned on this thread (``httpd.shutdown`` would wait for it forever)."""
+        self.engine.shutdown()
+        self._httpd.server_close()
+        self.receiver.close()
+
     def shutdown(self) -> None:
         """Engine first: requests in flight end now (finish_reason abort) instead of holding the handlers."""
         self.engine.shutdown()
         self._httpd.shutdown()
         self._httpd.server_close()  # does not wait for handler threads (block_on_close is off)
+        self.receiver.close()
 
-    # -- route handlers (return (status, json body)) --------------------------------------------------------
+    # -- route handlers (return (status, body)) -------------------------------------------------------------
     def engine_failure(self) -> Optional[str]:
         """Why the engine cannot serve, or None while it is healthy."""
         if self.engine.healthy():
@@ -182,11 +157,11 @@ class EngineServer:
             return "engine scheduler thread is not running"
         return f"engine scheduler failed: {type(failure).__name__}: {failure}"
 
-    def handle_health(self) -> Tuple[int, Dict]:
+    def handle_health(self) -> Reply:
         failure = self.engine_failure()
-        return (200, {"ok": True}) if failure is None else (503, {"ok": False, "error": failure})
+        return (200, None) if failure is None else (503, {"error": failure})
 
-    def handle_generate(self, body: Any) -> Tuple[int, Dict]:
+    def handle_generate(self, body: Any, client_gone: Callable[[], bool] = lambda: False) -> Reply:
         request = parse_generate_request(body, self.engine.limits)
         failure = self.engine_failure()
         if failure is not None:
@@ -195,38 +170,93 @@ class EngineServer:
             future = self.engine.submit(request)
         except RuntimeError as exc:  # failed or shutting down meanwhile: the request never ran
             raise EngineUnavailableError(str(exc)) from None
-        try:
-            result = future.result(timeout=self.request_timeout)
-        except concurrent.futures.TimeoutError:
-            self.engine.abort(future)  # nobody will read the result: free the slot (a retry goes elsewhere)
-            raise RequestTimeoutError(f"request {request.rid}: not finished within {self.request_timeout}s") from None
-        return 200, result.to_json(request.return_logprob)
+        waited = 0.0
+        while True:
+            try:
+                result = future.result(timeout=HANGUP_POLL_S)
+                break
+            except concurrent.futures.TimeoutError:
+                waited += HANGUP_POLL_S
+            if client_gone():
+                self.engine.abort(future)  # nobody will read the result: free the slot now
+                raise ClientGoneError(request.rid)
+            if waited >= self.request_timeout:
+                self.engine.abort(future)  # a retry goes elsewhere
+                raise RequestTimeoutError(f"request {request.rid}: not finished within {self.request_timeout}s")
+        return 200, result.to_json(request.return_logprob, label=self.labels.label,
+                                   current_version=self.engine.version)
 
-    def handle_update_weights(self, body: Any) -> Tuple[int, Dict]:
+    def _apply(self, state_dict, label, *, partial: bool) -> int:
+        version = self.labels.engine_version(label, self.engine.newest_version)
+        self.engine.update_weights(state_dict, version, partial=partial, wait=WEIGHTS_APPLY_TIMEOUT_S)
+        self.labels.remember(version, label)
+        return version
+
+    def handle_update_from_disk(self, body: Any) -> Reply:
         if not isinstance(body, dict):
             raise ValueError("request: expected a JSON object")
-        if self.weights_dir is None:
-            raise ValueError("model_path: this server was started without a weights directory")
-        path = body.get("model_path")
-        version = body.get("weight_version")
-        if not isinstance(path, str):
-            raise ValueError(f"model_path: expected a str, got {path!r}")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"weight_version: expected an int >= 0, got {version!r}")
-        real = os.path.realpath(path)
-        if os.path.dirname(real) != self.weights_dir or not real.endswith(".safetensors"):
-            raise ValueError(f"model_path: expected a .safetensors file directly inside {self.weights_dir}, "
-                             f"got {path!r}")
-        if not os.path.isfile(real):
-            raise ValueError(f"model_path: no such file {path!r}")
-        try:
-            state_dict = load_weights_file(real)
-        except Exception as exc:  # truncated / not safetensors: the caller's file is bad, the engine is fine
-            raise ValueError(f"model_path: cannot read {path!r} as safetensors ({type(exc).__name__}: {exc})") from None
-        self.engine.update_weights(state_dict, version)  # ValueError: wrong keys/shapes, non-finite, older version
-        return 200, {"success": True, "weight_version": version}
+        unknown = sorted(set(body) - {"model_path", "weight_version", "load_format", "flush_cache",
+                                      "abort_all_requests", "is_async", "torch_empty_cache", "keep_pause",
+                                      "recapture_cuda_graph", "token_step"})
+        if unknown:
+            raise ValueError(f"request: unknown fields {unknown}")
+        with self._update_lock:
+            try:
+                state_dict = load_disk_weights(body.get("model_path"), self.weights_dir)
+                version = self._apply(state_dict, body.get("weight_version"), partial=False)
+            except ValueError as exc:  # wrong keys / shapes, non-finite, older version, unreadable
+                return _update_reply(False, str(exc), num_paused_requests=0)
+        if body.get("model_path") and os.path.isdir(body["model_path"]):
+            self.model_path = body["model_path"]
+        return _update_reply(True, f"Succeeded to update model weights. Weight version updated to "
+                                   f"{self.labels.label(version)}.", num_paused_requests=0)
 
-    def handle_end_trajectories(self, body: Any) -> Tuple[int, Dict]:
+    def handle_init_group(self, body: Any) -> Reply:
+        if not isinstance(body, dict):
+            raise ValueError("request: expected a JSON object")
+        try:
+            self.receiver.init_group(body)
+        except ValueError as exc:
+            return _update_reply(False, str(exc))
+        return _update_reply(True, "Succeeded to initialize custom process group.")
+
+    def handle_update_from_distributed(self, body: Any) -> Reply:
+        if not isinstance(body, dict):
+            raise ValueError("request: expected a JSON object")
+        unknown = sorted(set(body) - {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                                      "weight_version", "load_format", "torch_empty_cache"})
+        if unknown:
+            raise ValueError(f"request: unknown fields {unknown}")
+        with self._update_lock:
+            try:
+                tensors = self.receiver.receive(body, self.engine.model.state_dict())
+                self._apply(tensors, body.get("weight_version"), partial=True)
+            except ValueError as exc:
+                return _update_reply(False, str(exc))
+        return _update_reply(True, "Succeeded to update parameter online.")
+
+    def handle_destroy_group(self, body: Any) -> Reply:
+        name = body.get("group_name", "weight_update_group") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise ValueError("group_name: expected a str")
+        found = self.receiver.destroy(name)
+        return _update_reply(found, "Succeeded to destroy custom process group." if found else f"no group {name!r}")
+
+    def handle_pause(self, body: Any) -> Reply:
+        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+        self.engine.pause(mode)  # ValueError for a mode this engine does not implement (retract)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def handle_continue(self, body: Any) -> Reply:
+        self.engine.resume()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def handle_flush_cache(self, body: Any = None) -> Reply:
+        self.engine.prefix_cache.flush()
+        return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+                     "waiting requests, the operation will not be performed.)\n")
+
+    def handle_end_trajectories(self, body: Any) -> Reply:
         rids = body.get("rids") if isinstance(body, dict) else None
         if not isinstance(rids, list) or not all(isinstance(r, str) for r in rids):
             raise ValueError(f"rids: expected a list of trajectory ids (str), got {type(rids).__name__}")
@@ -236,30 +266,86 @@ class EngineServer:
             self.engine.end_trajectory(rid)
         return 200, {"success": True, "ended": len(rids)}
 
-    def handle_info(self) -> Tuple[int, Dict]:
-        info = self.engine.stats.as_dict()
-        info.update(weight_version=self.engine.version, max_batch=self.engine.max_batch,
-                    max_len=self.engine.max_len, active=self.engine.num_active(), pid=os.getpid(),
-                    prefix_cache_entries=len(self.engine.prefix_cache),
+    def weight_version(self) -> str:
+        return self.labels.label(self.engine.version)
+
+    def handle_model_info(self) -> Reply:
+        return 200, {"model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+                     "preferred_sampling_params": None, "weight_version": self.weight_version()}
+
+    def handle_info(self) -> Reply:
+        """SGLang's shape (server arguments, scheduler info, ``internal_states``, ``version``), then the glm5
+        engine counters, which SGLang does not have (readers treat them as optional)."""
+        import glm5_core
+
+        counters = self.engine.stats.as_dict()
+        info: Dict[str, Any] = {
+            "model_path": self.model_path, "host": self.host, "port": self.port, "dp_size": 1, "tp_size": 1,
+            "skip_tokenizer_init": True, "weight_version": self.weight_version(),
+            "max_req_input_len": self.engine.limits.max_input_tokens, "max_running_requests": self.engine.max_batch,
+            "internal_states": [{"paused": self.engine.paused, "num_running_reqs": self.engine.num_active()}],
+            "version": glm5_core.__version__,
+        }
+        info.update(counters)
+        info.update(max_batch=self.engine.max_batch, max_len=self.engine.max_len, active=self.engine.num_active(),
+                    pid=os.getpid(), prefix_cache_entries=len(self.engine.prefix_cache),
                     prefix_cache_tokens=self.engine.prefix_cache.num_tokens,
                     open_connections=self._httpd.open_connections,
                     rejected_connections=self._httpd.rejected_connections)
         return 200, info
 
+    def authorized(self, path: str, header: Optional[str]) -> bool:
+        if self.api_key is None or path.startswith("/health"):
+            return True
+        return header is not None and hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode())
+
     def _handler_class(self):
         server = self
+        get_routes = {
+            "/health": server.handle_health, "/health_generate": server.handle_health,
+            "/get_server_info": server.handle_info, "/get_model_info": server.handle_model_info,
+            "/get_weight_version": lambda: (200, {"weight_version": server.weight_version()}),
+            "/flush_cache": server.handle_flush_cache,
+        }
+        post_routes = {
+            "/generate": server.handle_generate,
+            "/update_weights_from_disk": server.handle_update_from_disk,
+            "/init_weights_update_group": server.handle_init_group,
+            "/update_weights_from_distributed": server.handle_update_from_distributed,
+            "/destroy_weights_update_group": server.handle_destroy_group,
+            "/pause_generation": server.handle_pause,
+            "/continue_generation": server.handle_continue,
+            "/flush_cache": server.handle_flush_cache,
+            "/end_trajectories": server.handle_end_trajectories,
+        }
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            timeout = server.socket_timeout  # applied to the connection in setup(): no thread waits forever
+
+            def setup(self):
+                super().setup()
+                self.connection.settimeout(server.socket_timeout)
+                self.reader = DeadlineReader(self.connection, idle_timeout=server.socket_timeout,
+                                             request_deadline=server.request_deadline)
+                self.rfile = io.BufferedReader(self.reader)
+
+            def handle_one_request(self):
+                self.reader.begin_request()
+                super().handle_one_request()
 
             def log_message(self, fmt, *args):  # quiet
                 return
 
-            def _reply(self, status: int, payload: Dict) -> None:
-                data = json.dumps(payload).encode("utf-8")
+            def _reply(self, status: int, payload: Any) -> None:
+                if payload is None:
+                    data, kind = b"", None
+                elif isinstance(payload, str):
+                    data, kind = payload.encode("utf-8"), "text/plain; charset=utf-8"
+                else:
+                    data, kind = json.dumps(payload).encode("utf-8"), "application/json"
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                if kind is not None:
+                    self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -273,36 +359,22 @@ class EngineServer:
                 try:
                     raw = self.rfile.read(int(length))
                 except TimeoutError:
-                    raise ClientStalledError(f"request body not received within {server.socket_timeout}s") from None
+                    raise ClientStalledError("request body not received in time") from None
                 if len(raw) != int(length):
                     raise ClientStalledError(f"request body: the client closed after {len(raw)} of {length} bytes")
-                try:
-                    return json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise ValueError(f"request body: invalid JSON "
-                                     f"({exc.msg if hasattr(exc, 'msg') else exc})") from None
+                self.reader.end_request()
+                return parse_json_body(raw) if raw else {}
 
-            def do_GET(self):
-                if self.path == "/health":
-                    self._reply(*server.handle_health())
-                elif self.path == "/get_server_info":
-                    self._reply(*server.handle_info())
-                else:
-                    self._reply(404, {"error": f"unknown route {self.path}"})
-
-            def do_POST(self):
-                routes = {
-                    "/generate": server.handle_generate,
-                    "/update_weights_from_disk": server.handle_update_weights,
-                    "/flush_cache": lambda body: (server.engine.prefix_cache.flush() or 200, {"success": True}),
-                    "/end_trajectories": server.handle_end_trajectories,
-                }
+            def _route(self, routes: Dict, call: Callable) -> None:
+                path = self.path.split("?", 1)[0]
                 try:
-                    if self.path not in routes:
-                        self._reply(404, {"error": f"unknown route {self.path}"})
-                        return
-                    self._reply(*routes[self.path](self._body()))
-                except ClientStalledError:  # nobody to answer: drop the connection
+                    if not server.authorized(path, self.headers.get("Authorization")):
+                        self._reply(401, {"error": "Unauthorized"})
+                    elif path not in routes:
+                        self._reply(404, {"error": f"unknown route {path}"})
+                    else:
+                        self._reply(*call(routes[path]))
+                except (ClientStalledError, ClientGoneError):  # nobody to answer: drop the connection
                     self.close_connection = True
                 except OverflowError as exc:
                     self.close_connection = True
@@ -315,5 +387,18 @@ class EngineServer:
                     self._reply(504, {"error": str(exc)})
                 except Exception as exc:  # the request failed inside the engine: report, keep serving
                     self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+            def do_GET(self):
+                self.reader.end_request()
+                self._route(get_routes, lambda handler: handler())
+
+            def do_POST(self):
+                def call(handler):
+                    body = self._body()
+                    if handler == server.handle_generate:  # bound methods: equal, never identical
+                        return handler(body, lambda: peer_closed(self.connection))
+                    return handler(body)
+
+                self._route(post_routes, call)
 
         return Handler

@@ -30,23 +30,26 @@ class WorkerSpec:
     record_topk: bool = False
     seed: int = 0
     torch_threads: int = 1
+    placement: Optional[str] = None  # rollout.devices entry, e.g. "cuda:2" (None: the backend's default device)
 
 
 def build_model(spec: WorkerSpec):
     """The engine's policy (random init, weights come from ``spec.weights_path``) on the backend's device."""
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
     from glm5_core.rl.device import runtime_device
+    from glm5_core.rl.fleet.placement import in_worker_device
 
     model = GLM5ForCausalLM(GLM5Config.from_hf_dict(spec.model_config), backend=spec.backend)
-    return model.to(runtime_device(spec.backend))
+    return model.to(in_worker_device(spec.placement) or runtime_device(spec.backend))
 
 
 def build_server(spec: WorkerSpec):
     """Model + engine + (not yet started) HTTP server for ``spec``."""
     import torch
+    from safetensors.torch import load_file
 
     from glm5_core.rl.serving.engine import RolloutEngine
-    from glm5_core.rl.serving.server import EngineServer, load_weights_file
+    from glm5_core.rl.serving.server import EngineServer
 
     torch.set_num_threads(max(1, int(spec.torch_threads)))
     model = build_model(spec)
@@ -54,7 +57,7 @@ def build_server(spec: WorkerSpec):
                            prefix_cache_entries=spec.prefix_cache_entries,
                            prefix_cache_tokens=spec.prefix_cache_tokens, seed=spec.seed,
                            record_topk=spec.record_topk, reuse_stacked_weights=True)  # the worker owns the model
-    engine.update_weights(load_weights_file(spec.weights_path), spec.weight_version)
+    engine.update_weights(load_file(spec.weights_path), spec.weight_version)
     return EngineServer(engine, weights_dir=spec.weights_dir)
 
 
@@ -84,7 +87,11 @@ def exit_with_parent(parent_pid: int, *, poll_seconds: float = 0.5,
 
 def process_main(spec: WorkerSpec, conn, parent_pid: Optional[int] = None) -> None:
     """Entry point of a local worker process: report the port through ``conn``, then serve until killed.
-    With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies."""
+    With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies. Only the
+    accelerator of ``spec.placement`` is made visible, before anything touches the device."""
+    from glm5_core.rl.fleet.placement import worker_environment
+
+    os.environ.update(worker_environment(spec.placement))
     if parent_pid is not None:
         exit_with_parent(parent_pid)
     try:

@@ -3,6 +3,8 @@
 Each actor builds the engine with :func:`glm5_core.rl.serving.worker.build_server` and serves HTTP on its node's
 127.0.0.1, so the driver must run on the same node as the actors it talks to (for multi-node, one driver-side
 gateway per node); on one machine ``ray.init()`` starts a local instance. ``ray`` is imported only here.
+An engine placed on an accelerator (``rollout.devices``) asks Ray for it (``num_gpus=1`` or the ``NPU``
+resource), so Ray schedules it where one is free and makes only that one visible to it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def _actor_class():
 
 class RayExecutor:
     def __init__(self, spec_fn: Callable[[str], WorkerSpec], *, address: Optional[str] = None,
-                 num_cpus: Optional[int] = None, start_timeout: float = 300.0):
+                 num_cpus: Optional[int] = None,
+                 start_timeout: float = 300.0):
         try:
             import ray
         except ImportError as exc:
@@ -53,8 +56,10 @@ class RayExecutor:
         self.boot_weights = BootWeights()  # weights pinned per replica before it boots (see boot_weights)
 
     def start(self, name: str) -> str:
+        from glm5_core.rl.fleet.placement import ray_resources
+
         spec = self.boot_weights.pin(name, self._spec_fn)
-        actor = self._actor_cls.options(name=None, max_restarts=0).remote(spec)
+        actor = self._actor_cls.options(name=None, max_restarts=0, **ray_resources(spec.placement)).remote(spec)
         port = self._ray.get(actor.port.remote(), timeout=self._start_timeout)
         self._pids[name] = self._ray.get(actor.pid.remote(), timeout=self._start_timeout)
         self._actors[name] = actor

@@ -1,0 +1,132 @@
+"""``glm5 serve`` as a separate process: glm5 rl rolls out on it through ``--engine-url`` and the arithmetic
+reward rises; and distributed weight sync between two CPU processes (gloo) leaves the engine's weights bitwise
+equal to the trainer's."""
+import json
+import multiprocessing
+import os
+import select
+import subprocess
+import sys
+
+import torch
+import yaml
+
+from glm5_core.cli import main
+from glm5_core.rl.serving.client import EngineClient
+from tests.rl.engine_process import serve_engine
+
+DIGITS = "012"  # max_operand 1: every answer is one of these bytes
+
+
+def digit_policy(path):
+    """A random tiny policy whose last layer answers "a+b=" with a uniform choice among DIGITS: RL has a signal
+    from the first step (reward ~1/3), without a pretraining run in the test."""
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM, save_pretrained
+
+    torch.manual_seed(0)
+    model = GLM5ForCausalLM(GLM5Config.tiny(index_topk=8, max_position_embeddings=64)).eval()
+    captured = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: captured.append(args[0][:, -1]))
+    prompts = torch.tensor([list(f"{a}+{b}=".encode()) for a in range(2) for b in range(2)])  # [4, 4]
+    with torch.no_grad():
+        model(prompts, attention="sparse")
+        u = captured[0].mean(0)  # [D] the shared direction of the last hidden states
+        model.lm_head.weight.zero_()
+        for d in DIGITS:
+            model.lm_head.weight[ord(d)] = 8.0 * u / u.dot(u)  # logit ~8 for each digit, 0 elsewhere
+    save_pretrained(model, path)
+    return path
+
+
+def start_serve(checkpoint, *extra):
+    proc = subprocess.Popen([sys.executable, "-m", "glm5_core.cli", "serve", "--checkpoint", str(checkpoint),
+                             "--port", "0", "--backend", "cpu", *extra], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    ready, _, _ = select.select([proc.stdout], [], [], 180)
+    line = proc.stdout.readline() if ready else ""
+    if "serving" not in line:
+        proc.kill()
+        raise AssertionError(f"glm5 serve did not start: {line!r}")
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
+    checkpoint = digit_policy(tmp_path / "policy")
+    proc, url = start_serve(checkpoint, "--api-key", "k", "--max-batch", "16", "--max-len", "32")
+    try:
+        cfg = {
+            "seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 8, "max_steps": 30,
+            "env": {"name": "arithmetic", "max_operand": 1, "template": "{a}+{b}=", "max_new_tokens": 1},
+            "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
+            "rollout": {"max_batch": 16, "max_len": 32, "group_size": 4, "max_inflight_groups": 4,
+                        "max_buffered": 16, "episode_threads": 16},
+            "train": {"batch_size": 16, "max_staleness": 2, "optim": {"lr": 1e-3, "micro_batch_size": 16}},
+            "eval": {"every": 0, "samples_per_problem": 32},
+        }
+        (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
+        rc = main(["rl", "--config", str(tmp_path / "rl.yaml"), "--checkpoint", str(checkpoint),
+                   "--engine-url", url, "--api-key", "k", "--backend", "cpu"])
+        out = capsys.readouterr().out
+        assert rc == 0
+        summary = json.loads(out[out.index("{\n"):])
+        assert summary["steps"] == 30 and summary["producer_errors"] == []
+        assert summary["eval_reward_end"] > summary["eval_reward_start"], summary
+        assert EngineClient(url, api_key="k").info()["weight_version"] == "30"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+class OneReplica:
+    def __init__(self, client):
+        self.client, self.failed = client, []
+
+    def healthy_clients(self):
+        return {"engine0": self.client}
+
+    def mark_failed(self, name):
+        self.failed.append(name)
+
+
+def test_distributed_sync_between_two_processes_is_bitwise(tmp_path):
+    from safetensors.torch import load_file
+
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.rl.fleet.weight_sync import DistributedWeightSync, buckets
+
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=serve_engine, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(180), "engine process did not start"
+        client = EngineClient(parent.recv())
+        torch.manual_seed(2)
+        trainer = GLM5ForCausalLM(GLM5Config.tiny(index_topk=8))
+        state = trainer.state_dict()
+        assert len(list(buckets(state, 1 << 18))) > 1  # several buckets: each a call and a broadcast
+        replicas = OneReplica(client)
+        sync = DistributedWeightSync(replicas, bucket_bytes=1 << 18, timeout_s=120)
+        sync.push(trainer, 5)
+        sync.shutdown()
+        assert replicas.failed == [] and sync.failed_pushes == 0, sync.last_error
+        assert client._call("GET", "/get_weight_version") == {"weight_version": "5"}
+        parent.send(str(tmp_path / "engine.safetensors"))
+        assert parent.poll(60) and parent.recv() == "saved"
+        engine = load_file(str(tmp_path / "engine.safetensors"))
+        assert set(engine) == set(state)
+        assert all(torch.equal(engine[k], state[k]) for k in state), "engine weights differ from the trainer's"
+        parent.send("stop")
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_glm5_serve_refuses_bad_flags_with_one_line(tmp_path, capsys):
+    assert main(["serve", "--checkpoint", str(tmp_path), "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--port" in err[0]
+    assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0", "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing" in err[0]
