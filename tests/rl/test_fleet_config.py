@@ -57,7 +57,8 @@ def test_push_every_beyond_the_staleness_bound_is_refused_in_one_line():
     config_from_dict(base(train__optim={"push_every": 2}))  # max_staleness 1: a push every 2 steps keeps up
     with pytest.raises(ValueError) as err:
         config_from_dict(base(train__optim={"push_every": 3}))
-    assert "push_every=3 > train.max_staleness + 1 = 2" in str(err.value) and "\n" not in str(err.value)
+    assert "train.optim.push_every: expected <= train.max_staleness + 1 = 2" in str(err.value)
+    assert "got 3" in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("key,value,match", [
