@@ -33,9 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
-
-from _results import write_json
+from typing import Callable, Dict, List, Tuple
 
 KEEP = ("steps", "elapsed_s", "trained_tokens", "trained_tokens_per_s", "context_tokens_per_s",
         "trainer_idle_ratio", "rollout_idle_ratio", "staleness_histogram", "dropped_stale", "prefill_tokens",
@@ -98,7 +96,10 @@ def load_sections(path: str) -> Dict:
     import yaml
 
     with open(path, "r", encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config: {path!r} is not valid YAML: {exc}".replace("\n", " ")) from None
     if not isinstance(data, dict):
         raise ValueError(f"--config: expected a YAML mapping in {path!r}, got {type(data).__name__}")
     return data
@@ -138,6 +139,11 @@ def measure(base: Dict, args, mode: str, steps: int) -> Dict:
     return row
 
 
+def round_orders(repeats: int) -> List[Tuple[str, ...]]:
+    """Mode order of each repeat: sync first, then async first, alternating."""
+    return [MODES if repeat % 2 == 0 else MODES[::-1] for repeat in range(repeats)]
+
+
 def median(values: List[float]) -> float:
     values = sorted(values)
     n = len(values)
@@ -163,16 +169,19 @@ def main() -> int:
     try:
         base = load_sections(args.config)
         run_config(base, args, "async", args.steps, tempfile.gettempdir())  # bad config / flags: one line, exit 2
-    except (OSError, ValueError, TypeError) as exc:
+    except OSError as exc:
+        parser.exit(2, f"--config: {exc}\n")
+    except (ValueError, TypeError) as exc:
         parser.exit(2, f"{exc}\n")
+    from _results import write_json  # benchmarks/ (the script's folder) is on sys.path when run as a script
+
     if args.warmup_steps:
         for mode in MODES:
             measure(base, args, mode, args.warmup_steps)
             print(f"warm-up {mode} done", flush=True)
     runs = {mode: [] for mode in MODES}
     orders = []
-    for repeat in range(args.repeats):
-        order = MODES if repeat % 2 == 0 else MODES[::-1]
+    for repeat, order in enumerate(round_orders(args.repeats)):
         orders.append(list(order))
         for mode in order:
             row = measure(base, args, mode, args.steps)
