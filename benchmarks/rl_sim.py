@@ -11,8 +11,8 @@ Cost model (per accelerator):
 The default pause is 0, as in glm5_core's RolloutEngine: the server thread reads the new file while decode
 goes on and the engine swaps the tensors in between two decode steps (an in-memory copy, small next to a
 decode step at this scale). Set it to model a weight update that stops generation (e.g. a collective
-broadcast into the engines). ``--calibrate`` (default) measures dec_fixed / dec_per_seq / train_per_token on
-the tiny model on this machine (RolloutEngine decode steps at batch 1 and ``--engine-batch``;
+broadcast into the engines). Without ``--cost`` the script calibrates dec_fixed / dec_per_seq / train_per_token
+on the tiny model on this machine (RolloutEngine decode steps at batch 1 and ``--engine-batch``;
 Trainer-equivalent forward+backward per token); ``--cost FILE`` reads them instead (a cost JSON, or an
 earlier result of this script, whose ``cost_model`` is used). The cluster has ``--rollout`` engine
 accelerators and ``--train`` training accelerators.
