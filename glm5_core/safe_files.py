@@ -30,6 +30,18 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def checkpoint_root(directory: PathLike) -> str:
+    """The folder a checkpoint directory's files must resolve into: the directory itself, or, for a Hugging
+    Face hub cache snapshot (``<repo>/snapshots/<revision>/``, whose files are links to ``<repo>/blobs/``),
+    the repo folder."""
+    real = os.path.realpath(os.fspath(directory))
+    parent = os.path.dirname(real)
+    repo = os.path.dirname(parent)
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return real
+
+
 def checked_path(path: PathLike, *, root: PathLike, max_bytes: Optional[int] = None) -> str:
     """The resolved path of ``path`` once it is known to be a regular file inside ``root`` of at most
     ``max_bytes`` bytes (None: any size). Raises FileNotFoundError or ValueError naming the file."""
