@@ -38,11 +38,10 @@ from glm5_core.model.checkpoint import header_specs
 from glm5_core.optim.muon import Muon
 from glm5_core.safe_files import check_finite, open_safetensors, parse_json, read_json
 from glm5_core.train import checkpoint_folders as folders
-from glm5_core.train.checkpoint_folders import LATEST, resolve_checkpoint  # noqa: F401  (re-exported)
+from glm5_core.train.checkpoint_folders import LATEST, MAX_STATE_BYTES, resolve_checkpoint  # noqa: F401
 from glm5_core.train.fsdp import full_state_dict, full_tensor, is_dtensor, local_part, stored_name, tied_groups
 
 FORMAT_VERSION = 1
-MAX_STATE_BYTES = 16 * 1024 * 1024  # trainer_state.json: a step, a data position, 625 Python RNG words
 MAX_RNG_BYTES = 16 * 1024 * 1024  # rng.safetensors: a few KB per device
 TensorSpec = Tuple[Tuple[int, ...], torch.dtype]
 

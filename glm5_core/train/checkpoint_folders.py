@@ -34,13 +34,14 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from glm5_core.safe_files import read_bytes
+from glm5_core.safe_files import read_bytes, read_json
 
 LATEST = "latest"
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json")
 MAX_LATEST_BYTES = 1024 * 1024
+MAX_STATE_BYTES = 16 * 1024 * 1024  # trainer_state.json: a step, a data position, 625 Python RNG words
 _STEP = re.compile(r"step_\d{8,12}")
 _LEFTOVER = re.compile(r"\.(tmp|old)-(step_\d{8,12})-(\d{1,10})")
 _LATEST_TMP = re.compile(r"\.latest\.tmp-(\d{1,10})")
@@ -176,36 +177,51 @@ def publish(root: Path, tmp: Path, step: int, *, keep_last: int, history: Sequen
     return final
 
 
+def _fully_written(folder: Path, name: str) -> bool:
+    """Whether a stopped writer's temporary folder got past its last file: every file is there and
+    trainer_state.json (written last) is whole and names this step."""
+    if not is_complete(folder):
+        return False
+    try:
+        state = read_json(folder / "trainer_state.json", root=folder, max_bytes=MAX_STATE_BYTES)
+    except (ValueError, OSError):
+        return False
+    return isinstance(state, dict) and state.get("step") == int(name[len("step_"):])
+
+
 def recover(root: Path, log: Log = _stderr) -> None:
-    """Finish what stopped writers left in ``root``: a step set aside while it was replaced goes back in place
-    (the complete new folder if there is one, else the old), unfinished temporary folders and files go. Only
-    the writing rank calls this, before anything else reads ``root``."""
+    """Finish what stopped writers left in ``root``. A step that is missing although it was set aside or
+    ``latest`` names it goes back in place: the writer's new folder if it was fully written, else the folder
+    set aside. Then every leftover of a stopped writer goes (half-written folders, set-aside folders,
+    ``.latest.tmp-`` files). Only the writing rank calls this, before anything else reads ``root``."""
     if not root.is_dir() or root.is_symlink():
         return
-    leftovers = []
+    try:
+        named = set(read_history(root))
+    except ValueError:
+        named = set()
+    leftovers: Dict[Tuple[str, str], Dict[str, Path]] = {}  # (step folder, writer pid) -> {"tmp"/"old": path}
     for entry in sorted(root.iterdir()):
         match = _LEFTOVER.fullmatch(entry.name)
         if match and not _writer_running(int(match.group(3))):
-            leftovers.append((match.group(1), match.group(2), match.group(3), entry))
+            leftovers.setdefault((match.group(2), match.group(3)), {})[match.group(1)] = entry
         latest_tmp = _LATEST_TMP.fullmatch(entry.name)
         if latest_tmp and not _writer_running(int(latest_tmp.group(1))):
             entry.unlink(missing_ok=True)
-    for kind, name, pid, aside in leftovers:
-        if kind != "old":
-            continue
-        final, new = root / name, root / f".tmp-{name}-{pid}"
-        if not os.path.lexists(final):
-            source = new if is_complete(new) else aside
-            os.rename(source, final)
-            log(f"checkpoint: {final} was being replaced when process {pid} stopped; restored it from {source.name}")
-        if os.path.lexists(aside):
-            _remove(aside)
-    removed = [entry for kind, _, _, entry in leftovers if kind == "tmp" and os.path.lexists(entry)]
+    removed = []
+    for (name, pid), found in leftovers.items():
+        final, new, old = root / name, found.get("tmp"), found.get("old")
+        if not os.path.lexists(final) and (old is not None or name in named):
+            source = new if new is not None and _fully_written(new, name) else old
+            if source is not None:
+                os.rename(source, final)
+                log(f"checkpoint: {final} was missing when writer {pid} stopped; restored it from {source.name}")
+        removed += [entry for entry in found.values() if os.path.lexists(entry)]
     if removed:
         size = sum(_size(entry) for entry in removed)
         for entry in removed:
             _remove(entry)
-        log(f"checkpoint: removed {len(removed)} unfinished checkpoint folder(s) of stopped processes from {root} "
+        log(f"checkpoint: removed {len(removed)} folder(s) left by stopped checkpoint writers in {root} "
             f"({size / 1e6:.1f} MB)")
     _fsync(root)
 
