@@ -144,7 +144,9 @@ def lineage(root: Path, folder: Path) -> List[str]:
         history = read_history(root)
     except ValueError:
         history = []
-    return history[history.index(folder.name):] if folder.name in history else [folder.name]
+    if folder.name in history:
+        return history[history.index(folder.name):]
+    return [folder.name] if _STEP.fullmatch(folder.name) else []
 
 
 # ---------------------------------------------------------------------------------- write
@@ -189,6 +191,25 @@ def _fully_written(folder: Path, name: str) -> bool:
     return isinstance(state, dict) and state.get("step") == int(name[len("step_"):])
 
 
+def _stopped_writers(root: Path) -> Dict[Tuple[str, str], Dict[str, Path]]:
+    """What writers that are not running left: {(step folder, writer pid): {"tmp" / "old": folder}}."""
+    leftovers: Dict[Tuple[str, str], Dict[str, Path]] = {}
+    for entry in sorted(root.iterdir()):
+        match = _LEFTOVER.fullmatch(entry.name)
+        if match and not _writer_running(int(match.group(3))):
+            leftovers.setdefault((match.group(2), match.group(3)), {})[match.group(1)] = entry
+    return leftovers
+
+
+def _stand_in(name: str, found: Dict[str, Path]) -> Optional[Path]:
+    """What stands in for a missing step folder a stopped writer was replacing or writing: its new folder if
+    fully written, else the complete folder it set aside."""
+    new, old = found.get("tmp"), found.get("old")
+    if new is not None and _fully_written(new, name):
+        return new
+    return old if old is not None and is_complete(old) else None
+
+
 def recover(root: Path, log: Log = _stderr) -> None:
     """Finish what stopped writers left in ``root``. A step that is missing although it was set aside or
     ``latest`` names it goes back in place: the writer's new folder if it was fully written, else the folder
@@ -200,19 +221,15 @@ def recover(root: Path, log: Log = _stderr) -> None:
         named = set(read_history(root))
     except ValueError:
         named = set()
-    leftovers: Dict[Tuple[str, str], Dict[str, Path]] = {}  # (step folder, writer pid) -> {"tmp"/"old": path}
-    for entry in sorted(root.iterdir()):
-        match = _LEFTOVER.fullmatch(entry.name)
-        if match and not _writer_running(int(match.group(3))):
-            leftovers.setdefault((match.group(2), match.group(3)), {})[match.group(1)] = entry
+    for entry in root.iterdir():
         latest_tmp = _LATEST_TMP.fullmatch(entry.name)
         if latest_tmp and not _writer_running(int(latest_tmp.group(1))):
             entry.unlink(missing_ok=True)
     removed = []
-    for (name, pid), found in leftovers.items():
-        final, new, old = root / name, found.get("tmp"), found.get("old")
-        if not os.path.lexists(final) and (old is not None or name in named):
-            source = new if new is not None and _fully_written(new, name) else old
+    for (name, pid), found in _stopped_writers(root).items():
+        final = root / name
+        if not os.path.lexists(final) and ("old" in found or name in named):
+            source = _stand_in(name, found)
             if source is not None:
                 os.rename(source, final)
                 log(f"checkpoint: {final} was missing when writer {pid} stopped; restored it from {source.name}")
@@ -263,6 +280,13 @@ def _latest_folder(root: Path, log: Log) -> Path:
                          f"expected a checkpoint folder inside {root}")
     if is_complete(named):
         return named
+    if not os.path.lexists(named):  # a writer stopped while replacing it (recover() puts it back in place)
+        for (name, pid), found in _stopped_writers(root).items():
+            stand_in = _stand_in(name, found) if name == named.name else None
+            if stand_in is not None:
+                log(f"resume: {root / LATEST} names {named.name}, which writer {pid} was replacing when it "
+                    f"stopped; resuming from {stand_in.name}, what it left")
+                return stand_in
     fallback = _newest_complete(root, names[1:])
     if fallback is None:
         raise ValueError(f"--resume: {root / LATEST} names {names[0]!r}, which is missing or incomplete, and "
