@@ -91,18 +91,17 @@ def read_bytes(path: PathLike, *, root: PathLike, max_bytes: int) -> bytes:
 
 def check_json_depth(data: Union[bytes, str], what: str, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Refuse JSON text nested deeper than ``max_depth`` arrays / objects, without recursing: strings are
-    cut out, the brackets kept, and each pass removes every innermost pair (one level). Whatever is left
-    after ``max_depth`` passes is nesting deeper than that, or brackets that do not pair."""
+    cut out, the brackets kept, and each pass removes every innermost pair (one level). Pairs left after
+    ``max_depth`` passes are deeper nesting; more unpaired brackets than that are refused too (a few are
+    left to ``json.loads``, which reports them with a position)."""
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
     skeleton = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS).translate(_BRACKETS)
     for _ in range(max_depth):
-        if not skeleton:
-            return
         reduced = skeleton.replace(b"()", b"")
         if len(reduced) == len(skeleton):
             break
         skeleton = reduced
-    if len(skeleton) > max_depth:  # a few unpaired brackets are left to json.loads to report with a position
+    if b"()" in skeleton or len(skeleton) > max_depth:
         raise ValueError(f"{what}: expected JSON nested at most {max_depth} levels deep, got deeper nesting "
                          f"(or unbalanced brackets)")
 

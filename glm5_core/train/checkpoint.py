@@ -173,6 +173,29 @@ def _check_state_values(where: str, entries: Dict[str, torch.Tensor], path: Path
             check_finite(f"{where} {key}", value, f"checkpoint: {path.name}")
 
 
+def _read_part(f, part: str, sd: dict, stored: Dict[int, Dict[str, str]], specs: Dict[str, TensorSpec],
+               want: List[dict], opt: torch.optim.Optimizer, param_names: Dict[int, str], path: Path) -> None:
+    """One optimizer part of an open ``optimizer.safetensors``: its groups, then each parameter's state from
+    the header, then read (and cut to this rank's shard) into ``sd["state"]``."""
+    _check_groups(part, sd["param_groups"], want)
+    _check_hyper(part, sd["param_groups"], opt)
+    by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
+             for pid, param in zip(g["params"], group["params"])}
+    unknown = sorted(set(stored) - set(by_id))
+    if unknown:
+        raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {unknown[0]}, "
+                         f"this model has {len(by_id)}")
+    for pid, names in stored.items():
+        param, group = by_id[pid]
+        where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
+        _check_state(where, {key: specs[name] for key, name in names.items()}, param, _state_keys(opt, group))
+        entries = {key: f.get_tensor(name) for key, name in names.items()}
+        _check_state_values(where, entries, path)
+        if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
+            entries = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
+        sd["state"][pid] = entries
+
+
 def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> Dict[str, dict]:
     """Read and validate ``optimizer.safetensors`` against ``optimizer`` (a HybridOptimizer) before any of it is
     loaded: group ids and identity, state keys, and each state tensor's shape and dtype against its parameter.
@@ -198,25 +221,11 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
                 raise ValueError(f"checkpoint: unexpected optimizer tensor {name!r} in {path}")
             stored[part].setdefault(int(pid), {})[key] = name
         for part, sd in out.items():
-            want = expected[part]["param_groups"]
-            _check_groups(part, sd["param_groups"], want)
-            opt = optimizer.optimizers[part]
-            _check_hyper(part, sd["param_groups"], opt)
-            by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
-                     for pid, param in zip(g["params"], group["params"])}
-            unknown = sorted(set(stored[part]) - set(by_id))
-            if unknown:
-                raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {unknown[0]}, "
-                                 f"this model has {len(by_id)}")
-            for pid, names in stored[part].items():
-                param, group = by_id[pid]
-                where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
-                _check_state(where, {key: specs[name] for key, name in names.items()}, param, _state_keys(opt, group))
-                entries = {key: f.get_tensor(name) for key, name in names.items()}
-                _check_state_values(where, entries, path)
-                if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
-                    entries = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
-                sd["state"][pid] = entries
+            try:
+                _read_part(f, part, sd, stored[part], specs, expected[part]["param_groups"],
+                           optimizer.optimizers[part], param_names, path)
+            except ValueError as exc:  # the checks name the part, parameter and key; add the file
+                raise ValueError(str(exc) if path.name in str(exc) else f"{exc} in {path}") from None
     return out
 
 
@@ -227,12 +236,12 @@ def _check_model_file(path: Path, model: torch.nn.Module, root: Path) -> None:
         specs = header_specs(f, path.name)
     unexpected = sorted(set(specs) - set(expected))
     if unexpected:
-        raise ValueError(f"checkpoint: model tensors do not match this model (unexpected {unexpected[:3]})")
+        raise ValueError(f"checkpoint: model tensors do not match this model (unexpected {unexpected[:3]}) in {path}")
     for name, (shape, dtype) in specs.items():
         want = expected[name]
         if shape != tuple(want.shape) or dtype != want.dtype:
             raise ValueError(f"checkpoint: model tensors do not match this model ({name}: expected {want.dtype} of "
-                             f"shape {tuple(want.shape)}, got {dtype} of shape {shape})")
+                             f"shape {tuple(want.shape)}, got {dtype} of shape {shape}) in {path}")
 
 
 def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torch.Tensor]:
@@ -294,10 +303,10 @@ def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = Fa
         missing, unexpected = _load_model(model, path, root)
     except RuntimeError as exc:  # shape mismatches
         reason = str(exc).splitlines()[-1].strip()
-        raise ValueError(f"checkpoint: model tensors do not match this model ({reason})") from None
+        raise ValueError(f"checkpoint: model tensors do not match this model ({reason}) in {path}") from None
     if missing or unexpected:
         raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]})")
+                         f"unexpected {sorted(unexpected)[:3]}) in {path}")
 
 
 def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
@@ -419,19 +428,22 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     path = Path(path)
     state_path = path / "trainer_state.json"
     state = read_json(state_path, root=path, max_bytes=MAX_STATE_BYTES)
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        version = state.get("format_version") if isinstance(state, dict) else "?"
-        raise ValueError(f"checkpoint: {path} has format_version {version}, expected {FORMAT_VERSION}")
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint: {state_path}: expected a JSON object, got {type(state).__name__}")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint: {state_path} format_version: expected {FORMAT_VERSION}, "
+                         f"got {state.get('format_version')!r:.60}")
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:
-        raise ValueError(f"checkpoint: step expected an int in [0, {total_steps}], got {step!r}")
+        raise ValueError(f"checkpoint: {state_path} step: expected an int in [0, {total_steps}], got {step!r:.60}")
     saved_world = state.get("world_size")
     if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
-        raise ValueError(f"checkpoint: world_size expected an int >= 1, got {saved_world!r}")
+        raise ValueError(f"checkpoint: {state_path} world_size: expected an int >= 1, got {saved_world!r:.60}")
     # Every rank reads the same global batch and takes its rows of it, so the data order does not depend on
     # the world size: any world size that divides the batch (checked by the trainer) may resume.
     if not isinstance(state.get("data"), dict):
-        raise ValueError(f"checkpoint: {path} lacks the data position")
+        raise ValueError(f"checkpoint: {state_path} data: expected the data position (an object), "
+                         f"got {state.get('data')!r:.60}")
     python_rng = _python_rng_state(state.get("python_rng"), state_path)
     _check_model_file(path / "model.safetensors", model, path)
     param_names = {id(p): name for name, p in model.named_parameters()}
