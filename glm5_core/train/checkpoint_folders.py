@@ -15,10 +15,12 @@ Inside a checkpoints root (``<output_dir>/checkpoints``):
   3. replace ``latest`` atomically: ``step_N``, then the run's earlier checkpoints, cut to ``keep_last``
   4. delete ``.old-step_N-PID``, then the checkpoints cut from the history
 So the folder ``latest`` names is complete at every moment, except after a kill between 1 and 2, when it
-lies aside with the complete new data in ``.tmp-``: :func:`recover` puts that in place. It runs on the
-writing rank before every write and at the start of every run, and also removes what stopped processes left
-(half-written ``.tmp-`` folders, ``.latest.tmp-`` files), whatever their PID: the writer's own PID counts as
-stopped there (it is not writing yet, and in a container a restarted run often has the same PID).
+lies aside with the complete new data in ``.tmp-``: a resume then reads that (:func:`resolve_checkpoint`), and
+:func:`recover` puts it in place. ``recover`` runs on the writing rank at the start of every run and before
+every write, and also removes what stopped writers left (half-written ``.tmp-`` folders, set-aside folders,
+``.latest.tmp-`` files), whatever their PID: the writer's own PID counts as stopped there (it is not writing
+yet, and in a container a restarted run often has the same PID). A folder ``latest`` names that is missing
+or incomplete otherwise (deleted files) is replaced by the newest complete one, and the resume says so.
 
 Kept by write history, never by name: a fresh run into a folder holding an earlier run's step_00000900
 writes step_00000100 and keeps it (sorting names would delete it at once). Pruning deletes only checkpoints

@@ -10,6 +10,8 @@ import shutil
 import signal
 import struct
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,7 @@ def _damage(root: Path, kind: str, file: str, arg) -> str:
     elif kind == "fifo":
         path.unlink()
         os.mkfifo(path)
+        unblock_readers_later(path)
     elif kind == "sparse":
         with open(path, "r+b") as f:
             f.truncate(arg)
@@ -161,6 +164,18 @@ def _damage(root: Path, kind: str, file: str, arg) -> str:
         path.write_text(json.dumps(state))
         return f"trainer_state.json {key}"  # the file and the key
     return file
+
+
+def unblock_readers_later(fifo: Path, after_s: float = 10.0) -> None:
+    """A reader blocked opening the FIFO (inside native code, where SIGALRM cannot reach) is let go after
+    ``after_s`` by opening the writing end, so a regression fails the example instead of hanging it."""
+    def release():
+        time.sleep(after_s)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
+        except OSError:
+            pass
+    threading.Thread(target=release, daemon=True).start()
 
 
 def _alarm(signum, frame):

@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,19 @@ def _link(path: Path, target) -> None:
 def _fifo(path: Path) -> None:
     path.unlink()
     os.mkfifo(path)
+    unblock_readers_later(path)
+
+
+def unblock_readers_later(fifo: Path, after_s: float = 10.0) -> None:
+    """A reader blocked opening the FIFO (a hang inside native code, where SIGALRM cannot reach) is let go
+    after ``after_s`` by opening the writing end, so a regression fails the test instead of hanging it."""
+    def release():
+        time.sleep(after_s)
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
+        except OSError:
+            pass
+    threading.Thread(target=release, daemon=True).start()
 
 
 def _sparse(path: Path, size: int) -> None:
