@@ -74,7 +74,7 @@ def read_bytes(path: PathLike, *, root: PathLike, max_bytes: int) -> bytes:
     """The bytes of a regular file inside ``root``, at most ``max_bytes`` of them (more is a ValueError)."""
     real = checked_path(path, root=root, max_bytes=max_bytes)
     try:  # O_NONBLOCK: a FIFO swapped in after the check opens at once instead of blocking; fstat refuses it
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ValueError(f"{os.fspath(path)}: cannot open ({exc.strerror or exc})") from None
     with os.fdopen(fd, "rb") as f:

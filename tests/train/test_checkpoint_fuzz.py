@@ -9,9 +9,9 @@ import os
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -166,16 +166,21 @@ def _damage(root: Path, kind: str, file: str, arg) -> str:
     return file
 
 
+_RELEASE = """
+import os, sys, time
+time.sleep(float(sys.argv[2]))
+try:
+    os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
+except OSError:
+    pass
+"""
+
+
 def unblock_readers_later(fifo: Path, after_s: float = 10.0) -> None:
-    """A reader blocked opening the FIFO (inside native code, where SIGALRM cannot reach) is let go after
-    ``after_s`` by opening the writing end, so a regression fails the example instead of hanging it."""
-    def release():
-        time.sleep(after_s)
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
-        except OSError:
-            pass
-    threading.Thread(target=release, daemon=True).start()
+    """A reader blocked opening the FIFO (inside native code that holds the GIL, where neither SIGALRM nor a
+    thread can reach) is let go after ``after_s`` by a process that opens the writing end, so a regression
+    fails the example instead of hanging it."""
+    subprocess.Popen([sys.executable, "-S", "-c", _RELEASE, str(fifo), str(after_s)])
 
 
 def _alarm(signum, frame):
