@@ -19,6 +19,7 @@ import torch
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.modeling import GLM5ForCausalLM
 from glm5_core.model.rope import RotaryEmbedding
+from glm5_core.safe_files import check_finite, checkpoint_root, open_safetensors, read_json
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,16 +49,9 @@ def _atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def _read_json(path: str, what: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{what}: {path} does not exist")
-    size = os.path.getsize(path)
-    if size > MAX_JSON_BYTES:
-        raise ValueError(f"{what}: expected a JSON file under {MAX_JSON_BYTES} bytes, got {size} bytes ({path})")
-    with open(path, "r", encoding="utf-8") as f:
-        try:
-            value = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{what}: {path} is not valid JSON ({exc})") from None
+    value = read_json(path, root=checkpoint_root(os.path.dirname(path)), max_bytes=MAX_JSON_BYTES)
     if not isinstance(value, dict):
         raise ValueError(f"{what}: expected a JSON object in {path}, got {type(value).__name__}")
     return value
@@ -131,7 +125,7 @@ def _weight_map(path: str) -> Dict[str, str]:
 def _shard_files(path: str, weight_map: Dict[str, str]) -> List[str]:
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
     for file in files:
-        if not os.path.isfile(os.path.join(path, file)):
+        if not os.path.lexists(os.path.join(path, file)):
             raise FileNotFoundError(f"{INDEX_NAME}: shard {file} is listed but missing from {path}")
     return files
 
@@ -151,25 +145,20 @@ def header_specs(handle, file: str) -> Dict[str, TensorSpec]:
 
 def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec]:
     """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
-    from safetensors import SafetensorError, safe_open
-
     specs: Dict[str, TensorSpec] = {}
     for file in _shard_files(path, weight_map):
-        try:
-            with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
-                names = set(f.keys())
-                if weight_map:
-                    listed = {k for k, v in weight_map.items() if v == file}
-                    if names != listed:
-                        extra, missing = sorted(names - listed), sorted(listed - names)
-                        raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
-                                         f"{extra[:5]}, in the index but not the file {missing[:5]}")
-                for name, spec in header_specs(f, file).items():
-                    if name in specs:
-                        raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
-                    specs[name] = spec
-        except SafetensorError as exc:
-            raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
+        with open_safetensors(os.path.join(path, file), root=checkpoint_root(path)) as f:
+            names = set(f.keys())
+            if weight_map:
+                listed = {k for k, v in weight_map.items() if v == file}
+                if names != listed:
+                    extra, missing = sorted(names - listed), sorted(listed - names)
+                    raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
+                                     f"{extra[:5]}, in the index but not the file {missing[:5]}")
+            for name, spec in header_specs(f, file).items():
+                if name in specs:
+                    raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
+                specs[name] = spec
     return specs
 
 
@@ -218,15 +207,13 @@ def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tenso
 
 
 def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
+    """Every tensor's data; NaN / Inf weights are refused here, naming the tensor."""
     tensors: Dict[str, torch.Tensor] = {}
     for file in _shard_files(path, weight_map):
-        try:
-            with safe_open(os.path.join(path, file), framework="pt", device="cpu") as f:
-                tensors.update({name: f.get_tensor(name) for name in f.keys()})
-        except SafetensorError as exc:
-            raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
+        with open_safetensors(os.path.join(path, file), root=checkpoint_root(path)) as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+                check_finite(name, tensors[name], f"checkpoint: {file}")
     return tensors
 
 

@@ -78,7 +78,7 @@ def _policy_from_preset(cfg: RLConfig, checkpoint: Optional[str], backend: Optio
     model = GLM5ForCausalLM(GLM5Config.tiny(**cfg.model.get("overrides", {})), backend=backend)
     if checkpoint:  # a `glm5 pretrain` checkpoint folder: model.safetensors, architecture from model.preset
         weights = os.path.join(checkpoint, "model.safetensors")
-        if not os.path.isfile(weights):
+        if not os.path.lexists(weights):  # a FIFO or a link out of the folder is refused by load_model_weights
             raise FileNotFoundError(f"--checkpoint: expected config.json (save_pretrained) or model.safetensors "
                                     f"(glm5 pretrain) in {checkpoint!r}")
         from glm5_core.train.checkpoint import load_model_weights

@@ -7,7 +7,12 @@ Layout of ``<output_dir>/checkpoints/step_00000042/``:
   rng.safetensors         torch CPU (and accelerator) RNG states as uint8 tensors
   trainer_state.json      step, data position, Python RNG state, world size, format version
 A checkpoint is written into a temporary folder, every file fsynced, then renamed into place; ``latest``
-(a one-line file naming the newest checkpoint) is replaced atomically afterwards.
+(the run's checkpoints, newest first, one name a line) is replaced atomically afterwards. Which folders are
+kept, how a re-written step is replaced and what a killed writer leaves: ``checkpoint_folders.py``.
+
+Every file is read as untrusted (``glm5_core.safe_files``): regular files inside the checkpoint folder,
+size-capped JSON of bounded depth, safetensors headers checked against the model before any tensor is read,
+loaded weights and optimizer state finite; anything else is a ValueError naming the file and tensor or key.
 
 Tensors are always whole: a sharded (FSDP2) run gathers every DTensor (all ranks take part) and rank 0
 writes the very files a DDP or single-process run writes. Tied weights (``tie_word_embeddings``) are stored
@@ -22,21 +27,23 @@ import json
 import math
 import os
 import random
-import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5_core.model.checkpoint import header_specs
 from glm5_core.optim.muon import Muon
+from glm5_core.safe_files import check_finite, open_safetensors, parse_json, read_json
+from glm5_core.train import checkpoint_folders as folders
+from glm5_core.train.checkpoint_folders import LATEST, MAX_STATE_BYTES, resolve_checkpoint  # noqa: F401
 from glm5_core.train.fsdp import full_state_dict, full_tensor, is_dtensor, local_part, stored_name, tied_groups
 
 FORMAT_VERSION = 1
-LATEST = "latest"
+MAX_RNG_BYTES = 16 * 1024 * 1024  # rng.safetensors: a few KB per device
+TensorSpec = Tuple[Tuple[int, ...], torch.dtype]
 
 
 def _fsync(path: Path) -> None:
@@ -140,20 +147,53 @@ def _state_keys(opt: torch.optim.Optimizer, group: dict) -> Optional[set]:
     return None
 
 
-def _check_state(where: str, entries: Dict[str, torch.Tensor], param: torch.Tensor, keys: Optional[set]) -> None:
-    """One parameter's saved state: the keys its optimizer keeps, a scalar step, the rest shaped like it."""
-    if keys is not None and set(entries) != keys:
-        raise ValueError(f"checkpoint: optimizer state of {where}: expected keys {sorted(keys)}, got {sorted(entries)}")
+def _check_state(where: str, specs: Dict[str, TensorSpec], param: torch.Tensor, keys: Optional[set]) -> None:
+    """One parameter's saved state, from the file's header (before any of it is read): the keys its
+    optimizer keeps, a scalar step, the rest shaped like the parameter."""
+    if keys is not None and set(specs) != keys:
+        raise ValueError(f"checkpoint: optimizer state of {where}: expected keys {sorted(keys)}, got {sorted(specs)}")
+    for key, (shape, dtype) in specs.items():
+        if key == "step":
+            if shape != () or dtype == torch.bool:
+                raise ValueError(f"checkpoint: optimizer state of {where} step: expected a finite scalar >= 0, got "
+                                 f"{dtype} of shape {shape}")
+        elif shape != tuple(param.shape) or dtype != param.dtype:
+            raise ValueError(f"checkpoint: optimizer state of {where} {key}: expected {param.dtype} of shape "
+                             f"{tuple(param.shape)}, got {dtype} of shape {shape}")
+
+
+def _check_state_values(where: str, entries: Dict[str, torch.Tensor], path: Path) -> None:
+    """The values read: a step >= 0, every state tensor finite (a NaN moment would poison every later step)."""
     for key, value in entries.items():
         if key == "step":
-            if value.dim() != 0 or value.dtype == torch.bool or value.is_complex() or \
-                    not math.isfinite(float(value)) or float(value) < 0:
+            if not math.isfinite(float(value)) or float(value) < 0:
                 raise ValueError(f"checkpoint: optimizer state of {where} step: expected a finite scalar >= 0, got "
-                                 f"{value.dtype} of shape {tuple(value.shape)}"
-                                 f"{f' = {float(value)}' if value.numel() == 1 else ''}")
-        elif tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
-            raise ValueError(f"checkpoint: optimizer state of {where} {key}: expected {param.dtype} of shape "
-                             f"{tuple(param.shape)}, got {value.dtype} of shape {tuple(value.shape)}")
+                                 f"{value.dtype} of shape {tuple(value.shape)} = {float(value)}")
+        else:
+            check_finite(f"{where} {key}", value, f"checkpoint: {path.name}")
+
+
+def _read_part(f, part: str, sd: dict, stored: Dict[int, Dict[str, str]], specs: Dict[str, TensorSpec],
+               want: List[dict], opt: torch.optim.Optimizer, param_names: Dict[int, str], path: Path) -> None:
+    """One optimizer part of an open ``optimizer.safetensors``: its groups, then each parameter's state from
+    the header, then read (and cut to this rank's shard) into ``sd["state"]``."""
+    _check_groups(part, sd["param_groups"], want)
+    _check_hyper(part, sd["param_groups"], opt)
+    by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
+             for pid, param in zip(g["params"], group["params"])}
+    unknown = sorted(set(stored) - set(by_id))
+    if unknown:
+        raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {unknown[0]}, "
+                         f"this model has {len(by_id)}")
+    for pid, names in stored.items():
+        param, group = by_id[pid]
+        where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
+        _check_state(where, {key: specs[name] for key, name in names.items()}, param, _state_keys(opt, group))
+        entries = {key: f.get_tensor(name) for key, name in names.items()}
+        _check_state_values(where, entries, path)
+        if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
+            entries = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
+        sd["state"][pid] = entries
 
 
 def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> Dict[str, dict]:
@@ -164,57 +204,44 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
     at once: a rank never holds more than one parameter's whole state (reading all of it first held the
     whole optimizer state on every rank of a node at the same time)."""
     expected = optimizer.state_dict()
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        try:
-            groups = json.loads(meta["param_groups"])
-        except (KeyError, json.JSONDecodeError):
-            raise ValueError(f"checkpoint: {path} lacks valid param_groups metadata") from None
+    with open_safetensors(path, root=path.parent) as f:
+        meta = f.metadata()
+        if not isinstance(meta.get("param_groups"), str):
+            raise ValueError(f"checkpoint: {path} lacks valid param_groups metadata")
+        groups = parse_json(meta["param_groups"], f"checkpoint: {path} metadata param_groups")
         if not isinstance(groups, dict):
             raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, "
                              f"got {type(groups).__name__}")
         out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
         stored: Dict[str, Dict[int, Dict[str, str]]] = {part: {} for part in expected}  # part -> pid -> key -> name
-        for name in f.keys():
+        specs = header_specs(f, path.name)
+        for name in specs:
             part, pid, key = (name.split("/") + ["", ""])[:3]
             if part not in out or not pid.isdigit() or len(pid) > 9 or not key:
                 raise ValueError(f"checkpoint: unexpected optimizer tensor {name!r} in {path}")
             stored[part].setdefault(int(pid), {})[key] = name
         for part, sd in out.items():
-            want = expected[part]["param_groups"]
-            _check_groups(part, sd["param_groups"], want)
-            opt = optimizer.optimizers[part]
-            _check_hyper(part, sd["param_groups"], opt)
-            by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)
-                     for pid, param in zip(g["params"], group["params"])}
-            unknown = sorted(set(stored[part]) - set(by_id))
-            if unknown:
-                raise ValueError(f"checkpoint: optimizer part {part!r} has state for parameter {unknown[0]}, "
-                                 f"this model has {len(by_id)}")
-            for pid, names in stored[part].items():
-                param, group = by_id[pid]
-                entries = {key: f.get_tensor(name) for key, name in names.items()}
-                where = f"{param_names.get(id(param), f'parameter {pid}')} ({part})"
-                _check_state(where, entries, param, _state_keys(opt, group))
-                if is_dtensor(param):  # this rank's shard of each whole state tensor, laid out as the parameter
-                    entries = {k: v if k == "step" else local_part(v, param) for k, v in entries.items()}
-                sd["state"][pid] = entries
+            try:
+                _read_part(f, part, sd, stored[part], specs, expected[part]["param_groups"],
+                           optimizer.optimizers[part], param_names, path)
+            except ValueError as exc:  # the checks name the part, parameter and key; add the file
+                raise ValueError(str(exc) if path.name in str(exc) else f"{exc} in {path}") from None
     return out
 
 
-def _check_model_file(path: Path, model: torch.nn.Module) -> None:
+def _check_model_file(path: Path, model: torch.nn.Module, root: Path) -> None:
     """Names, shapes and dtypes in ``model.safetensors``'s header against ``model``, before reading its data."""
     expected = model.state_dict()
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, root=root) as f:
         specs = header_specs(f, path.name)
     unexpected = sorted(set(specs) - set(expected))
     if unexpected:
-        raise ValueError(f"checkpoint: model tensors do not match this model (unexpected {unexpected[:3]})")
+        raise ValueError(f"checkpoint: model tensors do not match this model (unexpected {unexpected[:3]}) in {path}")
     for name, (shape, dtype) in specs.items():
         want = expected[name]
         if shape != tuple(want.shape) or dtype != want.dtype:
             raise ValueError(f"checkpoint: model tensors do not match this model ({name}: expected {want.dtype} of "
-                             f"shape {tuple(want.shape)}, got {dtype} of shape {shape})")
+                             f"shape {tuple(want.shape)}, got {dtype} of shape {shape}) in {path}")
 
 
 def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torch.Tensor]:
@@ -229,7 +256,7 @@ def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torc
 
 
 @torch.no_grad()
-def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str]]:
+def _load_model(model: torch.nn.Module, path: Path, root: Path) -> Tuple[List[str], List[str]]:
     """Copy each whole tensor of ``path`` into the model: into this rank's shard for a DTensor, whole into a
     plain tensor. A tied group is filled from whichever of its names the file holds (one, as saved; several
     only if they are equal). Returns (missing, unexpected) names; reads nothing when either is non-empty."""
@@ -237,7 +264,7 @@ def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str
     groups: Dict[int, List[str]] = {}
     for name, t in targets.items():
         groups.setdefault(id(t), []).append(name)
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, root=root) as f:
         names = set(f.keys())
         unexpected = sorted(names - set(targets))
         missing = sorted(stored_name(g) for g in groups.values() if names.isdisjoint(g))
@@ -246,6 +273,7 @@ def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str
         for group in groups.values():
             present = sorted(names.intersection(group))
             whole = f.get_tensor(present[0])
+            check_finite(present[0], whole, f"checkpoint: {path}")
             for other in present[1:]:
                 if not torch.equal(f.get_tensor(other), whole):
                     raise ValueError(f"checkpoint: model tensors {present[0]!r} and {other!r} are tied in this "
@@ -261,21 +289,24 @@ def _load_model(model: torch.nn.Module, path: Path) -> Tuple[List[str], List[str
 # ---------------------------------------------------------------------------------- RNG
 
 
-def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = False) -> None:
-    """Load a checkpoint's ``model.safetensors`` (untrusted: names, shapes and dtypes are checked against
-    ``model`` before any data is read) into ``model``, plain or sharded, tied groups filled from one name.
-    Raises ValueError naming what does not match."""
+def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = False,
+                       root: Optional[Path] = None) -> None:
+    """Load a checkpoint's ``model.safetensors`` (untrusted: a regular file inside ``root``, default its folder;
+    names, shapes and dtypes are checked against ``model`` before any data is read, every value read must be
+    finite) into ``model``, plain or sharded, tied groups filled from one name. Raises ValueError naming what
+    does not match."""
     path = Path(path)
+    root = path.parent if root is None else Path(root)
     if not checked:
-        _check_model_file(path, model)
+        _check_model_file(path, model, root)
     try:
-        missing, unexpected = _load_model(model, path)
+        missing, unexpected = _load_model(model, path, root)
     except RuntimeError as exc:  # shape mismatches
-        raise ValueError(f"checkpoint: model tensors do not match this model "
-                         f"({str(exc).splitlines()[-1].strip()})") from None
+        reason = str(exc).splitlines()[-1].strip()
+        raise ValueError(f"checkpoint: model tensors do not match this model ({reason}) in {path}") from None
     if missing or unexpected:
         raise ValueError(f"checkpoint: model tensors do not match this model (missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]})")
+                         f"unexpected {sorted(unexpected)[:3]}) in {path}")
 
 
 def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
@@ -310,7 +341,7 @@ def _device_rng_states(states: Dict[str, torch.Tensor], device_type: str, device
 
 
 def _restore_rng(path: Path, device_type: str) -> None:
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path, root=path.parent, max_bytes=MAX_RNG_BYTES) as f:  # tensors <= the file's size
         states = {k: f.get_tensor(k) for k in f.keys()}
     if "torch_cpu" not in states:
         raise ValueError(f"checkpoint: {path} lacks the torch_cpu RNG state")
@@ -327,58 +358,64 @@ def _restore_rng(path: Path, device_type: str) -> None:
 
 # ---------------------------------------------------------------------------------- save / load
 
+# What a write does, in order; ``on_stage`` is called with each name before it (tests stop the writer there).
+WRITE_STAGES = ("model", "optimizer", "rng", "trainer_state", "fsync", "set_aside", "rename", "latest",
+                "remove_aside", "prune")
+
 
 def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer, data_state: dict,
-                    world_size: int, device_type: str, keep_last: int, write: bool = True) -> Optional[Path]:
-    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep_last``. Returns its folder.
+                    world_size: int, device_type: str, keep_last: int, write: bool = True,
+                    history: Optional[Sequence[str]] = None,
+                    on_stage: Optional[Callable[[str], None]] = None) -> Optional[Path]:
+    """Write checkpoint ``step`` under ``root`` atomically; keep the newest ``keep_last`` of this run's
+    checkpoints. Returns its folder.
 
-    With sharded (DTensor) parameters every rank must call this: the tensors are gathered whole, and only
-    the rank with ``write=True`` writes (the others return None)."""
+    ``history``: this run's earlier checkpoints in ``root``, newest first (a fresh run passes ``[]`` at its
+    first write); None continues the history ``root/latest`` records. Only those are ever pruned (see
+    ``checkpoint_folders.py``). With sharded (DTensor) parameters every rank must call this: the tensors are
+    gathered whole, and only the rank with ``write=True`` writes (the others return None)."""
     model_state = _model_tensors_to_save(model, keep=write)
     optimizer_tensors, optimizer_meta = _flatten_optimizer(optimizer.state_dict(), keep=write)
     if not write:
         return None
+    stage = on_stage or (lambda name: None)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-step_{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    folders.recover(root)  # what a killed earlier writer left (its half-written folder, a step set aside)
+    if history is None:
+        try:
+            history = folders.read_history(root)
+        except ValueError:  # an unreadable `latest` is replaced below; nothing it names is pruned
+            history = []
+    tmp = folders.temp_folder(root, step)
     tmp.mkdir()
+    stage("model")
     save_file(model_state, str(tmp / "model.safetensors"))
+    stage("optimizer")
     save_file(optimizer_tensors, str(tmp / "optimizer.safetensors"), metadata=optimizer_meta)
+    stage("rng")
     save_file(_rng_tensors(device_type), str(tmp / "rng.safetensors"))
+    stage("trainer_state")
     _write_json(tmp / "trainer_state.json", {
         "format_version": FORMAT_VERSION, "step": step, "data": data_state, "world_size": world_size,
         "python_rng": random.getstate(),
     })
+    stage("fsync")
     for f in tmp.iterdir():
         _fsync(f)
     _fsync(tmp)
-    if final.exists():  # a rerun of the same step replaces it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp-{os.getpid()}"
-    latest_tmp.write_text(final.name + "\n", encoding="utf-8")
-    _fsync(latest_tmp)
-    os.replace(latest_tmp, root / LATEST)
-    _fsync(root)
-    for old in sorted(root.glob("step_*"))[:-keep_last]:
-        shutil.rmtree(old)
-    return final
+    return folders.publish(root, tmp, step, keep_last=keep_last, history=history, on_stage=on_stage)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint folder, or a checkpoints root (its ``latest``), or a run's output dir."""
-    for candidate in (path, path / "checkpoints"):
-        if (candidate / "trainer_state.json").is_file():
-            return candidate
-        if (candidate / LATEST).is_file():
-            name = (candidate / LATEST).read_text(encoding="utf-8").strip()
-            if not name.startswith("step_") or "/" in name or not (candidate / name).is_dir():
-                raise ValueError(f"--resume: {candidate / LATEST} names {name!r}, which is not a checkpoint here")
-            return candidate / name
-    raise FileNotFoundError(f"--resume: no checkpoint at {str(path)!r} "
-                            f"(expected trainer_state.json or a 'latest' file)")
+def _python_rng_state(value: Any, path: Path) -> tuple:
+    """``trainer_state.json``'s python_rng as ``random.setstate`` takes it: [version, [625 words], gauss_next]."""
+    ok = (isinstance(value, list) and len(value) == 3 and isinstance(value[0], int) and
+          isinstance(value[1], list) and len(value[1]) == 625 and
+          all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 32 for w in value[1]) and
+          (value[2] is None or (isinstance(value[2], float) and math.isfinite(value[2]))))
+    if not ok:
+        raise ValueError(f"checkpoint: {path} python_rng: expected [version, [625 ints in [0, 2**32)], null or a "
+                         f"float] as random.getstate() writes it, got {type(value).__name__} {str(value)[:60]}")
+    return value[0], tuple(value[1]), value[2]
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
@@ -387,35 +424,35 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_step
     (``step``, ``data``). ``world_size`` is this run's; the checkpoint's may differ (see the module
     docstring). Everything read is validated before use: the model file's header and the whole
     optimizer state before either is loaded, so a mismatched or crafted file is a ValueError naming the
-    tensor, not a failure inside the optimizer's next step."""
-    try:
-        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"checkpoint: cannot read {path / 'trainer_state.json'} ({exc})") from None
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint: {path} has format_version "
-                         f"{state.get('format_version') if isinstance(state, dict) else '?'}, "
-                         f"expected {FORMAT_VERSION}")
+    file and tensor or key, not a failure inside the optimizer's next step."""
+    path = Path(path)
+    state_path = path / "trainer_state.json"
+    state = read_json(state_path, root=path, max_bytes=MAX_STATE_BYTES)
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint: {state_path}: expected a JSON object, got {type(state).__name__}")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"checkpoint: {state_path} format_version: expected {FORMAT_VERSION}, "
+                         f"got {state.get('format_version')!r:.60}")
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= total_steps:
-        raise ValueError(f"checkpoint: step expected an int in [0, {total_steps}], got {step!r}")
+        raise ValueError(f"checkpoint: {state_path} step: expected an int in [0, {total_steps}], got {step!r:.60}")
     saved_world = state.get("world_size")
     if isinstance(saved_world, bool) or not isinstance(saved_world, int) or saved_world < 1:
-        raise ValueError(f"checkpoint: world_size expected an int >= 1, got {saved_world!r}")
+        raise ValueError(f"checkpoint: {state_path} world_size: expected an int >= 1, got {saved_world!r:.60}")
     # Every rank reads the same global batch and takes its rows of it, so the data order does not depend on
     # the world size: any world size that divides the batch (checked by the trainer) may resume.
     if not isinstance(state.get("data"), dict):
-        raise ValueError(f"checkpoint: {path} lacks the data position")
-    _check_model_file(path / "model.safetensors", model)
+        raise ValueError(f"checkpoint: {state_path} data: expected the data position (an object), "
+                         f"got {state.get('data')!r:.60}")
+    python_rng = _python_rng_state(state.get("python_rng"), state_path)
+    _check_model_file(path / "model.safetensors", model, path)
     param_names = {id(p): name for name, p in model.named_parameters()}
     optimizer_state = _unflatten_optimizer(path / "optimizer.safetensors", optimizer, param_names)
     load_model_weights(model, path / "model.safetensors", checked=True)
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path / "rng.safetensors", device_type)
-    rng = state.get("python_rng")
     try:
-        random.setstate((rng[0], tuple(rng[1]), rng[2]))
-    except (TypeError, ValueError, IndexError):
-        raise ValueError(f"checkpoint: {path} holds an invalid Python RNG state") from None
+        random.setstate(python_rng)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"checkpoint: {state_path} python_rng: not a valid Python RNG state ({exc})") from None
     return {"step": step, "data": state["data"]}
-

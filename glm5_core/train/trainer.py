@@ -33,6 +33,7 @@ from glm5_core import registry
 from glm5_core.model import GLM5ForCausalLM, save_pretrained
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
+from glm5_core.train import checkpoint_folders as ckpt_folders
 from glm5_core.train import distributed as dist_utils
 from glm5_core.train import fsdp
 from glm5_core.train.config import StageConfig, TrainConfig
@@ -53,6 +54,14 @@ class RunOptions:
     output_dir: Optional[str] = None  # overrides cfg.output_dir
     resume: Optional[str] = None  # a checkpoint folder, a checkpoints root or an output dir
     max_steps: Optional[int] = None  # stop (and checkpoint) after this many steps of the schedule
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _quiet(message: str) -> None:
+    """Ranks other than 0 stay silent (rank 0 says it once)."""
 
 
 def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
@@ -130,11 +139,18 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
                                          lr=cfg.schedule.lr, backend=self.backend.name)
         self.start_step = 0
+        checkpoints = self.output_dir / "checkpoints"
+        if self.dist.is_main:  # what a killed earlier run left there, before any rank reads it
+            ckpt_folders.recover(checkpoints)
+        dist_utils.barrier(self.dist)
+        self._history: List[str] = []  # this run's checkpoints, newest first: the only ones it prunes
         if options.resume:
             configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            state = ckpt.load_checkpoint(ckpt.resolve_checkpoint(Path(options.resume)), model=self.model,
+            folder = ckpt.resolve_checkpoint(Path(options.resume), log=_stderr if self.dist.is_main else _quiet)
+            state = ckpt.load_checkpoint(folder, model=self.model,
                                          optimizer=self.optimizer, total_steps=self.schedule.total_steps,
                                          world_size=self.dist.world_size, device_type=self.dist.device.type)
+            self._history = ckpt_folders.lineage(checkpoints, folder)
             changed = _restore_configured_hyperparameters(self.optimizer.param_groups, configured)
             if changed and self.dist.is_main:
                 print(f"resume: the config's optimizer settings replace the checkpoint's: {'; '.join(changed)}",
@@ -231,10 +247,14 @@ class Trainer:
 
     def _save(self, done: int) -> None:
         # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
-        ckpt.save_checkpoint(self.output_dir / "checkpoints", step=done, model=self.model,
-                             optimizer=self.optimizer, data_state=self.packer.state_dict(),
-                             world_size=self.dist.world_size, device_type=self.dist.device.type,
-                             keep_last=self.cfg.checkpoint.keep_last, write=self.dist.is_main)
+        root = self.output_dir / "checkpoints"
+        written = ckpt.save_checkpoint(root, step=done, model=self.model,
+                                       optimizer=self.optimizer, data_state=self.packer.state_dict(),
+                                       world_size=self.dist.world_size, device_type=self.dist.device.type,
+                                       keep_last=self.cfg.checkpoint.keep_last, write=self.dist.is_main,
+                                       history=self._history)
+        if written is not None:
+            self._history = ckpt_folders.read_history(root)
         dist_utils.barrier(self.dist)
 
     def _export_model(self) -> Optional[GLM5ForCausalLM]:

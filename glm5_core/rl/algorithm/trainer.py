@@ -105,6 +105,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.step_count = 0
+        self._weight_files: List[str] = []  # the files save_weights wrote, oldest first: the only ones it prunes
 
     @property
     def version(self) -> int:
@@ -153,7 +154,10 @@ class Trainer:
         return self.step_count % self.config.push_every == 0
 
     def save_weights(self, weights_dir: str, keep: int = 3) -> str:
-        """Write the current weights as ``v{version}.safetensors`` (atomically) and prune old files."""
+        """Write the current weights as ``v{version}.safetensors`` (atomically) and keep the ``keep`` newest
+        files this trainer wrote: pruned by write history, not by name, so a run into a directory holding an
+        earlier run's ``v000040.safetensors`` keeps its own ``v000000`` (the earlier files are left alone
+        until this run writes the same name)."""
         from safetensors.torch import save_file
 
         os.makedirs(weights_dir, exist_ok=True)
@@ -162,10 +166,11 @@ class Trainer:
         state = {k: v.detach().contiguous().clone() for k, v in self.model.state_dict().items()}
         save_file(state, tmp)
         os.replace(tmp, path)
-        files = sorted(f for f in os.listdir(weights_dir) if f.startswith("v") and f.endswith(".safetensors"))
-        for old in files[:-keep]:
+        self._weight_files = [f for f in self._weight_files if f != path] + [path]
+        for old in self._weight_files[:-keep]:
             try:
-                os.remove(os.path.join(weights_dir, old))
+                os.remove(old)
             except FileNotFoundError:
                 pass
+        self._weight_files = self._weight_files[-keep:]
         return path
