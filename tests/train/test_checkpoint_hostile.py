@@ -51,8 +51,9 @@ def template(tmp_path_factory):
                logging=dict(progress_bar=False, tensorboard=False, plot=False, recall_every_steps=1))
     (base / "pretrain.yaml").write_text(yaml.safe_dump(raw))
     overrides = {k: v for k, v in CONF.SMALL_MODEL.items() if k != "preset"}
-    (base / "rl.yaml").write_text(yaml.safe_dump({"output_dir": str(base / "rl"), "torch_threads": 1,
-                                                  "model": {"preset": "tiny", "overrides": overrides}}))
+    (base / "rl.yaml").write_text(yaml.safe_dump({  # max_len within the small model's positions: the file is at fault
+        "output_dir": str(base / "rl"), "torch_threads": 1, "rollout": {"max_len": 32},
+        "model": {"preset": "tiny", "overrides": overrides}}))
     before = torch.get_num_threads()
     assert main(["pretrain", "--config", str(base / "pretrain.yaml"), "--backend", "cpu"]) == 0
     torch.set_num_threads(before)
