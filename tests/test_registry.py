@@ -19,7 +19,8 @@ def fresh_registry():
 
 
 def test_import_probes_nothing_and_imports_no_vendor_sdk():
-    code = "import sys, glm5_core, glm5_core.ops; print(sorted(m for m in ('triton', 'torch_npu', 'ray') if m in sys.modules))"
+    code = ("import sys, glm5_core, glm5_core.ops; "
+            "print(sorted(m for m in ('triton', 'torch_npu', 'ray') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -78,12 +79,15 @@ def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, f
         mla.prefill(**x, scale=0.5, backend="cpu")
 
 
-def _fake_backend_module(tmp_path, module, supports_line=""):
+def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orthogonalize)"):
+    """A vendor 'vendorx' whose Muon kernel counts its calls; ``kernel`` is its table entry (a Kernel record,
+    or the bare function as out-of-tree tables wrote it before records, with ``supports_line`` setting its
+    function attributes)."""
     pkg = tmp_path / module
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(f"""
         import torch
-        from glm5_core.registry import Backend
+        from glm5_core.registry import Backend, Kernel
         from glm5_core.ops import muon
 
         def orthogonalize(G, *, steps, coefficients):
@@ -94,7 +98,7 @@ def _fake_backend_module(tmp_path, module, supports_line=""):
 
         BACKEND = Backend(name="vendorx", device_type="cpu", dist_backend="gloo",
                           probe=lambda: (True, "simulated vendor"),
-                          kernel_table=lambda: {{"muon_orthogonalize": orthogonalize}},
+                          kernel_table=lambda: {{"muon_orthogonalize": {kernel}}},
                           missing={{"moe_route": "vendorx has no router kernel yet"}})
     """))
     dist = tmp_path / "vendorx_glm5-1.0.dist-info"
@@ -117,11 +121,18 @@ def test_third_party_backend_joins_through_the_entry_point(tmp_path, monkeypatch
     assert rows["moe_route"].is_reference and rows["moe_route"].reason == "vendorx has no router kernel yet"
 
 
-def test_a_kernel_can_decline_a_call_and_the_reference_runs(tmp_path, monkeypatch, fresh_registry):
-    _fake_backend_module(tmp_path, "vendorx_declines",
-                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+AT_MOST_4_COLUMNS = "lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')"
+
+
+@pytest.mark.parametrize("form", ("record", "legacy_attribute"))
+def test_a_kernel_can_decline_a_call_and_the_reference_runs(tmp_path, monkeypatch, fresh_registry, form):
+    module = f"vendorx_declines_{form}"
+    if form == "record":
+        _fake_backend_module(tmp_path, module, kernel=f"Kernel(orthogonalize, supports={AT_MOST_4_COLUMNS})")
+    else:  # a bare callable carrying the hook as a function attribute: wrapped, the attribute read
+        _fake_backend_module(tmp_path, module, f"orthogonalize.supports = {AT_MOST_4_COLUMNS}", kernel="orthogonalize")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import vendorx_declines
+    vendorx_declines = __import__(module)
 
     muon.orthogonalize(torch.randn(3, 8), backend="vendorx")
     assert vendorx_declines.orthogonalize.calls == 0
@@ -142,23 +153,52 @@ def test_probes_are_cached():
 
 
 def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monkeypatch, fresh_registry):
-    _fake_backend_module(tmp_path, "vendorx_nograd")
+    """The registry routes gradient calls: a kernel declared without a backward never sees one (its ``supports``
+    is not even asked), one declared ``differentiable`` does."""
+    _fake_backend_module(tmp_path, "vendorx_nograd", "def supports(G, **kw):\n"
+                         "            supports.asked += 1\n"
+                         "            return True, ''\n"
+                         "        supports.asked = 0",
+                         kernel="Kernel(orthogonalize, supports=supports)")
     monkeypatch.syspath_prepend(str(tmp_path))
     import vendorx_nograd
 
     G = torch.randn(4, 6, requires_grad=True)
     out = muon.orthogonalize(G, backend="vendorx")
     assert vendorx_nograd.orthogonalize.calls == 0 and out.requires_grad  # the differentiable reference ran
+    assert vendorx_nograd.supports.asked == 0
     with torch.no_grad():
         muon.orthogonalize(G, backend="vendorx")
-    assert vendorx_nograd.orthogonalize.calls == 1
-    vendorx_nograd.orthogonalize.differentiable = True
-    muon.orthogonalize(G, backend="vendorx")
-    assert vendorx_nograd.orthogonalize.calls == 2
-    vendorx_nograd.orthogonalize.differentiable = False
+    assert vendorx_nograd.orthogonalize.calls == 1 and vendorx_nograd.supports.asked == 1
     monkeypatch.setenv("GLM5_STRICT", "1")
     with pytest.raises(registry.BackendCoverageError, match="no backward"):
         muon.orthogonalize(G, backend="vendorx")
+
+
+@pytest.mark.parametrize("form", ("record", "legacy_attribute"))
+def test_a_differentiable_kernel_takes_gradient_calls(tmp_path, monkeypatch, fresh_registry, form):
+    if form == "record":
+        _fake_backend_module(tmp_path, f"vendorx_grad_{form}", kernel="Kernel(orthogonalize, differentiable=True)")
+    else:
+        _fake_backend_module(tmp_path, f"vendorx_grad_{form}", "orthogonalize.differentiable = True",
+                             kernel="orthogonalize")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vendor = __import__(f"vendorx_grad_{form}")
+    out = muon.orthogonalize(torch.randn(4, 6, requires_grad=True), backend="vendorx")
+    assert vendor.orthogonalize.calls == 1 and out.requires_grad
+
+
+def test_kernel_records_check_their_fields():
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        registry.Kernel("not a function")
+    with pytest.raises(TypeError, match="supports: expected None or a callable"):
+        registry.Kernel(len, supports=(True, ""))
+    with pytest.raises(TypeError, match="differentiable: expected a bool"):
+        registry.Kernel(len, differentiable="yes")
+    with pytest.raises(TypeError, match="kernel table entry: expected a Kernel or a callable"):
+        registry.Kernel.of(42)
+    record = registry.Kernel(len)
+    assert registry.Kernel.of(record) is record and record([1, 2]) == 2
 
 
 def _with_detect(monkeypatch, detected):
@@ -318,8 +358,7 @@ def test_a_composite_whose_parts_all_fall_back_counts_as_reference(tmp_path, mon
 
 def test_declined_calls_are_recorded_as_reference_fallbacks(tmp_path, monkeypatch, fresh_registry):
     """``record_fallbacks`` sees the calls a kernel declined (the reference ran), not those it took."""
-    _fake_backend_module(tmp_path, "vendorx_recorded",
-                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+    _fake_backend_module(tmp_path, "vendorx_recorded", kernel=f"Kernel(orthogonalize, supports={AT_MOST_4_COLUMNS})")
     monkeypatch.syspath_prepend(str(tmp_path))
     with registry.record_fallbacks() as declined:
         muon.orthogonalize(torch.randn(8, 3), backend="vendorx")

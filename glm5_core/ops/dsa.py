@@ -30,6 +30,7 @@ import torch
 from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
+from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
@@ -128,6 +129,14 @@ def sparse_attention_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *
         chunks.append(torch.einsum("bthk,btkc->bthc", probs, kv))  # [B, t, Hm, C]
     o_lat = torch.cat(chunks, dim=1)  # [B, T, Hm, C]
     return project_output(o_lat, w_uv).to(out_dtype)
+
+
+OPS = (
+    OpSpec("dsa_indexer_scores", indexer_scores_reference, family="dsa", differentiable=True),
+    OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa"),
+    OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
+    OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
+)
 
 
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, start_pos: StartPos = 0,

@@ -21,6 +21,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
@@ -102,6 +103,12 @@ def decode_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale: float, star
     probs = _softmax_attend(scores * scale, causal_mask(start_pos, B, T, S, q_nope.device))  # [B, H, T, S]
     o_lat = torch.einsum("bhts,bsc->bthc", probs, c_kv)  # [B, T, H, C]
     return project_output(o_lat, w_uv).to(out_dtype)  # [B, T, H, Dv]
+
+
+OPS = (
+    OpSpec("mla_prefill", prefill_reference, family="mla", differentiable=True),
+    OpSpec("mla_decode", decode_reference, family="mla"),
+)
 
 
 def prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

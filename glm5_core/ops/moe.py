@@ -17,7 +17,7 @@ sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine i
 inverse: a gather, then a weighted sum over the K slots in slot order (no atomics).
 
 ``fused_experts`` is dispatch -> grouped SwiGLU -> combine as one op (the routed MoE FFN of a layer). It is
-a composite op: a backend without a fused kernel runs its own three kernels (see ``registry.COMPOSITES``),
+a composite op: a backend without a fused kernel runs its own three kernels (its ``OpSpec`` in ``OPS``),
 one with a fused kernel (cpu) skips materialising the [M, D] routed copy of the inputs.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
@@ -144,6 +145,16 @@ def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, bac
                                                backend=backend)
     y_sorted = registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
+
+
+OPS = (
+    OpSpec("moe_route", route_reference, family="moe", differentiable=True),
+    OpSpec("moe_dispatch", dispatch_reference, family="moe", differentiable=True),
+    OpSpec("moe_combine", combine_reference, family="moe", differentiable=True),
+    OpSpec("moe_experts", grouped_swiglu_reference, family="moe", differentiable=True),
+    OpSpec("moe_fused_experts", fused_experts_reference, family="moe", differentiable=True,
+           composite=fused_experts_composite, parts=("moe_dispatch", "moe_experts", "moe_combine")),
+)
 
 
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",

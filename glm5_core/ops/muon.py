@@ -17,6 +17,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 Coeff = Tuple[float, float, float]
 
@@ -92,6 +93,9 @@ def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients) -> t
     return X.to(G.dtype)
 
 
+OPS = (OpSpec("muon_orthogonalize", orthogonalize_reference, family="muon"),)
+
+
 def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
                   coefficients: Union[str, NSCoefficients, Sequence[Coeff]] = "polar_express",
                   backend: Optional[str] = None) -> torch.Tensor:
@@ -118,7 +122,8 @@ def split_heads(weight: torch.Tensor, num_heads: int, dim: int = 0) -> torch.Ten
     if dim not in (0, 1):
         raise ValueError(f"dim: expected 0 or 1, got {dim}")
     if weight.shape[dim] % num_heads:
-        raise ValueError(f"weight: expected dim {dim} divisible by num_heads={num_heads}, got shape {tuple(weight.shape)}")
+        raise ValueError(f"weight: expected dim {dim} divisible by num_heads={num_heads}, "
+                         f"got shape {tuple(weight.shape)}")
     rows, cols = weight.shape
     if dim == 0:
         return weight.reshape(num_heads, rows // num_heads, cols)  # [H, d, n]

@@ -8,13 +8,17 @@ top-k selection is native. ``dispatch``
 is a stable counting sort plus a parallel row gather; ``combine`` a per-token weighted sum in slot order;
 ``experts`` runs whole experts in parallel, one thread each, with single-threaded GEMMs (the reference's
 multi-threaded BLAS calls are too small to split well across cores); ``fused_experts`` is dispatch + experts
-+ combine in one op whose expert tasks gather their own rows.
++ combine in one op whose expert tasks gather their own rows. Only ``route`` has a backward; a call of the
+others that needs gradients runs the differentiable reference (the registry routes it).
 Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
 
+from typing import Mapping, Tuple
+
 import torch
 
+from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
 from glm5_core.ops.moe import RENORM_EPS
 
@@ -46,16 +50,14 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     return weights, ids.to(torch.int32)
 
 
-route.differentiable = True  # with gradients, the weights come from torch ops on the native selection
-
-
-def _route_supports(logits, bias, **kwargs):
-    if logits.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {logits.device}"
+def _on_cpu(t: torch.Tensor) -> Tuple[bool, str]:
+    if t.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {t.device}"
     return True, ""
 
 
-route.supports = _route_supports
+def _route_supports(logits, bias, **kwargs):
+    return _on_cpu(logits)
 
 
 def dispatch(x, expert_ids, *, num_experts: int):
@@ -64,14 +66,7 @@ def dispatch(x, expert_ids, *, num_experts: int):
 
 
 def _dispatch_supports(x, expert_ids, *, num_experts: int):
-    if torch.is_grad_enabled() and x.requires_grad:
-        return False, "the native dispatch has no backward (the reference gather is differentiable)"
-    if x.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x.device}"
-    return True, ""
-
-
-dispatch.supports = _dispatch_supports
+    return _on_cpu(x)
 
 
 def experts(x_sorted, counts, w_gate, w_up, w_down):
@@ -80,14 +75,7 @@ def experts(x_sorted, counts, w_gate, w_up, w_down):
 
 
 def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w_gate, w_up, w_down)):
-        return False, "the native experts have no backward (the reference is differentiable)"
-    if x_sorted.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x_sorted.device}"
-    return True, ""
-
-
-experts.supports = _experts_supports
+    return _on_cpu(x_sorted)
 
 
 def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
@@ -96,14 +84,7 @@ def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
 
 
 def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
-        return False, "the native fused experts have no backward (the reference is differentiable)"
-    if x.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x.device}"
-    return True, ""
-
-
-fused_experts.supports = _fused_supports
+    return _on_cpu(x)
 
 
 def combine(y_sorted, sort_idx, weights):
@@ -112,11 +93,14 @@ def combine(y_sorted, sort_idx, weights):
 
 
 def _combine_supports(y_sorted, sort_idx, weights):
-    if torch.is_grad_enabled() and (y_sorted.requires_grad or weights.requires_grad):
-        return False, "the native combine has no backward (the reference is differentiable)"
-    if y_sorted.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {y_sorted.device}"
-    return True, ""
+    return _on_cpu(y_sorted)
 
 
-combine.supports = _combine_supports
+KERNELS: Mapping[str, Kernel] = {
+    # with gradients, route's weights come from torch ops on the native selection: it is differentiable
+    "moe_route": Kernel(route, supports=_route_supports, differentiable=True),
+    "moe_dispatch": Kernel(dispatch, supports=_dispatch_supports),
+    "moe_combine": Kernel(combine, supports=_combine_supports),
+    "moe_experts": Kernel(experts, supports=_experts_supports),
+    "moe_fused_experts": Kernel(fused_experts, supports=_fused_supports),
+}
