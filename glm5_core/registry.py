@@ -383,7 +383,10 @@ class Binding:
         return bind, (self.backend,)
 
 
-def bind(backend: Union[str, None, Binding] = None) -> Binding:
+BackendArg = Union[str, None, Binding]  # what ``backend=`` takes: a name, None / "auto", or a Binding
+
+
+def bind(backend: BackendArg = None) -> Binding:
     """Resolve every op on ``backend`` now: explicit name > ``use_backend`` context / ``GLM5_BACKEND`` >
     auto-detection, as they stand at this call (a :class:`Binding` is returned as it is). An unavailable
     backend raises :class:`BackendUnavailableError` here, when the layer is built. Strict mode is applied
