@@ -348,7 +348,7 @@ def _strict_fallback_error(res: Resolution) -> BackendCoverageError:
     return BackendCoverageError(f"{res.op}: {res.reason}, and GLM5_STRICT=1 forbids the reference fallback")
 
 
-def resolve(op: str, backend: Union[str, None, "Binding"] = None) -> Resolution:
+def resolve(op: str, backend: BackendArg = None) -> Resolution:
     """Which implementation runs ``op`` on ``backend`` (after the resolution order)."""
     res = _lookup(op, backend)
     if res.is_reference and strict_mode():
@@ -366,9 +366,10 @@ class Binding:
     resolutions: Mapping[str, Resolution]
 
     def resolution(self, op: str) -> Resolution:
-        if op not in self.resolutions:
+        res = self.resolutions.get(op)
+        if res is None:
             raise ValueError(f"op: expected one of {', '.join(self.resolutions)}, got {op!r}")
-        return self.resolutions[op]
+        return res
 
     def __repr__(self) -> str:
         return f"Binding({self.backend!r})"
@@ -394,13 +395,13 @@ def bind(backend: BackendArg = None) -> Binding:
     if isinstance(backend, Binding):
         return backend
     name = require_available(resolve_backend_name(backend)).name
-    return Binding(name, {op: _resolution(op, name) for op in op_specs()})
+    return Binding(name, types.MappingProxyType({op: _resolution(op, name) for op in op_specs()}))
 
 
-def _lookup(op: str, backend: Union[str, None, Binding]) -> Resolution:
+def _lookup(op: str, backend: BackendArg) -> Resolution:
     if isinstance(backend, Binding):
         return backend.resolution(op)
-    if backend is None or backend == "auto":
+    if backend in (None, "", "auto"):
         return _resolution(op, resolve_backend_name())  # the use_backend context, GLM5_BACKEND, the hardware
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name, a registry.Binding or None, got {type(backend).__name__}")
@@ -434,7 +435,7 @@ def _declined_call(res: Resolution, why: str, args: tuple, kwargs: dict):
     return res.spec.reference(*args, **kwargs)
 
 
-def _run(res: Resolution, via: Union[str, Binding], args: tuple, kwargs: dict):
+def _run(res: Resolution, via: BackendArg, args: tuple, kwargs: dict):
     """Run a resolved op: the kernel unless it declines, a composite's parts on the same backend (``via``:
     the binding or backend name the call came through), or the reference."""
     kernel = res.kernel
@@ -452,7 +453,7 @@ def _run(res: Resolution, via: Union[str, Binding], args: tuple, kwargs: dict):
     return res.impl(*args, **kwargs)
 
 
-def call(op: str, *args, backend: Union[str, None, Binding] = None, **kwargs):
+def call(op: str, *args, backend: BackendArg = None, **kwargs):
     """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
     if isinstance(backend, Binding):
         return _run(backend.resolution(op), backend, args, kwargs)

@@ -159,7 +159,7 @@ OPS = (
 
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",
           n_group: int = 1, topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-          backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+          backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token. Returns (weights fp32 [N, K], ids int32 [N, K])."""
     sizes: Dict[str, int] = {}
     _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
@@ -190,7 +190,7 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: i
 
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
-             backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert. Returns (x_sorted [N*K, D], sort_idx int64 [N*K], counts int64 [E])."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
@@ -203,7 +203,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
 
 
 def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tensor, *,
-            backend: Optional[str] = None) -> torch.Tensor:
+            backend: registry.BackendArg = None) -> torch.Tensor:
     """Weighted sum of each token's expert outputs (inverse of ``dispatch``). Returns [N, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
@@ -219,7 +219,7 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                   w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
@@ -236,7 +236,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, w_gate: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
     in slot order. Equals ``combine(grouped_swiglu(dispatch(x)), weights)``. Returns [N, D]."""
     sizes: Dict[str, int] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import torch
 
@@ -98,7 +98,7 @@ OPS = (OpSpec("muon_orthogonalize", orthogonalize_reference, family="muon"),)
 
 def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
                   coefficients: Union[str, NSCoefficients, Sequence[Coeff]] = "polar_express",
-                  backend: Optional[str] = None) -> torch.Tensor:
+                  backend: registry.BackendArg = None) -> torch.Tensor:
     """Approximate polar factor of each matrix of ``G [..., m, n]`` by ``steps`` Newton-Schulz steps."""
     if not isinstance(G, torch.Tensor):
         raise TypeError(f"G: expected a torch.Tensor [..., m, n], got {type(G).__name__}")
