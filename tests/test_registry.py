@@ -79,10 +79,11 @@ def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, f
         mla.prefill(**x, scale=0.5, backend="cpu")
 
 
-def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orthogonalize)"):
+def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orthogonalize)", table=None):
     """A vendor 'vendorx' whose Muon kernel counts its calls; ``kernel`` is its table entry (a Kernel record,
     or the bare function as out-of-tree tables wrote it before records, with ``supports_line`` setting its
-    function attributes)."""
+    function attributes); ``table`` replaces the whole kernel-table expression."""
+    table = table or f"{{'muon_orthogonalize': {kernel}}}"
     pkg = tmp_path / module
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(f"""
@@ -98,7 +99,7 @@ def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orth
 
         BACKEND = Backend(name="vendorx", device_type="cpu", dist_backend="gloo",
                           probe=lambda: (True, "simulated vendor"),
-                          kernel_table=lambda: {{"muon_orthogonalize": {kernel}}},
+                          kernel_table=lambda: {table},
                           missing={{"moe_route": "vendorx has no router kernel yet"}})
     """))
     dist = tmp_path / "vendorx_glm5-1.0.dist-info"
@@ -389,3 +390,90 @@ def test_an_unknown_backend_from_the_environment_names_the_variable(monkeypatch)
         registry.resolve_backend_name()
     with pytest.raises(ValueError, match="^backend: expected"):  # the argument still names itself
         registry.resolve_backend_name("tpu")
+
+
+def test_the_registry_tables_derive_from_the_op_declarations():
+    specs = registry.op_specs()
+    assert registry.OP_NAMES == tuple(specs) and len(specs) == 12
+    for name, target in registry.REFERENCES.items():
+        assert registry._import_target(target) is specs[name].reference is registry.reference(name)
+    assert dict(registry.COMPOSITE_PARTS) == {"moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine")}
+    assert registry._import_target(registry.COMPOSITES["moe_fused_experts"]) is specs["moe_fused_experts"].composite
+    with pytest.raises(AttributeError, match="NO_SUCH_TABLE"):
+        registry.NO_SUCH_TABLE
+
+
+def test_op_declarations_are_checked(monkeypatch, fresh_registry):
+    with pytest.raises(ValueError, match="declares both composite and parts"):
+        registry.OpSpec("foo_bar", len, family="moe", parts=("moe_dispatch",))
+    with pytest.raises(TypeError, match="foo_bar: reference: expected a callable"):
+        registry.OpSpec("foo_bar", "glm5_core.ops.foo:bar_reference", family="foo")
+    from glm5_core.ops import muon as muon_family
+
+    monkeypatch.setattr(muon_family, "OPS", muon_family.OPS * 2)
+    registry.reset()
+    with pytest.raises(ValueError, match="glm5_core.ops.muon.OPS: op 'muon_orthogonalize' is declared twice"):
+        registry.op_specs()
+    monkeypatch.setattr(muon_family, "OPS", (registry.OpSpec("muon_bad", len, family="muon", composite=len,
+                                                             parts=("no_such_op",)),))
+    registry.reset()
+    with pytest.raises(ValueError, match="muon_bad: parts: expected declared ops, got unknown"):
+        registry.op_specs()
+
+
+def test_unbound_calls_honour_the_context_and_the_environment_bound_calls_keep_their_backend(
+        tmp_path, monkeypatch, fresh_registry):
+    """Resolutions are cached per (op, backend name), yet a call without a binding still follows use_backend and
+    GLM5_BACKEND as they change; a Binding keeps the backend it was made for."""
+    _fake_backend_module(tmp_path, "vendorx_resolution")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_resolution
+
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    G = torch.randn(4, 3)
+    on_cpu = registry.bind("cpu")
+    with glm5_core.use_backend("vendorx"):
+        on_vendor = registry.bind()
+        muon.orthogonalize(G)
+        assert vendorx_resolution.orthogonalize.calls == 1
+        muon.orthogonalize(G, backend=on_cpu)  # bound elsewhere: not moved by the context
+        assert vendorx_resolution.orthogonalize.calls == 1
+    muon.orthogonalize(G)  # the context is gone: auto-detection (cpu)
+    assert vendorx_resolution.orthogonalize.calls == 1
+    monkeypatch.setenv("GLM5_BACKEND", "vendorx")
+    muon.orthogonalize(G)
+    assert vendorx_resolution.orthogonalize.calls == 2
+    monkeypatch.setenv("GLM5_BACKEND", "cpu")
+    muon.orthogonalize(G)
+    muon.orthogonalize(G, backend=on_vendor)
+    assert vendorx_resolution.orthogonalize.calls == 3 and on_vendor.backend == "vendorx"
+    assert repr(on_vendor) == "Binding('vendorx')" and registry.bind(on_vendor) is on_vendor
+
+
+def test_reset_forgets_cached_resolutions(tmp_path, monkeypatch, fresh_registry):
+    """Resolutions are cached per (op, backend name) until ``reset()``: a kernel table that changed (a plug-in
+    upgraded at run time) is seen after it, not before."""
+    _fake_backend_module(tmp_path, "vendorx_late", "TABLE = {}",
+                         table="{'muon_orthogonalize': Kernel(orthogonalize)} if TABLE else {}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_late
+
+    assert registry.resolve("muon_orthogonalize", "vendorx").is_reference
+    vendorx_late.TABLE["ready"] = True
+    assert registry.resolve("muon_orthogonalize", "vendorx").is_reference  # cached
+    registry.reset()
+    assert registry.resolve("muon_orthogonalize", "vendorx").label == "vendorx: vendorx_late.orthogonalize"
+
+
+def test_a_bound_reference_fallback_obeys_strict_mode_at_call_time(monkeypatch):
+    from glm5_core import testing
+    from glm5_core.ops import mla
+
+    if not registry.runs_reference("mla_prefill", "cpu"):
+        pytest.skip("cpu implements mla_prefill natively")
+    bound = registry.bind("cpu")  # binding is not a call: strict mode does not stop it
+    x = testing.make_mla_inputs(testing.MLA_SHAPES[1])
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    registry.bind("cpu")
+    with pytest.raises(registry.BackendCoverageError, match="mla_prefill"):
+        mla.prefill(**x, scale=0.5, backend=bound)
