@@ -312,60 +312,113 @@ def _muon_checks() -> List[Check]:
 
 
 # --------------------------------------------------------------------------------------------- gradients
-def _grad_inputs(op: str, device: str) -> Tuple[Callable, Callable, Dict[str, torch.Tensor]]:
-    """(entry point call, reference call, float inputs) for one differentiable op at a small odd shape."""
-    mla_shape = testing.MLA_SHAPES[1]
-    moe_shape = testing.MOE_SHAPES[2]
-    scale = (mla_shape.Dn + mla_shape.Dr) ** -0.5
-    if op == "mla_prefill":
-        x = testing.make_mla_inputs(testing.MLA_SHAPES[2], device=device, seed=21)  # T == S: a full prefill
-        return (lambda be, **t: mla.prefill(**t, scale=scale, backend=be),
-                lambda **t: mla.prefill_reference(**t, scale=scale), x)
-    if op == "dsa_sparse_prefill":
-        x = testing.make_sparse_inputs(mla_shape, 4, device=device, seed=21)
-        idx = x.pop("topk_idx")
-        return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=scale, backend=be),
-                lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=scale), x)
-    if op == "dsa_indexer_scores":
-        shape = testing.INDEXER_SHAPES[1]
-        x = testing.make_indexer_inputs(shape, device=device, seed=22)
-        start = shape.S - shape.T
+# A gradient case: (entry point call taking the backend first, reference call, float inputs to differentiate).
+GradCase = Tuple[Callable, Callable, Dict[str, torch.Tensor]]
+_GRAD_MLA = testing.MLA_SHAPES[1]
+_GRAD_MOE = testing.MOE_SHAPES[2]
+_GRAD_SCALE = (_GRAD_MLA.Dn + _GRAD_MLA.Dr) ** -0.5
 
-        def finite(scores):  # -inf entries carry no gradient; compare the visible scores
-            return scores.masked_fill(torch.isinf(scores), 0.0)
 
-        return (lambda be, **t: finite(dsa.indexer_scores(**t, start_pos=start, backend=be)),
-                lambda **t: finite(dsa.indexer_scores_reference(**t, start_pos=start)), x)
-    if op == "moe_route":
-        x = testing.make_route_inputs(moe_shape, device=device, seed=23)
-        bias = x.pop("bias")
-        kw = dict(top_k=moe_shape.K, n_group=moe_shape.G, topk_group=moe_shape.TG, routed_scaling_factor=2.5)
-        return (lambda be, **t: moe.route(**t, bias=bias, backend=be, **kw)[0],
-                lambda **t: moe.route_reference(**t, bias=bias, **kw)[0], x)
-    x = testing.make_expert_inputs(moe_shape, device=device, seed=24)
-    weights, ids = moe.route_reference(testing.make_route_inputs(moe_shape, device=device, seed=25)["logits"], None,
-                                       top_k=moe_shape.K)
-    if op == "moe_dispatch":
-        return (lambda be, **t: moe.dispatch(**t, expert_ids=ids, num_experts=moe_shape.E, backend=be)[0],
-                lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=moe_shape.E)[0], {"x": x["x"]})
-    if op == "moe_fused_experts":
-        return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be),
-                lambda **t: moe.fused_experts_reference(**t, expert_ids=ids),
-                {"x": x["x"], "weights": weights, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
-    x_sorted, sort_idx, counts = moe.dispatch_reference(x["x"], ids, num_experts=moe_shape.E)
-    if op == "moe_combine":
-        return (lambda be, **t: moe.combine(**t, sort_idx=sort_idx, backend=be),
-                lambda **t: moe.combine_reference(**t, sort_idx=sort_idx), {"y_sorted": x_sorted, "weights": weights})
+def _mla_prefill_grad(device: str) -> GradCase:
+    x = testing.make_mla_inputs(testing.MLA_SHAPES[2], device=device, seed=21)  # T == S: a full prefill
+    return (lambda be, **t: mla.prefill(**t, scale=_GRAD_SCALE, backend=be),
+            lambda **t: mla.prefill_reference(**t, scale=_GRAD_SCALE), x)
+
+
+def _sparse_prefill_grad(device: str) -> GradCase:
+    x = testing.make_sparse_inputs(_GRAD_MLA, 4, device=device, seed=21)
+    idx = x.pop("topk_idx")
+    return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=_GRAD_SCALE, backend=be),
+            lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=_GRAD_SCALE), x)
+
+
+def _indexer_scores_grad(device: str) -> GradCase:
+    shape = testing.INDEXER_SHAPES[1]
+    x = testing.make_indexer_inputs(shape, device=device, seed=22)
+    start = shape.S - shape.T
+
+    def finite(scores):  # -inf entries carry no gradient; compare the visible scores
+        return scores.masked_fill(torch.isinf(scores), 0.0)
+
+    return (lambda be, **t: finite(dsa.indexer_scores(**t, start_pos=start, backend=be)),
+            lambda **t: finite(dsa.indexer_scores_reference(**t, start_pos=start)), x)
+
+
+def _route_grad(device: str) -> GradCase:
+    x = testing.make_route_inputs(_GRAD_MOE, device=device, seed=23)
+    bias = x.pop("bias")
+    kw = dict(top_k=_GRAD_MOE.K, n_group=_GRAD_MOE.G, topk_group=_GRAD_MOE.TG, routed_scaling_factor=2.5)
+    return (lambda be, **t: moe.route(**t, bias=bias, backend=be, **kw)[0],
+            lambda **t: moe.route_reference(**t, bias=bias, **kw)[0], x)
+
+
+def _expert_grad_inputs(device: str):
+    """(expert inputs, routing weights [N, K], ids [N, K]) shared by the dispatch / experts / combine cases."""
+    x = testing.make_expert_inputs(_GRAD_MOE, device=device, seed=24)
+    logits = testing.make_route_inputs(_GRAD_MOE, device=device, seed=25)["logits"]
+    weights, ids = moe.route_reference(logits, None, top_k=_GRAD_MOE.K)
+    return x, weights, ids
+
+
+def _dispatch_grad(device: str) -> GradCase:
+    x, _, ids = _expert_grad_inputs(device)
+    E = _GRAD_MOE.E
+    return (lambda be, **t: moe.dispatch(**t, expert_ids=ids, num_experts=E, backend=be)[0],
+            lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=E)[0], {"x": x["x"]})
+
+
+def _fused_experts_grad(device: str) -> GradCase:
+    x, weights, ids = _expert_grad_inputs(device)
+    return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be),
+            lambda **t: moe.fused_experts_reference(**t, expert_ids=ids),
+            {"x": x["x"], "weights": weights, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
+
+
+def _combine_grad(device: str) -> GradCase:
+    x, weights, ids = _expert_grad_inputs(device)
+    x_sorted, sort_idx, _ = moe.dispatch_reference(x["x"], ids, num_experts=_GRAD_MOE.E)
+    return (lambda be, **t: moe.combine(**t, sort_idx=sort_idx, backend=be),
+            lambda **t: moe.combine_reference(**t, sort_idx=sort_idx), {"y_sorted": x_sorted, "weights": weights})
+
+
+def _experts_grad(device: str) -> GradCase:
+    x, _, ids = _expert_grad_inputs(device)
+    x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=_GRAD_MOE.E)
     return (lambda be, **t: moe.grouped_swiglu(**t, counts=counts, backend=be),
             lambda **t: moe.grouped_swiglu_reference(**t, counts=counts),
             {"x_sorted": x_sorted, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
+
+
+# Inputs of the backward check of each op declared ``differentiable`` (small odd shapes).
+GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
+    "mla_prefill": _mla_prefill_grad,
+    "dsa_indexer_scores": _indexer_scores_grad,
+    "dsa_sparse_prefill": _sparse_prefill_grad,
+    "moe_route": _route_grad,
+    "moe_dispatch": _dispatch_grad,
+    "moe_combine": _combine_grad,
+    "moe_experts": _experts_grad,
+    "moe_fused_experts": _fused_experts_grad,
+}
+
+
+def grad_ops() -> Tuple[str, ...]:
+    """The ops whose declaration (``OpSpec.differentiable``) says training needs their gradient."""
+    return tuple(name for name, spec in registry.op_specs().items() if spec.differentiable)
+
+
+def _grad_case(op: str, device: str) -> GradCase:
+    if op not in GRAD_CASES:
+        raise ValueError(f"{op} is declared differentiable but glm5_core.conformance.GRAD_CASES has no inputs "
+                         f"for its backward check; add a case for it")
+    return GRAD_CASES[op](device)
 
 
 def _grad_check(op: str) -> CheckFn:
     """The backend's output carries gradients whenever the reference's does, and they match (fp32)."""
 
     def fn(backend: str, device: str) -> testing.Comparison:
-        entry, ref, inputs = _grad_inputs(op, device)
+        entry, ref, inputs = _grad_case(op, device)
 
         def grads(call, dtype):
             leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
@@ -384,12 +437,8 @@ def _grad_check(op: str) -> CheckFn:
     return fn
 
 
-GRAD_OPS = ("mla_prefill", "dsa_indexer_scores", "dsa_sparse_prefill", "moe_route", "moe_dispatch", "moe_combine",
-            "moe_experts", "moe_fused_experts")
-
-
 def _grad_checks() -> List[Check]:
-    return [Check("gradients", f"{op}[backward-fp32]", (op,), _grad_check(op)) for op in GRAD_OPS]
+    return [Check("gradients", f"{op}[backward-fp32]", (op,), _grad_check(op)) for op in grad_ops()]
 
 
 def _determinism_checks() -> List[Check]:
@@ -413,7 +462,7 @@ def _fell_back(op: str, backend: str, declined: Dict[str, str]) -> bool:
     (a composite whose fused kernel declined) every part did."""
     if op in declined or registry.runs_reference(op, backend):
         return True
-    parts = registry.COMPOSITE_PARTS.get(op, ())
+    parts = registry.op_spec(op).parts
     return any(p in declined for p in parts) and all(_fell_back(p, backend, declined) for p in parts)
 
 

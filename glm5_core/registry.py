@@ -1,8 +1,13 @@
 """Backend registry: which kernel runs each op, and why.
 
+Ops are declared once, next to their references: each family module of ``glm5_core.ops`` ends with a tuple
+``OPS`` of :class:`~glm5_core.opspec.OpSpec` (name, reference, conformance family, whether training needs its
+gradient, composite parts); ``OP_NAMES``, ``REFERENCES``, ``COMPOSITES`` and ``COMPOSITE_PARTS`` are derived
+from them. A backend's kernel table maps op names to :class:`~glm5_core.kernel.Kernel` records.
+
 Resolution of the backend for a call:
 
-1. the explicit ``backend=`` argument of the op;
+1. the explicit ``backend=`` argument of the op (a name, or a :class:`Binding` made by :func:`bind`);
 2. the innermost ``use_backend(...)`` context, else the ``GLM5_BACKEND`` environment variable;
 3. auto-detection: of every discovered backend (built-in and out-of-tree alike) whose ``detect()`` says its
    hardware is here, the one with the highest ``priority`` whose probe passes; ``cpu`` detects always and has
@@ -11,14 +16,22 @@ Resolution of the backend for a call:
 ``"auto"`` anywhere means "go on to the next rule". An explicitly requested backend that is not
 available raises :class:`BackendUnavailableError` with the reason; it never falls back silently.
 An op the chosen backend does not implement (or a call it declines through its kernel's
-``supports(...)`` hook) runs the pure-torch reference, which is the spec; ``explain()`` shows which
-implementation each op resolves to and why. ``GLM5_STRICT=1`` turns every such fallback into a
-:class:`BackendCoverageError`, for vendors proving coverage.
+``supports(...)`` hook, or a call needing gradients its kernel cannot give) runs the pure-torch reference,
+which is the spec; ``explain()`` shows which implementation each op resolves to and why. ``GLM5_STRICT=1``
+turns every such fallback into a :class:`BackendCoverageError`, for vendors proving coverage.
+
+Binding (vLLM's ``CustomOp`` dispatch-at-construction): model layers and optimizers call :func:`bind` once,
+when they are built, applying the resolution order at that moment, and pass the :class:`Binding` as
+``backend=`` to the ops; such a call pays only its kernel's ``supports`` check and the gradient routing,
+reads no environment variable and is traceable by ``torch.compile``. A call without a binding reads the
+``use_backend`` context and ``GLM5_BACKEND`` (so both keep working), then finds its resolution in a cache
+per (op, backend name).
 
 Backends are discovered from the vendor folders of ``glm5_core/backends/`` (each with a ``backend.py``
 declaring ``BACKEND``: so a source tree works without being installed) and through the entry-point group
-``glm5_core.backends``, the group an out-of-tree vendor package uses. Discovery, availability probes and
-kernel tables are computed lazily, once; :func:`reset` forgets them (tests, plug-ins installed at run time).
+``glm5_core.backends``, the group an out-of-tree vendor package uses. Op declarations, discovery, availability
+probes, kernel tables and resolutions are computed lazily, once; :func:`reset` forgets them (tests, plug-ins
+installed at run time). Bindings made before a reset keep what they resolved.
 """
 from __future__ import annotations
 
@@ -28,44 +41,22 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import itertools
 import os
 import pkgutil
+import types
 from importlib import metadata
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from glm5_core.kernel import Kernel as Kernel  # re-exported: vendors build their tables from it
+from glm5_core.kernel import needs_grad as needs_grad
+from glm5_core.opspec import OpSpec as OpSpec
+from glm5_core.opspec import target_of
+
 ENTRY_POINT_GROUP = "glm5_core.backends"
 BUILTIN_PACKAGE = "glm5_core.backends"  # in-tree vendors: <package>.<vendor>.backend:BACKEND
-
-# Every dispatchable op, with the dotted path of its reference implementation (the spec).
-REFERENCES: Mapping[str, str] = {
-    "mla_prefill": "glm5_core.ops.mla:prefill_reference",
-    "mla_decode": "glm5_core.ops.mla:decode_reference",
-    "dsa_indexer_scores": "glm5_core.ops.dsa:indexer_scores_reference",
-    "dsa_indexer_topk": "glm5_core.ops.dsa:indexer_topk_reference",
-    "dsa_sparse_prefill": "glm5_core.ops.dsa:sparse_attention_reference",
-    "dsa_sparse_decode": "glm5_core.ops.dsa:sparse_attention_reference",
-    "moe_route": "glm5_core.ops.moe:route_reference",
-    "moe_dispatch": "glm5_core.ops.moe:dispatch_reference",
-    "moe_combine": "glm5_core.ops.moe:combine_reference",
-    "moe_experts": "glm5_core.ops.moe:grouped_swiglu_reference",
-    "moe_fused_experts": "glm5_core.ops.moe:fused_experts_reference",
-    "muon_orthogonalize": "glm5_core.ops.muon:orthogonalize_reference",
-}
-OP_NAMES: Tuple[str, ...] = tuple(REFERENCES)
-
-# Composite ops (as torch's CompositeImplicitAutograd): a backend may register a fused kernel; one that
-# does not runs the composite, which calls the backend's kernels for the parts (never the whole reference).
-# Value: "module:function" taking the op's arguments plus ``backend=``; it is differentiable when the parts
-# are (each part falls back on its own).
-COMPOSITES: Mapping[str, str] = {
-    "moe_fused_experts": "glm5_core.ops.moe:fused_experts_composite",
-}
-COMPOSITE_PARTS: Mapping[str, Tuple[str, ...]] = {
-    "moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine"),
-}
+OPS_PACKAGE = "glm5_core.ops"  # its FAMILY_MODULES declare the ops, each in a tuple OPS
 
 _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
 # (op, why) of each call a backend kernel declined inside ``record_fallbacks()``; None when nobody records.
@@ -88,10 +79,12 @@ class Backend:
 
     ``probe`` returns ``(available, reason)`` and must be cheap to call repeatedly (cache it).
     ``kernel_table`` is called only once the backend is available; it imports the kernel modules and
-    returns ``{op_name: callable}``. A callable may carry a ``supports(*args, **kwargs) -> (bool, why)``
-    attribute to decline calls outside its capabilities (they then run the reference). A kernel is taken
-    to have no backward unless it sets ``differentiable = True``: calls that need gradients run the
-    (differentiable) reference instead of silently dropping them.
+    returns ``{op_name: Kernel(fn, supports=None, differentiable=False)}``. ``supports(*args, **kwargs) ->
+    (ok, why)`` declines calls outside the kernel's capabilities (they then run the reference); calls that
+    need gradients run the (differentiable) reference unless the kernel is ``differentiable`` (its
+    ``supports`` is then never asked about them). For compatibility a table entry may also be a bare
+    callable, as out-of-tree tables were written before :class:`Kernel`: it is wrapped, its ``supports`` and
+    ``differentiable`` function attributes read once, when the table is loaded.
     ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
     ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
@@ -104,7 +97,7 @@ class Backend:
     device_type: str
     dist_backend: str
     probe: Callable[[], Tuple[bool, str]]
-    kernel_table: Callable[[], Mapping[str, Callable]]
+    kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]]
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     runtime_device: Optional[Callable[[], str]] = None
     description: str = ""
@@ -125,9 +118,11 @@ class Resolution:
 
     op: str
     backend: str
-    impl: Callable
-    label: str  # "cuda: glm5_core.backends.cuda.dsa_topk.indexer_topk" or "reference"
+    impl: Callable  # what runs: the backend's Kernel, the composite of its kernels for the parts, or the reference
+    label: str  # "cuda: glm5_core.backends.triton.indexer.indexer_topk" or "reference"
     reason: str  # why this implementation (empty when the backend's own kernel runs)
+    spec: Optional[OpSpec] = None
+    kernel: Optional[Kernel] = None  # the backend's own kernel (None: the composite or the reference runs)
 
     @property
     def is_reference(self) -> bool:
@@ -146,14 +141,58 @@ def _import_target(target: str) -> Callable:
     return obj
 
 
-@functools.lru_cache(maxsize=None)
+# --------------------------------------------------------------------------------------------- op declarations
+@functools.lru_cache(maxsize=1)
+def op_specs() -> Mapping[str, OpSpec]:
+    """Every dispatchable op by name, in declaration order: the ``OPS`` tuples of ``glm5_core.ops``'s
+    ``FAMILY_MODULES``."""
+    specs: Dict[str, OpSpec] = {}
+    for module in importlib.import_module(OPS_PACKAGE).FAMILY_MODULES:
+        for spec in module.OPS:
+            if not isinstance(spec, OpSpec):
+                raise TypeError(f"{module.__name__}.OPS: expected OpSpec entries, got {type(spec).__name__}")
+            if spec.name in specs:
+                raise ValueError(f"{module.__name__}.OPS: op {spec.name!r} is declared twice")
+            specs[spec.name] = spec
+    for spec in specs.values():
+        unknown = [part for part in spec.parts if part not in specs]
+        if unknown:
+            raise ValueError(f"{spec.name}: parts: expected declared ops, got unknown {unknown}")
+    return types.MappingProxyType(specs)
+
+
+def op_spec(op: str) -> OpSpec:
+    """The declaration of ``op``."""
+    specs = op_specs()
+    if op not in specs:
+        raise ValueError(f"op: expected one of {', '.join(specs)}, got {op!r}")
+    return specs[op]
+
+
 def reference(op: str) -> Callable:
     """The reference implementation (the spec) of ``op``."""
-    if op not in REFERENCES:
-        raise ValueError(f"op: expected one of {', '.join(OP_NAMES)}, got {op!r}")
-    return _import_target(REFERENCES[op])
+    return op_spec(op).reference
 
 
+# Tables of the registry's earlier interface, derived from the declarations when read (module __getattr__).
+_DERIVED_TABLES: Mapping[str, Callable[[Mapping[str, OpSpec]], object]] = {
+    "OP_NAMES": lambda specs: tuple(specs),
+    "REFERENCES": lambda specs: types.MappingProxyType({n: target_of(s.reference) for n, s in specs.items()}),
+    "COMPOSITES": lambda specs: types.MappingProxyType(
+        {n: target_of(s.composite) for n, s in specs.items() if s.is_composite}),
+    "COMPOSITE_PARTS": lambda specs: types.MappingProxyType(
+        {n: s.parts for n, s in specs.items() if s.is_composite}),
+}
+
+
+def __getattr__(name: str):
+    if name in _DERIVED_TABLES:
+        return _DERIVED_TABLES[name](op_specs())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------------------------- backends
+@functools.lru_cache(maxsize=1)
 def builtin_backend_names() -> Tuple[str, ...]:
     """The vendor folders of ``glm5_core/backends/`` that declare a backend (``backend.py``), sorted."""
     package = importlib.import_module(BUILTIN_PACKAGE)
@@ -202,11 +241,14 @@ def backends() -> Dict[str, Backend]:
 
 
 def reset() -> None:
-    """Forget discovered backends, kernel tables and resolved references (for tests, and for a process that
-    installed a plug-in after its first op call). Availability probes cached by the backends themselves stay."""
+    """Forget discovered backends, kernel tables, resolutions and op declarations (for tests, and for a process
+    that installed a plug-in after its first op call). Availability probes cached by the backends themselves
+    stay, and so do bindings already made (they hold what they resolved)."""
     _discover.cache_clear()
+    builtin_backend_names.cache_clear()
     _kernel_table.cache_clear()
-    reference.cache_clear()
+    _resolution.cache_clear()
+    op_specs.cache_clear()
 
 
 def get_backend(name: str) -> Backend:
@@ -217,19 +259,22 @@ def get_backend(name: str) -> Backend:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_table(name: str) -> Mapping[str, Callable]:
-    table = dict(get_backend(name).kernel_table())
-    unknown = sorted(set(table) - set(OP_NAMES))
+def _kernel_table(name: str) -> Mapping[str, Kernel]:
+    table = {op: Kernel.of(entry) for op, entry in get_backend(name).kernel_table().items()}
+    known = op_specs()
+    unknown = sorted(set(table) - set(known))
     if unknown:
-        raise ValueError(f"backend {name!r} registers unknown ops {unknown}; known ops: {', '.join(OP_NAMES)}")
-    return table
+        raise ValueError(f"backend {name!r} registers unknown ops {unknown}; known ops: {', '.join(known)}")
+    return types.MappingProxyType(table)
 
 
+# --------------------------------------------------------------------------------------------- resolution
 @contextlib.contextmanager
 def use_backend(name: Optional[str]) -> Iterator[str]:
     """Run the enclosed ops on backend ``name`` (``None`` or ``"auto"``: auto-detect).
 
-    Fails at once if the backend is unavailable."""
+    Fails at once if the backend is unavailable. Layers built inside the block bind this backend (see
+    :func:`bind`); layers built earlier keep the backend they bound."""
     resolved = require_available(resolve_backend_name(name)).name
     token = _ACTIVE_BACKEND.set(resolved)
     try:
@@ -277,68 +322,99 @@ def require_available(name: str) -> Backend:
     return backend
 
 
-def _label(name: str, fn: Callable) -> str:
-    return f"{name}: {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+def _resolve_in(spec: OpSpec, name: str, backend: Backend, table: Mapping[str, Kernel]) -> Resolution:
+    """``spec`` on backend ``name``: its own kernel, else (a composite op) the composite of its parts, else the
+    reference with the backend's reason."""
+    kernel = table.get(spec.name)
+    if kernel is not None:
+        return Resolution(spec.name, name, kernel, f"{name}: {kernel.name}", "", spec=spec, kernel=kernel)
+    if spec.is_composite:
+        return Resolution(spec.name, name, functools.partial(spec.composite, backend=name),
+                          f"{name}: {spec.composite.__module__}.{spec.composite.__qualname__}",
+                          f"{name} has no fused kernel: its own kernels for the parts", spec=spec)
+    reason = backend.missing.get(spec.name, f"{name} does not implement {spec.name}")
+    return Resolution(spec.name, name, spec.reference, "reference", reason, spec=spec)
 
 
-def _composite(op: str, backend: str) -> Callable:
-    target = _import_target(COMPOSITES[op])
-
-    def composite(*args, **kwargs):
-        return target(*args, backend=backend, **kwargs)
-
-    composite.differentiable = True
-    composite.__module__, composite.__qualname__ = target.__module__, target.__qualname__
-    return composite
+@functools.lru_cache(maxsize=None)
+def _resolution(op: str, name: str) -> Resolution:
+    """The resolution of ``op`` on the backend named ``name`` (an explicit name: unknown or unavailable raise)."""
+    spec = op_spec(op)
+    backend = require_available(name)
+    return _resolve_in(spec, name, backend, _kernel_table(name))
 
 
-def _own_or_composite(op: str, name: str, table: Mapping[str, Callable]) -> Optional[Resolution]:
-    if op in table:
-        return Resolution(op, name, table[op], _label(name, table[op]), "")
-    if op in COMPOSITES:
-        impl = _composite(op, name)
-        return Resolution(op, name, impl, _label(name, impl),
-                          f"{name} has no fused kernel: its own kernels for the parts")
-    return None
+def _strict_fallback_error(res: Resolution) -> BackendCoverageError:
+    return BackendCoverageError(f"{res.op}: {res.reason}, and GLM5_STRICT=1 forbids the reference fallback")
 
 
-def resolve(op: str, backend: Optional[str] = None) -> Resolution:
+def resolve(op: str, backend: BackendArg = None) -> Resolution:
     """Which implementation runs ``op`` on ``backend`` (after the resolution order)."""
-    ref = reference(op)
-    name = resolve_backend_name(backend)
-    be = require_available(name)
-    own = _own_or_composite(op, name, _kernel_table(name))
-    if own is not None:
-        return own
-    reason = be.missing.get(op, f"{name} does not implement {op}")
-    if strict_mode():
-        raise BackendCoverageError(f"{op}: {reason}, and GLM5_STRICT=1 forbids the reference fallback")
-    return Resolution(op, name, ref, "reference", reason)
+    res = _lookup(op, backend)
+    if res.is_reference and strict_mode():
+        raise _strict_fallback_error(res)
+    return res
 
 
-def needs_grad(*args, **kwargs) -> bool:
-    """Autograd is recording and some tensor argument requires a gradient."""
-    return torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in itertools.chain(args, kwargs.values()))
+# --------------------------------------------------------------------------------------------- binding
+@dataclasses.dataclass(frozen=True, eq=False)
+class Binding:
+    """Every op resolved once on one backend: what :func:`bind` returns, what a layer or optimizer holds and
+    passes as ``backend=`` to the ops. Immutable: copies share it; pickling rebinds by backend name."""
+
+    backend: str
+    resolutions: Mapping[str, Resolution]
+
+    def resolution(self, op: str) -> Resolution:
+        res = self.resolutions.get(op)
+        if res is None:
+            raise ValueError(f"op: expected one of {', '.join(self.resolutions)}, got {op!r}")
+        return res
+
+    def __repr__(self) -> str:
+        return f"Binding({self.backend!r})"
+
+    def __copy__(self) -> "Binding":
+        return self
+
+    def __deepcopy__(self, memo) -> "Binding":
+        return self
+
+    def __reduce__(self):
+        return bind, (self.backend,)
 
 
-def _declined(impl: Callable, args, kwargs) -> str:
-    """Why a backend kernel cannot take this call ('' when it can)."""
-    if not getattr(impl, "differentiable", False) and needs_grad(*args, **kwargs):
-        return "the kernel has no backward and this call needs gradients"
-    supports = getattr(impl, "supports", None)
-    if supports is not None:
-        ok, why = supports(*args, **kwargs)
-        if not ok:
-            return why
-    return ""
+BackendArg = Union[str, None, Binding]  # what ``backend=`` takes: a name, None / "auto", or a Binding
 
 
+def bind(backend: BackendArg = None) -> Binding:
+    """Resolve every op on ``backend`` now: explicit name > ``use_backend`` context / ``GLM5_BACKEND`` >
+    auto-detection, as they stand at this call (a :class:`Binding` is returned as it is). An unavailable
+    backend raises :class:`BackendUnavailableError` here, when the layer is built. Strict mode is applied
+    when a call falls back, not here: a layer may hold ops it never calls."""
+    if isinstance(backend, Binding):
+        return backend
+    name = require_available(resolve_backend_name(backend)).name
+    return Binding(name, types.MappingProxyType({op: _resolution(op, name) for op in op_specs()}))
+
+
+def _lookup(op: str, backend: BackendArg) -> Resolution:
+    if isinstance(backend, Binding):
+        return backend.resolution(op)
+    if backend in (None, "", "auto"):
+        return _resolution(op, resolve_backend_name())  # the use_backend context, GLM5_BACKEND, the hardware
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name, a registry.Binding or None, got {type(backend).__name__}")
+    return _resolution(op, backend)
+
+
+# --------------------------------------------------------------------------------------------- dispatch
 @contextlib.contextmanager
 def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
     """Collect ``(op, why)`` for every call in the block that a backend kernel declined (its ``supports`` hook,
     or gradients it cannot give), so that the reference ran instead. Static fallbacks (ops a backend does not
-    implement) are not calls a kernel declined: :func:`runs_reference` answers for those."""
+    implement) are not calls a kernel declined: :func:`runs_reference` answers for those. Calls traced by
+    ``torch.compile`` are not recorded (reading the recorder would break the graph)."""
     declined: List[Tuple[str, str]] = []
     token = _DECLINED_LOG.set(declined)
     try:
@@ -347,26 +423,45 @@ def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
         _DECLINED_LOG.reset(token)
 
 
-def call(op: str, *args, backend: Optional[str] = None, **kwargs):
+def _declined_call(res: Resolution, why: str, args: tuple, kwargs: dict):
+    """A kernel declined this call: the reference runs (strict mode: an error), recorded for conformance."""
+    if strict_mode():
+        raise BackendCoverageError(
+            f"{res.op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback")
+    if not torch.compiler.is_compiling():
+        declined = _DECLINED_LOG.get()
+        if declined is not None:
+            declined.append((res.op, why))
+    return res.spec.reference(*args, **kwargs)
+
+
+def _run(res: Resolution, via: BackendArg, args: tuple, kwargs: dict):
+    """Run a resolved op: the kernel unless it declines, a composite's parts on the same backend (``via``:
+    the binding or backend name the call came through), or the reference."""
+    kernel = res.kernel
+    if kernel is not None:
+        why = kernel.declines(args, kwargs)
+        if not why:
+            return kernel.fn(*args, **kwargs)
+        if res.spec.is_composite:  # a declining fused kernel: the backend's parts (a composite never declines)
+            return res.spec.composite(*args, backend=via, **kwargs)
+        return _declined_call(res, why, args, kwargs)
+    if res.spec.is_composite:  # no fused kernel: the backend's own kernels for the parts
+        return res.spec.composite(*args, backend=via, **kwargs)
+    if strict_mode():
+        raise _strict_fallback_error(res)
+    return res.impl(*args, **kwargs)
+
+
+def call(op: str, *args, backend: BackendArg = None, **kwargs):
     """Dispatch ``op`` to the resolved implementation. Arguments are already validated by ``glm5_core.ops``."""
-    res = resolve(op, backend)
-    impl = res.impl
-    if not res.is_reference:
-        why = _declined(impl, args, kwargs)
-        if why and op in COMPOSITES:  # a declining fused kernel (a composite never declines): the backend's parts
-            impl = _composite(op, res.backend)
-        elif why:
-            if strict_mode():
-                raise BackendCoverageError(
-                    f"{op}: {res.backend} declines this call ({why}), and GLM5_STRICT=1 forbids the reference fallback"
-                )
-            declined = _DECLINED_LOG.get()
-            if declined is not None:
-                declined.append((op, why))
-            impl = reference(op)
-    return impl(*args, **kwargs)
+    if isinstance(backend, Binding):
+        return _run(backend.resolution(op), backend, args, kwargs)
+    res = _lookup(op, backend)
+    return _run(res, res.backend, args, kwargs)
 
 
+# --------------------------------------------------------------------------------------------- reports
 def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Resolution]:
     """One :class:`Resolution` per op for ``backend`` (strict mode is not applied here).
 
@@ -375,26 +470,18 @@ def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Reso
     name = resolve_backend_name(backend)
     be = require_available(name) if require else get_backend(name)
     table = _kernel_table(name)
-    rows = []
-    for op in OP_NAMES:
-        own = _own_or_composite(op, name, table)
-        if own is not None:
-            rows.append(own)
-        else:
-            rows.append(Resolution(op, name, reference(op), "reference",
-                                   be.missing.get(op, f"{name} does not implement {op}")))
-    return rows
+    return [_resolve_in(spec, name, be, table) for spec in op_specs().values()]
 
 
 def runs_reference(op: str, backend: Optional[str] = None) -> bool:
     """``op`` computes with the reference on ``backend``: no kernel of its own, or (a composite without a
     fused kernel) every part falls back."""
     res = resolve(op, backend)
-    if op in COMPOSITE_PARTS and not res.is_reference and op not in _kernel_table(res.backend):
-        return all(runs_reference(part, backend) for part in COMPOSITE_PARTS[op])
+    if res.spec.is_composite and res.kernel is None:
+        return all(runs_reference(part, backend) for part in res.spec.parts)
     return res.is_reference
 
 
 def missing_ops(backend: str) -> List[str]:
     """Ops that ``backend`` leaves to the reference."""
-    return [op for op in OP_NAMES if runs_reference(op, backend)]
+    return [op for op in op_specs() if runs_reference(op, backend)]

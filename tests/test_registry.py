@@ -79,12 +79,16 @@ def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, f
         mla.prefill(**x, scale=0.5, backend="cpu")
 
 
-def _fake_backend_module(tmp_path, module, supports_line=""):
+def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orthogonalize)", table=None):
+    """A vendor 'vendorx' whose Muon kernel counts its calls; ``kernel`` is its table entry (a Kernel record,
+    or the bare function as out-of-tree tables wrote it before records, with ``supports_line`` setting its
+    function attributes); ``table`` replaces the whole kernel-table expression."""
+    table = table or f"{{'muon_orthogonalize': {kernel}}}"
     pkg = tmp_path / module
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(f"""
         import torch
-        from glm5_core.registry import Backend
+        from glm5_core.registry import Backend, Kernel
         from glm5_core.ops import muon
 
         def orthogonalize(G, *, steps, coefficients):
@@ -95,7 +99,7 @@ def _fake_backend_module(tmp_path, module, supports_line=""):
 
         BACKEND = Backend(name="vendorx", device_type="cpu", dist_backend="gloo",
                           probe=lambda: (True, "simulated vendor"),
-                          kernel_table=lambda: {{"muon_orthogonalize": orthogonalize}},
+                          kernel_table=lambda: {table},
                           missing={{"moe_route": "vendorx has no router kernel yet"}})
     """))
     dist = tmp_path / "vendorx_glm5-1.0.dist-info"
@@ -118,11 +122,18 @@ def test_third_party_backend_joins_through_the_entry_point(tmp_path, monkeypatch
     assert rows["moe_route"].is_reference and rows["moe_route"].reason == "vendorx has no router kernel yet"
 
 
-def test_a_kernel_can_decline_a_call_and_the_reference_runs(tmp_path, monkeypatch, fresh_registry):
-    _fake_backend_module(tmp_path, "vendorx_declines",
-                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+AT_MOST_4_COLUMNS = "lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')"
+
+
+@pytest.mark.parametrize("form", ("record", "legacy_attribute"))
+def test_a_kernel_can_decline_a_call_and_the_reference_runs(tmp_path, monkeypatch, fresh_registry, form):
+    module = f"vendorx_declines_{form}"
+    if form == "record":
+        _fake_backend_module(tmp_path, module, kernel=f"Kernel(orthogonalize, supports={AT_MOST_4_COLUMNS})")
+    else:  # a bare callable carrying the hook as a function attribute: wrapped, the attribute read
+        _fake_backend_module(tmp_path, module, f"orthogonalize.supports = {AT_MOST_4_COLUMNS}", kernel="orthogonalize")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import vendorx_declines
+    vendorx_declines = __import__(module)
 
     muon.orthogonalize(torch.randn(3, 8), backend="vendorx")
     assert vendorx_declines.orthogonalize.calls == 0
@@ -143,23 +154,52 @@ def test_probes_are_cached():
 
 
 def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monkeypatch, fresh_registry):
-    _fake_backend_module(tmp_path, "vendorx_nograd")
+    """The registry routes gradient calls: a kernel declared without a backward never sees one (its ``supports``
+    is not even asked), one declared ``differentiable`` does."""
+    _fake_backend_module(tmp_path, "vendorx_nograd", "def supports(G, **kw):\n"
+                         "            supports.asked += 1\n"
+                         "            return True, ''\n"
+                         "        supports.asked = 0",
+                         kernel="Kernel(orthogonalize, supports=supports)")
     monkeypatch.syspath_prepend(str(tmp_path))
     import vendorx_nograd
 
     G = torch.randn(4, 6, requires_grad=True)
     out = muon.orthogonalize(G, backend="vendorx")
     assert vendorx_nograd.orthogonalize.calls == 0 and out.requires_grad  # the differentiable reference ran
+    assert vendorx_nograd.supports.asked == 0
     with torch.no_grad():
         muon.orthogonalize(G, backend="vendorx")
-    assert vendorx_nograd.orthogonalize.calls == 1
-    vendorx_nograd.orthogonalize.differentiable = True
-    muon.orthogonalize(G, backend="vendorx")
-    assert vendorx_nograd.orthogonalize.calls == 2
-    vendorx_nograd.orthogonalize.differentiable = False
+    assert vendorx_nograd.orthogonalize.calls == 1 and vendorx_nograd.supports.asked == 1
     monkeypatch.setenv("GLM5_STRICT", "1")
     with pytest.raises(registry.BackendCoverageError, match="no backward"):
         muon.orthogonalize(G, backend="vendorx")
+
+
+@pytest.mark.parametrize("form", ("record", "legacy_attribute"))
+def test_a_differentiable_kernel_takes_gradient_calls(tmp_path, monkeypatch, fresh_registry, form):
+    if form == "record":
+        _fake_backend_module(tmp_path, f"vendorx_grad_{form}", kernel="Kernel(orthogonalize, differentiable=True)")
+    else:
+        _fake_backend_module(tmp_path, f"vendorx_grad_{form}", "orthogonalize.differentiable = True",
+                             kernel="orthogonalize")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    vendor = __import__(f"vendorx_grad_{form}")
+    out = muon.orthogonalize(torch.randn(4, 6, requires_grad=True), backend="vendorx")
+    assert vendor.orthogonalize.calls == 1 and out.requires_grad
+
+
+def test_kernel_records_check_their_fields():
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        registry.Kernel("not a function")
+    with pytest.raises(TypeError, match="supports: expected None or a callable"):
+        registry.Kernel(len, supports=(True, ""))
+    with pytest.raises(TypeError, match="differentiable: expected a bool"):
+        registry.Kernel(len, differentiable="yes")
+    with pytest.raises(TypeError, match="kernel table entry: expected a Kernel or a callable"):
+        registry.Kernel.of(42)
+    record = registry.Kernel(len)
+    assert registry.Kernel.of(record) is record and record([1, 2]) == 2
 
 
 def _with_detect(monkeypatch, detected):
@@ -319,8 +359,7 @@ def test_a_composite_whose_parts_all_fall_back_counts_as_reference(tmp_path, mon
 
 def test_declined_calls_are_recorded_as_reference_fallbacks(tmp_path, monkeypatch, fresh_registry):
     """``record_fallbacks`` sees the calls a kernel declined (the reference ran), not those it took."""
-    _fake_backend_module(tmp_path, "vendorx_recorded",
-                         "orthogonalize.supports = lambda G, **kw: (G.shape[-1] <= 4, 'at most 4 columns')")
+    _fake_backend_module(tmp_path, "vendorx_recorded", kernel=f"Kernel(orthogonalize, supports={AT_MOST_4_COLUMNS})")
     monkeypatch.syspath_prepend(str(tmp_path))
     with registry.record_fallbacks() as declined:
         muon.orthogonalize(torch.randn(8, 3), backend="vendorx")
@@ -351,3 +390,90 @@ def test_an_unknown_backend_from_the_environment_names_the_variable(monkeypatch)
         registry.resolve_backend_name()
     with pytest.raises(ValueError, match="^backend: expected"):  # the argument still names itself
         registry.resolve_backend_name("tpu")
+
+
+def test_the_registry_tables_derive_from_the_op_declarations():
+    specs = registry.op_specs()
+    assert registry.OP_NAMES == tuple(specs) and len(specs) == 12
+    for name, target in registry.REFERENCES.items():
+        assert registry._import_target(target) is specs[name].reference is registry.reference(name)
+    assert dict(registry.COMPOSITE_PARTS) == {"moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine")}
+    assert registry._import_target(registry.COMPOSITES["moe_fused_experts"]) is specs["moe_fused_experts"].composite
+    with pytest.raises(AttributeError, match="NO_SUCH_TABLE"):
+        registry.NO_SUCH_TABLE
+
+
+def test_op_declarations_are_checked(monkeypatch, fresh_registry):
+    with pytest.raises(ValueError, match="declares both composite and parts"):
+        registry.OpSpec("foo_bar", len, family="moe", parts=("moe_dispatch",))
+    with pytest.raises(TypeError, match="foo_bar: reference: expected a callable"):
+        registry.OpSpec("foo_bar", "glm5_core.ops.foo:bar_reference", family="foo")
+    from glm5_core.ops import muon as muon_family
+
+    monkeypatch.setattr(muon_family, "OPS", muon_family.OPS * 2)
+    registry.reset()
+    with pytest.raises(ValueError, match="glm5_core.ops.muon.OPS: op 'muon_orthogonalize' is declared twice"):
+        registry.op_specs()
+    monkeypatch.setattr(muon_family, "OPS", (registry.OpSpec("muon_bad", len, family="muon", composite=len,
+                                                             parts=("no_such_op",)),))
+    registry.reset()
+    with pytest.raises(ValueError, match="muon_bad: parts: expected declared ops, got unknown"):
+        registry.op_specs()
+
+
+def test_unbound_calls_honour_the_context_and_the_environment_bound_calls_keep_their_backend(
+        tmp_path, monkeypatch, fresh_registry):
+    """Resolutions are cached per (op, backend name), yet a call without a binding still follows use_backend and
+    GLM5_BACKEND as they change; a Binding keeps the backend it was made for."""
+    _fake_backend_module(tmp_path, "vendorx_resolution")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_resolution
+
+    monkeypatch.delenv("GLM5_BACKEND", raising=False)
+    G = torch.randn(4, 3)
+    on_cpu = registry.bind("cpu")
+    with glm5_core.use_backend("vendorx"):
+        on_vendor = registry.bind()
+        muon.orthogonalize(G)
+        assert vendorx_resolution.orthogonalize.calls == 1
+        muon.orthogonalize(G, backend=on_cpu)  # bound elsewhere: not moved by the context
+        assert vendorx_resolution.orthogonalize.calls == 1
+    muon.orthogonalize(G)  # the context is gone: auto-detection (cpu)
+    assert vendorx_resolution.orthogonalize.calls == 1
+    monkeypatch.setenv("GLM5_BACKEND", "vendorx")
+    muon.orthogonalize(G)
+    assert vendorx_resolution.orthogonalize.calls == 2
+    monkeypatch.setenv("GLM5_BACKEND", "cpu")
+    muon.orthogonalize(G)
+    muon.orthogonalize(G, backend=on_vendor)
+    assert vendorx_resolution.orthogonalize.calls == 3 and on_vendor.backend == "vendorx"
+    assert repr(on_vendor) == "Binding('vendorx')" and registry.bind(on_vendor) is on_vendor
+
+
+def test_reset_forgets_cached_resolutions(tmp_path, monkeypatch, fresh_registry):
+    """Resolutions are cached per (op, backend name) until ``reset()``: a kernel table that changed (a plug-in
+    upgraded at run time) is seen after it, not before."""
+    _fake_backend_module(tmp_path, "vendorx_late", "TABLE = {}",
+                         table="{'muon_orthogonalize': Kernel(orthogonalize)} if TABLE else {}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_late
+
+    assert registry.resolve("muon_orthogonalize", "vendorx").is_reference
+    vendorx_late.TABLE["ready"] = True
+    assert registry.resolve("muon_orthogonalize", "vendorx").is_reference  # cached
+    registry.reset()
+    assert registry.resolve("muon_orthogonalize", "vendorx").label == "vendorx: vendorx_late.orthogonalize"
+
+
+def test_a_bound_reference_fallback_obeys_strict_mode_at_call_time(monkeypatch):
+    from glm5_core import testing
+    from glm5_core.ops import mla
+
+    if not registry.runs_reference("mla_prefill", "cpu"):
+        pytest.skip("cpu implements mla_prefill natively")
+    bound = registry.bind("cpu")  # binding is not a call: strict mode does not stop it
+    x = testing.make_mla_inputs(testing.MLA_SHAPES[1])
+    monkeypatch.setenv("GLM5_STRICT", "1")
+    registry.bind("cpu")
+    with pytest.raises(registry.BackendCoverageError, match="mla_prefill"):
+        mla.prefill(**x, scale=0.5, backend=bound)

@@ -12,6 +12,7 @@ Which op runs:
   dense,  against earlier cache slots:                           mla.decode   (absorbed form)
   sparse: indexer top-k (own "full" indexer, or the previous full layer's for "shared"), then
           dsa.sparse_prefill on fresh keys / dsa.sparse_decode against the cache.
+The kernels are bound when the layer is built (``registry.bind``): a forward does not resolve them again.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from glm5_core import registry
 from glm5_core.model import indexer_loss
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.indexer import Indexer
@@ -33,10 +35,10 @@ IndexInputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Union[int, torch.T
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: registry.BackendArg):
         super().__init__()
         self.layer_idx = layer_idx
-        self.backend = backend
+        self.kernels = registry.bind(backend)  # resolved once, here
         self.n_heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
@@ -79,13 +81,13 @@ class MLA(nn.Module):
         if state.attention == "sparse":
             sparse_op = dsa.sparse_prefill if state.fresh else dsa.sparse_decode
             out = sparse_op(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, topk_idx, scale=self.scale,
-                            backend=self.backend)
+                            backend=self.kernels)
         elif state.fresh:
             out = mla.prefill(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, scale=self.scale, start_pos=0,
-                              backend=self.backend)
+                              backend=self.kernels)
         else:
             out = mla.decode(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, scale=self.scale,
-                             start_pos=attn_start, backend=self.backend)
+                             start_pos=attn_start, backend=self.kernels)
         if state.indexer_loss and index_inputs is not None:
             self._indexer_signals(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, attn_start, topk_idx, index_inputs, state)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))  # [B, T, D]
@@ -116,7 +118,7 @@ class MLA(nn.Module):
         index_inputs = (q_i, keys_i, w_i, index_start)
         if state.attention != "sparse" and not state.indexer_loss:
             return None, index_inputs
-        topk_idx = dsa.indexer_topk(q_i, keys_i, w_i, self.indexer.topk, start_pos=index_start, backend=self.backend)
+        topk_idx = dsa.indexer_topk(q_i, keys_i, w_i, self.indexer.topk, start_pos=index_start, backend=self.kernels)
         state.shared_topk = topk_idx
         if state.attention == "sparse" and state.record_topk:
             state.topk_idx.append(topk_idx)
@@ -127,7 +129,7 @@ class MLA(nn.Module):
         q_i, keys_i, w_i, index_start = index_inputs
         target = indexer_loss.attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, scale=self.scale,
                                                start_pos=attn_start)  # [B, T, S]
-        scores = dsa.indexer_scores(q_i, keys_i, w_i, start_pos=index_start, backend=self.backend)  # [B, T, S]
+        scores = dsa.indexer_scores(q_i, keys_i, w_i, start_pos=index_start, backend=self.kernels)  # [B, T, S]
         if state.attention == "sparse":
             state.kl_terms.append(indexer_loss.sparse_kl(target, scores, topk_idx))
         else:

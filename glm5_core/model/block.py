@@ -1,11 +1,10 @@
 """One decoder layer: pre-norm MLA attention, then a dense SwiGLU MLP or an MoE layer."""
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
+from glm5_core import registry
 from glm5_core.model.attention import MLA
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.mlp import MLP
@@ -15,7 +14,7 @@ from glm5_core.model.state import ForwardState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: registry.BackendArg):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, layer_idx, indexer_type, backend)

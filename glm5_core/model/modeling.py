@@ -13,6 +13,7 @@ from typing import Iterator, List, Optional, Union
 import torch
 from torch import nn
 
+from glm5_core import registry
 from glm5_core.model.block import DecoderLayer
 from glm5_core.model.cache import KVCache
 from glm5_core.model.config import GLM5Config
@@ -40,7 +41,7 @@ class GLM5Output:
 class GLM5Model(nn.Module):
     """The ``model.*`` part: embed_tokens, layers (main + MTP), norm."""
 
-    def __init__(self, cfg: GLM5Config, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
         super().__init__()
         self.num_main_layers = cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -61,6 +62,11 @@ class GLM5Model(nn.Module):
 
 
 class GLM5ForCausalLM(nn.Module):
+    """The model. Its layers bind their kernels when it is built (``backend`` argument > ``use_backend`` context
+    / ``GLM5_BACKEND`` > auto-detection, as they stand then); :meth:`bind_backend` rebinds them. Moving the
+    model (``.to()``) keeps the binding: resolution depends on the backend, not on where tensors live (a kernel
+    declines tensors on a device it cannot take, through its ``supports`` hook)."""
+
     def __init__(self, cfg: GLM5Config, backend: Optional[str] = None):
         super().__init__()
         if not isinstance(cfg, GLM5Config):
@@ -68,8 +74,9 @@ class GLM5ForCausalLM(nn.Module):
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
         self.config = cfg.validate()
-        self.backend = backend
-        self.model = GLM5Model(cfg, backend)
+        self.backend = backend  # as asked for (None: resolved at construction, see self.kernels)
+        self.kernels = registry.bind(backend)
+        self.model = GLM5Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_moe_layers = len(self.moe_layers())  # fixed by the architecture; a module walk per forward is not
         if cfg.tie_word_embeddings:
@@ -93,6 +100,17 @@ class GLM5ForCausalLM(nn.Module):
             elif isinstance(module, MoE):
                 module.gate.weight.copy_(torch.randn(module.gate.weight.shape, generator=generator) * std)
                 module.gate.e_score_correction_bias.zero_()
+
+    def bind_backend(self, backend: Optional[str] = None) -> "GLM5ForCausalLM":
+        """Resolve every layer's kernels again, on ``backend`` (the resolution order applied now). Returns self."""
+        if backend is not None and not isinstance(backend, str):
+            raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
+        kernels = registry.bind(backend)
+        for module in self.modules():
+            if isinstance(getattr(module, "kernels", None), registry.Binding):
+                module.kernels = kernels
+        self.backend = backend
+        return self
 
     def moe_layers(self) -> List[MoE]:
         """MoE layers in expert_counts row order (main layers, then the MTP layer)."""
@@ -136,8 +154,8 @@ class GLM5ForCausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_call(self, input_ids, attention, mtp_depths, cache, start_pos) -> None:
-        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
-                or input_ids.dtype not in (torch.int64, torch.int32)):
+        int_dtypes = (torch.int64, torch.int32)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in int_dtypes:
             got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
                    else type(input_ids).__name__)
             raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
@@ -156,8 +174,7 @@ class GLM5ForCausalLM(nn.Module):
         if mtp_depths and cache is not None:
             raise ValueError("mtp_depths: expected 0 when decoding with a cache (MTP runs in training forwards)")
         if isinstance(start_pos, torch.Tensor):
-            if (start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0]
-                    or start_pos.dtype not in (torch.int64, torch.int32)):
+            if start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0] or start_pos.dtype not in int_dtypes:
                 raise ValueError(f"start_pos: expected an int or an int64 tensor [B={input_ids.shape[0]}], "
                                  f"got {start_pos.dtype} {tuple(start_pos.shape)}")
         elif isinstance(start_pos, bool) or not isinstance(start_pos, int):

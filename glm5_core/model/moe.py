@@ -9,26 +9,28 @@ gradients) steers which experts are chosen; the weights come from the unbiased s
 
 Under ONNX export the data-dependent dispatch (per-expert row counts) cannot be traced, so the export
 path runs every expert on every token and weights the outputs with the routing weights scattered to
-[N, E] (zero for unchosen experts): the same function, more FLOPs.
+[N, E] (zero for unchosen experts): the same function, more FLOPs. The kernels are bound when a layer is
+built (``registry.bind``).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm5_core import registry
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.mlp import MLP
 from glm5_core.ops import moe
 
 
 class Gate(nn.Module):
-    def __init__(self, cfg: GLM5Config, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
         super().__init__()
-        self.backend = backend
+        self.kernels = registry.bind(backend)  # resolved once, here
         self.top_k = cfg.num_experts_per_tok
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.renormalize = cfg.norm_topk_prob
@@ -50,7 +52,7 @@ class Gate(nn.Module):
             return self.route_for_export(logits)
         return moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",
                          n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
-                         routed_scaling_factor=self.scaling, backend=self.backend)
+                         routed_scaling_factor=self.scaling, backend=self.kernels)
 
 
     def route_for_export(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +75,12 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GLM5Config, moe_index: int, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, moe_index: int, backend: registry.BackendArg):
         super().__init__()
         self.moe_index = moe_index  # row of this layer in expert_counts / router_biases()
-        self.backend = backend
+        self.kernels = registry.bind(backend)  # resolved once, here
         self.n_experts = cfg.n_routed_experts
-        self.gate = Gate(cfg, backend)
+        self.gate = Gate(cfg, self.kernels)
         self.reuse_stacked_weights = False  # see _stacked
         self._stacked_cache: Dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
@@ -115,11 +117,19 @@ class MoE(nn.Module):
         else:
             routed = moe.fused_experts(flat, weights.to(flat.dtype), ids, self._stacked("gate_proj"),
                                        self._stacked("up_proj"), self._stacked("down_proj"),
-                                       backend=self.backend)  # [N, D]
-            counts = torch.bincount(ids.reshape(-1).long(), minlength=self.n_experts)  # [E] tokens per expert
+                                       backend=self.kernels)  # [N, D]
+            counts = self._tokens_per_expert(ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
         return routed.view(B, T, D), counts.detach()
+
+    def _tokens_per_expert(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 [E]: how many of the N*K routed copies each expert got. A scatter-add of ones rather than
+        ``bincount``, whose output shape depends on the ids (a torch.compile graph break); the counts are the same
+        integers."""
+        flat_ids = ids.reshape(-1).long()  # [N*K]
+        zeros = torch.zeros(self.n_experts, dtype=torch.int64, device=ids.device)
+        return zeros.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
 
     def _all_experts(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                      ) -> Tuple[torch.Tensor, torch.Tensor]:

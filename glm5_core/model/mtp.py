@@ -7,11 +7,10 @@ The embedding and lm_head are the main model's. Stored as layer index num_hidden
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
+from glm5_core import registry
 from glm5_core.model.block import DecoderLayer
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.norm import RMSNorm
@@ -27,7 +26,7 @@ class SharedHeadNorm(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: GLM5Config, backend: Optional[str]):
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
         super().__init__(cfg, cfg.num_hidden_layers, "full", backend)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

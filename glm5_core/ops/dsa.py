@@ -23,13 +23,14 @@ sequence of roundings whatever the batch shape and cache length. ``glm5_core.det
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Dict, Union
 
 import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
+from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
@@ -132,15 +133,23 @@ def sparse_attention_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *
     return project_output(o_lat, w_uv).to(out_dtype)
 
 
+OPS = (
+    OpSpec("dsa_indexer_scores", indexer_scores_reference, family="dsa", differentiable=True),
+    OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa"),
+    OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
+    OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
+)
+
+
 def indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, *, start_pos: StartPos = 0,
-                   backend: Optional[str] = None) -> torch.Tensor:
+                   backend: registry.BackendArg = None) -> torch.Tensor:
     """Lightning-indexer scores [B, T, S] (fp32; fp64 for fp64 inputs), -inf where not causal."""
     _validate_indexer(q, k, w, start_pos)
     return registry.call("dsa_indexer_scores", q, k, w, start_pos=start_pos, backend=backend)
 
 
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *, start_pos: StartPos = 0,
-                 backend: Optional[str] = None) -> torch.Tensor:
+                 backend: registry.BackendArg = None) -> torch.Tensor:
     """Deterministic top-k of the indexer scores: int32 [B, T, topk] (see the module contract)."""
     sizes = _validate_indexer(q, k, w, start_pos)
     _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
@@ -158,7 +167,7 @@ def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> N
 
 
 def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,
-                   backend: Optional[str] = None) -> torch.Tensor:
+                   backend: registry.BackendArg = None) -> torch.Tensor:
     """Sparse MLA for many queries (training / prefill; differentiable). Returns [B, T, Hm, Dv]."""
     _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale)
     return registry.call("dsa_sparse_prefill", q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx,
@@ -166,7 +175,7 @@ def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: flo
 
 
 def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float,
-                  backend: Optional[str] = None) -> torch.Tensor:
+                  backend: registry.BackendArg = None) -> torch.Tensor:
     """Sparse MLA for few queries against a latent cache (inference). Returns [B, T, Hm, Dv]."""
     _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale)
     return registry.call("dsa_sparse_decode", q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx,

@@ -21,6 +21,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
@@ -104,9 +105,15 @@ def decode_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale: float, star
     return project_output(o_lat, w_uv).to(out_dtype)  # [B, T, H, Dv]
 
 
+OPS = (
+    OpSpec("mla_prefill", prefill_reference, family="mla", differentiable=True),
+    OpSpec("mla_decode", decode_reference, family="mla"),
+)
+
+
 def prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
             w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, start_pos: StartPos = 0,
-            backend: Optional[str] = None) -> torch.Tensor:
+            backend: registry.BackendArg = None) -> torch.Tensor:
     """Causal MLA over ``T`` new queries and ``S`` key slots, expanded form. Returns [B, T, H, Dv]."""
     _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos)
     return registry.call("mla_prefill", q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale=float(scale),
@@ -115,7 +122,7 @@ def prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: 
 
 def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
            w_uk: torch.Tensor, w_uv: torch.Tensor, *, scale: float, start_pos: Optional[StartPos] = None,
-           backend: Optional[str] = None) -> torch.Tensor:
+           backend: registry.BackendArg = None) -> torch.Tensor:
     """MLA of ``T`` (usually 1) new queries against the latent cache, absorbed form. Returns [B, T, H, Dv].
 
     ``start_pos`` defaults to ``S - T`` (the queries are the last ``T`` cache slots); pass an int tensor

@@ -17,7 +17,7 @@ sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine i
 inverse: a gather, then a weighted sum over the K slots in slot order (no atomics).
 
 ``fused_experts`` is dispatch -> grouped SwiGLU -> combine as one op (the routed MoE FFN of a layer). It is
-a composite op: a backend without a fused kernel runs its own three kernels (see ``registry.COMPOSITES``),
+a composite op: a backend without a fused kernel runs its own three kernels (its ``OpSpec`` in ``OPS``),
 one with a fused kernel (cpu) skips materialising the [M, D] routed copy of the inputs.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 SCORE_FUNCS = ("sigmoid", "softmax")
 RENORM_EPS = 1e-20
@@ -146,9 +147,19 @@ def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, bac
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
 
 
+OPS = (
+    OpSpec("moe_route", route_reference, family="moe", differentiable=True),
+    OpSpec("moe_dispatch", dispatch_reference, family="moe", differentiable=True),
+    OpSpec("moe_combine", combine_reference, family="moe", differentiable=True),
+    OpSpec("moe_experts", grouped_swiglu_reference, family="moe", differentiable=True),
+    OpSpec("moe_fused_experts", fused_experts_reference, family="moe", differentiable=True,
+           composite=fused_experts_composite, parts=("moe_dispatch", "moe_experts", "moe_combine")),
+)
+
+
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",
           n_group: int = 1, topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-          backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+          backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token. Returns (weights fp32 [N, K], ids int32 [N, K])."""
     sizes: Dict[str, int] = {}
     _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
@@ -179,7 +190,7 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: i
 
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
-             backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert. Returns (x_sorted [N*K, D], sort_idx int64 [N*K], counts int64 [E])."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
@@ -193,7 +204,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
 
 
 def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tensor, *,
-            backend: Optional[str] = None) -> torch.Tensor:
+            backend: registry.BackendArg = None) -> torch.Tensor:
     """Weighted sum of each token's expert outputs (inverse of ``dispatch``). Returns [N, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
@@ -209,7 +220,7 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
 
 
 def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                   w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
@@ -226,7 +237,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, w_gate: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
     in slot order. Equals ``combine(grouped_swiglu(dispatch(x)), weights)``. Returns [N, D]."""
     sizes: Dict[str, int] = {}

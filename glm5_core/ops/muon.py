@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Sequence, Tuple, Union
 
 import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.opspec import OpSpec
 
 Coeff = Tuple[float, float, float]
 
@@ -108,9 +109,12 @@ def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients) -> t
     return X.to(G.dtype)
 
 
+OPS = (OpSpec("muon_orthogonalize", orthogonalize_reference, family="muon"),)
+
+
 def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
                   coefficients: Union[str, NSCoefficients, Sequence[Coeff]] = "polar_express",
-                  backend: Optional[str] = None) -> torch.Tensor:
+                  backend: registry.BackendArg = None) -> torch.Tensor:
     """Approximate polar factor of each matrix of ``G [..., m, n]`` by ``steps`` Newton-Schulz steps."""
     if not isinstance(G, torch.Tensor):
         raise TypeError(f"G: expected a torch.Tensor [..., m, n], got {type(G).__name__}")

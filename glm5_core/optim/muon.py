@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops import muon as muon_ops
 
@@ -74,6 +75,7 @@ class Muon(torch.optim.Optimizer):
                         split_dim=split_dim)
         super().__init__(params, defaults)  # validates every group through add_param_group
         self.backend = backend
+        self.kernels = registry.bind(backend)  # resolved once, here
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the checks the constructor makes (a group added later is held to the same rules)."""
@@ -145,7 +147,7 @@ class Muon(torch.optim.Optimizer):
         blocks = [self._blocks(update, group) for _, update in members]
         stacked = torch.cat(blocks, dim=0)  # [sum of blocks, m, n]
         ortho = muon_ops.orthogonalize(stacked, steps=group["ns_steps"], coefficients=group["coefficients"],
-                                       backend=self.backend)
+                                       backend=self.kernels)
         out: Dict[int, torch.Tensor] = {}
         for (p, _), mine in zip(members, torch.split(ortho, [b.shape[0] for b in blocks])):  # mine [n, m, n_cols]
             matrix = mine[0] if group["split_heads"] is None else muon_ops.merge_heads(mine, dim=group["split_dim"])

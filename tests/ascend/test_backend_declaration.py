@@ -25,7 +25,16 @@ def test_every_op_is_mapped_or_explained_and_every_kernel_can_decline():
     assert set(table) | set(ascend.MISSING) | set(registry.COMPOSITES) == set(registry.OP_NAMES)
     assert not set(table) & set(ascend.MISSING)
     for op, kernel in table.items():
-        assert callable(getattr(kernel, "supports", None)), op
+        assert isinstance(kernel, registry.Kernel) and callable(kernel.supports), op
+
+
+def test_the_inference_only_vendor_ops_leave_gradient_calls_to_the_reference():
+    """The fused vendor ops have no autograd formula: no record is differentiable, so the registry declines every
+    call that needs gradients before ``supports`` (which would import torch_npu) is asked."""
+    t = torch.zeros(2, 3, requires_grad=True)
+    for op, kernel in ascend.kernel_table().items():
+        assert not kernel.differentiable, op
+        assert kernel.declines((t,), {}) == "the kernel has no backward and this call needs gradients", op
 
 
 def test_import_glm5_core_and_the_kernel_table_never_import_torch_npu(tmp_path):
@@ -65,7 +74,7 @@ def test_ops_called_with_backend_ascend_fail_fast():
 @needs_no_torch_npu
 def test_cli_reports_the_reason(capsys):
     assert cli.main(["backends"]) == 0
-    line = next(out for out in capsys.readouterr().out.splitlines() if out.startswith("ascend "))
+    line = next(row for row in capsys.readouterr().out.splitlines() if row.startswith("ascend "))
     assert "no" in line.split() and "torch_npu is not installed" in line
     assert cli.main(["conformance", "--backend", "ascend"]) == 2
     assert "torch_npu is not installed" in capsys.readouterr().err
@@ -77,13 +86,6 @@ def test_the_vendor_namespace_is_imported_lazily():
         vendor.vendor_ops()
     sentinel = object()
     assert vendor.vendor_ops(sentinel) is sentinel
-
-
-def test_inference_only_rule():
-    t = torch.zeros(2, requires_grad=True)
-    assert not vendor.inference_only("op", [t])[0]
-    with torch.no_grad():
-        assert vendor.inference_only("op", [t]) == (True, "")
 
 
 def test_an_older_torch_npu_without_the_operator_is_declined_with_its_version():

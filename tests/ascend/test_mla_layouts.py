@@ -101,5 +101,5 @@ def test_decode_declines_fp32_and_cpu_tensors():
     inputs = testing.make_mla_inputs(DECODE_SHAPES[0], dtype=torch.float32)
     ok, why = mla.decode_limits(**inputs, scale=0.1, start_pos=149)
     assert not ok and "float32" in why
-    ok, why = mla.decode.supports(**inputs, scale=0.1, start_pos=149)
+    ok, why = mla.KERNELS["mla_decode"].supports(**inputs, scale=0.1, start_pos=149)
     assert not ok and "npu" in why

@@ -127,8 +127,10 @@ def test_experts_reject_bad_counts_and_defer_gradients(native):
     bad[0] += 1
     with pytest.raises(RuntimeError, match="sum"):
         native_moe.experts(x_sorted, bad, wg, wu, wd)
-    ok, why = native_moe.experts.supports(x_sorted.requires_grad_(True), counts, wg, wu, wd)
-    assert not ok and "backward" in why
+    kernel = native_moe.KERNELS["moe_experts"]
+    assert not kernel.differentiable and kernel.declines((x_sorted.requires_grad_(True), counts, wg, wu, wd), {})
+    with torch.no_grad():
+        assert kernel.declines((x_sorted, counts, wg, wu, wd), {}) == ""
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -157,9 +159,9 @@ def test_fused_experts_thread_invariance(native, threads):
         torch.set_num_threads(n)
         outs.append(native_moe.fused_experts(w["x"], weights, ids, w["w_gate"], w["w_up"], w["w_down"]))
     assert torch.equal(outs[0], outs[1])
-    ok, why = native_moe.fused_experts.supports(w["x"].requires_grad_(True), weights, ids, w["w_gate"], w["w_up"],
-                                                w["w_down"])
-    assert ok and native_moe.fused_experts.differentiable, why  # native backward (test_moe_backward.py)
+    why = native_moe.KERNELS["moe_fused_experts"].declines(
+        (w["x"].requires_grad_(True), weights, ids, w["w_gate"], w["w_up"], w["w_down"]), {})
+    assert why == "" and native_moe.KERNELS["moe_fused_experts"].differentiable, why  # native backward
 
 
 INFERENCE_MODE_SCRIPT = """

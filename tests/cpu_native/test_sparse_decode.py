@@ -58,8 +58,9 @@ def test_declines_autograd(native):
     shape, K = SHAPES[1]
     inputs = testing.make_sparse_inputs(shape, K, seed=1)
     inputs["q_nope"].requires_grad_(True)
-    ok, why = native_dsa.sparse_decode.supports(*(inputs[n] for n in NAMES), inputs["topk_idx"], scale=0.3)
-    assert not ok and "backward" in why
+    why = native_dsa.KERNELS["dsa_sparse_decode"].declines((*(inputs[n] for n in NAMES), inputs["topk_idx"]),
+                                                           {"scale": 0.3})
+    assert "backward" in why
     out = dsa.sparse_decode(*(inputs[n] for n in NAMES), inputs["topk_idx"], scale=0.3, backend="cpu")
     out.sum().backward()  # fell back to the differentiable reference
     assert inputs["q_nope"].grad is not None

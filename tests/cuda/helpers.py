@@ -13,7 +13,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 
 
 def kernel(op: str, backend: str = "cuda"):
-    """The backend's registered kernel for ``op`` (call inside a test: imports the Triton modules)."""
+    """The backend's registered kernel record for ``op`` (callable; ``.supports`` its hook). Call inside a test:
+    it imports the Triton modules."""
     from glm5_core import registry
 
-    return registry.resolve(op, backend).impl
+    return registry.resolve(op, backend).kernel

@@ -23,7 +23,7 @@ def test_fused_topk_extra_memory_is_independent_of_the_key_count(device):
     from glm5_core.backends.triton import indexer
 
     topk = kernel("dsa_indexer_topk")
-    K, block, queries = 8, CUDA_CONFIGS.indexer.block("keys"), 2
+    K, block, queries = 8, CUDA_CONFIGS["indexer"].block("keys"), 2
     topk(*_inputs(512)[:3], topk=K, start_pos=510)  # warm the interpreter's caches outside the measurement
     peaks, ref_peaks = {}, {}
     for S in (128, 512):

@@ -1,7 +1,6 @@
 """rocm backend: AMD launch configs over the shared kernels, and the aiter paths' argument building
 (exercised with torch stand-ins for the two aiter calls, which need an AMD GPU)."""
-import dataclasses
-
+import pytest
 import torch
 
 from glm5_core import registry, testing
@@ -13,14 +12,23 @@ def test_amd_configs_respect_wavefront_limits_and_share_the_indexer_layout():
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
     from glm5_core.backends.rocm.launch import MAX_NUM_WARPS, ROCM_CONFIGS
 
-    for field in dataclasses.fields(ROCM_CONFIGS):
-        config = getattr(ROCM_CONFIGS, field.name)
-        if field.name == "vendor":
-            continue
+    assert set(ROCM_CONFIGS.families) == set(CUDA_CONFIGS.families)  # every kernel family launches on both
+    for family, config in ROCM_CONFIGS.families.items():
         assert config.num_warps <= MAX_NUM_WARPS == 16
         assert "waves_per_eu" in config.launch_kwargs()
-        assert "waves_per_eu" not in getattr(CUDA_CONFIGS, field.name).launch_kwargs()  # NVIDIA rejects it
-    assert ROCM_CONFIGS.indexer.blocks == CUDA_CONFIGS.indexer.blocks  # same scores, bit for bit
+        assert "waves_per_eu" not in CUDA_CONFIGS[family].launch_kwargs()  # NVIDIA rejects it
+    assert ROCM_CONFIGS["indexer"].blocks == CUDA_CONFIGS["indexer"].blocks  # same scores, bit for bit
+
+
+def test_a_missing_launch_family_is_named():
+    from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+
+    configs = KernelConfigs(vendor="toy", families={"indexer": LaunchConfig()})
+    with pytest.raises(KeyError, match="toy launch table has no configuration for the Triton kernel family "
+                                       "'sparse_mla'.*it has: indexer"):
+        configs["sparse_mla"]
+    with pytest.raises(TypeError, match="toy launch table: indexer: expected a LaunchConfig"):
+        KernelConfigs(vendor="toy", families={"indexer": {"num_warps": 4}})
 
 
 def test_rocm_table_runs_the_shared_kernels(device):
@@ -55,7 +63,7 @@ def test_aiter_mla_decode_argument_building():
     x = testing.make_sparse_inputs(shape, 5, dtype=torch.float32, seed=1)
     args = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv", "topk_idx")
     out = aiter_ops.sparse_decode_with(_fake_mla_decode_fwd, *(x[a] for a in args), scale=0.3,
-                                       config=ROCM_CONFIGS.sparse_mla)
+                                       config=ROCM_CONFIGS["sparse_mla"])
     ref = dsa.sparse_attention_reference(*(x[a] for a in args), scale=0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     built = aiter_ops.build_mla_decode_args(torch.zeros(2, 2, 16, 24), x["q_pe"], x["c_kv"], x["k_pe"], x["topk_idx"])
@@ -94,7 +102,7 @@ def test_aiter_routing_gets_one_dtype_for_logits_and_bias():
     bias = testing.randn((64,), seed=6) * 0.1
     kwargs = dict(top_k=6, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=2.5)
     assert aiter_ops.route_supports(logits, bias, **kwargs)[0]
-    weights, ids = aiter_ops.route_with(_checked_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS.moe_route,
+    weights, ids = aiter_ops.route_with(_checked_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS["moe_route"],
                                         **kwargs)
     ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
     assert torch.equal(ids, ref_ids)
@@ -109,7 +117,7 @@ def test_aiter_routing_is_reordered_and_ties_recomputed():
     logits[0] = 0.0
     bias = torch.zeros(16)
     kwargs = dict(top_k=4, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5)
-    weights, ids = aiter_ops.route_with(_fake_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS.moe_route,
+    weights, ids = aiter_ops.route_with(_fake_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS["moe_route"],
                                         **kwargs)
     ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
     assert torch.equal(ids, ref_ids)

@@ -1,10 +1,10 @@
 """Declaration of the ``ascend`` backend. Import-light: torch_npu is imported by the probe
 (``glm5_core.platform.npu_probe``) and, for the operators, on the first kernel call; the kernel modules are
 imported by ``kernel_table`` only once the backend is available."""
-from typing import Callable, Dict
+from typing import Dict
 
 from glm5_core import platform
-from glm5_core.registry import Backend
+from glm5_core.registry import Backend, Kernel
 
 MISSING = {
     "mla_prefill": "no vendor op mapped for the expanded, differentiable prefill; the reference runs as torch ops "
@@ -16,19 +16,10 @@ MISSING = {
 }
 
 
-def kernel_table() -> Dict[str, Callable]:
+def kernel_table() -> Dict[str, Kernel]:
     from glm5_core.backends.ascend import dsa, mla, moe
 
-    return {
-        "dsa_indexer_topk": dsa.indexer_topk,
-        "dsa_sparse_prefill": dsa.sparse_attention,
-        "dsa_sparse_decode": dsa.sparse_attention,
-        "mla_decode": mla.decode,
-        "moe_route": moe.route,
-        "moe_dispatch": moe.dispatch,
-        "moe_experts": moe.experts,
-        "moe_combine": moe.combine,
-    }
+    return {**dsa.KERNELS, **mla.KERNELS, **moe.KERNELS}
 
 
 BACKEND = Backend(

@@ -17,7 +17,7 @@ Our top-k contract vs the vendor op, and how the difference is bridged:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -26,11 +26,12 @@ from glm5_core.backends.ascend.vendor import (
     HALF_DTYPES,
     OK,
     Decision,
-    attach_supports,
     dtype_in,
     first_output,
+    npu_kernel,
     vendor_ops,
 )
+from glm5_core.kernel import Kernel
 from glm5_core.ops.dsa import indexer_topk_reference
 from glm5_core.ops.mla import project_output
 
@@ -84,10 +85,6 @@ def _recompute_rows(out, rows, q, k, w, topk, start_pos) -> None:
         out[b, t] = ref[0, 0].to(out.dtype)
 
 
-attach_supports(indexer_topk, indexer_topk_limits, lambda q, k, w, **kw: (q, k, w),
-                "npu_lightning_indexer", grad_matters=False)  # integer output: no gradient involved
-
-
 # ------------------------------------------------------------------------------ sparse flash attention
 def sparse_attention_limits(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> Decision:
     """npu_sparse_flash_attention's documented limits
@@ -115,7 +112,13 @@ def sparse_attention(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: f
     return out.to(q_nope.dtype)
 
 
-attach_supports(sparse_attention, sparse_attention_limits,
-                lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kw: (
-                    q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx),
-                "npu_sparse_flash_attention")
+_SPARSE_ATTENTION = npu_kernel(
+    sparse_attention, sparse_attention_limits,
+    lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kw: (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx),
+    "npu_sparse_flash_attention")
+KERNELS: Mapping[str, Kernel] = {
+    "dsa_indexer_topk": npu_kernel(indexer_topk, indexer_topk_limits, lambda q, k, w, **kw: (q, k, w),
+                                   "npu_lightning_indexer"),
+    "dsa_sparse_prefill": _SPARSE_ATTENTION,
+    "dsa_sparse_decode": _SPARSE_ATTENTION,
+}

@@ -10,12 +10,13 @@ becomes actual_seq_lengths_kv = start_pos + T with the bottom-right causal mode 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
 from glm5_core.backends.ascend import mla_layouts as L
-from glm5_core.backends.ascend.vendor import HALF_DTYPES, Decision, attach_supports, dtype_in, first_output, vendor_ops
+from glm5_core.backends.ascend.vendor import HALF_DTYPES, Decision, dtype_in, first_output, npu_kernel, vendor_ops
+from glm5_core.kernel import Kernel
 from glm5_core.ops.mla import project_output
 
 DECODE_HEADS = (32, 64, 128)
@@ -48,6 +49,8 @@ def decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale: float, start_pos,
     return project_output(o_lat.float(), w_uv.float()).to(q_nope.dtype)  # [B, T, H, Dv]
 
 
-attach_supports(decode, decode_limits,
-                lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **kw: (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv),
-                "npu_fused_infer_attention_score")
+KERNELS: Mapping[str, Kernel] = {
+    "mla_decode": npu_kernel(decode, decode_limits,
+                             lambda q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **kw: (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv),
+                             "npu_fused_infer_attention_score"),
+}

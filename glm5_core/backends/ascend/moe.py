@@ -20,13 +20,14 @@ Where our contract and the vendor ops differ:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from glm5_core.backends.ascend import moe_layouts as L
-from glm5_core.backends.ascend.vendor import Decision, attach_supports, dtype_in, first_output, vendor_ops
+from glm5_core.backends.ascend.vendor import Decision, dtype_in, first_output, npu_kernel, vendor_ops
+from glm5_core.kernel import Kernel
 from glm5_core.ops.moe import route_reference
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,9 +75,6 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     return (weights * routed_scaling_factor).float(), ids.to(torch.int32)
 
 
-attach_supports(route, route_limits, lambda logits, bias, **kw: (logits, bias), "npu_moe_gating_top_k")
-
-
 # --------------------------------------------------------------------------------------------- dispatch
 def dispatch_limits(x, expert_ids, *, num_experts: int) -> Decision:
     op = "npu_moe_init_routing_v2"
@@ -99,9 +97,6 @@ def dispatch(x, expert_ids, *, num_experts: int, npu: Optional[object] = None):
         return expanded_x, sort_idx, counts.to(torch.int64)
     sort_idx = torch.sort(flat, stable=True).indices  # restore the documented-by-us stable order
     return x[sort_idx // K], sort_idx, counts.to(torch.int64)
-
-
-attach_supports(dispatch, dispatch_limits, lambda x, expert_ids, **kw: (x,), "npu_moe_init_routing_v2")
 
 
 # ---------------------------------------------------------------------------------------------- experts
@@ -134,10 +129,6 @@ def experts(x_sorted, counts, w_gate, w_up, w_down, *, npu: Optional[object] = N
     return _grouped(ops, hidden, L.as_matmul_weight(w_down), groups)  # [M, D]
 
 
-attach_supports(experts, experts_limits, lambda x_sorted, counts, w_gate, w_up, w_down, **kw: (
-    x_sorted, counts, w_gate, w_up, w_down), "npu_grouped_matmul")
-
-
 # ---------------------------------------------------------------------------------------------- combine
 def combine_limits(y_sorted, sort_idx, weights) -> Decision:
     return dtype_in("y_sorted", y_sorted, FLOAT_DTYPES, "npu_moe_finalize_routing")
@@ -151,5 +142,12 @@ def combine(y_sorted, sort_idx, weights, *, npu: Optional[object] = None) -> tor
     return out.to(y_sorted.dtype)
 
 
-attach_supports(combine, combine_limits, lambda y_sorted, sort_idx, weights, **kw: (y_sorted, sort_idx, weights),
-                "npu_moe_finalize_routing")
+KERNELS: Mapping[str, Kernel] = {
+    "moe_route": npu_kernel(route, route_limits, lambda logits, bias, **kw: (logits, bias), "npu_moe_gating_top_k"),
+    "moe_dispatch": npu_kernel(dispatch, dispatch_limits, lambda x, expert_ids, **kw: (x,), "npu_moe_init_routing_v2"),
+    "moe_experts": npu_kernel(experts, experts_limits, lambda x_sorted, counts, w_gate, w_up, w_down, **kw: (
+        x_sorted, counts, w_gate, w_up, w_down), "npu_grouped_matmul"),
+    "moe_combine": npu_kernel(combine, combine_limits,
+                              lambda y_sorted, sort_idx, weights, **kw: (y_sorted, sort_idx, weights),
+                              "npu_moe_finalize_routing"),
+}

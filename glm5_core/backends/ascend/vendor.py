@@ -7,8 +7,10 @@ instead, so the argument building is checked on machines without an NPU.
 A capability check returns ``(ok, why)``; the registry runs the reference, with ``why`` in ``explain()``,
 when a call is declined. Each kernel module splits its check in two: ``<op>_limits`` (the vendor op's
 documented limits: shapes, dtypes, sizes; device-independent, so CPU tests exercise it) and the
-``supports`` hook the registry calls, which adds "the tensors live on an NPU", "this torch_npu has the
-operator" and "no autograd needed".
+``supports`` hook of its :class:`~glm5_core.kernel.Kernel` record (:func:`npu_kernel`), which adds "the
+tensors live on an NPU" and "this torch_npu has the operator". The fused vendor ops used here are documented
+for inference (no autograd formula registered): the records are not ``differentiable``, so the registry runs
+the differentiable reference for every call that needs gradients.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import importlib
 from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
 
 import torch
+
+from glm5_core.kernel import Kernel
 
 Decision = Tuple[bool, str]
 OK: Decision = (True, "")
@@ -43,13 +47,6 @@ def on_npu(tensors: Iterable[Optional[torch.Tensor]]) -> Decision:
     return OK
 
 
-def inference_only(op_name: str, tensors: Iterable[Optional[torch.Tensor]]) -> Decision:
-    """The fused vendor ops used here are documented for inference (no autograd formula registered)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return False, f"{op_name} is documented for inference only; training runs the differentiable reference"
-    return OK
-
-
 def dtype_in(name: str, t: torch.Tensor, allowed: Sequence[torch.dtype], op_name: str) -> Decision:
     if t.dtype not in allowed:
         names = "/".join(str(d).replace("torch.", "") for d in allowed)
@@ -65,20 +62,15 @@ def has_operator(op_name: str, npu: Optional[Any] = None) -> Decision:
     return OK
 
 
-def attach_supports(kernel: Callable, limits: Callable[..., Decision],
-                    tensors_of: Callable[..., Sequence[Optional[torch.Tensor]]], op_name: str,
-                    grad_matters: bool = True) -> Callable:
-    """Give ``kernel`` the registry's ``supports`` hook: NPU tensors, the operator present in this torch_npu,
-    no autograd needed, then the op's documented limits."""
+def npu_kernel(fn: Callable, limits: Callable[..., Decision],
+               tensors_of: Callable[..., Sequence[Optional[torch.Tensor]]], op_name: str) -> Kernel:
+    """``fn`` as a kernel record whose ``supports`` checks: NPU tensors, the operator present in this
+    torch_npu, then the op's documented ``limits``. Not differentiable (see the module docstring)."""
 
     def supports(*args, **kwargs) -> Decision:
-        tensors = tensors_of(*args, **kwargs)
-        decision = on_npu(tensors)
+        decision = on_npu(tensors_of(*args, **kwargs))
         if decision[0]:
             decision = has_operator(op_name)  # torch_npu is imported by now: the probe did it
-        if decision[0] and grad_matters:
-            decision = inference_only(op_name, tensors)
         return decision if not decision[0] else limits(*args, **kwargs)
 
-    kernel.supports = supports
-    return kernel
+    return Kernel(fn, supports=supports)

@@ -6,22 +6,22 @@ compiler, no ninja, a compile error) every op runs the reference, and ``explain(
 give the reason for each op.
 """
 import importlib
-from typing import Callable, Dict, Iterator, Mapping
+from typing import Dict, Iterator, Mapping
 
-from glm5_core.registry import Backend
+from glm5_core.registry import Backend, Kernel
 
-# op -> "module:function" of its native kernel wrapper (imported only once the extension is loaded)
-NATIVE_KERNELS: Mapping[str, str] = {
-    "dsa_indexer_topk": "glm5_core.backends.cpu.dsa:indexer_topk",
-    "dsa_sparse_decode": "glm5_core.backends.cpu.dsa:sparse_decode",
-    "dsa_sparse_prefill": "glm5_core.backends.cpu.dsa:sparse_prefill",
-    "moe_route": "glm5_core.backends.cpu.moe:route",
-    "moe_dispatch": "glm5_core.backends.cpu.moe:dispatch",
-    "moe_combine": "glm5_core.backends.cpu.moe:combine",
-    "moe_experts": "glm5_core.backends.cpu.moe:experts",
-    "moe_fused_experts": "glm5_core.backends.cpu.moe:fused_experts",
-    "muon_orthogonalize": "glm5_core.backends.cpu.muon:orthogonalize",
-}
+# The modules whose ``KERNELS`` map ops to their native kernel records (importing them loads no extension:
+# the ``torch.ops.glm5_cpu`` ops are looked up when a kernel runs).
+KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon")
+
+
+def native_kernels() -> Dict[str, Kernel]:
+    """Every native kernel record, by op (whether or not the extension is built)."""
+    table: Dict[str, Kernel] = {}
+    for module_name in KERNEL_MODULES:
+        table.update(importlib.import_module(module_name).KERNELS)
+    return table
+
 
 # Why the ops without a native kernel keep the reference even when the extension is built.
 REFERENCE_BY_CHOICE: Mapping[str, str] = {
@@ -38,14 +38,8 @@ def status():
     return extension.load()
 
 
-def kernel_table() -> Dict[str, Callable]:
-    if not status().built:
-        return {}
-    table = {}
-    for op, target in NATIVE_KERNELS.items():
-        module_name, _, attr = target.partition(":")
-        table[op] = getattr(importlib.import_module(module_name), attr)
-    return table
+def kernel_table() -> Dict[str, Kernel]:
+    return native_kernels() if status().built else {}
 
 
 class _MissingReasons(Mapping):
@@ -53,7 +47,7 @@ class _MissingReasons(Mapping):
 
     def __getitem__(self, op: str) -> str:
         ext = status()
-        if op in NATIVE_KERNELS:
+        if op in native_kernels():
             if ext.built:
                 raise KeyError(op)
             return f"{ext.describe()}; running the reference"
@@ -62,10 +56,10 @@ class _MissingReasons(Mapping):
         return f"{REFERENCE_BY_CHOICE[op]} ({ext.describe()})"
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(NATIVE_KERNELS) + list(REFERENCE_BY_CHOICE))
+        return iter(list(native_kernels()) + list(REFERENCE_BY_CHOICE))
 
     def __len__(self) -> int:
-        return len(NATIVE_KERNELS) + len(REFERENCE_BY_CHOICE)
+        return len(native_kernels()) + len(REFERENCE_BY_CHOICE)
 
 
 BACKEND = Backend(

@@ -3,14 +3,16 @@
 Each takes exactly the arguments of its reference (``glm5_core.ops.dsa``), already validated, and calls
 the native ``torch.ops.glm5_cpu`` ops. Sparse prefill and sparse decode share one contract (absorbed MLA
 over the selected latent rows, any number of queries) and one kernel; it has no backward, so a prefill
-that needs gradients (training) runs the reference. Legend as in ``glm5_core.ops.dsa``.
+that needs gradients (training) runs the reference (the registry routes it: ``differentiable`` is False).
+Legend as in ``glm5_core.ops.dsa``.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Mapping, Tuple
 
 import torch
 
+from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, project_output
 
@@ -38,9 +40,6 @@ def _indexer_supports(q, k, w, *, topk: int, start_pos=0):
     return _on_cpu(q, k, w, start_pos)
 
 
-indexer_topk.supports = _indexer_supports
-
-
 def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
     """[B, T, Hm, Dv]: absorbed MLA over the selected latent rows, read in place from the cache."""
     out_dtype = q_nope.dtype
@@ -51,13 +50,7 @@ def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: floa
 
 
 def _sparse_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
-    tensors = (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False, "the native sparse MLA kernel has no backward (inference only)"
-    return _on_cpu(*tensors, topk_idx)
-
-
-sparse_decode.supports = _sparse_supports
+    return _on_cpu(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx)
 
 
 def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
@@ -66,4 +59,8 @@ def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: flo
     return sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale)
 
 
-sparse_prefill.supports = _sparse_supports
+KERNELS: Mapping[str, Kernel] = {
+    "dsa_indexer_topk": Kernel(indexer_topk, supports=_indexer_supports),
+    "dsa_sparse_decode": Kernel(sparse_decode, supports=_sparse_supports),
+    "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports),
+}

@@ -15,8 +15,11 @@ Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
 
+from typing import Mapping, Tuple
+
 import torch
 
+from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
 from glm5_core.ops.moe import RENORM_EPS
 
@@ -48,16 +51,14 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     return weights, ids.to(torch.int32)
 
 
-route.differentiable = True  # with gradients, the weights come from torch ops on the native selection
-
-
-def _route_supports(logits, bias, **kwargs):
-    if logits.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {logits.device}"
+def _on_cpu(t: torch.Tensor) -> Tuple[bool, str]:
+    if t.device.type != "cpu":
+        return False, f"native CPU kernels need CPU tensors, got {t.device}"
     return True, ""
 
 
-route.supports = _route_supports
+def _route_supports(logits, bias, **kwargs):
+    return _on_cpu(logits)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -86,16 +87,10 @@ def dispatch(x, expert_ids, *, num_experts: int):
     return torch.ops.glm5_cpu.moe_dispatch(x, expert_ids, num_experts)
 
 
-dispatch.differentiable = True  # _Dispatch
 
 
 def _dispatch_supports(x, expert_ids, *, num_experts: int):
-    if x.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x.device}"
-    return True, ""
-
-
-dispatch.supports = _dispatch_supports
+    return _on_cpu(x)
 
 
 def experts(x_sorted, counts, w_gate, w_up, w_down):
@@ -104,14 +99,7 @@ def experts(x_sorted, counts, w_gate, w_up, w_down):
 
 
 def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_sorted, w_gate, w_up, w_down)):
-        return False, "the native experts have no backward (the reference is differentiable)"
-    if x_sorted.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x_sorted.device}"
-    return True, ""
-
-
-experts.supports = _experts_supports
+    return _on_cpu(x_sorted)
 
 
 class _FusedExperts(torch.autograd.Function):
@@ -144,16 +132,10 @@ def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
     return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down)
 
 
-fused_experts.differentiable = True  # native backward (moe_fused_experts_backward)
 
 
 def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
-    if x.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {x.device}"
-    return True, ""
-
-
-fused_experts.supports = _fused_supports
+    return _on_cpu(x)
 
 
 class _Combine(torch.autograd.Function):
@@ -191,13 +173,18 @@ def combine(y_sorted, sort_idx, weights):
     return torch.ops.glm5_cpu.moe_combine(y_sorted, sort_idx, weights)
 
 
-combine.differentiable = True  # _Combine
 
 
 def _combine_supports(y_sorted, sort_idx, weights):
-    if y_sorted.device.type != "cpu":
-        return False, f"native CPU kernels need CPU tensors, got {y_sorted.device}"
-    return True, ""
+    return _on_cpu(y_sorted)
 
 
-combine.supports = _combine_supports
+KERNELS: Mapping[str, Kernel] = {
+    # with gradients, route's weights come from torch ops on the native selection: it is differentiable
+    "moe_route": Kernel(route, supports=_route_supports, differentiable=True),
+    "moe_dispatch": Kernel(dispatch, supports=_dispatch_supports, differentiable=True),  # _Dispatch
+    "moe_combine": Kernel(combine, supports=_combine_supports, differentiable=True),  # _Combine
+    "moe_experts": Kernel(experts, supports=_experts_supports),
+    # native backward (moe_fused_experts_backward), per expert over its own rows
+    "moe_fused_experts": Kernel(fused_experts, supports=_fused_supports, differentiable=True),
+}

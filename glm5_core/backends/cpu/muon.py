@@ -13,8 +13,11 @@ kept only for very large matrices (untested territory, where one GEMM already fi
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
+from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
 from glm5_core.ops.muon import NSCoefficients
 
@@ -47,9 +50,8 @@ def orthogonalize(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tenso
 def _supports(G, *, steps: int, coefficients: NSCoefficients):
     if G.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {G.device}"
-    if torch.is_grad_enabled() and G.requires_grad:
-        return False, "the native Newton-Schulz has no backward (optimizer-side only)"
     return True, ""
 
 
-orthogonalize.supports = _supports
+# No backward (optimizer-side only): a call needing gradients runs the reference.
+KERNELS: Mapping[str, Kernel] = {"muon_orthogonalize": Kernel(orthogonalize, supports=_supports)}

@@ -1,12 +1,12 @@
 """Declaration of the ``cuda`` backend. Import-light: triton is imported only by ``kernel_table``."""
 import functools
-from typing import Callable, Dict
+from typing import Dict
 
 from glm5_core import platform
-from glm5_core.registry import Backend
+from glm5_core.registry import Backend, Kernel
 
 
-def kernel_table() -> Dict[str, Callable]:
+def kernel_table() -> Dict[str, Kernel]:
     """Triton kernels with NVIDIA launch configs (triton is imported here, not at import time)."""
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
     from glm5_core.backends.triton.table import build_kernel_table

@@ -2,12 +2,11 @@
 from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 
 # NVIDIA (Hopper-class defaults; 32-lane warps).
-CUDA_CONFIGS = KernelConfigs(
-    vendor="cuda",
-    indexer=LaunchConfig(num_warps=4, num_stages=2, blocks={"keys": 64}),
-    sparse_mla=LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 32}),
-    moe_route=LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
-    moe_permute=LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 256, "cols": 128}),
-    grouped_gemm=LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32}),
-    newton_schulz=LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32}),
-)
+CUDA_CONFIGS = KernelConfigs(vendor="cuda", families={
+    "indexer": LaunchConfig(num_warps=4, num_stages=2, blocks={"keys": 64}),
+    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 32}),
+    "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
+    "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 256, "cols": 128}),
+    "grouped_gemm": LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32}),
+    "newton_schulz": LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32}),
+})

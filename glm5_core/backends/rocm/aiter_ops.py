@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
 from glm5_core.backends.triton import moe_route as triton_route
 from glm5_core.backends.triton import sparse_mla as triton_sparse
 from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.kernel import Kernel
 from glm5_core.ops.mla import absorb_query, project_output
 
 AITER_MLA_HEADS = (16, 128)  # head counts with native aiter MLA decode kernels (non-persistent mode)
@@ -148,7 +149,7 @@ def sparse_decode_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwa
 
 # --------------------------------------------------------------------------------------------- binding
 
-def aiter_kernels(configs) -> dict:
+def aiter_kernels(configs) -> Dict[str, Kernel]:
     """The ops aiter replaces. A call aiter cannot take (dtype, head count, no bias) goes to the Triton
     launcher inside the wrapper, not to the reference; ``supports`` is the Triton kernel's own."""
     aiter = importlib.import_module("aiter")
@@ -156,16 +157,15 @@ def aiter_kernels(configs) -> dict:
 
     def moe_route(logits, bias, **kwargs):
         if route_supports(logits, bias, **kwargs)[0]:
-            return route_with(aiter.biased_grouped_topk, logits, bias, config=configs.moe_route, **kwargs)
-        return triton_route.route(logits, bias, config=configs.moe_route, **kwargs)
+            return route_with(aiter.biased_grouped_topk, logits, bias, config=configs["moe_route"], **kwargs)
+        return triton_route.route(logits, bias, config=configs["moe_route"], **kwargs)
 
     def dsa_sparse_decode(*args, **kwargs):
         if sparse_decode_supports(*args, **kwargs)[0]:
-            return sparse_decode_with(mla.mla_decode_fwd, *args, config=configs.sparse_mla, **kwargs)
-        return triton_sparse.sparse_decode(*args, config=configs.sparse_mla, **kwargs)
+            return sparse_decode_with(mla.mla_decode_fwd, *args, config=configs["sparse_mla"], **kwargs)
+        return triton_sparse.sparse_decode(*args, config=configs["sparse_mla"], **kwargs)
 
-    moe_route.supports = triton_route.supports
-    dsa_sparse_decode.supports = triton_sparse.supports
     moe_route.__module__ = dsa_sparse_decode.__module__ = __name__
     moe_route.__qualname__, dsa_sparse_decode.__qualname__ = "aiter.biased_grouped_topk", "aiter.mla.mla_decode_fwd"
-    return {"moe_route": moe_route, "dsa_sparse_decode": dsa_sparse_decode}
+    return {"moe_route": Kernel(moe_route, supports=triton_route.supports),
+            "dsa_sparse_decode": Kernel(dsa_sparse_decode, supports=triton_sparse.supports)}

@@ -1,10 +1,10 @@
 """Declaration of the ``rocm`` backend. Import-light: triton / aiter are imported only by ``kernel_table``."""
 import functools
 import importlib.util
-from typing import Callable, Dict
+from typing import Dict
 
 from glm5_core import platform
-from glm5_core.registry import Backend
+from glm5_core.registry import Backend, Kernel
 
 
 def aiter_available() -> bool:
@@ -12,7 +12,7 @@ def aiter_available() -> bool:
     return importlib.util.find_spec("aiter") is not None
 
 
-def kernel_table() -> Dict[str, Callable]:
+def kernel_table() -> Dict[str, Kernel]:
     """The shared Triton kernels with AMD launch configs; aiter's operators where aiter is installed
     (not under the Triton interpreter: aiter needs a GPU)."""
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS

@@ -7,22 +7,23 @@ The ops take ``start_pos`` as an int32 [B] tensor (a fixed schema); the table's 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 from glm5_core.backends.triton import _util, indexer, sparse_mla
 from glm5_core.backends.triton.launch import KernelConfigs
+from glm5_core.kernel import Kernel
 
 
 @functools.lru_cache(maxsize=None)
-def register(configs: KernelConfigs) -> Dict[str, Callable]:
+def register(configs: KernelConfigs) -> Dict[str, Kernel]:
     ns = f"glm5_{configs.vendor}"
 
     @torch.library.custom_op(f"{ns}::indexer_topk", mutates_args=())
     def indexer_topk_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: torch.Tensor,
                         topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=configs.indexer)
+        return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=configs["indexer"])
 
     @indexer_topk_op.register_fake
     def _(q, k, w, start, topk):
@@ -33,7 +34,7 @@ def register(configs: KernelConfigs) -> Dict[str, Callable]:
     def sparse_decode_op(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                          w_uk: torch.Tensor, w_uv: torch.Tensor, topk_idx: torch.Tensor, scale: float) -> torch.Tensor:
         out = sparse_mla.sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale,
-                                       config=configs.sparse_mla)
+                                       config=configs["sparse_mla"])
         return out.contiguous()  # the fake promises a contiguous result
 
     @sparse_decode_op.register_fake
@@ -48,8 +49,7 @@ def register(configs: KernelConfigs) -> Dict[str, Callable]:
     def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float):
         return sparse_decode_op(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, float(scale))
 
-    indexer_topk.supports = indexer.supports
-    sparse_decode.supports = sparse_mla.supports
     indexer_topk.__qualname__ = f"indexer_topk (torch.ops.{ns}.indexer_topk)"
     sparse_decode.__qualname__ = f"sparse_decode (torch.ops.{ns}.sparse_decode)"
-    return {"dsa_indexer_topk": indexer_topk, "dsa_sparse_decode": sparse_decode}
+    return {"dsa_indexer_topk": Kernel(indexer_topk, supports=indexer.supports),
+            "dsa_sparse_decode": Kernel(sparse_decode, supports=sparse_mla.supports)}

@@ -3,7 +3,9 @@
 The kernels (in this package) are vendor-neutral; what differs between NVIDIA and AMD is how they are
 launched: tile sizes, ``num_warps`` (a warp is 32 lanes on NVIDIA, a wavefront 64 on AMD, so AMD keeps
 ``num_warps <= 16``), ``num_stages`` and AMD-only compiler knobs such as ``waves_per_eu``. Each launcher
-takes a :class:`LaunchConfig` from a :class:`KernelConfigs` table; the rocm backend passes its own table.
+takes a :class:`LaunchConfig` from a :class:`KernelConfigs` table, looked up by its kernel family name
+(``configs["indexer"]``); each vendor passes its own table. A new kernel family is one more entry in each
+vendor's table: the class has no field per family.
 
 Tile sizes are part of the numerics of the indexer (its key blocks fix the summation layout), so they
 are constants of a table, never autotuned per shape: that keeps the top-k bitwise identical across
@@ -12,6 +14,7 @@ batch sizes and between prefill and decode.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Dict, Mapping
 
 
@@ -38,12 +41,21 @@ class LaunchConfig:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one table per vendor, a module constant
 class KernelConfigs:
-    """One launch configuration per kernel family, plus the vendor's name (namespaces its custom ops)."""
+    """One launch configuration per kernel family (``"indexer"``, ``"sparse_mla"``, ...), plus the vendor's
+    name (namespaces its custom ops). ``configs[family]`` names the vendor and the family it lacks."""
 
     vendor: str
-    indexer: LaunchConfig
-    sparse_mla: LaunchConfig
-    moe_route: LaunchConfig
-    moe_permute: LaunchConfig
-    grouped_gemm: LaunchConfig
-    newton_schulz: LaunchConfig
+    families: Mapping[str, LaunchConfig]
+
+    def __post_init__(self):
+        for family, config in self.families.items():
+            if not isinstance(config, LaunchConfig):
+                raise TypeError(f"{self.vendor} launch table: {family}: expected a LaunchConfig, "
+                                f"got {type(config).__name__}")
+        object.__setattr__(self, "families", types.MappingProxyType(dict(self.families)))
+
+    def __getitem__(self, family: str) -> LaunchConfig:
+        if family not in self.families:
+            raise KeyError(f"the {self.vendor} launch table has no configuration for the Triton kernel family "
+                           f"{family!r}; add one to its KernelConfigs (it has: {', '.join(self.families)})")
+        return self.families[family]

@@ -258,9 +258,6 @@ def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: flo
     return project_output(o_lat, w_uv.float()).to(q_nope.dtype)
 
 
-sparse_prefill.differentiable = True  # backward through _SparseLatentAttention
-
-
 def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float, config: LaunchConfig):
     """``dsa_sparse_decode``: inference only (no autograd graph through the kernel)."""
     q_lat, q_pe32, c_kv, k_pe, idx = _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx)
