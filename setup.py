@@ -34,6 +34,7 @@ EXTRAS = {
         "tensorboard>=2.14",
         "matplotlib>=3.7",
         "tokenizers>=0.15",
+        "transformers>=5.6,<6",  # tests/integrations: glm_moe_dsa with indexer_types (shared DSA layers) from 5.6
         "onnx>=1.16",
         "onnxruntime>=1.18",
         "onnxscript>=0.1",
