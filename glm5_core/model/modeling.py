@@ -72,6 +72,8 @@ class GLM5ForCausalLM(nn.Module):
         self.model = GLM5Model(cfg, backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_moe_layers = len(self.moe_layers())  # fixed by the architecture; a module walk per forward is not
+        self.mtp_absent_reason: Optional[str] = None  # set by load_pretrained when config.json declares an MTP
+        # module the shards do not hold (transformers writes none)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -122,7 +124,8 @@ class GLM5ForCausalLM(nn.Module):
         layers = self.moe_layers()
         E = self.config.n_routed_experts
         if not isinstance(expert_counts, torch.Tensor) or tuple(expert_counts.shape) != (len(layers), E):
-            got = tuple(expert_counts.shape) if isinstance(expert_counts, torch.Tensor) else type(expert_counts).__name__
+            got = (tuple(expert_counts.shape) if isinstance(expert_counts, torch.Tensor)
+                   else type(expert_counts).__name__)
             raise ValueError(f"expert_counts: expected a tensor [{len(layers)}, {E}] (num_moe_layers, "
                              f"n_routed_experts), got {got}")
         for layer, counts in zip(layers, expert_counts):
@@ -135,8 +138,10 @@ class GLM5ForCausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_call(self, input_ids, attention, mtp_depths, cache, start_pos) -> None:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        int_dtypes = (torch.int64, torch.int32)
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in int_dtypes:
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
             raise ValueError(f"input_ids: expected an int64 tensor [B, T], got {got}")
         if input_ids.shape[1] < 1:
             raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
@@ -149,21 +154,24 @@ class GLM5ForCausalLM(nn.Module):
         if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 0:
             raise ValueError(f"mtp_depths: expected an int >= 0, got {mtp_depths!r}")
         if mtp_depths and self.model.mtp is None:
-            raise ValueError(f"mtp_depths: expected 0 for a config with num_nextn_predict_layers=0, got {mtp_depths}")
+            why = self.mtp_absent_reason or "a config with num_nextn_predict_layers=0 has no MTP module"
+            raise ValueError(f"mtp_depths: expected 0 ({why}), got {mtp_depths}")
         if mtp_depths and cache is not None:
             raise ValueError("mtp_depths: expected 0 when decoding with a cache (MTP runs in training forwards)")
         if isinstance(start_pos, torch.Tensor):
-            if start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0] or start_pos.dtype not in (torch.int64, torch.int32):
+            if start_pos.dim() != 1 or start_pos.shape[0] != input_ids.shape[0] or start_pos.dtype not in int_dtypes:
                 raise ValueError(f"start_pos: expected an int or an int64 tensor [B={input_ids.shape[0]}], "
                                  f"got {start_pos.dtype} {tuple(start_pos.shape)}")
         elif isinstance(start_pos, bool) or not isinstance(start_pos, int):
             raise TypeError(f"start_pos: expected an int or an int64 tensor [B], got {type(start_pos).__name__}")
         if cache is None:
             if not isinstance(start_pos, int) or start_pos != 0:
-                raise ValueError(f"start_pos: expected 0 without a cache (positions come from the cache), got {start_pos}")
+                raise ValueError(f"start_pos: expected 0 without a cache (positions come from the cache), "
+                                 f"got {start_pos}")
             limit = self.config.max_position_embeddings
             if input_ids.shape[1] > limit:
-                raise ValueError(f"input_ids: expected at most max_position_embeddings={limit} tokens, got {input_ids.shape[1]}")
+                raise ValueError(f"input_ids: expected at most max_position_embeddings={limit} tokens, "
+                                 f"got {input_ids.shape[1]}")
         else:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache: expected a KVCache (model.new_cache), got {type(cache).__name__}")
@@ -171,8 +179,11 @@ class GLM5ForCausalLM(nn.Module):
                 raise ValueError(f"cache: expected {self.config.num_hidden_layers} layers, got {cache.num_layers}")
             cache.check_window(input_ids.shape[0], input_ids.shape[1], start_pos)
 
-    def forward(self, input_ids: torch.Tensor, attention: str = "dense", indexer_loss: bool = False,
+    def forward(self, input_ids: torch.Tensor, attention: str = "sparse", indexer_loss: bool = False,
                 mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0) -> GLM5Output:
+        """``attention="sparse"`` (the default) is DSA as the checkpoint defines it (each query attends to the
+        top ``index_topk`` keys of its "full" indexer layer, reused by "shared" layers), what transformers'
+        glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage)."""
         self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
         B, T = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)  # [B, T, D]

@@ -103,3 +103,13 @@ def test_pretraining_driver_export_runs_in_transformers(tmp_path):
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     ids = token_ids(trained.config.vocab_size)
     assert rel_err(_logits(hf, ids), _logits(trained.eval(), ids)) < FP32_RTOL
+
+
+def test_no_shared_experts_exports(tmp_path):
+    ours = glm5_model(num_nextn_predict_layers=0, n_shared_experts=0)
+    save_pretrained(ours, tmp_path)
+    hf, info = _hf_load(tmp_path)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = token_ids(ours.config.vocab_size)
+    assert rel_err(_logits(hf, ids), _logits(ours, ids)) < FP32_RTOL
+    assert rel_err(_logits(load_pretrained(tmp_path).eval(), ids), _logits(ours, ids)) < FP32_RTOL

@@ -93,3 +93,13 @@ def test_tied_embeddings_load(tmp_path):
     assert ours.lm_head.weight is ours.model.embed_tokens.weight
     ids = token_ids(hf.config.vocab_size)
     assert rel_err(_logits(ours, ids), _logits(hf, ids)) < FP32_RTOL
+
+
+def test_no_shared_experts_loads(tmp_path):
+    """With n_shared_experts 0 transformers stores zero-width shared-expert weights; glm5-core has none."""
+    hf = hf_model(hf_config(n_shared_experts=0))
+    hf.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.model.layers[1].mlp.shared_experts is None
+    ids = token_ids(hf.config.vocab_size)
+    assert rel_err(_logits(ours, ids), _logits(hf, ids)) < FP32_RTOL
