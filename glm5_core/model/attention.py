@@ -46,10 +46,10 @@ class MLA(nn.Module):
         self.interleave = cfg.rope_interleave
         H = self.n_heads
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope_dim + self.rope_dim), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, cfg.latent_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if indexer_type == "full" else None

@@ -6,16 +6,23 @@ the directory, that each shard holds exactly the names the index gives it, and t
 expects is present once with the expected shape and dtype. Unknown tensor names are rejected. All of this
 is checked from the shards' headers before any tensor data is read or any parameter is allocated.
 Writes are atomic per file (temporary file, then rename).
+
+transformers interop (see ``hf_layout``): every directory transformers' ``GlmMoeDsaForCausalLM.save_pretrained``
+writes loads (fused or per-expert experts, fp32 router weights in a bf16 checkpoint, and an MTP module the
+config declares but the shards lack: transformers stores none, so the main model loads and one line says
+so), and ``save_pretrained`` writes a directory transformers loads and computes the same logits from.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import torch
 
+from glm5_core.model import hf_layout
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.modeling import GLM5ForCausalLM
 from glm5_core.model.rope import RotaryEmbedding
@@ -34,6 +41,8 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "U8": torch.uint8, "BOOL": torch.bool}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
+
+_LOG = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 TensorSpec = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) from a safetensors header
@@ -66,7 +75,12 @@ def checkpoint_state(model: GLM5ForCausalLM) -> Dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> List[str]:
-    """Write ``path/config.json``, ``model-0000i-of-0000n.safetensors`` shards and the index; return shard names."""
+    """Write ``path/config.json``, ``model-0000i-of-0000n.safetensors`` shards and the index; return shard names.
+
+    The directory is in transformers' form (``hf_layout.to_transformers_form``): a model whose latent norms use
+    another epsilon than transformers' 1e-6 (the ``tiny`` preset) or that rotates RoPE halves is written with
+    its projections rescaled / permuted so transformers computes the same function; such a model reads back
+    as an equal function, not bit for bit. The MTP module is layer ``num_hidden_layers`` (DeepSeek-V3 style)."""
     from safetensors.torch import save
 
     if not isinstance(model, GLM5ForCausalLM):
@@ -76,6 +90,7 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_state(model).items()}
+    cfg, state = hf_layout.to_transformers_form(model.config, state)  # what transformers computes with
 
     groups: List[List[str]] = [[]]
     group_bytes = 0
@@ -95,14 +110,37 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _atomic_write_bytes(os.path.join(path, INDEX_NAME), json.dumps(index, indent=2).encode())
-    config = model.config.to_hf_dict()
-    config["torch_dtype"] = _DTYPE_NAMES.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
+    config = cfg.to_hf_dict()
+    dtype = _DTYPE_NAMES.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
+    config["torch_dtype"] = config["dtype"] = dtype  # transformers 5 reads "dtype" first
     _atomic_write_bytes(os.path.join(path, CONFIG_NAME), json.dumps(config, indent=2).encode())
     return files
 
 
 def load_config(path: PathLike) -> GLM5Config:
-    return GLM5Config.from_hf_dict(_read_json(os.path.join(os.fspath(path), CONFIG_NAME), "config.json"))
+    return GLM5Config.from_hf_dict(_read_config(os.fspath(path)))
+
+
+def _read_config(path: str) -> dict:
+    return _read_json(os.path.join(path, CONFIG_NAME), "config.json")
+
+
+def _config_for_shards(raw: dict, names: Iterable[str]) -> Tuple[GLM5Config, Optional[str]]:
+    """The config to build, and why there is no MTP module when config.json declares one the shards lack
+    (transformers runs no MTP and writes none: its checkpoints of GLM-5's config all declare one)."""
+    main = GLM5Config.from_hf_dict(dict(raw, num_nextn_predict_layers=0))  # every other value checked here
+    mtp_prefix = f"model.layers.{main.num_hidden_layers}."
+    if any(name.startswith(mtp_prefix) for name in names):
+        return GLM5Config.from_hf_dict(raw), None
+    declared = raw.get("num_nextn_predict_layers", GLM5Config.num_nextn_predict_layers)
+    if isinstance(declared, bool) or not isinstance(declared, int) or not 0 <= declared <= main.num_hidden_layers:
+        raise ValueError(f"num_nextn_predict_layers: expected an integer in [0, {main.num_hidden_layers}], "
+                         f"got {declared!r:.40}")
+    if not declared:
+        return main, None
+    reason = (f"config.json declares num_nextn_predict_layers={declared} but the shards hold no "
+              f"{mtp_prefix}* weights (transformers writes none): the MTP module is absent")
+    return main, reason
 
 
 def _weight_map(path: str) -> Dict[str, str]:
@@ -180,8 +218,9 @@ def _check_layout(cfg: GLM5Config, names: Iterable[str]) -> None:
     layers = set(_indices(names, _LAYER_RE))
     if layers != set(range(n_layers)):
         shown = sorted(layers)
+        mtp = " + the MTP layer" if cfg.num_nextn_predict_layers else ""
         raise ValueError(f"checkpoint: config.json implies layers 0..{n_layers - 1} (num_hidden_layers="
-                         f"{cfg.num_hidden_layers}, num_nextn_predict_layers={cfg.num_nextn_predict_layers}), "
+                         f"{cfg.num_hidden_layers}{mtp}), "
                          f"the shards hold {len(shown)} layers {shown[:5]}{' ...' if len(shown) > 5 else ''}")
     experts = _indices(names, _EXPERT_RE)
     for layer in range(cfg.first_k_dense_replace, n_layers):
@@ -192,6 +231,7 @@ def _check_layout(cfg: GLM5Config, names: Iterable[str]) -> None:
 
 
 def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tensor]) -> None:
+    """Names, shapes and dtypes; a tensor transformers keeps in fp32 (hf_layout.keeps_fp32) may be fp32."""
     unknown = sorted(set(specs) - set(expected))
     missing = sorted(set(expected) - set(specs))
     if unknown or missing:
@@ -202,7 +242,7 @@ def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tenso
         shape, dtype = specs[name]
         if shape != tuple(want.shape):
             raise ValueError(f"checkpoint: {name}: expected shape {tuple(want.shape)} (from config.json), got {shape}")
-        if dtype != want.dtype:
+        if dtype != want.dtype and not (dtype == torch.float32 and hf_layout.keeps_fp32(name)):
             raise ValueError(f"checkpoint: {name}: expected dtype {want.dtype}, got {dtype}")
 
 
@@ -226,9 +266,10 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"path: expected a checkpoint directory, got {path!r}")
-    cfg = load_config(path)
+    raw = _read_config(path)
     weight_map = _weight_map(path)
-    specs = _read_headers(path, weight_map)
+    specs = hf_layout.drop_empty(hf_layout.split_fused_specs(_read_headers(path, weight_map)))
+    cfg, mtp_absent = _config_for_shards(raw, specs)
     embed = specs.get("model.embed_tokens.weight")
     if embed is None:
         raise ValueError("checkpoint: missing model.embed_tokens.weight")
@@ -240,7 +281,7 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     model.to(embed[1])  # the router's selection bias stays fp32 (Gate._apply)
     _check_tensors(specs, checkpoint_state(model))
 
-    tensors = _read_tensors(path, weight_map)
+    tensors = hf_layout.drop_empty(hf_layout.split_fused_tensors(_read_tensors(path, weight_map)))
     missing, unexpected = model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_word_embeddings:
@@ -249,4 +290,7 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     model.model.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta).to(embed[1])
     on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not on_meta, f"not materialised by the checkpoint: {on_meta[:5]}"
+    if mtp_absent:
+        model.mtp_absent_reason = mtp_absent
+        _LOG.warning("%s; loaded the main model only (%s)", mtp_absent, path)
     return model

@@ -2,9 +2,16 @@
 
 HF interop policy (``from_hf_dict`` / ``to_hf_dict``):
   * keys that are fields of GLM5Config map one to one (``rope_parameters.rope_theta`` maps to ``rope_theta``);
+    a field missing from the dict takes its default, which is transformers' behaviour where transformers has
+    one (``latent_norm_eps``: transformers' ``glm_moe_dsa`` builds q_a_layernorm / kv_a_layernorm with 1e-6);
   * keys that describe behaviour this implementation has fixed (``hidden_act``, ``scoring_func``,
-    ``topk_method``, ``rope_parameters.rope_type``, ``attention_bias``, ...) are checked: a value other than the
-    one implemented is REJECTED with a ValueError (loading it silently would compute something else);
+    ``topk_method``, ``rope_parameters.rope_type``, ``attention_bias``, ``attention_dropout``, ...) are checked:
+    a value other than the one implemented is REJECTED with a ValueError (loading it silently would compute
+    something else);
+  * keys transformers derives from the fields (``num_key_value_heads``, ``mlp_layer_types``, ``layer_types``,
+    ``head_dim``, ``qk_head_dim``) are checked against them (a value transformers would compute differently
+    with is REJECTED) and dropped; ``to_hf_dict`` writes ``num_key_value_heads`` (transformers defaults it
+    to 64) and lets transformers derive the others;
   * every other key (``architectures``, token ids, ``torch_dtype``, ``transformers_version``, ...) is
     PRESERVED verbatim in ``extra`` and written back by ``to_hf_dict``.
 """
@@ -29,7 +36,12 @@ _FIXED_KEYS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "moe_layer_freq": ((1,), "every layer after first_k_dense_replace is MoE"),
     "rope_scaling": ((None,), "RoPE scaling (YaRN etc.) is not implemented"),
     "use_sliding_window": ((False,), "sliding-window attention is not implemented"),
+    "attention_dropout": ((0.0,), "attention dropout is not implemented"),
 }
+# transformers' glm_moe_dsa builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
+# whatever rms_norm_eps says (modeling_glm_moe_dsa.py, 5.6 to 5.24); DeepSeek-V3's reference does the same.
+TRANSFORMERS_LATENT_NORM_EPS = 1e-6
+_DERIVED_KEYS = ("num_key_value_heads", "mlp_layer_types", "layer_types", "head_dim", "qk_head_dim")
 _ROPE_TYPES = (None, "default")
 
 # Upper bounds far above any published model (GLM-5: vocab 154880, 78 layers, 256 experts, 202752 positions),
@@ -78,6 +90,7 @@ class GLM5Config:
     num_nextn_predict_layers: int = field(1, range=(0, 1))  # one MTP module, shared across depths
     max_position_embeddings: int = field(202752, **_SIZE)
     rms_norm_eps: float = field(1e-5, **_POSITIVE)
+    latent_norm_eps: float = field(TRANSFORMERS_LATENT_NORM_EPS, **_POSITIVE)  # q_a_layernorm and kv_a_layernorm
     tie_word_embeddings: bool = False
     initializer_range: float = field(0.02, **_POSITIVE)
     extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
@@ -187,7 +200,30 @@ class GLM5Config:
             kwargs["rope_theta"] = float(kwargs["rope_theta"])
         if isinstance(kwargs.get("indexer_types"), (list, tuple)):
             kwargs["indexer_types"] = list(kwargs["indexer_types"])  # a copy: the config does not alias d
-        return cls(**kwargs, extra=d).validate()
+        derived = {key: d.pop(key) for key in _DERIVED_KEYS if key in d}
+        cfg = cls(**kwargs, extra=d).validate()
+        cfg._check_derived(derived)
+        return cfg
+
+    def transformers_derived(self) -> Dict[str, Any]:
+        """The keys transformers' GlmMoeDsaConfig derives from the fields, as it derives them."""
+        n_dense = self.first_k_dense_replace
+        return {"num_key_value_heads": self.num_attention_heads,
+                "mlp_layer_types": ["dense"] * n_dense + ["sparse"] * (self.num_hidden_layers - n_dense),
+                "layer_types": ["indexed_attention"] * self.num_hidden_layers,
+                "head_dim": self.qk_rope_head_dim, "qk_head_dim": self.qk_head_dim}
+
+    def _check_derived(self, given: Dict[str, Any]) -> None:
+        """ValueError for a derived key transformers would run with a value this config does not compute."""
+        want = self.transformers_derived()
+        why = {"num_key_value_heads": f"MLA expands every head from the shared latent: expected "
+                                      f"num_attention_heads={self.num_attention_heads}",
+               "mlp_layer_types": f"expected {self.first_k_dense_replace} 'dense' then 'sparse' (MoE) layers, "
+                                  f"as first_k_dense_replace={self.first_k_dense_replace} implies",
+               "layer_types": f"expected 'indexed_attention' (DSA) for all {self.num_hidden_layers} layers"}
+        for key in ("num_key_value_heads", "mlp_layer_types", "layer_types"):  # head_dim / qk_head_dim: recomputed
+            if key in given and given[key] != want[key]:
+                raise ValueError(f"{key}: {why[key]}, got {given[key]!r}")
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
@@ -201,12 +237,17 @@ class GLM5Config:
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, list) else value
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        # transformers derives the other derived keys itself, but defaults num_key_value_heads to 64
+        out["num_key_value_heads"] = self.transformers_derived()["num_key_value_heads"]
         return out
 
     # ---- presets -------------------------------------------------------------------------------------
     @classmethod
     def tiny(cls, **overrides: Any) -> "GLM5Config":
-        """A CPU training preset: byte-level vocab (256 + 8 specials), 4 layers (1 dense + 3 MoE), sparse at seq 128."""
+        """A CPU training preset: byte-level vocab (256 + 8 specials), 4 layers (1 dense + 3 MoE), sparse at seq 128.
+
+        Its latent norms use 1e-5 like its other norms (the Quickstart's numerics since the first release);
+        ``save_pretrained`` folds the difference to transformers' 1e-6 into the projections."""
         base = dict(
             vocab_size=264, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
             intermediate_size=384, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,
@@ -214,7 +255,8 @@ class GLM5Config:
             num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=16, rope_theta=10000.0, index_n_heads=4, index_head_dim=16, index_topk=32,
             indexer_types=["full", "full", "shared", "full"], num_nextn_predict_layers=1,
-            max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02,
+            max_position_embeddings=512, rms_norm_eps=1e-5, latent_norm_eps=1e-5, tie_word_embeddings=False,
+            initializer_range=0.02,
         )
         base.update(overrides)
         return cls(**base).validate()

@@ -42,5 +42,6 @@ class Indexer(nn.Module):
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)  # [B, T, Hi, Di]
         q = self._rope_front(q, cos, sin)
         k = self._rope_front(self.k_norm(self.wk(x)), cos, sin)  # [B, T, Di]
-        w = self.weights_proj(x) * self.n_heads ** -0.5  # [B, T, Hi]
+        # in weights_proj's dtype: transformers keeps it fp32 in fp16 checkpoints (its _keep_in_fp32_modules)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)) * self.n_heads ** -0.5  # [B, T, Hi]
         return q, k, w

@@ -79,6 +79,8 @@ class GLM5ForCausalLM(nn.Module):
         self.model = GLM5Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_moe_layers = len(self.moe_layers())  # fixed by the architecture; a module walk per forward is not
+        self.mtp_absent_reason: Optional[str] = None  # set by load_pretrained when config.json declares an MTP
+        # module the shards do not hold (transformers writes none)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_parameters()
@@ -170,7 +172,8 @@ class GLM5ForCausalLM(nn.Module):
         if isinstance(mtp_depths, bool) or not isinstance(mtp_depths, int) or mtp_depths < 0:
             raise ValueError(f"mtp_depths: expected an int >= 0, got {mtp_depths!r}")
         if mtp_depths and self.model.mtp is None:
-            raise ValueError(f"mtp_depths: expected 0 for a config with num_nextn_predict_layers=0, got {mtp_depths}")
+            why = self.mtp_absent_reason or "a config with num_nextn_predict_layers=0 has no MTP module"
+            raise ValueError(f"mtp_depths: expected 0 ({why}), got {mtp_depths}")
         if mtp_depths and cache is not None:
             raise ValueError("mtp_depths: expected 0 when decoding with a cache (MTP runs in training forwards)")
         if isinstance(start_pos, torch.Tensor):
@@ -194,8 +197,11 @@ class GLM5ForCausalLM(nn.Module):
                 raise ValueError(f"cache: expected {self.config.num_hidden_layers} layers, got {cache.num_layers}")
             cache.check_window(input_ids.shape[0], input_ids.shape[1], start_pos)
 
-    def forward(self, input_ids: torch.Tensor, attention: str = "dense", indexer_loss: bool = False,
+    def forward(self, input_ids: torch.Tensor, attention: str = "sparse", indexer_loss: bool = False,
                 mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0) -> GLM5Output:
+        """``attention="sparse"`` (the default) is DSA as the checkpoint defines it (each query attends to the
+        top ``index_topk`` keys of its "full" indexer layer, reused by "shared" layers), what transformers'
+        glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage)."""
         self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
         B, T = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)  # [B, T, D]

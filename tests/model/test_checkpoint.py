@@ -18,7 +18,8 @@ def _ids(model, T=13):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_bitwise(tmp_path, dtype, make_model, make_config):
-    model = make_model(make_config(), dtype)
+    """A model in transformers' form (latent norms at 1e-6, interleaved RoPE) is written as it is."""
+    model = make_model(make_config(latent_norm_eps=1e-6), dtype)
     with torch.no_grad():
         for bias in model.router_biases():  # non-zero selection biases must survive too
             bias.copy_(torch.linspace(-0.1, 0.1, bias.numel()))
@@ -31,6 +32,32 @@ def test_round_trip_is_bitwise(tmp_path, dtype, make_model, make_config):
         assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
     with torch.no_grad():
         assert torch.equal(model(_ids(model), mtp_depths=1).logits, loaded(_ids(model), mtp_depths=1).logits)
+
+
+def test_round_trip_of_the_tiny_preset_computes_the_same_function(tmp_path, make_model, make_config):
+    """The tiny preset's latent norms use 1e-5: the file holds q_a_proj and the latent rows of
+    kv_a_proj_with_mqa scaled by sqrt(1e-6 / 1e-5) for transformers' 1e-6, and nothing else differs."""
+    model = make_model(make_config(), torch.float64)
+    assert model.config.latent_norm_eps == 1e-5
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path).eval()
+    assert loaded.config.latent_norm_eps == 1e-6
+    before, after = model.state_dict(), loaded.state_dict()
+    scale = (1e-6 / 1e-5) ** 0.5
+    C = model.config.kv_lora_rank
+    for name in before:
+        want = before[name]
+        if name.endswith("q_a_proj.weight"):
+            want = want * scale
+        elif name.endswith("kv_a_proj_with_mqa.weight"):
+            want = torch.cat((want[:C] * scale, want[C:]))
+        else:
+            assert torch.equal(before[name], after[name]), name
+        torch.testing.assert_close(after[name], want, rtol=1e-15, atol=0)
+    ids = _ids(model)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, mtp_depths=1).logits, model(ids, mtp_depths=1).logits,
+                                   rtol=1e-12, atol=1e-12)
 
 
 def test_layout_uses_hf_names_and_a_consistent_index(tmp_path, make_model, make_config):

@@ -26,7 +26,7 @@ def test_dense_decode_matches_prefill(dtype, prefill_len, make_model, make_confi
     model = make_model(make_config(), dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = model(ids).logits
+        full = model(ids, attention="dense").logits
         stepped, _ = _decode_steps(model, ids, "dense", prefill_len)
     torch.testing.assert_close(stepped, full, atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -1,0 +1,118 @@
+"""glm5-core kernels inside a transformers ``GlmMoeDsaForCausalLM``: ``kernelize(model, backend=None)``.
+
+    from transformers import AutoModelForCausalLM
+    from glm5_core.integrations.transformers import kernelize
+
+    model = kernelize(AutoModelForCausalLM.from_pretrained(path), backend="cpu")  # or "cuda", "ascend", None
+    model.generate(input_ids, max_new_tokens=32)
+
+Every attention layer's DSA indexer top-k and sparse MLA attention (absorbed, against transformers' own
+cache inside ``generate``), every MoE layer's router and routed experts then run glm5-core ops, dispatched
+by the registry to ``backend`` (None: the registry's resolution at each call, ``use_backend`` / GLM5_BACKEND /
+auto-detection). The modules keep their parameters and buffers (same names, same tensor objects): only
+their ``forward`` is replaced (``glm5_core.integrations.glm_moe_dsa_forwards``). Embeddings, norms, dense MLPs,
+shared experts and lm_head stay transformers'. Calling ``kernelize`` again is a no-op.
+
+transformers is imported only when ``kernelize`` runs; glm5-core does not need it otherwise.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable, Dict, Optional
+
+import torch
+
+from glm5_core import registry
+from glm5_core.integrations import glm_moe_dsa_forwards as forwards
+
+SUPPORTED_ARCHITECTURE = "GlmMoeDsaForCausalLM"
+# transformers' experts layout this module reads (use_experts_implementation's attributes) -> expected value
+_EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                   "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+def _transformers_classes() -> Dict[str, type]:
+    try:
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+    except ImportError as exc:
+        raise ImportError(f"kernelize: needs transformers with glm_moe_dsa (pip install 'transformers>=5.6,<6'): "
+                          f"{exc}") from None
+    return {"model": hf.GlmMoeDsaForCausalLM, "attention": hf.GlmMoeDsaAttention, "indexer": hf.GlmMoeDsaIndexer,
+            "router": hf.GlmMoeDsaTopkRouter, "experts": hf.GlmMoeDsaExperts, "moe": hf.GlmMoeDsaMoE,
+            "mlp": hf.GlmMoeDsaMLP, "decoder": hf.GlmMoeDsaDecoderLayer}
+
+
+def _check_config(config) -> None:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"kernelize: config.hidden_act: expected 'silu' (glm5-core's experts are SwiGLU), "
+                         f"got {config.hidden_act!r}")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise ValueError(f"kernelize: config.attention_dropout: expected 0.0 (glm5-core's sparse attention has "
+                         f"no dropout), got {config.attention_dropout!r}")
+
+
+def _check_layers(model, classes: Dict[str, type]) -> None:
+    """Every decoder layer must be made of the modules this integration has forwards for."""
+    for i, layer in enumerate(model.model.layers):
+        where = f"model.layers.{i}"
+        if type(layer) is not classes["decoder"]:
+            raise TypeError(f"kernelize: {where}: expected a GlmMoeDsaDecoderLayer, got {type(layer).__name__}")
+        attn = layer.self_attn
+        if type(attn) is not classes["attention"]:
+            raise TypeError(f"kernelize: {where}.self_attn: expected a GlmMoeDsaAttention, got {type(attn).__name__}")
+        if attn.indexer is not None and type(attn.indexer) is not classes["indexer"]:
+            raise TypeError(f"kernelize: {where}.self_attn.indexer: expected a GlmMoeDsaIndexer, "
+                            f"got {type(attn.indexer).__name__}")
+        if type(layer.mlp) is classes["mlp"]:
+            continue
+        if type(layer.mlp) is not classes["moe"]:
+            raise TypeError(f"kernelize: {where}.mlp: expected a GlmMoeDsaMoE or GlmMoeDsaMLP, "
+                            f"got {type(layer.mlp).__name__}")
+        for name, cls in (("gate", classes["router"]), ("experts", classes["experts"])):
+            part = getattr(layer.mlp, name)
+            if type(part) is not cls:
+                raise TypeError(f"kernelize: {where}.mlp.{name}: expected a {cls.__name__}, got {type(part).__name__}")
+        for attr, want in _EXPERTS_LAYOUT.items():
+            got = getattr(layer.mlp.experts, attr, want)
+            if got != want:
+                raise ValueError(f"kernelize: {where}.mlp.experts.{attr}: expected {want!r} (the fused "
+                                 f"[gate; up] layout glm5-core reads), got {got!r}")
+
+
+def _bind(module: torch.nn.Module, forward: Callable, backend: Optional[str]) -> None:
+    module.glm5_backend = backend
+    module.forward = types.MethodType(forward, module)
+
+
+def is_kernelized(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "glm5_backend", False) is not False for m in model.modules())
+
+
+def kernelize(model, backend: Optional[str] = None):
+    """Swap the DSA indexer top-k, sparse MLA attention, MoE router and experts of a transformers
+    ``GlmMoeDsaForCausalLM`` for glm5-core ops on ``backend``; returns the same model object.
+
+    TypeError / ValueError name what is not recognised (another architecture, a replaced submodule, an
+    experts layout or config value glm5-core does not implement); an unavailable backend raises
+    ``registry.BackendUnavailableError`` with its reason."""
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
+    classes = _transformers_classes()
+    if type(model) is not classes["model"]:
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        raise TypeError(f"model: expected a transformers {SUPPORTED_ARCHITECTURE} (model_type 'glm_moe_dsa'), "
+                        f"got {type(model).__name__}" + (f" (model_type {kind!r})" if kind else ""))
+    if backend is not None and backend != "auto":
+        registry.require_available(backend)
+    if is_kernelized(model):
+        return model
+    _check_config(model.config)
+    _check_layers(model, classes)
+    for module in model.modules():
+        if type(module) is classes["attention"]:
+            _bind(module, forwards.attention_forward, backend)
+        elif type(module) is classes["router"]:
+            _bind(module, forwards.router_forward, backend)
+        elif type(module) is classes["experts"]:
+            _bind(module, forwards.experts_forward, backend)
+    return model

@@ -1,0 +1,143 @@
+"""``glm5_core.integrations.transformers.kernelize``: a transformers GlmMoeDsaForCausalLM whose DSA indexer
+top-k, sparse attention, router and experts run glm5-core ops computes transformers' logits (fp32, past
+index_topk, full and shared indexer layers) and greedy ``generate`` tokens, keeps its parameters, and
+refuses what it does not recognise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5.6")
+
+from glm5_core import registry  # noqa: E402
+from glm5_core.integrations.transformers import kernelize  # noqa: E402
+from tests.integrations.hf_models import (  # noqa: E402
+    SEQ_LEN,
+    hf_config,
+    hf_model,
+    median_position_err,
+    rel_err,
+    token_ids,
+)
+
+FP32_RTOL = 1e-5
+INDEXER_LAYOUTS = {"full": ["full"] * 4, "shared": ["full", "shared", "full", "shared"]}
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """(op, backend) of every registry call made while the test runs."""
+    calls = []
+    real = registry.call
+
+    def recording(op, *args, backend=None, **kwargs):
+        calls.append((op, backend))
+        return real(op, *args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(registry, "call", recording)
+    return calls
+
+
+def _logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def _greedy(model, prompt, **kwargs):
+    return model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("layout", sorted(INDEXER_LAYOUTS))
+def test_kernelized_model_computes_transformers_logits_with_the_same_parameters(layout, op_calls):
+    hf = hf_model(hf_config(indexer_types=INDEXER_LAYOUTS[layout]))
+    ids = token_ids(hf.config.vocab_size)
+    want = _logits(hf, ids)
+    before = hf.state_dict(keep_vars=True)
+    assert kernelize(hf, backend="cpu") is hf
+    after = hf.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)  # same tensor objects
+    assert not op_calls
+    assert rel_err(_logits(hf, ids), want) < FP32_RTOL
+    # slots below index_topk see every key they may select: dense MLA; the others: indexer top-k + sparse MLA
+    assert {op for op, _ in op_calls} == {"mla_prefill", "dsa_indexer_topk", "dsa_sparse_prefill", "moe_route",
+                                          "moe_fused_experts"}
+    assert {backend for _, backend in op_calls} == {"cpu"}
+
+
+@pytest.mark.parametrize("layout", sorted(INDEXER_LAYOUTS))
+def test_generate_gives_the_same_greedy_tokens(layout, op_calls):
+    hf = hf_model(hf_config(indexer_types=INDEXER_LAYOUTS[layout]))
+    prompt = token_ids(hf.config.vocab_size, seq_len=SEQ_LEN - 12)  # past index_topk while decoding
+    want = _greedy(hf, prompt)
+    kernelize(hf, backend="cpu")
+    assert torch.equal(_greedy(hf, prompt), want)
+    decode_calls = [op for op, _ in op_calls if op == "dsa_sparse_decode"]
+    assert len(decode_calls) == 11 * hf.config.num_hidden_layers  # every step after the prefill, every layer
+
+
+def test_generate_with_a_left_padded_batch():
+    """A padded batch's mask is not only causal: padded keys are never selected, so the tokens agree."""
+    hf = hf_model(hf_config())
+    prompt = token_ids(hf.config.vocab_size, seq_len=10)
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    want = _greedy(hf, prompt, attention_mask=mask)
+    assert torch.equal(_greedy(kernelize(hf), prompt, attention_mask=mask), want)
+
+
+def test_bf16_kernelized_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_model(hf_config())
+    hf.save_pretrained(tmp_path)
+    ids = token_ids(hf.config.vocab_size)
+    want = _logits(hf, ids)
+    bf16 = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    hf_err = median_position_err(_logits(bf16, ids), want)
+    our_err = median_position_err(_logits(kernelize(bf16, backend="cpu"), ids), want)
+    assert 0 < our_err <= 2 * hf_err + 2e-3, (our_err, hf_err)
+
+
+def test_kernelize_twice_is_a_no_op():
+    hf = kernelize(hf_model(hf_config()), backend="cpu")
+    forward = hf.model.layers[0].self_attn.forward
+    assert kernelize(hf, backend="cpu") is hf and hf.model.layers[0].self_attn.forward == forward
+
+
+def test_unrecognised_models_are_named():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(TypeError, match=r"^model: expected a transformers GlmMoeDsaForCausalLM .* got "
+                                        r"LlamaForCausalLM \(model_type 'llama'\)"):
+        kernelize(llama)
+    with pytest.raises(TypeError, match="got Linear"):
+        kernelize(torch.nn.Linear(2, 2))
+    hf = hf_model(hf_config())
+    hf.model.layers[2].mlp.experts = torch.nn.Identity()
+    with pytest.raises(TypeError, match=r"^kernelize: model\.layers\.2\.mlp\.experts: expected a GlmMoeDsaExperts, "
+                                        r"got Identity"):
+        kernelize(hf)
+    assert hf.model.layers[0].self_attn.forward.__func__ is type(hf.model.layers[0].self_attn).forward  # untouched
+    with pytest.raises(ValueError, match="attention_dropout"):
+        kernelize(hf_model(hf_config(attention_dropout=0.1)))
+
+
+def test_unavailable_backend_is_refused_with_its_reason():
+    unavailable = [name for name, be in registry.backends().items() if not be.available()[0]]
+    if not unavailable:
+        pytest.skip("every backend is available here")
+    with pytest.raises(registry.BackendUnavailableError, match=f"^{unavailable[0]}: "):
+        kernelize(hf_model(hf_config()), backend=unavailable[0])
+    with pytest.raises(ValueError, match="no-such-backend"):
+        kernelize(hf_model(hf_config()), backend="no-such-backend")
+
+
+def test_static_cache_runs_transformers_own_attention(op_calls):
+    """A static cache returns its whole preallocated buffer: those calls run transformers' attention."""
+    hf = hf_model(hf_config())
+    prompt = token_ids(hf.config.vocab_size, seq_len=12)
+    want = _greedy(hf, prompt, cache_implementation="static")
+    assert torch.equal(_greedy(kernelize(hf), prompt, cache_implementation="static"), want)
+    assert not {op for op, _ in op_calls} & {"dsa_sparse_prefill", "dsa_sparse_decode", "dsa_indexer_topk"}
