@@ -111,7 +111,7 @@ def test_gradcheck_fp64(native):
 def test_registry_routes_gradient_calls_to_the_native_kernel(native):
     args, grad_out = _case(SHAPES[2], torch.float32)
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in args]
-    assert registry.resolve("moe_fused_experts", backend="cpu").impl is native_moe.fused_experts
+    assert registry.resolve("moe_fused_experts", backend="cpu").impl.fn is native_moe.fused_experts
     with registry.record_fallbacks() as fallbacks:
         out = moe.fused_experts(*leaves, backend="cpu")
     assert fallbacks == [] and out.grad_fn is not None and "FusedExperts" in type(out.grad_fn).__name__
