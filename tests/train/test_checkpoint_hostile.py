@@ -94,10 +94,10 @@ def _huge_shape(path: Path) -> None:
     _rewrite_header(path, edit)
 
 
-def _consistent_huge_tensor(path: Path, size: int = 2 ** 28) -> str:
-    """The last tensor of the file grown to ``size`` bytes of float32 values by a sparse extension of the file:
+def _consistent_huge_tensor(path: Path) -> str:
+    """The last tensor of the file grown to 2**26 float32 values (256 MiB) by a sparse extension of the file:
     a valid safetensors file, whose header alone must get it refused. Returns the tensor's name."""
-    grown = []
+    size, grown = 2 ** 28, []
 
     def edit(header):
         name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
