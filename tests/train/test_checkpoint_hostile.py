@@ -95,21 +95,23 @@ def _huge_shape(path: Path) -> None:
     _rewrite_header(path, edit)
 
 
-def _consistent_huge_tensor(path: Path) -> None:
+def _consistent_huge_tensor(path: Path) -> str:
     """The last tensor of the file grown to 2**26 float32 values (256 MiB) by a sparse extension of the file:
-    a valid safetensors file, whose header alone must get it refused."""
-    size = 2 ** 28
+    a valid safetensors file, whose header alone must get it refused. Returns the tensor's name."""
+    size, grown = 2 ** 28, []
 
     def edit(header):
         name = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
         start = header[name]["data_offsets"][0]
         header[name].update(dtype="F32", shape=[size // 4], data_offsets=[start, start + size])
+        grown.append(name)
     _rewrite_header(path, edit)
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
     os.truncate(path, 8 + n + end)
+    return grown[0]
 
 
 def _truncate(path: Path) -> None:
@@ -238,6 +240,49 @@ def test_pretrain_resume_names_the_hostile_file_in_one_line(run, template, capsy
     err = _resume(run, template, capsys)
     assert err.startswith("glm5 pretrain: error: ")
     assert re.search(message, err), err
+
+
+class _RecordingHandle:
+    """A ``safe_open`` handle that records the names of the tensors whose data is read."""
+
+    def __init__(self, real, reads):
+        self._real, self._reads = real, reads
+
+    def __enter__(self):
+        self._handle = self._real.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._real.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def get_tensor(self, name):
+        self._reads.append(name)
+        return self._handle.get_tensor(name)
+
+
+def test_a_huge_optimizer_tensor_is_refused_from_its_header_before_any_read(run, template, capsys, monkeypatch):
+    """A valid optimizer.safetensors whose last tensor is 256 MiB (a sparse file): its header alone gets it
+    refused, that tensor is never read (231de35 read each parameter's state, then compared shapes)."""
+    import safetensors
+
+    from glm5_core.train import checkpoint
+
+    path = run / "checkpoints" / STEP / "optimizer.safetensors"
+    huge = _consistent_huge_tensor(path)
+    reads = {}
+    real_open = safetensors.safe_open
+
+    def recording_open(filename, *args, **kwargs):
+        return _RecordingHandle(real_open(filename, *args, **kwargs), reads.setdefault(Path(filename).name, []))
+    monkeypatch.setattr(safetensors, "safe_open", recording_open)
+    if hasattr(checkpoint, "safe_open"):  # a module that imported it by name
+        monkeypatch.setattr(checkpoint, "safe_open", recording_open)
+    err = _resume(run, template, capsys)
+    assert re.search(r"optimizer state of .*(got torch.float32 of shape \(67108864,\)|step: expected)", err), err
+    assert "optimizer.safetensors" in reads and huge not in reads["optimizer.safetensors"], (huge, reads)
 
 
 def test_the_untouched_copy_resumes(run, template, capsys):
