@@ -70,7 +70,7 @@ def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, ls
     q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
     q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
     m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
+    row_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, C_PAD], tl.float32)
     for k0 in range(0, K, BK):
         kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
@@ -81,12 +81,12 @@ def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, ls
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
         m = m_new
-    has_key = l > 0.0
-    out = tl.where(has_key[:, None], acc / tl.where(has_key, l, 1.0)[:, None], 0.0)
-    lse = tl.where(has_key, m + tl.log(tl.where(has_key, l, 1.0)), float("inf"))  # +inf: every p is 0
+    has_key = row_sum > 0.0
+    out = tl.where(has_key[:, None], acc / tl.where(has_key, row_sum, 1.0)[:, None], 0.0)
+    lse = tl.where(has_key, m + tl.log(tl.where(has_key, row_sum, 1.0)), float("inf"))  # +inf: every p is 0
     offs_h = h0 + tl.arange(0, BH)
     offs_c = tl.arange(0, C_PAD)
     tl.store(out_ptr + row * H * C + offs_h[:, None] * C + offs_c[None, :], out,
