@@ -112,8 +112,7 @@ class _FusedExperts(torch.autograd.Function):
     def forward(ctx, x, weights, expert_ids, w_gate, w_up, w_down):
         out, gate, up, sort_idx, counts = torch.ops.glm5_cpu.moe_fused_experts_train(x, weights, expert_ids, w_gate,
                                                                                       w_up, w_down)
-        ctx.save_for_backward(x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)
-        ctx.mark_non_differentiable(gate, up, sort_idx, counts)
+        ctx.save_for_backward(x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)  # not outputs
         return out
 
     @staticmethod
