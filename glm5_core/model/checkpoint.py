@@ -74,13 +74,16 @@ def checkpoint_state(model: GLM5ForCausalLM) -> Dict[str, torch.Tensor]:
     return state
 
 
-def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> List[str]:
+def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    transformers_form: bool = True) -> List[str]:
     """Write ``path/config.json``, ``model-0000i-of-0000n.safetensors`` shards and the index; return shard names.
 
     The directory is in transformers' form (``hf_layout.to_transformers_form``): a model whose latent norms use
     another epsilon than transformers' 1e-6 (the ``tiny`` preset) or that rotates RoPE halves is written with
     its projections rescaled / permuted so transformers computes the same function; such a model reads back
-    as an equal function, not bit for bit. The MTP module is layer ``num_hidden_layers`` (DeepSeek-V3 style)."""
+    as an equal function, not bit for bit. With ``transformers_form=False`` the weights and config are written
+    as they are (``load_pretrained`` reads them back bitwise: what an RL weight sync to glm5-core engines needs).
+    The MTP module is layer ``num_hidden_layers`` (DeepSeek-V3 style)."""
     from safetensors.torch import save
 
     if not isinstance(model, GLM5ForCausalLM):
@@ -90,7 +93,10 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_state(model).items()}
-    cfg, state = hf_layout.to_transformers_form(model.config, state)  # what transformers computes with
+    if transformers_form:  # what transformers computes with
+        cfg, state = hf_layout.to_transformers_form(model.config, state)
+    else:
+        cfg = model.config
 
     groups: List[List[str]] = [[]]
     group_bytes = 0

@@ -88,7 +88,7 @@ class OneReplica:
         self.failed.append(name)
 
 
-def test_distributed_sync_between_two_processes_is_bitwise(tmp_path):
+def test_distributed_sync_between_two_processes_is_bitwise(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
@@ -96,6 +96,9 @@ def test_distributed_sync_between_two_processes_is_bitwise(tmp_path):
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
+    # the spawned child unpickles serve_engine from tests.rl.engine_process: give it this process's import path
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([repo, *sys.path]))
     proc = ctx.Process(target=serve_engine, args=(child,), daemon=True)
     proc.start()
     try:

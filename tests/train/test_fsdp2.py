@@ -232,7 +232,7 @@ def test_parallel_strategy_is_validated(small_raw):
     with pytest.raises(ValueError, match=r"parallel\.strategy: expected one of 'ddp', 'fsdp2', got 'fsdp'"):
         parse_config(small_raw)
     small_raw["parallel"] = "fsdp2"
-    with pytest.raises(ConfigError, match=r"parallel: expected a mapping, got str"):
+    with pytest.raises(ConfigError, match=r"parallel: expected a mapping, got 'fsdp2'"):
         parse_config(small_raw)
     small_raw["parallel"] = {"stratgy": "fsdp2"}
     with pytest.raises(ConfigError, match=r"parallel\.stratgy: unknown key; did you mean 'strategy'"):
@@ -344,13 +344,15 @@ def _resume_memory_worker(rank: int, init_file: str, root: str) -> None:
         folder = Path(root) / "step_00000001"
         fresh, fresh_opt = _toy_sharded(2)
         reads = {}
-        real = ckpt.safe_open
-        ckpt.safe_open = _tracking_safe_open(real, reads)
+        import safetensors  # the checkpoint reader opens files through glm5_core.safe_files -> safetensors
+
+        real = safetensors.safe_open
+        safetensors.safe_open = _tracking_safe_open(real, reads)
         try:
             ckpt.load_checkpoint(folder, model=fresh, optimizer=fresh_opt, total_steps=1, world_size=2,
                                  device_type="cpu")
         finally:
-            ckpt.safe_open = real
+            safetensors.safe_open = real
         # 3 momentum buffers + 2 x 2 Adam moments read, at most one parameter's (2 moments) held whole at once
         assert len(reads["refs"]) == 7 and reads["most_alive"] <= 2, (len(reads["refs"]), reads["most_alive"])
         for part, o in opt.optimizers.items():  # the loaded shards are the saved run's shards

@@ -62,7 +62,7 @@ def write_hf_directory(model, path: str) -> str:
     tmp = f"{path}.tmp-{os.getpid()}"
     old = f"{path}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(model, tmp)
+    save_pretrained(model, tmp, transformers_form=False)  # glm5 engines must read back the trainer's exact weights
     if os.path.isdir(path):
         os.replace(path, old)
     os.replace(tmp, path)
