@@ -96,9 +96,9 @@ def test_distributed_sync_between_two_processes_is_bitwise(tmp_path, monkeypatch
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    # the spawned child unpickles serve_engine from tests.rl.engine_process: give it this process's import path
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([repo, *sys.path]))
+    # the spawned child unpickles serve_engine from tests.rl.engine_process, and spawn gives it this process's
+    # sys.path: put the repository (the folder holding tests/) on it
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = ctx.Process(target=serve_engine, args=(child,), daemon=True)
     proc.start()
     try:
