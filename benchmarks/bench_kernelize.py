@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--all-logits", action="store_true",
+                        help="prefill returns every position's logits (default: the last one, as generate's)")
     parser.add_argument("--out", default="benchmarks/results/kernelize_cpu.json")
     args = parser.parse_args(argv)
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     prefill_ids = torch.randint(0, MODEL["vocab_size"], (1, args.prefill_tokens), generator=gen)
     prompt = torch.randint(0, MODEL["vocab_size"], (args.batch, args.prompt_tokens), generator=gen)
 
-    def prefill(model, logits_to_keep=1):  # as generate's prefill: next-token logits of the last position only
+    def prefill(model, logits_to_keep=0 if args.all_logits else 1):  # 1: the last position's, as generate's
         with torch.no_grad():
             return model(prefill_ids, logits_to_keep=logits_to_keep).logits
 
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
                    + " ".join(["benchmarks/bench_kernelize.py", *(argv if argv is not None else sys.argv[1:])]),
         "what": "transformers GlmMoeDsaForCausalLM before vs after kernelize(model, backend='cpu'), fp32",
         "model": MODEL,
-        "prefill": {"batch": 1, "tokens": args.prefill_tokens},
+        "prefill": {"batch": 1, "tokens": args.prefill_tokens, "logits_of": "all" if args.all_logits else "last"},
         "generate": {"batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "greedy": True},
         "rounds": args.rounds,
