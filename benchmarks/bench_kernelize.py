@@ -2,7 +2,8 @@
 
 Two models with the same random weights (one deep copy kernelized), timed in interleaved rounds (before,
 after, before, after, ...) so machine load hits both alike; medians over the rounds:
-  * prefill: one forward over B=1 x 4096 tokens (no cache), tokens/s;
+  * prefill: one forward over B=1 x 4096 tokens (no cache; logits of the last position, as generate's
+    prefill computes them), tokens/s;
   * generate: batch 8, a 512-token prompt, 32 greedy new tokens (transformers' DynamicCache), new tokens/s.
 Also checked in every run: the kernelized prefill logits against transformers' (fp32, max relative error)
 and the two greedy generations (token for token).
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--all-logits", action="store_true",
+                        help="prefill returns every position's logits (default: the last one, as generate's)")
     parser.add_argument("--out", default="benchmarks/results/kernelize_cpu.json")
     args = parser.parse_args(argv)
 
@@ -61,15 +64,15 @@ def main(argv=None) -> int:
     prefill_ids = torch.randint(0, MODEL["vocab_size"], (1, args.prefill_tokens), generator=gen)
     prompt = torch.randint(0, MODEL["vocab_size"], (args.batch, args.prompt_tokens), generator=gen)
 
-    def prefill(model):
+    def prefill(model, logits_to_keep=0 if args.all_logits else 1):  # 1: the last position's, as generate's
         with torch.no_grad():
-            return model(prefill_ids).logits
+            return model(prefill_ids, logits_to_keep=logits_to_keep).logits
 
     def generate(model):
         return model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                               do_sample=False, pad_token_id=0)
 
-    want, got = prefill(before), prefill(after)  # warm-up, and the parity check
+    want, got = prefill(before, 0), prefill(after, 0)  # warm-up, and the parity check on every position
     rel_err = float((got - want).abs().max() / want.abs().max())
     position_err = ((got - want).double().norm(dim=-1) / want.double().norm(dim=-1)).flatten()  # [tokens]
     same_tokens = bool(torch.equal(generate(before), generate(after)))
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
                    + " ".join(["benchmarks/bench_kernelize.py", *(argv if argv is not None else sys.argv[1:])]),
         "what": "transformers GlmMoeDsaForCausalLM before vs after kernelize(model, backend='cpu'), fp32",
         "model": MODEL,
-        "prefill": {"batch": 1, "tokens": args.prefill_tokens},
+        "prefill": {"batch": 1, "tokens": args.prefill_tokens, "logits_of": "all" if args.all_logits else "last"},
         "generate": {"batch": args.batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
                      "greedy": True},
         "rounds": args.rounds,

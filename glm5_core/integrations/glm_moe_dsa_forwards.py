@@ -121,10 +121,11 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
     DSA selects every visible key for the first ``n_all`` queries (slots below index_topk): those run dense
     MLA (``mla.prefill`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
     scores; the others run the indexer's top-k and the sparse kernel."""
-    cache = cache if cache is not None else past_key_values
-    if not _runs_here(cache, self.layer_idx):
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache,
+    if not _runs_here(cache if cache is not None else past_key_values, self.layer_idx):
+        named = {"cache": cache} if past_key_values is None else {"past_key_values": past_key_values}  # as given
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **named,
                                   position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
+    cache = cache if cache is not None else past_key_values  # transformers 5.18 calls it past_key_values
     B, T, _ = hidden_states.shape
     H, Dn, Dr, Dv, C = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))  # [B, T, Q]

@@ -35,7 +35,7 @@ def _transformers_classes() -> Dict[str, type]:
     try:
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
     except ImportError as exc:
-        raise ImportError(f"kernelize: needs transformers with glm_moe_dsa (pip install 'transformers>=5.6,<6'): "
+        raise ImportError(f"kernelize: needs transformers with glm_moe_dsa (pip install 'transformers>=5.17,<6'): "
                           f"{exc}") from None
     return {"model": hf.GlmMoeDsaForCausalLM, "attention": hf.GlmMoeDsaAttention, "indexer": hf.GlmMoeDsaIndexer,
             "router": hf.GlmMoeDsaTopkRouter, "experts": hf.GlmMoeDsaExperts, "moe": hf.GlmMoeDsaMoE,

@@ -8,10 +8,11 @@ HF interop policy (``from_hf_dict`` / ``to_hf_dict``):
     ``topk_method``, ``rope_parameters.rope_type``, ``attention_bias``, ``attention_dropout``, ...) are checked:
     a value other than the one implemented is REJECTED with a ValueError (loading it silently would compute
     something else);
-  * keys transformers derives from the fields (``num_key_value_heads``, ``mlp_layer_types``, ``layer_types``,
-    ``head_dim``, ``qk_head_dim``) are checked against them (a value transformers would compute differently
-    with is REJECTED) and dropped; ``to_hf_dict`` writes ``num_key_value_heads`` (transformers defaults it
-    to 64) and lets transformers derive the others;
+  * keys transformers derives from the fields (``num_key_value_heads``, ``layer_types``, ``head_dim``,
+    ``qk_head_dim``) are checked against them (a value transformers would compute differently with is
+    REJECTED) and dropped; ``mlp_layer_types``, which transformers builds its layers from, sets
+    ``first_k_dense_replace`` (its "dense" layers must come first); ``to_hf_dict`` writes
+    ``num_key_value_heads`` and ``mlp_layer_types`` and lets transformers derive the others;
   * every other key (``architectures``, token ids, ``torch_dtype``, ``transformers_version``, ...) is
     PRESERVED verbatim in ``extra`` and written back by ``to_hf_dict``.
 """
@@ -41,6 +42,7 @@ _FIXED_KEYS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 # transformers' glm_moe_dsa builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default epsilon,
 # whatever rms_norm_eps says (modeling_glm_moe_dsa.py, 5.6 to 5.24); DeepSeek-V3's reference does the same.
 TRANSFORMERS_LATENT_NORM_EPS = 1e-6
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")  # transformers' names (5.24, 5.11)
 _DERIVED_KEYS = ("num_key_value_heads", "mlp_layer_types", "layer_types", "head_dim", "qk_head_dim")
 _ROPE_TYPES = (None, "default")
 
@@ -201,6 +203,9 @@ class GLM5Config:
         if isinstance(kwargs.get("indexer_types"), (list, tuple)):
             kwargs["indexer_types"] = list(kwargs["indexer_types"])  # a copy: the config does not alias d
         derived = {key: d.pop(key) for key in _DERIVED_KEYS if key in d}
+        derived = {key: value for key, value in derived.items() if value is not None}  # None: transformers derives
+        if "mlp_layer_types" in derived:  # what transformers builds its layers from (5.6 has no first_k_dense_replace)
+            kwargs["first_k_dense_replace"] = _dense_prefix(derived["mlp_layer_types"])
         cfg = cls(**kwargs, extra=d).validate()
         cfg._check_derived(derived)
         return cfg
@@ -218,12 +223,15 @@ class GLM5Config:
         want = self.transformers_derived()
         why = {"num_key_value_heads": f"MLA expands every head from the shared latent: expected "
                                       f"num_attention_heads={self.num_attention_heads}",
-               "mlp_layer_types": f"expected {self.first_k_dense_replace} 'dense' then 'sparse' (MoE) layers, "
-                                  f"as first_k_dense_replace={self.first_k_dense_replace} implies",
-               "layer_types": f"expected 'indexed_attention' (DSA) for all {self.num_hidden_layers} layers"}
-        for key in ("num_key_value_heads", "mlp_layer_types", "layer_types"):  # head_dim / qk_head_dim: recomputed
+               "mlp_layer_types": f"expected {self.num_hidden_layers} entries",
+               "layer_types": f"expected one of {DSA_LAYER_TYPES} (DSA) for all {self.num_hidden_layers} layers"}
+        for key in ("num_key_value_heads", "mlp_layer_types"):  # head_dim / qk_head_dim: transformers recomputes
             if key in given and given[key] != want[key]:
                 raise ValueError(f"{key}: {why[key]}, got {given[key]!r}")
+        layer_types = given.get("layer_types")
+        if layer_types is not None and (not isinstance(layer_types, list) or len(layer_types) != self.num_hidden_layers
+                                        or any(t not in DSA_LAYER_TYPES for t in layer_types)):
+            raise ValueError(f"layer_types: {why['layer_types']}, got {layer_types!r}")
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
@@ -237,8 +245,10 @@ class GLM5Config:
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, list) else value
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        # transformers derives the other derived keys itself, but defaults num_key_value_heads to 64
-        out["num_key_value_heads"] = self.transformers_derived()["num_key_value_heads"]
+        # transformers derives the others itself; it defaults num_key_value_heads to 64, and 5.6 builds 3 dense
+        # layers whatever first_k_dense_replace says
+        derived = self.transformers_derived()
+        out["num_key_value_heads"], out["mlp_layer_types"] = derived["num_key_value_heads"], derived["mlp_layer_types"]
         return out
 
     # ---- presets -------------------------------------------------------------------------------------
@@ -270,3 +280,14 @@ class GLM5Config:
     def replace(self, **changes: Any) -> "GLM5Config":
         return dataclasses.replace(self, **changes).validate()
 
+
+def _dense_prefix(mlp_layer_types: Any) -> int:
+    """The number of leading "dense" layers of transformers' ``mlp_layer_types``, which must be all "dense"
+    then all "sparse" (MoE): glm5-core's layout (first_k_dense_replace dense layers, then MoE)."""
+    if not isinstance(mlp_layer_types, list) or any(t not in ("dense", "sparse") for t in mlp_layer_types):
+        raise ValueError(f"mlp_layer_types: expected a list of 'dense' / 'sparse', got {mlp_layer_types!r}")
+    n_dense = mlp_layer_types.count("dense")
+    if mlp_layer_types[:n_dense] != ["dense"] * n_dense:
+        raise ValueError(f"mlp_layer_types: expected the 'dense' layers first, then the 'sparse' (MoE) ones "
+                         f"(glm5-core's first_k_dense_replace layout), got {mlp_layer_types!r}")
+    return n_dense

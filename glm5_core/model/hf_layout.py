@@ -1,8 +1,8 @@
 """What transformers' ``glm_moe_dsa`` writes and computes, where it differs from glm5-core's own layout.
 
 Read from transformers' source (``models/glm_moe_dsa/modeling_glm_moe_dsa.py`` and ``conversion_mapping.py``,
-5.6 to 5.24). Legend: E experts, F moe_intermediate_size, D hidden_size, H heads, Hi index_n_heads,
-Dn qk_nope_head_dim, Dr qk_rope_head_dim, Di index_head_dim, C kv_lora_rank, Q q_lora_rank.
+5.17 to 5.24, the versions tested). Legend: E experts, F moe_intermediate_size, D hidden_size, H heads,
+Hi index_n_heads, Dn qk_nope_head_dim, Dr qk_rope_head_dim, Di index_head_dim, C kv_lora_rank, Q q_lora_rank.
 
 Loading (transformers -> glm5-core):
   * ``save_pretrained(save_original_format=False)`` stores each MoE layer's experts fused:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.6")
+pytest.importorskip("transformers", minversion="5.17")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 

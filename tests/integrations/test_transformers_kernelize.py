@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.6")
+pytest.importorskip("transformers", minversion="5.17")
 
 from glm5_core import registry  # noqa: E402
 from glm5_core.integrations.transformers import kernelize  # noqa: E402

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-pytest.importorskip("transformers", minversion="5.6")
+pytest.importorskip("transformers", minversion="5.17")
 
 from glm5_core.model import load_pretrained  # noqa: E402
 from tests.integrations.hf_models import SEQ_LEN, hf_config, hf_model, rel_err, token_ids  # noqa: E402

@@ -94,7 +94,7 @@ def test_size_mismatches_are_named_without_reading_data(saved, only_meta_models,
 
 
 def test_more_layers_than_the_shards_hold_is_rejected_before_any_model(saved, no_model_built, make_config):
-    _edit_config(saved, num_hidden_layers=MAX_LAYERS, indexer_types=None)
+    _edit_config(saved, num_hidden_layers=MAX_LAYERS, indexer_types=None, mlp_layer_types=None)
     L = make_config().num_hidden_layers
     with pytest.raises(ValueError, match=rf"implies layers 0..{MAX_LAYERS - 1} .* the shards hold {L + 1} layers"):
         load_pretrained(saved)
