@@ -36,7 +36,7 @@ EXTRAS = {
         "tensorboard>=2.14",
         "matplotlib>=3.7",
         "tokenizers>=0.15",
-        "transformers>=5.24,<6",  # glm_moe_dsa interop (>= 5.6) and chat templates (sanitize_control_tokens)
+        "transformers>=5.24,<6",  # glm_moe_dsa interop (>= 5.17) and chat templates (sanitize_control_tokens)
         "jinja2>=3.1",
         "openai>=1.40",  # the OpenAI-compatible rollout proxy is tested with the real client
         "onnx>=1.16",
