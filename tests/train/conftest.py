@@ -4,19 +4,7 @@ import copy
 import pytest
 import torch
 
-SMALL_MODEL = dict(
-    preset="tiny", hidden_size=32, num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=64,
-    moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, num_attention_heads=2, q_lora_rank=16,
-    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_n_heads=2, index_head_dim=8,
-    index_topk=6, indexer_types=["full", "shared"], max_position_embeddings=64,
-)
-
-CORPUS = [
-    "def add(a, b):\n    return a + b\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n",
-    "for i in range(10):\n    print(i * i)\n",
-    "import os\nprint(os.getcwd())\n",
-]
+from tests.train.small_run import CORPUS, SMALL_MODEL
 
 
 @pytest.fixture

@@ -3,14 +3,11 @@ bytes, given huge or inconsistent safetensors headers, replaced by pickles, link
 folder, outside the checkpoint, nowhere), FIFOs, sparse huge files, deeply nested or mistyped JSON. Resolving and
 loading the damaged folder either works or raises a ValueError / FileNotFoundError of one line naming the
 damaged file or key: never another exception, never a hang (a SIGALRM bounds each example)."""
-import importlib.util
 import json
 import os
 import shutil
 import signal
 import struct
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -22,19 +19,13 @@ from hypothesis import strategies as st
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.optim import OptimizerConfig, build_optimizer
 from glm5_core.train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from tests.train.small_run import small_model_kwargs, unblock_readers_later
 
 FILES = ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json"]
 STATE_KEYS = ["format_version", "step", "world_size", "python_rng", "data"]
 
 
-def _small_model() -> dict:
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {k: v for k, v in module.SMALL_MODEL.items() if k != "preset"}
-
-
-MODEL = _small_model()
+MODEL = small_model_kwargs()
 
 
 def _model_and_optimizer():
@@ -164,23 +155,6 @@ def _damage(root: Path, kind: str, file: str, arg) -> str:
         path.write_text(json.dumps(state))
         return f"trainer_state.json {key}"  # the file and the key
     return file
-
-
-_RELEASE = """
-import os, sys, time
-time.sleep(float(sys.argv[2]))
-try:
-    os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
-except OSError:
-    pass
-"""
-
-
-def unblock_readers_later(fifo: Path, after_s: float = 10.0) -> None:
-    """A reader blocked opening the FIFO (inside native code that holds the GIL, where neither SIGALRM nor a
-    thread can reach) is let go after ``after_s`` by a process that opens the writing end, so a regression
-    fails the example instead of hanging it."""
-    subprocess.Popen([sys.executable, "-S", "-c", _RELEASE, str(fifo), str(after_s)])
 
 
 def _alarm(signum, frame):

@@ -3,7 +3,6 @@
 read of /dev/zero, no allocation sized by a header), and `glm5 pretrain --resume` / `glm5 rl --checkpoint`
 turn it into one line and exit code 2 (231de35: SafetensorError / KeyError / RecursionError / OSError
 tracebacks, a hang, a link out of the folder followed)."""
-import importlib.util
 import json
 import os
 import pickle
@@ -11,8 +10,6 @@ import re
 import shutil
 import signal
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,16 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from glm5_core.cli import main
+from tests.train.small_run import CORPUS, SMALL_MODEL, small_model_kwargs, unblock_readers_later
 
-
-def _train_conftest():
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CONF = _train_conftest()
 STEP = "step_00000002"
 
 
@@ -42,15 +31,15 @@ def template(tmp_path_factory):
     base = tmp_path_factory.mktemp("template")
     corpus = base / "corpus"
     corpus.mkdir()
-    for i, text in enumerate(CONF.CORPUS * 3):
+    for i, text in enumerate(CORPUS * 3):
         (corpus / f"doc{i:02d}.txt").write_text(text)
-    raw = dict(seed=3, torch_threads=1, output_dir=str(base / "run"), model=dict(CONF.SMALL_MODEL),
+    raw = dict(seed=3, torch_threads=1, output_dir=str(base / "run"), model=dict(SMALL_MODEL),
                data=dict(source="path", path=str(corpus), seq_len=24, batch_size=2),
                schedule=dict(lr=1e-2, warmup_steps=1), stages=[dict(kind="dense", steps=2)],
                loss=dict(mtp_depths=2, mtp_weight=0.3), router=dict(bias_update_rate=1e-2),
                logging=dict(progress_bar=False, tensorboard=False, plot=False, recall_every_steps=1))
     (base / "pretrain.yaml").write_text(yaml.safe_dump(raw))
-    overrides = {k: v for k, v in CONF.SMALL_MODEL.items() if k != "preset"}
+    overrides = small_model_kwargs()
     (base / "rl.yaml").write_text(yaml.safe_dump({  # max_len within the small model's positions: the file is at fault
         "output_dir": str(base / "rl"), "torch_threads": 1, "rollout": {"max_len": 32},
         "model": {"preset": "tiny", "overrides": overrides}}))
@@ -132,23 +121,6 @@ def _fifo(path: Path) -> None:
     path.unlink()
     os.mkfifo(path)
     unblock_readers_later(path)
-
-
-_RELEASE = """
-import os, sys, time
-time.sleep(float(sys.argv[2]))
-try:
-    os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))  # ENXIO: nobody is blocked on it
-except OSError:
-    pass
-"""
-
-
-def unblock_readers_later(fifo: Path, after_s: float = 10.0) -> None:
-    """A reader blocked opening the FIFO (inside native code that holds the GIL, where neither SIGALRM nor a
-    thread can reach) is let go after ``after_s`` by a process that opens the writing end, so a regression
-    fails the test instead of hanging it."""
-    subprocess.Popen([sys.executable, "-S", "-c", _RELEASE, str(fifo), str(after_s)])
 
 
 def _sparse(path: Path, size: int) -> None:

@@ -7,7 +7,6 @@ stops (sleeps) when ``save_checkpoint`` reaches the stage, and SIGKILLs it there
 that stage. Scenarios: a new step; a re-write of the step ``latest`` names; a fresh run re-writing an earlier
 run's older step; a re-write of the only checkpoint (keep_last 1).
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,16 +20,9 @@ from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.optim import OptimizerConfig, build_optimizer
 from glm5_core.train.checkpoint import WRITE_STAGES, load_checkpoint, resolve_checkpoint
 from glm5_core.train.checkpoint_folders import is_complete, recover
+from tests.train.small_run import small_model_kwargs
 
-
-def _small_model() -> dict:
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {k: v for k, v in module.SMALL_MODEL.items() if k != "preset"}
-
-
-MODEL = _small_model()
+MODEL = small_model_kwargs()
 
 # scenario: (the writes before, then the killed write), each (step, keep_last, history): history None continues
 # what `latest` records, [] is a fresh run's first write

@@ -5,7 +5,6 @@ A checkpoint stores a tied group once, under its sorted-first name (``lm_head.we
 FSDP2 cases shard the model over a one-rank gloo group in this process: its parameters are DTensors, so
 saving gathers them and loading takes the sharded-loader path, as on many ranks.
 """
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -17,18 +16,12 @@ from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.optim import OptimizerConfig, build_optimizer
 from glm5_core.train.checkpoint import load_checkpoint, save_checkpoint
 from glm5_core.train.fsdp import full_state_dict, is_dtensor, shard_model, tied_groups
+from tests.train.small_run import small_model_kwargs
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def _small_model() -> dict:
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {k: v for k, v in module.SMALL_MODEL.items() if k != "preset"}
-
-
-MODEL = _small_model()
+MODEL = small_model_kwargs()
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ in a different order; Muon's Newton-Schulz and Adam's normalisation then carry ~
 into the weights. TOL = 1e-5 absolute bounds that drift after 4 steps while the steps themselves move
 weights by far more (checked, so a run that trains nothing cannot pass).
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from glm5_core.train import ConfigError, RunOptions, parse_config, pretrain
+from tests.train.small_run import CORPUS, SMALL_MODEL
 
 TOL = 1e-5
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -34,21 +34,13 @@ needs_torchrun = pytest.mark.skipif(shutil.which("torchrun") is None and not os.
                                     reason="torchrun is not installed")
 
 
-def _conftest():
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _raw(root: Path) -> dict:
-    shared = _conftest()
     corpus = root / "corpus"
     corpus.mkdir()
-    for i, text in enumerate(shared.CORPUS * 3):
+    for i, text in enumerate(CORPUS * 3):
         (corpus / f"doc{i:02d}.txt").write_text(text)
     return dict(
-        seed=3, torch_threads=1, output_dir=str(root / "run"), model=dict(shared.SMALL_MODEL),
+        seed=3, torch_threads=1, output_dir=str(root / "run"), model=dict(SMALL_MODEL),
         data=dict(source="path", path=str(corpus), seq_len=24, batch_size=4),  # 2 rows per rank
         schedule=dict(lr=1e-2, warmup_steps=1),
         stages=[dict(kind="dense", steps=2),
