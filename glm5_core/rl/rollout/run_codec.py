@@ -22,6 +22,8 @@ def load_run_tokenizer(path: str, key: str = TOKENIZER_KEY):
         tokenizer = load_chat_tokenizer(path)
     except (ValueError, OSError) as exc:
         raise ValueError(f"{key}: {exc}") from None
+    except ImportError as exc:  # tokenizers / transformers: the [agents] extra
+        raise ValueError(f"{key}: needs pip install 'glm5-core[agents]' ({exc})") from None
     if not tokenizer.has_chat_template:
         raise ValueError(f"{key}: expected a tokenizer directory with a chat template (chat_template in "
                          f"tokenizer_config.json or chat_template.jinja), {path!r} has none")
