@@ -70,6 +70,29 @@ def _check_device(device, key: str) -> None:
     parse_device(device, key)
 
 
+# -- rollout.tokenizer (rl/rollout/run_codec.py) ----------------------------------------------------------------
+def _check_tokenizer(path, key: str) -> None:
+    from glm5_core.rl.rollout.run_codec import load_run_tokenizer
+
+    config_paths.input_dir(path, key)
+    load_run_tokenizer(path, key)
+
+
+def _codec_problems(cfg: "RLConfig", vocab_size: int) -> List[str]:
+    """The environments' codec (``rollout.tokenizer``, else bytes at ``env.byte_offset``) fits ``vocab_size``."""
+    from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, run_codec, vocab_problem
+
+    path = cfg.rollout.tokenizer
+    if path is not None and "byte_offset" in cfg.env:
+        return [f"env.byte_offset: the byte codec's offset, unused with {TOKENIZER_KEY}; remove env.byte_offset"]
+    try:
+        codec = run_codec(path, cfg.env.get("byte_offset", 0))
+    except ValueError as exc:
+        return [str(exc)]
+    problem = vocab_problem(codec, vocab_size, TOKENIZER_KEY if path is not None else "env.byte_offset")
+    return [problem] if problem else []
+
+
 @dataclasses.dataclass
 class RolloutConfig:
     num_engines: int = field(1, range=(1, None))
@@ -96,6 +119,8 @@ class RolloutConfig:
     sync_master_address: str = field("127.0.0.1")  # distributed: the trainer's address the engines connect to
     sync_backend: str = field("gloo", choices=SYNC_BACKENDS)
     devices: Any = field(None, check=_check_devices)  # spawned engines: "cuda:1,cuda:2" or a list (one, or one each)
+    # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
+    tokenizer: Optional[str] = field(None, check=_check_tokenizer)
 
 
 @dataclasses.dataclass
@@ -172,7 +197,7 @@ class RLConfig:
                     f"{model.max_position_embeddings}, got {self.rollout.max_len}"]
         from glm5_core.rl.run_memory import memory_problems
 
-        return memory_problems(self, model)
+        return _codec_problems(self, model.vocab_size) or memory_problems(self, model)
 
 
 def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:

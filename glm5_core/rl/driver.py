@@ -33,6 +33,7 @@ from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
 from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, load_run_tokenizer, vocab_problem
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.worker import WorkerSpec
@@ -45,10 +46,12 @@ class TrainerStarvedError(RuntimeError):
     """No training batch arrived for ``train.max_idle_minutes``: the run cannot make progress."""
 
 
-def build_env(env_cfg: Dict, seed: int):
+def build_env(env_cfg: Dict, seed: int, codec=None):
+    """The environment of ``env_cfg``; its text goes through ``codec`` (default: bytes at ``env.byte_offset``)."""
     cfg = dict(env_cfg)
     name = cfg.pop("name")
-    codec = ByteCodec(int(cfg.pop("byte_offset", 0)))
+    offset = int(cfg.pop("byte_offset", 0))
+    codec = codec if codec is not None else ByteCodec(offset)
     if name == "arithmetic":
         from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 
@@ -119,10 +122,12 @@ class RLRun:
             check_visible([cfg.train.device], "train.device", probe)
         torch.set_num_threads(cfg.torch_threads)
         self.model = build_policy(cfg, checkpoint, self.backend)
-        self.env = build_env(cfg.env, cfg.seed)
-        if self.env.codec.min_vocab_size > self.model.config.vocab_size:
-            raise ValueError(f"env.byte_offset: byte tokens need vocab_size >= {self.env.codec.min_vocab_size}, "
-                             f"the policy has {self.model.config.vocab_size}")
+        self.tokenizer = load_run_tokenizer(r.tokenizer) if r.tokenizer is not None else None
+        self.env = build_env(cfg.env, cfg.seed, codec=self.tokenizer)
+        problem = vocab_problem(self.env.codec, self.model.config.vocab_size,
+                                TOKENIZER_KEY if self.tokenizer is not None else "env.byte_offset")
+        if problem:
+            raise ValueError(problem)
         teacher = None
         if cfg.train.teacher_checkpoint:
             from glm5_core.model import load_pretrained

@@ -1,6 +1,6 @@
 """``glm5 serve`` as a separate process: glm5 rl rolls out on it through ``--engine-url`` and the arithmetic
-reward rises; and distributed weight sync between two CPU processes (gloo) leaves the engine's weights bitwise
-equal to the trainer's."""
+reward rises, along the very curve of spawned engines at equal seeds (sync mode); and distributed weight sync
+between two CPU processes (gloo) leaves the engine's weights bitwise equal to the trainer's."""
 import json
 import multiprocessing
 import os
@@ -8,8 +8,10 @@ import select
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from glm5_core.cli import main
 from glm5_core.rl.serving.client import EngineClient
@@ -77,6 +79,54 @@ def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
         proc.wait(timeout=30)
 
 
+def sync_run_config(output_dir, steps):
+    """A sync-mode run with one episode thread: requests reach the one engine one at a time, in the same order,
+    so its sampler draws the same numbers for the same rows whichever process hosts it."""
+    return {
+        "seed": 0, "mode": "sync", "output_dir": str(output_dir), "max_minutes": 8, "max_steps": steps,
+        "env": {"name": "arithmetic", "max_operand": 1, "template": "{a}+{b}=", "max_new_tokens": 1},
+        "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
+        "rollout": {"max_batch": 16, "max_len": 32, "group_size": 4, "episode_threads": 1},
+        "train": {"batch_size": 16, "optim": {"lr": 1e-3, "micro_batch_size": 16}},
+        "eval": {"every": 0, "samples_per_problem": 16},
+    }
+
+
+def run_rl(tmp_path, name, checkpoint, steps, *flags):
+    """``glm5 rl`` in sync mode; (batch reward per step, eval rewards, the final weights)."""
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(sync_run_config(tmp_path / name, steps)))
+    rc = main(["rl", "--config", str(tmp_path / f"{name}.yaml"), "--checkpoint", str(checkpoint),
+               "--backend", "cpu", *flags])
+    assert rc == 0
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    weights = load_file(str(tmp_path / name / "weights" / f"v{steps:06d}.safetensors"))
+    return [r["reward"] for r in rows if "reward" in r], [r["eval_reward"] for r in rows if "eval_reward" in r], \
+        weights
+
+
+@pytest.mark.slow
+def test_glm5_serve_follows_the_reward_curve_of_spawned_engines(tmp_path, capsys):
+    """Equal seeds, sync mode: glm5 rl on ``glm5 serve`` (another process, reached by URL, weights synced as an
+    HF directory) and on a spawned engine (glm5-named safetensors) sample the same tokens, so every step's batch
+    reward, both evaluations and the final weights are bitwise equal; the evaluation reward rises."""
+    checkpoint = digit_policy(tmp_path / "policy")
+    steps = 20
+    spawned = run_rl(tmp_path, "spawned", checkpoint, steps)
+    proc, url = start_serve(checkpoint, "--max-batch", "16", "--max-len", "32")
+    try:
+        served = run_rl(tmp_path, "served", checkpoint, steps, "--engine-url", url)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    capsys.readouterr()
+    (rewards, evals, weights), (served_rewards, served_evals, served_weights) = spawned, served
+    assert len(rewards) == steps and served_rewards == rewards
+    assert len(evals) == 2 and served_evals == evals
+    assert evals[1] > evals[0], evals
+    assert set(served_weights) == set(weights)
+    assert all(torch.equal(served_weights[k], weights[k]) for k in weights)
+
+
 class OneReplica:
     def __init__(self, client):
         self.client, self.failed = client, []
@@ -89,8 +139,6 @@ class OneReplica:
 
 
 def test_distributed_sync_between_two_processes_is_bitwise(tmp_path, monkeypatch):
-    from safetensors.torch import load_file
-
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
     from glm5_core.rl.fleet.weight_sync import DistributedWeightSync, buckets
 

@@ -40,19 +40,6 @@ class OpenAIError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
-def json_depth_at_most(value: Any, max_depth: int) -> bool:
-    """Whether ``value`` (parsed JSON) nests at most ``max_depth`` containers deep (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > max_depth:
-                return False
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return True
-
-
 # ----------------------------------------------------------------------------------------------------- fields
 def _fail(param: str, expected: str, value: Any) -> OpenAIError:
     return OpenAIError(f"{param}: expected {expected}, got {value!r:.80}", param=param)

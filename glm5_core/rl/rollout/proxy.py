@@ -31,12 +31,12 @@ engines could not serve: retry), inconsistent engine answers 502.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
@@ -48,7 +48,6 @@ from glm5_core.rl.rollout.openai_protocol import (
     chat_completion,
     chat_token_logprob,
     completion_logprobs,
-    json_depth_at_most,
     model_list,
     parse_chat_request,
     parse_completion_request,
@@ -58,8 +57,9 @@ from glm5_core.rl.rollout.openai_protocol import (
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
+from glm5_core.rl.serving.connections import BoundedThreadingHTTPServer
+from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
-from glm5_core.rl.serving.server import BoundedThreadingHTTPServer
 
 LOCALHOST = "127.0.0.1"
 TRAJECTORY_HEADER = "X-Trajectory-Id"
@@ -127,7 +127,7 @@ class OpenAIProxy:
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._httpd.port
 
     @property
     def url(self) -> str:
@@ -139,13 +139,11 @@ class OpenAIProxy:
         return self.url + "/v1"
 
     def start(self) -> "OpenAIProxy":
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="openai-proxy", daemon=True)
-        self._thread.start()
+        self._thread = self._httpd.serve_in_background("openai-proxy")
         return self
 
     def shutdown(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._httpd.stop()
 
     # -- trajectories ----------------------------------------------------------------------------------------
     def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:
@@ -269,15 +267,21 @@ class OpenAIProxy:
         return dict(prompt_tokens=prompt_len, completion_tokens=len(response["output_ids"]),
                     cached_tokens=response["meta_info"].get("cached_tokens"))
 
-    def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
-        request: ChatRequest = parse_chat_request(body)
-        self._check_model(request)
-        stop_ids = self._stop_ids(request)
-        record = self._trajectory(trajectory_header, request)
+    @contextlib.contextmanager
+    def _serving(self, header: Optional[str], request: SamplingRequest) -> Iterator[ProxyTrajectory]:
+        """The open trajectory ``request`` names, held for it (its requests run one at a time)."""
+        record = self._trajectory(header, request)
         with record.lock:
             if record.closed:
                 raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
                                   code="trajectory_not_found")
+            yield record
+
+    def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
+        request: ChatRequest = parse_chat_request(body)
+        self._check_model(request)
+        stop_ids = self._stop_ids(request)
+        with self._serving(trajectory_header, request) as record:
             try:
                 prompt_ids = record.transcript.prompt_ids(request.messages, request.tools)
             except ValueError as exc:
@@ -317,11 +321,7 @@ class OpenAIProxy:
         request: CompletionRequest = parse_completion_request(body)
         self._check_model(request)
         stop_ids = self._stop_ids(request)
-        record = self._trajectory(trajectory_header, request)
-        with record.lock:
-            if record.closed:
-                raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
-                                  code="trajectory_not_found")
+        with self._serving(trajectory_header, request) as record:
             prompt_ids = self._completion_prompt(record, request.prompt)
             response = self._generate(record, prompt_ids, request, stop_ids, "prompt")
         ids, logprobs, _ = self._split_stop(response, stop_ids)
@@ -346,49 +346,23 @@ class OpenAIProxy:
             def log_message(self, fmt, *args):  # quiet
                 return
 
-            def _reply(self, status: int, payload: Dict) -> None:
-                data = json.dumps(payload).encode("utf-8")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
             def _body(self) -> Any:
-                length = self.headers.get("Content-Length")
-                if length is None or not length.isdigit():
-                    raise OpenAIError("Content-Length: expected a byte count", status=411)
-                if int(length) > proxy.max_body_bytes:
-                    self.close_connection = True  # the body is not read
-                    raise OpenAIError(f"request body: expected at most {proxy.max_body_bytes} bytes, got {length}",
-                                      status=413)
-                try:
-                    raw = self.rfile.read(int(length))
-                except TimeoutError:
-                    raw = b""
-                if len(raw) != int(length):
-                    raise ConnectionAbortedError("the client stopped sending its request")
-                too_deep = OpenAIError(f"request body: JSON nested deeper than {proxy.max_json_depth} levels")
-                try:
-                    body = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise OpenAIError(f"request body: invalid JSON ({getattr(exc, 'msg', exc)})") from None
-                except RecursionError:  # nested past Python's recursion limit
-                    raise too_deep from None
-                if not json_depth_at_most(body, proxy.max_json_depth):
-                    raise too_deep
-                return body
+                return parse_json_body(read_body(self, proxy.max_body_bytes), proxy.max_json_depth)
 
             def _serve(self, route) -> None:
                 try:
-                    self._reply(200, route())
-                except ConnectionAbortedError:  # nobody to answer
+                    write_reply(self, 200, route())
+                except ClientStalledError:  # nobody to answer
                     self.close_connection = True
+                except BodyError as exc:  # 411 / 413 (the body unread: the connection closes), bad JSON
+                    if exc.close:
+                        self.close_connection = True
+                    write_reply(self, exc.status, OpenAIError(str(exc), status=exc.status).body())
                 except OpenAIError as exc:
-                    self._reply(exc.status, exc.body())
+                    write_reply(self, exc.status, exc.body())
                 except Exception as exc:  # a bug here or in the engine path: report, keep serving
-                    self._reply(500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
-                                                 type="server_error").body())
+                    write_reply(self, 500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
+                                                       type="server_error").body())
 
             def do_GET(self):
                 path = self.path.split("?", 1)[0]

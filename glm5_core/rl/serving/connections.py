@@ -1,5 +1,5 @@
 """Connection handling of the rollout server: a cap on connections served at once, a deadline on receiving
-each whole request, hang-up detection while a request runs, and bounded JSON bodies.
+each whole request, and hang-up detection while a request runs (request bodies: ``json_http``).
 
 * :class:`BoundedThreadingHTTPServer`: a thread per connection, at most ``max_connections`` at once; one past
   the cap gets ``503 Retry-After: 1`` from the accept loop itself (never blocking it) and is closed.
@@ -9,8 +9,6 @@ each whole request, hang-up detection while a request runs, and bounded JSON bod
   begin by ``idle_timeout``. A stalled or trickling client is dropped, so slow clients cannot hold every slot.
 * :func:`peer_closed`: whether the client hung up (readable with nothing to read), polled while its
   generation runs so the engine can stop it.
-* :func:`parse_json_body`: ``json.loads`` with nesting bounded (``MAX_JSON_DEPTH``): a deeply nested body is a
-  ``ValueError`` (HTTP 400), never a ``RecursionError``.
 """
 from __future__ import annotations
 
@@ -22,9 +20,7 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any, Optional
-
-MAX_JSON_DEPTH = 32  # no route takes more than a few levels
+from typing import Optional
 
 
 def _busy_response(max_connections: int) -> bytes:
@@ -50,6 +46,22 @@ class BoundedThreadingHTTPServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler_class)
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def serve_in_background(self, name: str) -> threading.Thread:
+        """Serve from a daemon thread named ``name`` (started, and returned)."""
+        thread = threading.Thread(target=self.serve_forever, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Stop the accept loop serving on another thread and close the socket; handler threads are not waited
+        for (``block_on_close`` is off)."""
+        self.shutdown()
+        self.server_close()
 
     def _take_slot(self) -> bool:
         with self._slots_lock:
@@ -144,30 +156,3 @@ def peer_closed(sock: socket.socket) -> bool:
         return False
     except (OSError, ValueError):  # reset, or the socket is already closed
         return True
-
-
-def _check_depth(value: Any, limit: int) -> None:
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            raise ValueError(f"request body: JSON nested deeper than {limit} levels")
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-
-
-def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The JSON value of ``raw``; ``ValueError`` for invalid or too deeply nested JSON."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise ValueError(f"request body: JSON nested deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"request body: invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
-    _check_depth(value, max_depth)
-    return value

@@ -35,19 +35,14 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import io
-import json
 import os
 import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from glm5_core.rl.serving.connections import (
-    BoundedThreadingHTTPServer,
-    DeadlineReader,
-    parse_json_body,
-    peer_closed,
-)
+from glm5_core.rl.serving.connections import BoundedThreadingHTTPServer, DeadlineReader, peer_closed
 from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
 from glm5_core.rl.serving.protocol import parse_generate_request
 from glm5_core.rl.serving.weight_updates import DistributedReceiver, VersionLabels, load_disk_weights
 
@@ -68,10 +63,6 @@ class EngineUnavailableError(Exception):
 
 class RequestTimeoutError(Exception):
     """The engine did not finish the request within ``request_timeout``: HTTP 504."""
-
-
-class ClientStalledError(Exception):
-    """The client stopped sending its request in time: the connection is dropped."""
 
 
 class ClientGoneError(Exception):
@@ -117,7 +108,7 @@ class EngineServer:
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._httpd.port
 
     @property
     def url(self) -> str:
@@ -126,8 +117,7 @@ class EngineServer:
 
     def start(self) -> "EngineServer":
         self.engine.start()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="engine-http", daemon=True)
-        self._thread.start()
+        self._thread = self._httpd.serve_in_background("engine-http")
         return self
 
     def serve_forever(self) -> None:
@@ -143,8 +133,7 @@ class EngineServer:
     def shutdown(self) -> None:
         """Engine first: requests in flight end now (finish_reason abort) instead of holding the handlers."""
         self.engine.shutdown()
-        self._httpd.shutdown()
-        self._httpd.server_close()  # does not wait for handler threads (block_on_close is off)
+        self._httpd.stop()
         self.receiver.close()
 
     # -- route handlers (return (status, body)) -------------------------------------------------------------
@@ -337,31 +326,10 @@ class EngineServer:
                 return
 
             def _reply(self, status: int, payload: Any) -> None:
-                if payload is None:
-                    data, kind = b"", None
-                elif isinstance(payload, str):
-                    data, kind = payload.encode("utf-8"), "text/plain; charset=utf-8"
-                else:
-                    data, kind = json.dumps(payload).encode("utf-8"), "application/json"
-                self.send_response(status)
-                if kind is not None:
-                    self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                write_reply(self, status, payload)
 
             def _body(self) -> Any:
-                length = self.headers.get("Content-Length")
-                if length is None or not length.isdigit():
-                    raise ValueError("Content-Length: expected a byte count")
-                if int(length) > server.max_body_bytes:
-                    raise OverflowError(f"request body: expected at most {server.max_body_bytes} bytes, got {length}")
-                try:
-                    raw = self.rfile.read(int(length))
-                except TimeoutError:
-                    raise ClientStalledError("request body not received in time") from None
-                if len(raw) != int(length):
-                    raise ClientStalledError(f"request body: the client closed after {len(raw)} of {length} bytes")
+                raw = read_body(self, server.max_body_bytes)
                 self.reader.end_request()
                 return parse_json_body(raw) if raw else {}
 
@@ -376,9 +344,10 @@ class EngineServer:
                         self._reply(*call(routes[path]))
                 except (ClientStalledError, ClientGoneError):  # nobody to answer: drop the connection
                     self.close_connection = True
-                except OverflowError as exc:
-                    self.close_connection = True
-                    self._reply(413, {"error": str(exc)})
+                except BodyError as exc:  # 411 / 413 (the body unread: the connection closes), bad JSON
+                    if exc.close:
+                        self.close_connection = True
+                    self._reply(exc.status, {"error": str(exc)})
                 except ValueError as exc:
                     self._reply(400, {"error": str(exc)})
                 except EngineUnavailableError as exc:
