@@ -29,9 +29,23 @@ TINY = {
     "rollout": {"num_engines": 1, "max_batch": 1, "max_len": 32, "group_size": 2, "episode_threads": 4,
                 "prefix_cache_entries": 0},
     "train": {"batch_size": 4, "optim": {"lr": 3e-3}},
-    "checkpoint": {"every_steps": 1, "keep_last": 2},
+    "checkpoint": {"every_steps": 1, "keep_last": 10},
     "eval": {"every": 0, "samples_per_problem": 1},
 }
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> str:
+    """A distillation teacher: a random-init policy scores 0 on arithmetic, so its group advantages are 0 and
+    the weights would never move; the per-token distillation advantage makes every step depend on what was
+    sampled."""
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.model.checkpoint import save_pretrained
+
+    torch.manual_seed(5)
+    folder = tmp_path_factory.mktemp("teacher") / "hf"
+    save_pretrained(GLM5ForCausalLM(GLM5Config.tiny(index_topk=8)), folder)
+    return str(folder)
 
 
 def _config_file(tmp_path: Path, name: str = "rl.yaml", **overrides) -> Path:
@@ -59,8 +73,9 @@ def _finished(proc: subprocess.Popen, what: str) -> None:
     assert proc.returncode == 0, f"{what}: exit {proc.returncode}: {err[-2000:]}"
 
 
-def test_a_killed_sync_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
-    config = _config_file(tmp_path)
+def test_a_killed_sync_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, teacher):
+    config = _config_file(tmp_path, train={**TINY["train"], "teacher_checkpoint": teacher,
+                                           "optim": {**TINY["train"]["optim"], "distill_coef": 1.0}})
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     uninterrupted = _glm5_rl("--config", str(config), "--output-dir", str(whole))
     victim = _glm5_rl("--config", str(config), "--output-dir", str(killed), start_new_session=True)
@@ -83,6 +98,9 @@ def test_a_killed_sync_run_resumes_to_the_weights_of_an_uninterrupted_run(tmp_pa
         want, got = load_file(whole / final / name), load_file(killed / final / name)
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want), f"{name} differs after the resume"
+    before, after = (load_file(whole / f"checkpoints/step_{step:08d}/model.safetensors")
+                     for step in (TINY["max_steps"] - 1, TINY["max_steps"]))
+    assert not all(torch.equal(before[k], after[k]) for k in after), "the last step changed nothing: a vacuous test"
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == TINY["max_steps"] and summary["resumed_at_step"] >= 2
     assert summary["trained_trajectories"] == TINY["max_steps"] * TINY["train"]["batch_size"]
