@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from glm5_core.rl import run_state
 from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
 from glm5_core.rl.algorithm.trainer import Trainer
 from glm5_core.rl.config import RLConfig
@@ -113,8 +114,6 @@ class RLRun:
                  probe: Callable[[], Dict[str, int]] = probe_accelerators, resume: bool = False):
         """``resume``: continue the run in the output dir (see ``run_state``); without it the output dir must be
         new or empty."""
-        from glm5_core.rl import run_state
-
         self.cfg = cfg
         self.out_dir = output_dir or cfg.output_dir
         run_state.check_output_dir(self.out_dir, resume)
@@ -322,11 +321,10 @@ class RLRun:
 
     def save_resume_point(self) -> None:
         """``checkpoints/step_<version>``: what ``resume=True`` continues from (``run_state``)."""
-        from glm5_core.rl import run_state
-
         eval_start = next((e.get("eval_reward") for e in self.eval_history if e.get("step") == 0), None)
-        state = RunState(env=self.env.state_dict(), runner=self.runner.state_dict(), buffer=self.buffer.state_dict(),
-                         eval_history=self.eval_history, eval_start=eval_start)
+        runner, env = self.runner.snapshot()  # together: an async producer may be drawing the next group
+        state = RunState(env=env, runner=runner, buffer=self.buffer.state_dict(), eval_history=self.eval_history,
+                         eval_start=eval_start)
         self._checkpoint_history = run_state.save_resume_point(
             self.out_dir, self.trainer, state, keep_last=self.cfg.checkpoint.keep_last,
             history=self._checkpoint_history)

@@ -18,7 +18,7 @@ The run state (JSON; readers ignore keys they do not know, so later versions may
   eval          ``history``: one entry per evaluation, ``{"step": N, "eval_reward": r}`` (held-out metrics of
                 another evaluation plug in as more keys of an entry); ``start``: the step-0 evaluation
 A sync run with per-request sampling seeds (spawned engines) resumes bitwise: a buffer holds no trajectory
-between sync steps. Async runs resume from the step, not bitwise (see docs/rl.md, "Resuming a run").
+between sync steps. Async runs resume from the step, not bitwise (see docs/rl-resume.md).
 """
 from __future__ import annotations
 

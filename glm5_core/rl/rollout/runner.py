@@ -14,7 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
@@ -39,7 +39,7 @@ class RolloutRunner:
         self.seed = seed  # None: requests carry no sampling_seed (the engines' shared generators draw)
         self._next_group = 0
         self._issued_before = 0  # trajectories issued before a resume
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # snapshot() takes it around state_dict()
         self.issued_ids: List[str] = []
         self.env_failures = 0
         self.rollout_failures = 0  # trajectories whose generation failed on every replica tried (dropped)
@@ -151,6 +151,11 @@ class RolloutRunner:
         with self._lock:
             return {"next_group": self._next_group, "issued": self._issued_before + len(self.issued_ids),
                     "env_failures": self.env_failures, "rollout_failures": self.rollout_failures}
+
+    def snapshot(self) -> Tuple[Dict[str, int], Dict]:
+        """:meth:`state_dict` and the environment's ``state_dict()``, taken between two groups' draws."""
+        with self._lock:
+            return self.state_dict(), self.env.state_dict()
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Continue from :meth:`state_dict` (counts checked >= 0 by the caller)."""
