@@ -134,7 +134,7 @@ def _counter(value: Any, key: str) -> int:
 
 
 def _section(state: Dict, key: str) -> Dict:
-    value = state.get(key, {})
+    value = state.get(key)
     if not isinstance(value, dict):
         raise ValueError(f"{key}: expected an object, got {type(value).__name__}")
     return value

@@ -181,6 +181,7 @@ def _edit_state(folder: Path, edit) -> None:
     ("env_rng", "data.env.rng: expected [version, [625 ints"),
     ("histogram", "data.buffer.staleness_histogram.0: expected an int >= 0, got 'x'"),
     ("format", "data.format: expected 1 (an RL run's state), got 7"),
+    ("no_runner", "data.runner: expected an object, got NoneType"),
     ("truncated_model", "model.safetensors"),
 ])
 def test_a_tampered_resume_point_is_refused_in_one_line(resume_point, capsys, case, expected):
@@ -194,6 +195,8 @@ def test_a_tampered_resume_point_is_refused_in_one_line(resume_point, capsys, ca
         _edit_state(folder, lambda d: d["buffer"].update(staleness_histogram={"0": "x"}))
     elif case == "format":
         _edit_state(folder, lambda d: d.update(format=7))
+    elif case == "no_runner":
+        _edit_state(folder, lambda d: d.pop("runner"))
     else:
         data = (folder / "model.safetensors").read_bytes()
         (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
@@ -214,5 +217,24 @@ def test_a_resume_point_restores_the_run_state(resume_point):
     try:
         assert run.runner.state_dict()["next_group"] == 7 and run.runner.issued_total() == 14
         assert torch.equal(run.model.state_dict()[name], weights[name])
+    finally:
+        run._teardown()
+
+
+def test_a_run_killed_before_its_first_resume_point_starts_over(tmp_path):
+    """Killed before any checkpoint was published (a half-written one is what the killed writer leaves): the
+    resume recovers the folder and starts at step 0, which repeats the run exactly."""
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({**TINY, "output_dir": str(run_dir)})
+    run_state.write_run_file(str(run_dir), cfg, None)
+    half = run_dir / "checkpoints" / ".tmp-step_00000001-999999"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"\0" * 16)
+    lines = []
+    run = RLRun(cfg, log=lines.append, resume=True)
+    try:
+        assert run.trainer.version == 0 and run.runner.state_dict()["next_group"] == 0
+        assert any("starting the run over from step 0" in line for line in lines)
+        assert not half.exists()
     finally:
         run._teardown()
