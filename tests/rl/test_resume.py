@@ -139,6 +139,8 @@ def test_a_resume_refuses_a_folder_of_another_config(tmp_path, capsys):
     # budgets, evaluation and checkpointing may change: the same config with more steps gets past the check
     same = config_from_dict({**TINY, "output_dir": str(run_dir), "max_steps": 50, "eval": {"every": 5}})
     assert run_state.check_same_run(str(run_dir), same, None) is None
+    with pytest.raises(ValueError, match="--checkpoint: the run in .* started from None"):
+        run_state.check_same_run(str(run_dir), same, str(tmp_path / "another_policy"))
 
 
 def test_a_fresh_run_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
@@ -238,3 +240,19 @@ def test_a_run_killed_before_its_first_resume_point_starts_over(tmp_path):
         assert not half.exists()
     finally:
         run._teardown()
+
+
+def test_the_metrics_history_is_cut_back_to_the_resume_point(tmp_path):
+    from glm5_core.rl.metrics import MetricsLogger, rows_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "eval_reward": 0.1}] + [{"step": s, "reward": s / 10} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"step": 3, "summary": {}}]) + '{"step": 4, "re')
+    assert rows_up_to(str(path), 2) == rows[:3]  # later rows, summaries and the torn last line go
+    logger = MetricsLogger(str(tmp_path), tensorboard=False, resume_step=2)
+    logger.log(3, {"reward": 0.5})
+    logger.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:3] + [{"step": 3, "reward": 0.5}]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not valid JSON"):
+        rows_up_to(str(path), 5)
