@@ -1,9 +1,10 @@
 """SGLang-compatible ``/generate`` requests and responses.
 
 Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p", "max_new_tokens",
-"stop_token_ids", "sampling_seed"}, "return_logprob": bool, "rid": str}``. ``sampling_seed`` (SGLang's ``SamplingParams``
-field of that name, sglang/srt/sampling/sampling_params.py; an int in [0, 2**63), optional) gives the request a random stream of its own, so what it samples does not depend on
-which requests shared its batches or arrived first (see ``engine``). Response, as SGLang's tokenizer manager builds it:
+"stop_token_ids", "sampling_seed"}, "return_logprob": bool, "rid": str}``. ``sampling_seed`` (the field of that
+name of SGLang's ``SamplingParams``, sglang/srt/sampling/sampling_params.py; an int in [0, 2**63), optional)
+gives the request a random stream of its own, so what it samples does not depend on which requests shared its
+batches or arrived first (see ``engine``). Response, as SGLang's tokenizer manager builds it:
 ``{"text": null, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
 "output_token_logprobs": [[logprob, token_id, null]], "finish_reason": {"type": "stop", "matched": id} |
 {"type": "length", "length": n} | {"type": "abort", "message": str, ...}, "weight_version": str,
