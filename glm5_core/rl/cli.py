@@ -1,6 +1,9 @@
 """``glm5 rl``: asynchronous (or synchronous) RL from a pretraining checkpoint.
 
     glm5 rl --config configs/rl_tiny.yaml --checkpoint runs/tiny/final [--set rollout.max_batch=32] [--check-config]
+    glm5 rl --config configs/rl_tiny.yaml --resume runs/rl_tiny       # continue a stopped run in its folder
+
+A fresh run refuses an output dir that is not empty (one line, exit 2): continue the run there with --resume.
 """
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("local", "ray"), default=None,
                         help="where engine workers run (ray needs the [rl] extra)")
     parser.add_argument("--output-dir", default=None, help="override the config's output_dir")
+    parser.add_argument("--resume", default=None, metavar="DIR",
+                        help="continue the run in DIR (its output dir) from its newest resume point, with the "
+                             "same config (budgets, evaluation and engine URLs may change)")
     parser.add_argument("--max-minutes", type=float, default=None, help="override the wall-clock budget")
     parser.add_argument("--max-steps", type=int, default=None, help="override the number of trainer steps")
     parser.add_argument("--engine-url", action="append", default=None, metavar="URL",
@@ -37,7 +43,12 @@ def _checked_config(args: argparse.Namespace):
     from glm5_core.config_schema import ConfigError
     from glm5_core.rl.config import load_config
 
-    flags = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", args.output_dir),
+    if args.resume is not None and args.output_dir is not None and \
+            os.path.abspath(args.output_dir) != os.path.abspath(args.resume):
+        raise ValueError(f"--output-dir: a resumed run continues in its own folder (--resume {args.resume}), "
+                         f"got {args.output_dir}")
+    output_dir = args.resume if args.resume is not None else args.output_dir
+    flags = {k: v for k, v in (("mode", args.mode), ("executor", args.executor), ("output_dir", output_dir),
                                ("max_minutes", args.max_minutes), ("max_steps", args.max_steps)) if v is not None}
     sets = list(args.set or [])  # --engine-url / --api-key are --set of their keys (JSON is YAML)
     if args.engine_url is not None:
@@ -69,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from glm5_core.rl.driver import TrainerStarvedError
 
     try:
-        summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend).run()
+        summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend, resume=args.resume is not None).run()
     except TrainerStarvedError as exc:
         print(f"glm5 rl: error: {exc}", file=sys.stderr)
         return 1

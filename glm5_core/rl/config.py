@@ -29,6 +29,7 @@ from glm5_core.config_schema import (
 )
 from glm5_core.config_yaml import apply_overrides, assign, load_mapping
 from glm5_core.rl.algorithm.trainer import TrainerConfig
+from glm5_core.rl.run_state import RLCheckpointConfig
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
 ENVIRONMENTS = ("arithmetic", "calculator")
@@ -153,6 +154,7 @@ class RLConfig:
     rollout: RolloutConfig = field(factory=RolloutConfig)
     train: RLTrainConfig = field(factory=RLTrainConfig)
     eval: EvalConfig = field(factory=EvalConfig)
+    checkpoint: RLCheckpointConfig = field(factory=RLCheckpointConfig)  # resume points (glm5 rl --resume)
 
     def validate(self, source: str = "config") -> "RLConfig":
         """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold."""

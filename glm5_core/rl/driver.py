@@ -10,6 +10,9 @@ Engines are spawned (local processes or Ray actors, on ``rollout.devices``) or e
 (``rollout.engine_urls``: SGLang servers, ``glm5 serve``); weights reach them as ``rollout.weight_sync`` says
 (see ``fleet/weight_sync``). A trainer that receives no batch for ``train.max_idle_minutes`` ends the run
 with :class:`TrainerStarvedError` naming what went wrong.
+
+Resume points (``checkpoint.every_steps``, and at the end) and ``resume=True``: ``run_state``. Requests to
+spawned engines carry per-trajectory sampling seeds (``rollout/sampling_seeds``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from glm5_core.rl import run_state
 from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
 from glm5_core.rl.algorithm.trainer import Trainer
 from glm5_core.rl.config import RLConfig
@@ -35,6 +39,8 @@ from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, load_run_tokenizer, vocab_problem
 from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.rollout.sampling_seeds import sampling_seed
+from glm5_core.rl.run_state import RunState
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.worker import WorkerSpec
 
@@ -108,9 +114,15 @@ class _Progress:
 class RLRun:
     def __init__(self, cfg: RLConfig, *, checkpoint: Optional[str] = None, backend: Optional[str] = None,
                  output_dir: Optional[str] = None, hooks: List[StepHook] = (), log: Callable[[str], None] = print,
-                 probe: Callable[[], Dict[str, int]] = probe_accelerators):
+                 probe: Callable[[], Dict[str, int]] = probe_accelerators, resume: bool = False):
+        """``resume``: continue the run in the output dir (see ``run_state``); without it the output dir must be
+        new or empty."""
         self.cfg = cfg
         self.out_dir = output_dir or cfg.output_dir
+        run_state.check_output_dir(self.out_dir, resume)
+        if resume:
+            started_from = run_state.check_same_run(self.out_dir, cfg, checkpoint)
+            checkpoint = started_from if checkpoint is None else checkpoint
         self.backend = None if backend in (None, "auto") else backend
         self.hooks = list(hooks)
         self.log = log
@@ -134,6 +146,16 @@ class RLRun:
 
             teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
         self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher)
+        resumed = run_state.load_resume_point(self.out_dir, self.trainer, log) if resume else None
+        if resume and resumed is None:
+            log(f"[rl] resume: {self.out_dir} holds no resume point yet; starting the run over from step 0")
+        if not resume:
+            run_state.write_run_file(self.out_dir, cfg, checkpoint)
+        self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
+        self._checkpoint_history: List[str] = resumed[1] if resumed else []
+        self._checkpointed_version = self.trainer.version if resumed else None
+        self._resumed_at = self.trainer.version if resume else None
+        self.eval_history: List[Dict] = list(self.resumed_state.eval_history) if resumed else []
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
@@ -148,13 +170,28 @@ class RLRun:
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
         self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
-                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done)
-        self.metrics = MetricsLogger(self.out_dir)
+                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done,
+                                    seed=None if self.external else cfg.seed)
+        if self.resumed_state is not None:
+            self._restore(self.resumed_state)
+        self.metrics = MetricsLogger(self.out_dir, resume_step=(self.trainer.version if resumed else -1)
+                                     if resume else None)
         self.summary: Dict = {}
         self._producer: Optional[threading.Thread] = None
         self._producer_errors: List[BaseException] = []
 
     # -- construction -------------------------------------------------------------------------------------
+    def _restore(self, state: RunState) -> None:
+        """The environment, runner and buffer of a resume point (the trainer's part is loaded already)."""
+        where = f"checkpoint: {self.out_dir}/checkpoints (step {self.trainer.version}) data."
+        try:
+            self.env.load_state_dict(state.env)
+            self.runner.load_state_dict(state.runner)
+            self.buffer.load_state_dict(state.buffer)
+        except ValueError as exc:
+            raise ValueError(f"{where}{exc}") from None
+        self.log(f"[rl] resumed at step {self.trainer.version} from {self.out_dir}")
+
     def _client(self, url: str) -> EngineClient:
         return EngineClient(url, api_key=self.cfg.rollout.api_key, allow_remote=self.external)
 
@@ -211,11 +248,12 @@ class RLRun:
             limits = ep.turn_limits()
             tid = f"eval-{self.trainer.version}-{i}"
             try:
-                response = self.replicas.generate(tid, {
-                    "input_ids": ep.context_tokens(), "return_logprob": False, "rid": tid,
-                    "sampling_params": {"temperature": r.temperature, "top_p": r.top_p,
-                                        "max_new_tokens": limits.max_new_tokens,
-                                        "stop_token_ids": list(limits.stop_token_ids)}})
+                params = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": limits.max_new_tokens,
+                          "stop_token_ids": list(limits.stop_token_ids)}
+                if self.runner.seed is not None:
+                    params["sampling_seed"] = sampling_seed(self.runner.seed, tid, 0)
+                response = self.replicas.generate(tid, {"input_ids": ep.context_tokens(), "return_logprob": False,
+                                                        "rid": tid, "sampling_params": params})
             except (EngineUnavailable, EngineRequestError) as exc:
                 if not is_fleet_failure(exc):
                     raise
@@ -259,6 +297,10 @@ class RLRun:
                     continue
                 row = self._train_on(batch, progress)
                 self._log_step(row)
+                if self.cfg.checkpoint.every_steps and self.trainer.version % self.cfg.checkpoint.every_steps == 0:
+                    self.save_resume_point()
+            if self._checkpointed_version != self.trainer.version:
+                self.save_resume_point()
             elapsed = time.monotonic() - progress.started
             self._drain()
             return self._finish(eval0, info_start, progress, elapsed)
@@ -273,11 +315,25 @@ class RLRun:
             self._push_weights()
 
     def _evaluate_at_start(self) -> Optional[float]:
+        if self.resumed_state is not None:  # evaluated when the run started
+            return self.resumed_state.eval_start
         eval0 = self.evaluate()
         if eval0 is not None:
             self.log(f"[rl] eval reward at step 0: {eval0:.3f}")
             self.metrics.log(0, {"eval_reward": eval0})
+            self.eval_history.append({"step": 0, "eval_reward": eval0})
         return eval0
+
+    def save_resume_point(self) -> None:
+        """``checkpoints/step_<version>``: what ``resume=True`` continues from (``run_state``)."""
+        eval_start = next((e.get("eval_reward") for e in self.eval_history if e.get("step") == 0), None)
+        runner, env = self.runner.snapshot()  # together: an async producer may be drawing the next group
+        state = RunState(env=env, runner=runner, buffer=self.buffer.state_dict(), eval_history=self.eval_history,
+                         eval_start=eval_start)
+        self._checkpoint_history = run_state.save_resume_point(
+            self.out_dir, self.trainer, state, keep_last=self.cfg.checkpoint.keep_last,
+            history=self._checkpoint_history)
+        self._checkpointed_version = self.trainer.version
 
     def _start_loop(self) -> _Progress:
         now = time.monotonic()
@@ -344,6 +400,7 @@ class RLRun:
         step = self.trainer.version
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
             row["eval_reward"] = self.evaluate()
+            self.eval_history.append({"step": step, "eval_reward": row["eval_reward"]})
         return row
 
     def _log_step(self, row: Dict) -> None:
@@ -387,11 +444,13 @@ class RLRun:
             "weight_sync": self.cfg.rollout.weight_sync, "weight_sync_s": list(self.weight_sync.seconds),
             "failed_pushes": getattr(self.weight_sync, "failed_pushes", 0),
             "eval_reward_start": eval0, "eval_reward_end": eval_end,
-            "issued_trajectories": len(self.runner.issued_ids), "trained_trajectories": len(self.buffer.taken_ids),
+            "issued_trajectories": self.runner.issued_total(), "trained_trajectories": self.buffer.trained_total(),
+            "resumed_at_step": self._resumed_at,
             "producer_errors": [f"{type(e).__name__}: {e}" for e in self._producer_errors],
         }
         if eval_end is not None:
             self.metrics.log(self.trainer.version, {"eval_reward": eval_end})
+            self.eval_history.append({"step": self.trainer.version, "eval_reward": eval_end})
         self.metrics.log(self.trainer.version, {"summary": self.summary})
         title = f"glm5 rl ({self.cfg.env['name']}, {self.cfg.mode})"
         self.summary["reward_curve"] = self.metrics.reward_curve(title=title)

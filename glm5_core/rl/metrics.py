@@ -2,6 +2,9 @@
 
 TensorBoard and matplotlib are optional (the ``[metrics]`` extra) and imported lazily; without them the
 JSONL file is still written and the report says what was skipped.
+
+A resumed run (``resume_step``) keeps the rows of its steps up to the resume point (the run's summary rows and
+anything logged after that step go), rewrites the file with them and appends; the reward curve covers them.
 """
 from __future__ import annotations
 
@@ -9,21 +12,56 @@ import json
 import os
 from typing import Dict, List, Optional
 
+from glm5_core.safe_files import parse_json, read_bytes
+
+MAX_METRICS_BYTES = 1 << 28  # metrics.jsonl a resume reads back: ~1 KB a step
+
+
+def rows_up_to(path: str, step: int) -> List[Dict]:
+    """The step rows of an earlier run's ``metrics.jsonl`` (``path``, untrusted) at steps <= ``step``, summaries
+    left out; a last line cut short by a kill is skipped, any other bad line is a ValueError naming it."""
+    if not os.path.lexists(path):
+        return []
+    lines = read_bytes(path, root=os.path.dirname(path), max_bytes=MAX_METRICS_BYTES).split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = parse_json(line, f"{path}:{number}")
+        except ValueError:
+            if number == len(lines):  # no newline after it: the write a kill interrupted
+                continue
+            raise
+        if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}:{number}: expected an object with an int step, got {line[:60]!r}")
+        if row["step"] <= step and "summary" not in row:
+            rows.append(row)
+    return rows
+
 
 class MetricsLogger:
-    def __init__(self, out_dir: str, *, tensorboard: bool = True):
+    def __init__(self, out_dir: str, *, tensorboard: bool = True, resume_step: Optional[int] = None):
+        """``resume_step``: continue a resumed run's file from that step (-1: from the start)."""
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-        self._file = open(self.jsonl_path, "a", encoding="utf-8")
         self.rows: List[Dict] = []
+        if resume_step is not None:
+            self.rows = rows_up_to(self.jsonl_path, resume_step)
+            tmp = f"{self.jsonl_path}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
+            os.replace(tmp, self.jsonl_path)
+        self._file = open(self.jsonl_path, "a", encoding="utf-8")
         self._tb = None
         self.skipped: List[str] = []
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+                purge = None if resume_step is None else resume_step + 1  # events past the resume point go
+                self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=purge)
             except ImportError:
                 self.skipped.append("tensorboard (not installed)")
 

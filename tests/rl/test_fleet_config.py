@@ -107,7 +107,7 @@ def test_a_starving_trainer_ends_the_run_non_zero_with_the_reason(tmp_path, caps
     engine.limits = Limits(vocab_size=264, max_input_tokens=63, max_new_tokens=8)
     server = EngineServer(engine).start()
     try:
-        cfg = {"seed": 0, "mode": "async", "output_dir": str(tmp_path), "max_minutes": 5, "max_steps": 3,
+        cfg = {"seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 5, "max_steps": 3,
                "env": {"name": "calculator", "max_numbers": 2, "max_new_tokens": 4},
                "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
                "rollout": {"max_batch": 4, "max_len": 64, "group_size": 2, "max_inflight_groups": 1,

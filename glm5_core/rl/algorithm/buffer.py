@@ -5,6 +5,9 @@
 * samples older than ``max_staleness`` policy versions are dropped at take time (counted, not trained), with
   their whole group; a trajectory without sampled tokens (its prompt filled ``max_len``) is never stale;
 * exactly-once accounting: a trajectory id can be put once and taken once; a duplicate is a bug and raises.
+
+:meth:`state_dict` holds the counters a resumed run continues (drops, the staleness histogram, trajectories
+trained), not trajectories: a sync run's buffer is empty between steps; what an async run had buffered is lost.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class TrajectoryBuffer:
         self.dropped_env_failures = 0
         self.staleness_histogram: Dict[int, int] = collections.Counter()
         self._closed = False
+        self._trained_before = 0  # trajectories trained before a resume
 
     def put(self, trajectory: Trajectory) -> None:
         with self._cond:
@@ -99,6 +103,34 @@ class TrajectoryBuffer:
             self.taken_ids.extend(t.trajectory_id for t in batch)
             self.staleness_histogram.update(staleness(batch, policy_version))
             return batch
+
+    def trained_total(self) -> int:
+        """Trajectories trained by this run, before a resume included."""
+        with self._cond:
+            return self._trained_before + len(self.taken_ids)
+
+    def state_dict(self) -> Dict:
+        with self._cond:
+            return {"trained": self._trained_before + len(self.taken_ids), "dropped_stale": self.dropped_stale,
+                    "dropped_env_failures": self.dropped_env_failures,
+                    "staleness_histogram": {str(k): n for k, n in sorted(self.staleness_histogram.items())}}
+
+    def load_state_dict(self, state: Dict) -> None:
+        """Continue the counters of :meth:`state_dict`; ValueError naming the key for anything but counts."""
+        counts = {key: state.get(key, 0) for key in ("trained", "dropped_stale", "dropped_env_failures")}
+        histogram = state.get("staleness_histogram", {})
+        if not isinstance(histogram, dict):
+            raise ValueError(f"buffer.staleness_histogram: expected an object, got {type(histogram).__name__}")
+        for key, value in [*counts.items(), *((f"staleness_histogram.{k}", v) for k, v in histogram.items())]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"buffer.{key}: expected an int >= 0, got {value!r:.60}")
+        if not all(k.isdigit() and len(k) <= 12 for k in histogram):
+            raise ValueError(f"buffer.staleness_histogram: expected version lags as keys, got {sorted(histogram)[:3]}")
+        with self._cond:
+            self._trained_before = counts["trained"]
+            self.dropped_stale = counts["dropped_stale"]
+            self.dropped_env_failures = counts["dropped_env_failures"]
+            self.staleness_histogram = collections.Counter({int(k): v for k, v in histogram.items()})
 
     def leftover_ids(self) -> List[str]:
         with self._cond:

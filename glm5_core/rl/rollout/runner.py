@@ -4,17 +4,21 @@
 keeps ``max_inflight_groups`` groups going and feeds the buffer as trajectories finish (pausing while the
 buffer already holds ``max_buffered`` trajectories); in sync mode :meth:`RolloutRunner.run_groups` plays a
 fixed number of groups and returns when all are done. Every trajectory id is issued once.
+
+With ``seed`` set, every request carries a ``sampling_seed`` derived from it, the trajectory id and the turn
+(``sampling_seeds``); :meth:`state_dict` / :meth:`load_state_dict` carry the group numbering (hence the ids
+and seeds) and the failure counts over a resume.
 """
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.rollout.sampling_seeds import sampling_seed
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
@@ -22,7 +26,8 @@ from glm5_core.rl.serving.sampling import check_top_p, check_training_temperatur
 
 class RolloutRunner:
     def __init__(self, env: Environment, generate_fn: GenerateFn, *, group_size: int, temperature: float,
-                 top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None):
+                 top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None,
+                 seed: Optional[int] = None):
         self.env = env
         self.generate_fn = generate_fn
         self.group_size = group_size
@@ -31,8 +36,10 @@ class RolloutRunner:
         self.max_len = max_len
         self.forget_fn = forget_fn or (lambda tid: None)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rl-episode")
-        self._group_counter = itertools.count()
-        self._lock = threading.Lock()
+        self.seed = seed  # None: requests carry no sampling_seed (the engines' shared generators draw)
+        self._next_group = 0
+        self._issued_before = 0  # trajectories issued before a resume
+        self._lock = threading.RLock()  # snapshot() takes it around state_dict()
         self.issued_ids: List[str] = []
         self.env_failures = 0
         self.rollout_failures = 0  # trajectories whose generation failed on every replica tried (dropped)
@@ -40,7 +47,8 @@ class RolloutRunner:
 
     def _new_group(self) -> List[Episode]:
         with self._lock:
-            gid = f"g{next(self._group_counter)}"
+            gid = f"g{self._next_group}"
+            self._next_group += 1
             episodes = self.env.new_group(gid, self.group_size)
             return episodes
 
@@ -48,6 +56,7 @@ class RolloutRunner:
         """Run one episode to the end through a TITO gateway."""
         gateway = TITOGateway(trajectory_id, self.generate_fn)
         failed = rollout_failed = False
+        turn = 0
         try:
             while True:
                 context = episode.context_tokens()
@@ -58,6 +67,9 @@ class RolloutRunner:
                 params = {"temperature": self.temperature, "top_p": self.top_p,
                           "max_new_tokens": min(limits.max_new_tokens, budget),
                           "stop_token_ids": list(limits.stop_token_ids)}
+                if self.seed is not None:
+                    params["sampling_seed"] = sampling_seed(self.seed, trajectory_id, turn)
+                turn += 1
                 try:
                     response = gateway.generate(context, params)
                 except (EngineUnavailable, EngineRequestError) as exc:
@@ -129,6 +141,29 @@ class RolloutRunner:
         except concurrent.futures.TimeoutError:
             unfinished = sum(not f.done() for f in inflight)
             errors.append(TimeoutError(f"{unfinished} trajectories still running {drain_timeout} s after the stop"))
+
+    def issued_total(self) -> int:
+        """Trajectories issued by this run, before a resume included."""
+        with self._lock:
+            return self._issued_before + len(self.issued_ids)
+
+    def state_dict(self) -> Dict[str, int]:
+        with self._lock:
+            return {"next_group": self._next_group, "issued": self._issued_before + len(self.issued_ids),
+                    "env_failures": self.env_failures, "rollout_failures": self.rollout_failures}
+
+    def snapshot(self) -> Tuple[Dict[str, int], Dict]:
+        """:meth:`state_dict` and the environment's ``state_dict()``, taken between two groups' draws."""
+        with self._lock:
+            return self.state_dict(), self.env.state_dict()
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Continue from :meth:`state_dict` (counts checked >= 0 by the caller)."""
+        with self._lock:
+            self._next_group = state.get("next_group", 0)
+            self._issued_before = state.get("issued", 0)
+            self.env_failures = state.get("env_failures", 0)
+            self.rollout_failures = state.get("rollout_failures", 0)
 
     def stop(self) -> None:
         self._stop.set()

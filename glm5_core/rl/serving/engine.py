@@ -18,6 +18,11 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
   finished trajectory's entry.
 * Every tensor the engine creates lives on the model's device.
+* Sampling: a request with a ``sampling_seed`` draws from a generator of its own, seeded with it, one draw per
+  token; the others share the engine's generator (seeded at start), so what they draw depends on which
+  requests were decoded with them. Seeded draws do not; the logits can still differ in the last bit with the
+  batch a request was prefilled or decoded in (measured on CPU), so bitwise repetition also needs the same
+  batches (``max_batch`` 1).
 * Weight sync as SGLang does it: :meth:`pause` stops the scheduler between steps (``in_place``: running
   requests keep their slots and KV; ``abort``: they finish with ``finish_reason`` abort), updates land (a full
   state dict, or ``partial=True`` buckets of it, applied in order before the next step and while paused),
@@ -83,6 +88,7 @@ class _Active:
     logprobs: List[float] = dataclasses.field(default_factory=list)
     versions: List[int] = dataclasses.field(default_factory=list)
     topk: List[List[List[int]]] = dataclasses.field(default_factory=list)
+    generator: Optional[torch.Generator] = None  # the request's own stream (its sampling_seed); None: shared
 
 
 class RolloutEngine:
@@ -398,7 +404,7 @@ class RolloutEngine:
                                 len(request.input_ids))
             # the reused prefix passed lookup(min_version=self.version): all of the slot's KV is current
             self._slots[slot] = _Active(request, future, list(request.input_ids), kv_len=len(request.input_ids),
-                                        cached=n, kv_version=self.version)
+                                        cached=n, kv_version=self.version, generator=self._request_generator(request))
             self.stats.prefill_tokens += new_lens[row]
             self.stats.cached_tokens += n
             self.stats.requests += 1
@@ -424,12 +430,33 @@ class RolloutEngine:
         topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
         self._accept_many(active, out.logits[rows, 0], topk)
 
-    def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
-        states = [self._slots[i] for i in slots]
+    def _request_generator(self, request: GenerateRequest) -> Optional[torch.Generator]:
+        if request.sampling_seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(request.sampling_seed)
+
+    def _sample_rows(self, states: List[_Active], logits_BV: torch.Tensor) -> Tuple[List[int], List[float]]:
+        """One token and its log-prob per row: the shared generator draws for the unseeded rows together, each
+        seeded row draws from its own generator."""
         temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32, device=self.device)
-        tokens, logprobs = sample(logits_BV, temperature, top_p, self._generator)
-        for slot, state, tok, lp, tk in zip(slots, states, tokens.tolist(), logprobs.tolist(), topk):
+        tokens, logprobs = [0] * len(states), [0.0] * len(states)
+        shared = [i for i, s in enumerate(states) if s.generator is None]
+        if shared:
+            rows = torch.tensor(shared, dtype=torch.long, device=self.device)
+            drawn, logp = sample(logits_BV[rows], temperature[rows], top_p[rows], self._generator)
+            for i, tok, lp in zip(shared, drawn.tolist(), logp.tolist()):
+                tokens[i], logprobs[i] = tok, lp
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                drawn, logp = sample(logits_BV[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], state.generator)
+                tokens[i], logprobs[i] = int(drawn[0]), float(logp[0])
+        return tokens, logprobs
+
+    def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
+        states = [self._slots[i] for i in slots]
+        tokens, logprobs = self._sample_rows(states, logits_BV)
+        for slot, state, tok, lp, tk in zip(slots, states, tokens, logprobs, topk):
             state.tokens.append(tok)
             state.outputs.append(tok)
             state.logprobs.append(lp)

@@ -1,7 +1,10 @@
 """SGLang-compatible ``/generate`` requests and responses.
 
 Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p", "max_new_tokens",
-"stop_token_ids"}, "return_logprob": bool, "rid": str}``. Response, as SGLang's tokenizer manager builds it:
+"stop_token_ids", "sampling_seed"}, "return_logprob": bool, "rid": str}``. ``sampling_seed`` (the field of that
+name of SGLang's ``SamplingParams``, sglang/srt/sampling/sampling_params.py; an int in [0, 2**63), optional)
+gives the request a random stream of its own, so what it samples does not depend on which requests shared its
+batches or arrived first (see ``engine``). Response, as SGLang's tokenizer manager builds it:
 ``{"text": null, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
 "output_token_logprobs": [[logprob, token_id, null]], "finish_reason": {"type": "stop", "matched": id} |
 {"type": "length", "length": n} | {"type": "abort", "message": str, ...}, "weight_version": str,
@@ -42,6 +45,17 @@ class GenerateRequest:
     max_new_tokens: int = 16
     stop_token_ids: Tuple[int, ...] = ()
     return_logprob: bool = True
+    sampling_seed: Optional[int] = None  # None: the engine's shared generator
+
+
+MAX_SAMPLING_SEED = 2 ** 63  # torch.Generator.manual_seed takes any int below this
+
+
+def _sampling_seed(params: Dict) -> Optional[int]:
+    seed = params.get("sampling_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SAMPLING_SEED):
+        raise ValueError(f"sampling_params.sampling_seed: expected null or an int in [0, 2**63), got {seed!r:.80}")
+    return seed
 
 
 def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: int) -> List[int]:
@@ -111,7 +125,8 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
     params = {} if params is None else params
     if not isinstance(params, dict):
         raise ValueError(f"sampling_params: expected an object, got {type(params).__name__}")
-    unknown = set(params) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids"} - set(NEUTRAL_PARAMS)
+    unknown = set(params) - {"temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed"} \
+        - set(NEUTRAL_PARAMS)
     if unknown:
         raise ValueError(f"sampling_params: unknown fields {sorted(unknown)}")
     _check_neutral(params)
@@ -131,7 +146,8 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
     rid = uuid.uuid4().hex if rid is None else rid
     if not isinstance(rid, str) or not 1 <= len(rid) <= 256:
         raise ValueError(f"rid: expected a str of 1 to 256 characters, got {rid!r:.80}")
-    return GenerateRequest(rid, input_ids, temperature, top_p, int(max_new), tuple(stops), return_logprob)
+    return GenerateRequest(rid, input_ids, temperature, top_p, int(max_new), tuple(stops), return_logprob,
+                           _sampling_seed(params))
 
 
 @dataclasses.dataclass

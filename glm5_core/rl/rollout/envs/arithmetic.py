@@ -12,6 +12,7 @@ from typing import Dict, List
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
 from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.envs.rng_state import load_rng_state, rng_state_dict
 
 
 def score_answer(text: str, expected: int) -> float:
@@ -70,6 +71,12 @@ class ArithmeticEnv(Environment):
         self.max_new_tokens = max_new_tokens
         self.codec = codec or ByteCodec()
         self._rng = random.Random(seed)
+
+    def state_dict(self) -> Dict:
+        return rng_state_dict(self._rng)
+
+    def load_state_dict(self, state: Dict) -> None:
+        load_rng_state(self._rng, state)
 
     def problems(self) -> List[tuple]:
         """Every (a, b) of the task: the fixed evaluation set."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Dict, List
+from typing import Any, Dict, List
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +53,12 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
         """``group_size`` fresh episodes on one task."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run restores so that the next groups get the tasks they would have got (JSON types;
+        ``{}``: nothing, the tasks do not depend on the groups drawn before)."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"env: {type(self).__name__} keeps no state, got {sorted(state)[:4]}")

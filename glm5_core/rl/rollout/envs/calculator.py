@@ -17,6 +17,7 @@ from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
 from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.envs.context import ContextManager
+from glm5_core.rl.rollout.envs.rng_state import load_rng_state, rng_state_dict
 
 
 def long_tailed_count(rng: random.Random, alpha: float, cap: int) -> int:
@@ -97,6 +98,12 @@ class CalculatorEnv(Environment):
         self.max_new_tokens, self.keep_recent, self.token_budget = max_new_tokens, keep_recent, token_budget
         self.codec = codec or ByteCodec()
         self._rng = random.Random(seed)
+
+    def state_dict(self) -> Dict:
+        return rng_state_dict(self._rng)
+
+    def load_state_dict(self, state: Dict) -> None:
+        load_rng_state(self._rng, state)
 
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
         n = max(self.min_numbers, long_tailed_count(self._rng, self.pareto_alpha, self.max_numbers))
