@@ -114,6 +114,9 @@ class RolloutConfig:
     # external engines (SGLang, glm5 serve): glm5 rl starts none and routes over these
     engine_urls: Optional[List[str]] = field(None, check=_check_engine_urls)
     api_key: Optional[str] = field(None, check=_check_api_key)  # bearer token the engines were started with
+    # per-request sampling_seed (SGLang's field) from the run's seed: None sends it to spawned engines only
+    # (an SGLang server may ignore or refuse it, see docs/rl-resume.md); true / false: to every engine / none
+    sampling_seeds: Optional[bool] = field(None)
     weight_sync: str = field("disk", choices=WEIGHT_SYNCS)  # see rl/fleet/weight_sync.py
     flush_cache_on_sync: bool = field(True)
     sync_bucket_mb: float = field(64.0, range=(0, 1 << 16), open=("lo",))  # distributed: per update call

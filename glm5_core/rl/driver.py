@@ -12,7 +12,8 @@ Engines are spawned (local processes or Ray actors, on ``rollout.devices``) or e
 with :class:`TrainerStarvedError` naming what went wrong.
 
 Resume points (``checkpoint.every_steps``, and at the end) and ``resume=True``: ``run_state``. Requests to
-spawned engines carry per-trajectory sampling seeds (``rollout/sampling_seeds``).
+spawned engines (to every engine with ``rollout.sampling_seeds: true``) carry per-trajectory sampling seeds
+(``rollout/sampling_seeds``).
 """
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ class RLRun:
         self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
                                     max_workers=r.episode_threads, forget_fn=self._trajectory_done,
-                                    seed=None if self.external else cfg.seed)
+                                    seed=cfg.seed if self._sends_sampling_seeds() else None)
         if self.resumed_state is not None:
             self._restore(self.resumed_state)
         self.metrics = MetricsLogger(self.out_dir, resume_step=(self.trainer.version if resumed else -1)
@@ -191,6 +192,11 @@ class RLRun:
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None
         self.log(f"[rl] resumed at step {self.trainer.version} from {self.out_dir}")
+
+    def _sends_sampling_seeds(self) -> bool:
+        """Whether requests carry ``sampling_seed``: ``rollout.sampling_seeds``, or by default spawned engines only."""
+        chosen = self.cfg.rollout.sampling_seeds
+        return (not self.external) if chosen is None else chosen
 
     def _client(self, url: str) -> EngineClient:
         return EngineClient(url, api_key=self.cfg.rollout.api_key, allow_remote=self.external)

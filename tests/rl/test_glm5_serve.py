@@ -114,7 +114,8 @@ def test_glm5_serve_follows_the_reward_curve_of_spawned_engines(tmp_path, capsys
     spawned = run_rl(tmp_path, "spawned", checkpoint, steps)
     proc, url = start_serve(checkpoint, "--max-batch", "16", "--max-len", "32")
     try:
-        served = run_rl(tmp_path, "served", checkpoint, steps, "--engine-url", url)
+        served = run_rl(tmp_path, "served", checkpoint, steps, "--engine-url", url,
+                        "--set", "rollout.sampling_seeds=true")  # seeds as the spawned engine gets them
     finally:
         proc.terminate()
         proc.wait(timeout=30)
