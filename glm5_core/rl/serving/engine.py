@@ -50,6 +50,7 @@ from glm5_core.rl.serving.protocol import (
     Limits,
 )
 from glm5_core.rl.serving.sampling import sample
+from glm5_core.rl.serving.speculative import SpeculativeDecoder, parse_setting
 
 
 @dataclasses.dataclass
@@ -88,8 +89,10 @@ class _Active:
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
-                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False):
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False,
+                 speculative: Optional[dict] = None):
         config = model.config
+        draft_tokens = parse_setting(speculative)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
         max_len = int(max_len or config.max_position_embeddings)
@@ -121,6 +124,9 @@ class RolloutEngine:
         self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
         self._aborted: set = set()  # futures of running requests whose callers gave up (see abort)
         self._step_lock = threading.Lock()  # held by the scheduler for one step
+        # MTP speculative decoding (``speculative={"draft_tokens": d}``; off by default)
+        self.speculative = (SpeculativeDecoder(model, draft_tokens, max_batch, max_len)
+                            if draft_tokens is not None else None)
 
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
@@ -405,8 +411,14 @@ class RolloutEngine:
             slots.append(slot)
             topk.append([t[row, int(last[row])].tolist() for t in out.topk_idx] if self.record_topk else None)
         self._accept_many(slots, logits, topk)
+        if self.speculative is not None:  # rows still running: the MTP layer reads their prefill hidden states
+            self.speculative.after_prefill(
+                [(slot, self._slots[slot].tokens, n) for slot, n in zip(slots, reuse) if self._slots[slot] is not None],
+                out.hidden[[row for row, slot in enumerate(slots) if self._slots[slot] is not None]])
 
     def _decode(self) -> None:
+        if self.speculative is not None:
+            return self._decode_speculative()
         S = self.max_batch
         last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
         pos = torch.zeros(S, dtype=torch.long)  # [S]
@@ -424,25 +436,44 @@ class RolloutEngine:
         topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
         self._accept_many(active, out.logits[rows, 0], topk)
 
+    def _decode_speculative(self) -> None:
+        """One draft-verify-accept step for all active slots; each emits 1..d+1 tokens (see ``speculative``)."""
+        steps = self.speculative.step(self._slots, self._cache, self._forward, self._generator, self.record_topk)
+        self.stats.decode_steps += 1
+        self.stats.decode_slot_steps += len(steps)
+        for slot, row in steps.items():
+            state = self._slots[slot]
+            for tok, lp, tk in zip(row.tokens, row.logprobs, row.topk):
+                state.kv_len += 1  # the token before ``tok`` now has verified KV
+                if self._emit(slot, state, tok, lp, tk):
+                    break
+
     def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
         states = [self._slots[i] for i in slots]
         temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32, device=self.device)
         top_p = torch.tensor([s.request.top_p for s in states], dtype=torch.float32, device=self.device)
         tokens, logprobs = sample(logits_BV, temperature, top_p, self._generator)
         for slot, state, tok, lp, tk in zip(slots, states, tokens.tolist(), logprobs.tolist(), topk):
-            state.tokens.append(tok)
-            state.outputs.append(tok)
-            state.logprobs.append(lp)
-            state.versions.append(self.version)
-            if tk is not None:
-                state.topk.append(tk)
-            self.stats.generated_tokens += 1
-            if state.future in self._aborted:
-                self._finish(slot, FINISH_ABORT)
-            elif tok in state.request.stop_token_ids:
-                self._finish(slot, FINISH_STOP)
-            elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
-                self._finish(slot, FINISH_LENGTH)
+            self._emit(slot, state, tok, lp, tk)
+
+    def _emit(self, slot: int, state: _Active, tok: int, lp: float, tk) -> bool:
+        """Append one sampled token to the slot's request; finish it if it is done. Returns True if it finished."""
+        state.tokens.append(tok)
+        state.outputs.append(tok)
+        state.logprobs.append(lp)
+        state.versions.append(self.version)
+        if tk is not None:
+            state.topk.append(tk)
+        self.stats.generated_tokens += 1
+        if state.future in self._aborted:
+            self._finish(slot, FINISH_ABORT)
+        elif tok in state.request.stop_token_ids:
+            self._finish(slot, FINISH_STOP)
+        elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
+            self._finish(slot, FINISH_LENGTH)
+        else:
+            return False
+        return True
 
     def _finish(self, slot: int, reason: str) -> None:
         state = self._slots[slot]
