@@ -64,6 +64,12 @@ def _check_devices(devices, key: str) -> None:
         parse_devices(devices, key)
 
 
+def _check_speculative(setting, key: str) -> None:
+    from glm5_core.rl.serving.speculative import parse_setting
+
+    parse_setting(setting, key)
+
+
 def _check_device(device, key: str) -> None:
     from glm5_core.rl.fleet.placement import parse_device
 
@@ -96,6 +102,7 @@ class RolloutConfig:
     sync_master_address: str = field("127.0.0.1")  # distributed: the trainer's address the engines connect to
     sync_backend: str = field("gloo", choices=SYNC_BACKENDS)
     devices: Any = field(None, check=_check_devices)  # spawned engines: "cuda:1,cuda:2" or a list (one, or one each)
+    speculative: Optional[Dict[str, Any]] = field(None, check=_check_speculative)  # {draft_tokens: d}: MTP drafts
 
 
 @dataclasses.dataclass
@@ -170,6 +177,9 @@ class RLConfig:
         if self.rollout.max_len > model.max_position_embeddings:
             return [f"rollout.max_len: expected <= the model's max_position_embeddings="
                     f"{model.max_position_embeddings}, got {self.rollout.max_len}"]
+        if self.rollout.speculative is not None and not model.num_nextn_predict_layers:
+            return ["rollout.speculative: expected a model with MTP weights (num_nextn_predict_layers > 0) to draft "
+                    "with, got a model without"]
         from glm5_core.rl.run_memory import memory_problems
 
         return memory_problems(self, model)

@@ -164,7 +164,7 @@ class RLRun:
         return WorkerSpec(model_config=self.model.config.to_hf_dict(), weights_path=self.latest_weights,
                           weight_version=self.latest_version, weights_dir=self.weights_dir, backend=self.backend,
                           max_batch=r.max_batch, max_len=r.max_len, prefix_cache_entries=r.prefix_cache_entries,
-                          prefix_cache_tokens=r.prefix_cache_tokens,
+                          prefix_cache_tokens=r.prefix_cache_tokens, speculative=r.speculative,
                           seed=self.cfg.seed * 1000 + index + 7919 * self.latest_version,
                           torch_threads=r.engine_threads, placement=self.engine_devices[index])
 

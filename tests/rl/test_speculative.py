@@ -196,3 +196,38 @@ def test_speculative_setting_is_refused_without_mtp_weights_or_with_bad_values()
         with pytest.raises(ValueError, match="speculative"):
             RolloutEngine(model, max_len=64, speculative=bad)
     assert RolloutEngine(model, max_len=64).speculative is None  # off by default
+
+
+# ---- the run config (rollout.speculative) --------------------------------------------------------------
+@pytest.mark.parametrize("data, expected", [
+    ({"rollout": {"speculative": {"draft_tokens": 0}}}, "rollout.speculative.draft_tokens: expected an int in [1, 16]"),
+    ({"rollout": {"speculative": {"tokens": 2}}}, "rollout.speculative: expected null or {draft_tokens: d}"),
+    ({"rollout": {"speculative": {"draft_tokens": 2}},
+      "model": {"preset": "tiny", "overrides": {"num_nextn_predict_layers": 0}}},
+     "rollout.speculative: expected a model with MTP weights"),
+])
+def test_run_config_refuses_bad_speculative_settings_in_one_line(monkeypatch, data, expected):
+    from glm5_core.rl.config import config_from_dict
+
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    with pytest.raises(ValueError) as info:
+        config_from_dict(data)
+    problems = getattr(info.value, "problems", [str(info.value)])
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_run_config_passes_speculative_to_the_engine_workers(monkeypatch, tmp_path):
+    from safetensors.torch import save_file
+
+    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.serving.worker import WorkerSpec, build_server
+
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    assert config_from_dict({}).rollout.speculative is None
+    cfg = config_from_dict({"rollout": {"speculative": {"draft_tokens": 3}}})
+    assert cfg.rollout.speculative == {"draft_tokens": 3}
+    model = peaked_model(vocab_size=6)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    spec = WorkerSpec(model.config.to_hf_dict(), str(tmp_path / "w.safetensors"), 0, str(tmp_path), max_len=64,
+                      speculative=cfg.rollout.speculative)
+    assert build_server(spec).engine.speculative.draft_tokens == 3

@@ -41,16 +41,16 @@ from glm5_core.rl.serving.speculative_sampling import accept_drafts, full_logpro
 MAX_DRAFT_TOKENS = 16
 
 
-def parse_setting(setting) -> Optional[int]:
+def parse_setting(setting, key: str = "speculative") -> Optional[int]:
     """``speculative`` engine setting -> draft tokens per step, or None (off). Expected None or
     ``{"draft_tokens": d}`` with an int d in [1, MAX_DRAFT_TOKENS]."""
     if setting is None:
         return None
     if not isinstance(setting, dict) or set(setting) != {"draft_tokens"}:
-        raise ValueError(f"speculative: expected null or {{draft_tokens: d}}, got {setting!r:.120}")
+        raise ValueError(f"{key}: expected null or {{draft_tokens: d}}, got {setting!r:.120}")
     d = setting["draft_tokens"]
     if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"speculative.draft_tokens: expected an int in [1, {MAX_DRAFT_TOKENS}], got {d!r:.80}")
+        raise ValueError(f"{key}.draft_tokens: expected an int in [1, {MAX_DRAFT_TOKENS}], got {d!r:.80}")
     return d
 
 
