@@ -90,9 +90,9 @@ def new_mtp_cache(model, batch_size: int, length: int) -> KVCache:
 
 
 def mtp_forward(model, cache: KVCache, hidden: torch.Tensor, next_ids: torch.Tensor,
-                start_pos: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                start_pos: torch.Tensor) -> torch.Tensor:
     """One MTP application over a cache: hidden [B, T, D] (main model's or the MTP's previous output), next_ids
-    [B, T] (the token after each position), start_pos [B] -> (MTP hidden [B, T, D], logits fp32 [B, T, V])."""
+    [B, T] (the token after each position), start_pos [B] -> the MTP's hidden [B, T, D]."""
     mtp = model.model.mtp
     B, T = next_ids.shape
     cos, sin = model.model.rotary(positions_of(start_pos, B, T, next_ids.device), hidden.dtype)
@@ -100,8 +100,12 @@ def mtp_forward(model, cache: KVCache, hidden: torch.Tensor, next_ids: torch.Ten
                          indexer_loss=False, cos=cos, sin=sin, record_topk=False,
                          expert_counts=[None] * model.num_moe_layers)
     with _checks.skip_value_checks():
-        out = mtp.predict(hidden, model.model.embed_tokens(next_ids), state)
-        return out, model._logits(mtp.shared_head.norm(out))
+        return mtp.predict(hidden, model.model.embed_tokens(next_ids), state)
+
+
+def mtp_logits(model, mtp_hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP's next-token logits (its own final norm, the model's lm_head): [..., D] -> fp32 [..., V]."""
+    return model._logits(model.model.mtp.shared_head.norm(mtp_hidden))
 
 
 @dataclasses.dataclass
@@ -181,7 +185,9 @@ class SpeculativeDecoder:
         for i in active:
             temperature[i] = states[i].request.temperature
             top_p[i] = states[i].request.top_p
-        temperature, top_p = temperature.to(self.device), top_p.to(self.device)
+        # rows with top_p 1 keep every token: the nucleus filter (a sort) runs only if some row restricts it
+        top_p = top_p.to(self.device) if bool((top_p < 1).any()) else None
+        temperature = temperature.to(self.device)
 
         drafts, draft_probs = self._draft(states, active, n, d, temperature, top_p, generator)  # [S, d], [S, d, V]
 
@@ -229,9 +235,9 @@ class SpeculativeDecoder:
             start[i] = self.mtp_len[i]
             last[i] = m[i] - 1
         start, last = start.to(self.device), last.to(self.device)
-        rows = torch.arange(S, device=self.device)
-        h, logits = mtp_forward(self.model, self.cache, hidden, next_ids.to(self.device), start)
-        h, logits = h[rows, last].unsqueeze(1), logits[rows, last]  # [S, 1, D], [S, V] at position n-2
+        h = mtp_forward(self.model, self.cache, hidden, next_ids.to(self.device), start)
+        h = h[torch.arange(S, device=self.device), last].unsqueeze(1)  # [S, 1, D] at position n-2
+        logits = mtp_logits(self.model, h[:, 0])  # [S, V]
         drafts, probs = [], []
         for j in range(d):
             q = sampling_probs(logits, temperature, top_p)  # [S, V]
@@ -239,6 +245,6 @@ class SpeculativeDecoder:
             drafts.append(y)
             probs.append(q)
             if j + 1 < d:  # position n-1+j: the MTP's own output and the draft just made
-                h, logits = mtp_forward(self.model, self.cache, h, y, start + last + 1 + j)
-                logits = logits[:, 0]
+                h = mtp_forward(self.model, self.cache, h, y, start + last + 1 + j)  # [S, 1, D]
+                logits = mtp_logits(self.model, h[:, 0])
         return torch.cat(drafts, dim=1), torch.stack(probs, dim=1)

@@ -22,8 +22,9 @@ import torch
 from glm5_core.rl.serving.sampling import GREEDY_BELOW, top_p_filter
 
 
-def sampling_probs(logits: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
-    """The distribution ``sample`` draws from: [B, ..., V] logits, [B] temperature / top_p -> fp32 [B, ..., V]."""
+def sampling_probs(logits: torch.Tensor, temperature_B: torch.Tensor, top_p_B: Optional[torch.Tensor]) -> torch.Tensor:
+    """The distribution ``sample`` draws from: [B, ..., V] logits, [B] temperature / top_p -> fp32 [B, ..., V].
+    ``top_p_B`` None: every row keeps the whole vocabulary (top_p 1, no filter to run)."""
     shape = logits.shape
     B, V = shape[0], shape[-1]
     rows = logits.float().reshape(B, -1, V)  # [B, N, V]
@@ -31,8 +32,9 @@ def sampling_probs(logits: torch.Tensor, temperature_B: torch.Tensor, top_p_B: t
     greedy_B = temperature_B < GREEDY_BELOW
     temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B).float()
     scaled = (rows / temp_B.view(B, 1, 1)).reshape(B * N, V)  # [B*N, V]
-    top_p = top_p_B.float().repeat_interleave(N)  # [B*N]
-    probs = torch.softmax(top_p_filter(scaled, top_p), dim=-1).reshape(B, N, V)
+    if top_p_B is not None:
+        scaled = top_p_filter(scaled, top_p_B.float().repeat_interleave(N))  # top_p per row [B*N]
+    probs = torch.softmax(scaled, dim=-1).reshape(B, N, V)
     one_hot = torch.zeros_like(probs).scatter_(-1, rows.argmax(-1, keepdim=True), 1.0)  # first maximum
     return torch.where(greedy_B.view(B, 1, 1), one_hot, probs).reshape(shape)
 
