@@ -8,6 +8,7 @@ import torch
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
 from glm5_core.rl.algorithm.trainer import pad_samples, sequence_logprobs
 from glm5_core.rl.rollout.trajectory import Sample
+from glm5_core.rl.serving import kv_slots
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import GenerateRequest
 from glm5_core.rl.serving.speculative_sampling import accept_drafts, sampling_probs
@@ -231,3 +232,21 @@ def test_run_config_passes_speculative_to_the_engine_workers(monkeypatch, tmp_pa
     spec = WorkerSpec(model.config.to_hf_dict(), str(tmp_path / "w.safetensors"), 0, str(tmp_path), max_len=64,
                       speculative=cfg.rollout.speculative)
     assert build_server(spec).engine.speculative.draft_tokens == 3
+
+
+def test_a_later_turn_reuses_the_mtp_rows_of_its_prefix():
+    """The prefix cache keeps the MTP layer's rows with the main ones: after a cached second turn's prefill the
+    MTP cache over the reused prefix holds what a full prefill of that context computes."""
+    model = peaked_model(vocab_size=6)
+    (first,) = ragged_requests(1, 6, 0.0, max_new=12)
+    cached = RolloutEngine(model, max_batch=1, max_len=96, speculative={"draft_tokens": 2})
+    (res,) = cached.generate([first])
+    verified = cached.speculative.mtp_len[0]  # MTP positions computed from the main model's hidden states
+    turn2 = GenerateRequest(first.rid, first.input_ids + res.output_ids + [1, 2], temperature=0.0, max_new_tokens=4)
+    fresh = RolloutEngine(model, max_batch=1, max_len=96, prefix_cache_entries=0, speculative={"draft_tokens": 2})
+    for engine in (cached, fresh):
+        engine.submit(turn2)
+        engine.step()  # prefill + one speculative step
+    assert cached.stats.cached_tokens > verified > len(first.input_ids)
+    for got, want in zip(kv_slots.tensors(cached.speculative.cache), kv_slots.tensors(fresh.speculative.cache)):
+        assert torch.allclose(got[0, :verified], want[0, :verified], atol=1e-5, rtol=0)

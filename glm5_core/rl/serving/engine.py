@@ -378,10 +378,13 @@ class RolloutEngine:
         k = len(admitted)
         reuse = []
         scratch = self.model.new_cache(k, self.max_len)
+        main_fields = len(kv_slots.tensors(scratch))
+        draft_rows = []  # per row: the MTP layer's cached rows (speculative decoding stores them after the main ones)
         for row, (_, request, _) in enumerate(admitted):
             n, entry = self.prefix_cache.lookup(request.rid, request.input_ids, min_version=self.version)
             if entry is not None:
-                kv_slots.write_rows(scratch, row, entry.tensors, n)
+                kv_slots.write_rows(scratch, row, entry.tensors[:main_fields], n)
+            draft_rows.append(entry.tensors[main_fields:] if entry is not None else [])
             reuse.append(n)
         new_lens = [len(r.input_ids) - n for (_, r, _), n in zip(admitted, reuse)]
         T = max(new_lens)
@@ -412,9 +415,9 @@ class RolloutEngine:
             topk.append([t[row, int(last[row])].tolist() for t in out.topk_idx] if self.record_topk else None)
         self._accept_many(slots, logits, topk)
         if self.speculative is not None:  # rows still running: the MTP layer reads their prefill hidden states
-            self.speculative.after_prefill(
-                [(slot, self._slots[slot].tokens, n) for slot, n in zip(slots, reuse) if self._slots[slot] is not None],
-                out.hidden[[row for row, slot in enumerate(slots) if self._slots[slot] is not None]])
+            running = [row for row, slot in enumerate(slots) if self._slots[slot] is not None]
+            self.speculative.after_prefill([(slots[row], self._slots[slots[row]].tokens, reuse[row], draft_rows[row])
+                                            for row in running], out.hidden[running])
 
     def _decode(self) -> None:
         if self.speculative is not None:
@@ -481,8 +484,10 @@ class RolloutEngine:
         if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
             self.prefix_cache.drop(state.request.rid)
         else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
-            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
-                                    kv_slots.read_rows(self._cache, slot, state.kv_len), version=state.kv_version)
+            rows = kv_slots.read_rows(self._cache, slot, state.kv_len)
+            if self.speculative is not None:  # the MTP layer's rows ride along (after the main layers')
+                rows += self.speculative.read_rows(slot, state.kv_len)
+            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len], rows, version=state.kv_version)
         self._finish_result(state, reason)
 
     def _finish_result(self, state: _Active, reason: str) -> None:

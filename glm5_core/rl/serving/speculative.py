@@ -20,9 +20,8 @@ DeepSeek-V3's / GLM-5's MTP layer with ``speculative_eagle_topk=1`` (one chain, 
    query can see them, as in plain decoding).
 
 The MTP layer keeps its own one-layer latent cache of S rows (``L + d + 1`` positions: provisional draft
-entries may run past the main cache). Positions a request reused from the prefix cache have no MTP entries
-(the prefix cache holds the main layers only): the draft attends to zeros there, which costs acceptance, never
-correctness.
+entries may run past the main cache). A finished request's MTP rows are stored in the prefix cache after its
+main-layer rows, so a later turn drafts over the reused prefix too.
 """
 from __future__ import annotations
 
@@ -147,28 +146,35 @@ class SpeculativeDecoder:
         self.stats = SpecStats()
 
     # -- prefill ---------------------------------------------------------------------------------------
-    def after_prefill(self, rows: Sequence[Tuple[int, List[int], int]], hidden: torch.Tensor) -> None:
-        """Rows just prefilled: (slot, context tokens incl. the sampled first token, reused prefix length);
-        hidden [k, T, D] holds the prefill's main hidden states from each row's reused length on. The MTP layer
-        fills its cache over positions reuse..P-2 (P prompt tokens); position P-1 waits for the first step."""
-        ctx = [(row, slot, tokens, reuse, len(tokens) - 1) for row, (slot, tokens, reuse) in enumerate(rows)]
-        todo = [(row, slot, tokens, reuse, P) for row, slot, tokens, reuse, P in ctx if P - 1 > reuse]
-        for row, slot, tokens, reuse, P in ctx:
+    def after_prefill(self, rows: Sequence[Tuple[int, List[int], int, List[torch.Tensor]]],
+                      hidden: torch.Tensor) -> None:
+        """Rows just prefilled: (slot, context tokens incl. the sampled first token, reused prefix length, the MTP
+        rows the prefix cache kept for that prefix or []); hidden [k, T, D] holds the prefill's main hidden states
+        from each row's reused length on. The MTP layer fills its cache over positions reuse..P-2 (P prompt
+        tokens) on top of the reused rows; position P-1 waits for the first decode step."""
+        T = max(len(tokens) - 1 - reuse for _, tokens, reuse, _ in rows) - 1  # MTP positions to compute, padded
+        length = max([len(tokens) - 1 for _, tokens, _, _ in rows] + [reuse + T for _, _, reuse, _ in rows])
+        scratch = new_mtp_cache(self.model, len(rows), max(length, 1))  # the padded window fits every row
+        h = hidden.new_zeros(len(rows), max(T, 1), hidden.shape[-1])  # [k, T, D] right-padded
+        ids = torch.zeros(len(rows), max(T, 1), dtype=torch.long)  # [k, T] the token after each position
+        for row, (slot, tokens, reuse, cached) in enumerate(rows):
+            P = len(tokens) - 1
+            if cached:
+                kv_slots.write_rows(scratch, row, cached, reuse)
+            h[row, :P - 1 - reuse] = hidden[row, :P - 1 - reuse]
+            ids[row, :P - 1 - reuse] = torch.tensor(tokens[reuse + 1:P], dtype=torch.long)
             self.pending[slot] = hidden[row, P - 1 - reuse:P - reuse]  # [1, D] position P-1
             self.mtp_len[slot] = P - 1
-        if not todo:
-            return
-        T = max(P - 1 - reuse for _, _, _, reuse, P in todo)
-        scratch = new_mtp_cache(self.model, len(todo), max(reuse + T for _, _, _, reuse, _ in todo))
-        h = hidden.new_zeros(len(todo), T, hidden.shape[-1])  # [k', T, D] right-padded
-        ids = torch.zeros(len(todo), T, dtype=torch.long)  # [k', T] token after each position
-        for i, (row, _, tokens, reuse, P) in enumerate(todo):
-            h[i, :P - 1 - reuse] = hidden[row, :P - 1 - reuse]
-            ids[i, :P - 1 - reuse] = torch.tensor(tokens[reuse + 1:P], dtype=torch.long)
-        start = torch.tensor([reuse for _, _, _, reuse, _ in todo], dtype=torch.long, device=self.device)
-        mtp_forward(self.model, scratch, h, ids.to(self.device), start)
-        for i, (_, slot, _, _, P) in enumerate(todo):
-            kv_slots.write_rows(self.cache, slot, kv_slots.read_rows(scratch, i, P - 1), P - 1)
+        if T > 0:
+            start = torch.tensor([reuse for _, _, reuse, _ in rows], dtype=torch.long, device=self.device)
+            mtp_forward(self.model, scratch, h, ids.to(self.device), start)
+        for row, (slot, tokens, _, _) in enumerate(rows):
+            kv_slots.write_rows(self.cache, slot, kv_slots.read_rows(scratch, row, len(tokens) - 2), len(tokens) - 2)
+
+    def read_rows(self, slot: int, length: int) -> List[torch.Tensor]:
+        """The slot's MTP rows for the prefix cache (positions past ``mtp_len`` hold provisional draft entries:
+        a later turn that reuses them drafts from slightly different keys, which costs acceptance only)."""
+        return kv_slots.read_rows(self.cache, slot, length)
 
     # -- one decode step -------------------------------------------------------------------------------
     def step(self, states: Sequence, main_cache, forward: Callable, generator: torch.Generator,
