@@ -6,7 +6,8 @@
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
 ``--new-tokens`` tokens (no stop token). Acceptance: mean acceptance length (tokens a row gets per verify step:
-accepted drafts + 1) at d = 1..4, greedy and at temperature 1, over 16 prompts at batch 8. Speed: engine tokens/s
+accepted drafts + 1) at d = 1..4, greedy and at temperature 1, over 16 prompts at batch 8, and whether the greedy
+tokens equal plain greedy decoding's. Speed: engine tokens/s
 (generated tokens / wall time of ``generate``, prefill included) at batch 1 and 8 for plain decoding and
 d = 1..4, at ``--temperature`` (default 1.0, what RL rollouts sample at); the configurations alternate within
 each round (interleaved rounds), medians over rounds. torch runs on one thread, as the Quickstart does.
@@ -54,7 +55,7 @@ def run(model, batch: int, ids, new_tokens: int, temperature: float, draft_token
     seconds = time.perf_counter() - t0
     tokens = sum(len(r.output_ids) for r in results)
     acceptance = engine.speculative.stats.mean_acceptance_length() if engine.speculative else 1.0
-    return tokens / seconds, acceptance
+    return tokens / seconds, acceptance, [r.output_ids for r in results]
 
 
 def main() -> None:
@@ -74,11 +75,14 @@ def main() -> None:
     model.reuse_stacked_expert_weights(True)
     ids = prompts(16)
 
-    acceptance = {}
+    acceptance, greedy_equal = {}, {}
+    _, _, plain_greedy = run(model, 8, ids, args.new_tokens, 0.0, None, seed=0)
     for temperature in (0.0, 1.0):
         for d in (1, 2, 3, 4):
-            _, a = run(model, 8, ids, args.new_tokens, temperature, d, seed=0)
+            _, a, outputs = run(model, 8, ids, args.new_tokens, temperature, d, seed=0)
             acceptance[f"T={temperature:g} d={d}"] = round(a, 3)
+            if temperature == 0.0:
+                greedy_equal[f"d={d}"] = outputs == plain_greedy
             print(f"acceptance T={temperature:g} d={d}: {a:.3f}", flush=True)
 
     configs = [None, 1, 2, 3, 4]
@@ -88,7 +92,7 @@ def main() -> None:
         for batch in (1, 8):
             order = configs if r % 2 == 0 else configs[::-1]
             for d in order:
-                rate, a = run(model, batch, ids[:batch], args.new_tokens, args.temperature, d, seed=r)
+                rate, a, _ = run(model, batch, ids[:batch], args.new_tokens, args.temperature, d, seed=r)
                 rates[(batch, d)].append(rate)
                 accept_runs[(batch, d)].append(a)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -104,7 +108,8 @@ def main() -> None:
     result = {"command": "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:]),
               "checkpoint": args.checkpoint, "new_tokens": args.new_tokens, "prompt_bytes": PROMPT_BYTES,
               "temperature_for_speed": args.temperature, "rounds": args.rounds,
-              "load_average": os.getloadavg(), "acceptance_length_batch8_16_prompts": acceptance, "speed": speed}
+              "load_average": os.getloadavg(), "acceptance_length_batch8_16_prompts": acceptance,
+              "greedy_tokens_equal_plain_greedy": greedy_equal, "speed": speed}
     write_json(args.out, result)
 
 
