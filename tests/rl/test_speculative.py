@@ -250,3 +250,18 @@ def test_a_later_turn_reuses_the_mtp_rows_of_its_prefix():
     assert cached.stats.cached_tokens > verified > len(first.input_ids)
     for got, want in zip(kv_slots.tensors(cached.speculative.cache), kv_slots.tensors(fresh.speculative.cache)):
         assert torch.allclose(got[0, :verified], want[0, :verified], atol=1e-5, rtol=0)
+
+
+def test_glm5_serve_refuses_speculative_decoding_in_one_line(tmp_path, capsys):
+    from glm5_core.cli import main
+    from glm5_core.model.checkpoint import save_pretrained
+
+    no_mtp = GLM5ForCausalLM(GLM5Config.tiny(num_nextn_predict_layers=0, max_position_embeddings=64))
+    save_pretrained(no_mtp, tmp_path / "no_mtp")
+    argv = ["serve", "--checkpoint", str(tmp_path / "no_mtp"), "--port", "0", "--backend", "cpu"]
+    assert main(argv + ["--speculative-draft-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "speculative: expected a model with MTP weights" in err[0], err
+    assert main(argv + ["--speculative-draft-tokens", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--speculative-draft-tokens: expected an int in [1, 16], got 0" in err[0], err

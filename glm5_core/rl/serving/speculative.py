@@ -12,7 +12,9 @@ DeepSeek-V3's / GLM-5's MTP layer with ``speculative_eagle_topk=1`` (one chain, 
    cache there; its output at n-2 predicts draft ``y_1`` (token n).
 2. multi-step draft: ``d - 1`` one-token MTP steps, each fed the MTP's own previous output and the previous
    draft (position n-2+j), give ``y_2..y_d``. The MTP cache entries these write are provisional: the next
-   draft-extend rewrites them from the main model's hidden states.
+   draft-extend rewrites them from the main model's hidden states. (Training applies depth k at position t
+   over depth-k keys; the chain instead advances the position over one cache, as SGLang's MTP drafting does.
+   Either way only the acceptance rate depends on how good the drafts are.)
 3. target-verify: one main forward over ``[x[n-1], y_1..y_d]`` at positions n-1..n-1+d against the latent
    cache (DSA as in plain decoding: each position's indexer top-k is computed against the same keys, so it is
    the one plain decoding selects), then :func:`speculative_sampling.accept_drafts` per row. Rows accept
