@@ -82,9 +82,19 @@ def ragged_requests(n, vocab, temperature, top_p=1.0, max_new=24, prefix="r"):
 
 
 @pytest.mark.parametrize("draft_tokens", [1, 3])
-def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens):
+def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens, monkeypatch):
     """Five ragged requests over 3 slots (rows accept different counts in one step, their caches roll back
     separately); sequences run past index_topk, so DSA really selects."""
+    from glm5_core.rl.serving import speculative
+
+    counts = []  # per verify step: accepted drafts of the active slots
+
+    def recording(*args, **kwargs):
+        tokens, accepted = accept_drafts(*args, **kwargs)
+        counts.append([accepted[i].item() for i, s in enumerate(engine._slots) if s is not None])
+        return tokens, accepted
+
+    monkeypatch.setattr(speculative, "accept_drafts", recording)
     model = peaked_model(vocab_size=6)
     plain = RolloutEngine(model, max_batch=3, max_len=96, record_topk=True).generate(ragged_requests(5, 6, 0.0))
     engine = RolloutEngine(model, max_batch=3, max_len=96, record_topk=True,
@@ -92,6 +102,7 @@ def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens):
     spec = engine.generate(ragged_requests(5, 6, 0.0))
     stats = engine.speculative.stats
     assert 0 < stats.accepted < stats.drafted  # drafts were accepted and rejected
+    assert sum(len(set(step)) > 1 for step in counts) >= 3  # rows of one step accepted different counts
     for a, b in zip(plain, spec):
         assert b.output_ids == a.output_ids
         assert b.finish_reason == a.finish_reason
