@@ -1,16 +1,19 @@
 """MTP speculative decoding in the rollout engine: mean acceptance length and tokens/s against plain decoding.
 
-    python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 5] [--new-tokens 128]
-        [--out benchmarks/results/bench_speculative.json]
+    python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 9] [--new-tokens 128]
+        [--speed-new-tokens 64] [--out benchmarks/results/bench_speculative.json]
 
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
 ``--new-tokens`` tokens (no stop token). Acceptance: mean acceptance length (tokens a row gets per verify step:
 accepted drafts + 1) at d = 1..4, greedy and at temperature 1, over 16 prompts at batch 8, and whether the greedy
 tokens equal plain greedy decoding's. Speed: engine tokens/s
-(generated tokens / wall time of ``generate``, prefill included) at batch 1 and 8 for plain decoding and
-d = 1..4, at ``--temperature`` (default 1.0, what RL rollouts sample at); the configurations alternate within
-each round (interleaved rounds), medians over rounds. torch runs on one thread, as the Quickstart does.
+(generated tokens / wall time of ``generate``, prefill included; ``--speed-new-tokens`` per request) at batch 1
+and 8 for plain decoding and d = 1..4, at ``--temperature`` (default 1.0, what RL rollouts sample at); the
+configurations alternate within each round (interleaved rounds, order reversed every other round). Reported:
+median tokens/s over rounds, and the median over rounds of each round's ratio to plain decoding in that round
+(the figure to quote on a shared machine, where the load changes between rounds). torch runs on one thread, as
+the Quickstart does.
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ def run(model, batch: int, ids, new_tokens: int, temperature: float, draft_token
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="runs/tiny/final")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--speed-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--out", default="benchmarks/results/bench_speculative.json")
     args = ap.parse_args()
@@ -92,7 +96,7 @@ def main() -> None:
         for batch in (1, 8):
             order = configs if r % 2 == 0 else configs[::-1]
             for d in order:
-                rate, a, _ = run(model, batch, ids[:batch], args.new_tokens, args.temperature, d, seed=r)
+                rate, a, _ = run(model, batch, ids[:batch], args.speed_new_tokens, args.temperature, d, seed=r)
                 rates[(batch, d)].append(rate)
                 accept_runs[(batch, d)].append(a)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -102,11 +106,14 @@ def main() -> None:
         for d in configs:
             key = f"batch {batch} " + (f"d={d}" if d else "plain")
             med = statistics.median(rates[(batch, d)])
+            ratios = [x / p for x, p in zip(rates[(batch, d)], rates[(batch, None)])]
             speed[key] = {"tokens_per_s": round(med, 1), "vs_plain": round(med / plain, 2),
+                          "vs_plain_median_of_round_ratios": round(statistics.median(ratios), 2),
                           "mean_acceptance_length": round(statistics.median(accept_runs[(batch, d)]), 3),
                           "rounds": [round(x, 1) for x in rates[(batch, d)]]}
     result = {"command": "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:]),
-              "checkpoint": args.checkpoint, "new_tokens": args.new_tokens, "prompt_bytes": PROMPT_BYTES,
+              "checkpoint": args.checkpoint, "new_tokens": args.new_tokens,
+              "speed_new_tokens": args.speed_new_tokens, "prompt_bytes": PROMPT_BYTES,
               "temperature_for_speed": args.temperature, "rounds": args.rounds,
               "load_average": os.getloadavg(), "acceptance_length_batch8_16_prompts": acceptance,
               "greedy_tokens_equal_plain_greedy": greedy_equal, "speed": speed}
