@@ -2,6 +2,7 @@
 
     python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 9] [--new-tokens 128]
         [--speed-new-tokens 64] [--out benchmarks/results/bench_speculative.json]
+    python benchmarks/bench_speculative.py --part costs [--out benchmarks/results/bench_speculative_costs.json]
 
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
@@ -14,6 +15,10 @@ configurations alternate within each round (interleaved rounds, order reversed e
 median tokens/s over rounds, and the median over rounds of each round's ratio to plain decoding in that round
 (the figure to quote on a shared machine, where the load changes between rounds). torch runs on one thread, as
 the Quickstart does.
+
+``--part costs`` times the forwards a speculative step is made of, against a 100-token context: the main model
+over T = 1, 3, 5 new positions (plain decoding, verify at d = 2, 4) and one MTP forward with its logits, at batch
+1 and 8 (30 interleaved rounds, medians, milliseconds).
 """
 from __future__ import annotations
 
@@ -27,8 +32,10 @@ import torch
 from _results import write_json
 
 from glm5_core.model.checkpoint import load_pretrained
+from glm5_core.ops import _checks
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import GenerateRequest
+from glm5_core.rl.serving.speculative import mtp_forward, mtp_logits, new_mtp_cache
 from glm5_core.train.data import stdlib_corpus
 
 PROMPT_BYTES = 96
@@ -61,6 +68,37 @@ def run(model, batch: int, ids, new_tokens: int, temperature: float, draft_token
     return tokens / seconds, acceptance, [r.output_ids for r in results]
 
 
+@torch.no_grad()
+def forward_costs(model, rounds: int = 30):
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 8):
+        cache, draft_cache = model.new_cache(batch, 256), new_mtp_cache(model, batch, 256)
+        with _checks.skip_value_checks():
+            model(torch.randint(0, 256, (batch, 100), generator=g), cache=cache, start_pos=0)
+        pos = torch.full((batch,), 100, dtype=torch.long)
+
+        def main_forward(T):
+            with _checks.skip_value_checks():
+                model(torch.randint(0, 256, (batch, T), generator=g), cache=cache, start_pos=pos)
+
+        def mtp():
+            h = mtp_forward(model, draft_cache, torch.randn(batch, 1, model.config.hidden_size, generator=g),
+                            torch.randint(0, 256, (batch, 1), generator=g), pos)
+            mtp_logits(model, h[:, 0])
+
+        parts = {"main T=1": lambda: main_forward(1), "main T=3": lambda: main_forward(3),
+                 "main T=5": lambda: main_forward(5), "mtp T=1": mtp}
+        times = {name: [] for name in parts}
+        for _ in range(rounds):
+            for name, fn in parts.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        out[f"batch {batch}"] = {name: round(1000 * statistics.median(v), 2) for name, v in times.items()}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", default="runs/tiny/final")
@@ -68,7 +106,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--speed-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--out", default="benchmarks/results/bench_speculative.json")
+    ap.add_argument("--part", choices=("all", "costs"), default="all")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_speculative[_costs].json")
     args = ap.parse_args()
     if not os.path.isdir(args.checkpoint):
         print(f"--checkpoint: no such folder {args.checkpoint!r} (run: glm5 pretrain --config configs/tiny.yaml)",
@@ -77,6 +116,11 @@ def main() -> None:
     torch.set_num_threads(1)
     model = load_pretrained(args.checkpoint).eval()
     model.reuse_stacked_expert_weights(True)
+    command = "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:])
+    if args.part == "costs":
+        write_json(args.out or "benchmarks/results/bench_speculative_costs.json",
+                   {"command": command, "milliseconds": forward_costs(model), "load_average": os.getloadavg()})
+        return
     ids = prompts(16)
 
     acceptance, greedy_equal = {}, {}
@@ -111,13 +155,13 @@ def main() -> None:
                           "vs_plain_median_of_round_ratios": round(statistics.median(ratios), 2),
                           "mean_acceptance_length": round(statistics.median(accept_runs[(batch, d)]), 3),
                           "rounds": [round(x, 1) for x in rates[(batch, d)]]}
-    result = {"command": "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:]),
+    result = {"command": command,
               "checkpoint": args.checkpoint, "new_tokens": args.new_tokens,
               "speed_new_tokens": args.speed_new_tokens, "prompt_bytes": PROMPT_BYTES,
               "temperature_for_speed": args.temperature, "rounds": args.rounds,
               "load_average": os.getloadavg(), "acceptance_length_batch8_16_prompts": acceptance,
               "greedy_tokens_equal_plain_greedy": greedy_equal, "speed": speed}
-    write_json(args.out, result)
+    write_json(args.out or "benchmarks/results/bench_speculative.json", result)
 
 
 if __name__ == "__main__":
