@@ -119,6 +119,10 @@ class RLRun:
             check_visible([cfg.train.device], "train.device", probe)
         torch.set_num_threads(cfg.torch_threads)
         self.model = build_policy(cfg, checkpoint, self.backend)
+        if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
+            from glm5_core.rl.serving.speculative import check_draft_model
+
+            check_draft_model(self.model, "rollout.speculative")
         self.env = build_env(cfg.env, cfg.seed)
         if self.env.codec.min_vocab_size > self.model.config.vocab_size:
             raise ValueError(f"env.byte_offset: byte tokens need vocab_size >= {self.env.codec.min_vocab_size}, "

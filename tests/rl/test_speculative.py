@@ -195,8 +195,7 @@ def test_rows_reaching_max_len_stop_at_the_cache_end():
     want = RolloutEngine(model, max_batch=2, max_len=40).generate(requests)
     got = RolloutEngine(model, max_batch=2, max_len=40, speculative={"draft_tokens": 4}).generate(requests)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert len(got[0].input_ids if hasattr(got[0], "input_ids") else requests[0].input_ids) + \
-        len(got[0].output_ids) == 40
+    assert len(requests[0].input_ids) + len(got[0].output_ids) == 40 and got[0].finish_reason == "length"
 
 
 def test_speculative_setting_is_refused_without_mtp_weights_or_with_bad_values():
@@ -276,3 +275,20 @@ def test_glm5_serve_refuses_speculative_decoding_in_one_line(tmp_path, capsys):
     assert main(argv + ["--speculative-draft-tokens", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--speculative-draft-tokens: expected an int in [1, 16], got 0" in err[0], err
+
+
+def test_glm5_rl_refuses_speculative_decoding_for_a_checkpoint_without_mtp_shards(tmp_path, monkeypatch):
+    """transformers writes no MTP weights though its config.json declares them: refused before any engine starts."""
+    import json
+
+    from glm5_core.model.checkpoint import save_pretrained
+    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.driver import RLRun
+
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    save_pretrained(GLM5ForCausalLM(GLM5Config.tiny(num_nextn_predict_layers=0)), tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+    cfg = config_from_dict({"rollout": {"speculative": {"draft_tokens": 2}}, "output_dir": str(tmp_path / "run")})
+    with pytest.raises(ValueError, match="rollout.speculative: expected a model with MTP weights .*shards hold no"):
+        RLRun(cfg, checkpoint=str(tmp_path / "ckpt"), backend="cpu", log=lambda _: None)

@@ -55,11 +55,11 @@ def parse_setting(setting, key: str = "speculative") -> Optional[int]:
     return d
 
 
-def check_draft_model(model) -> None:
+def check_draft_model(model, key: str = "speculative") -> None:
     """ValueError unless ``model`` holds MTP weights to draft with."""
     if model.model.mtp is None:
         why = getattr(model, "mtp_absent_reason", None) or "its config has num_nextn_predict_layers=0"
-        raise ValueError(f"speculative: expected a model with MTP weights (the draft model), but it has none: {why}")
+        raise ValueError(f"{key}: expected a model with MTP weights (the draft model), but it has none: {why}")
 
 
 class _MTPLayerCache:
