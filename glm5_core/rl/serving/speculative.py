@@ -154,6 +154,8 @@ class SpeculativeDecoder:
         rows the prefix cache kept for that prefix or []); hidden [k, T, D] holds the prefill's main hidden states
         from each row's reused length on. The MTP layer fills its cache over positions reuse..P-2 (P prompt
         tokens) on top of the reused rows; position P-1 waits for the first decode step."""
+        if not rows:  # every admitted request finished at its first token
+            return
         T = max(len(tokens) - 1 - reuse for _, tokens, reuse, _ in rows) - 1  # MTP positions to compute, padded
         length = max([len(tokens) - 1 for _, tokens, _, _ in rows] + [reuse + T for _, _, reuse, _ in rows])
         scratch = new_mtp_cache(self.model, len(rows), max(length, 1))  # the padded window fits every row
