@@ -188,11 +188,12 @@ def test_stop_token_inside_accepted_drafts_ends_the_request_there():
     assert got[0].output_ids[-1] == stop and got[0].finish_reason == "stop"
 
 
-def test_requests_done_at_their_first_token_and_a_mixed_batch():
+def test_requests_done_at_their_first_token_one_token_prompts_and_a_mixed_batch():
     model = peaked_model(vocab_size=6)
     requests = [GenerateRequest(f"one{i}", [1, 2, 3, i], temperature=0.0, max_new_tokens=1) for i in range(2)]
-    requests.append(GenerateRequest("long", [4, 5, 1], temperature=0.0, max_new_tokens=9))
-    want = RolloutEngine(model, max_batch=3, max_len=40).generate(requests)
+    requests += [GenerateRequest("long", [4, 5, 1], temperature=0.0, max_new_tokens=9),
+                 GenerateRequest("single", [3], temperature=0.0, max_new_tokens=7)]
+    want = RolloutEngine(model, max_batch=3, max_len=40).generate(requests)  # 4 requests, 3 slots
     engine = RolloutEngine(model, max_batch=3, max_len=40, speculative={"draft_tokens": 3})
     assert [r.output_ids for r in engine.generate(requests[:2])] == [r.output_ids for r in want[:2]]
     assert [r.output_ids for r in engine.generate(requests)] == [r.output_ids for r in want]
