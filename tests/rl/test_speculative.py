@@ -303,3 +303,24 @@ def test_glm5_rl_refuses_speculative_decoding_for_a_checkpoint_without_mtp_shard
     cfg = config_from_dict({"rollout": {"speculative": {"draft_tokens": 2}}, "output_dir": str(tmp_path / "run")})
     with pytest.raises(ValueError, match="rollout.speculative: expected a model with MTP weights .*shards hold no"):
         RLRun(cfg, checkpoint=str(tmp_path / "ckpt"), backend="cpu", log=lambda _: None)
+
+
+def test_server_info_reports_the_acceptance_length_as_sglang_does():
+    import json
+    import urllib.request
+
+    from glm5_core.rl.serving.server import EngineServer
+
+    model = peaked_model(vocab_size=6)
+    engine = RolloutEngine(model, max_batch=2, max_len=64, speculative={"draft_tokens": 2})
+    engine.generate(ragged_requests(2, 6, 0.0, max_new=10))
+    servers = [EngineServer(engine).start(), EngineServer(RolloutEngine(model, max_batch=2, max_len=64)).start()]
+    try:
+        spec_info, plain_info = [json.loads(urllib.request.urlopen(f"{s.url}/get_server_info", timeout=30).read())
+                                 for s in servers]
+        assert spec_info["internal_states"][0]["avg_spec_accept_length"] == \
+            engine.speculative.stats.mean_acceptance_length() > 1.0
+        assert "avg_spec_accept_length" not in plain_info["internal_states"][0]
+    finally:
+        for server in servers:
+            server.shutdown()
