@@ -17,6 +17,9 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   trajectories that are not running here: an admitted request's entry leaves the cache (its KV now lives in
   the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
   finished trajectory's entry.
+* ``speculative={"draft_tokens": d}`` (off by default): each decode step drafts d tokens per slot with the
+  model's MTP layer and verifies them in one forward; a slot emits 1..d+1 tokens per step, distributed exactly
+  as plain sampling's (see ``speculative`` and ``speculative_sampling``).
 * Every tensor the engine creates lives on the model's device.
 * Weight sync as SGLang does it: :meth:`pause` stops the scheduler between steps (``in_place``: running
   requests keep their slots and KV; ``abort``: they finish with ``finish_reason`` abort), updates land (a full
