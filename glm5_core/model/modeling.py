@@ -36,6 +36,7 @@ class GLM5Output:
     expert_counts: torch.Tensor  # int64 [num_moe_layers, E] (rows as model.router_biases())
     topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
     topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True
+    hidden: Optional[torch.Tensor] = None  # [B, T, D] last main layer's output (before model.norm): the MTP input
 
 
 class GLM5Model(nn.Module):
@@ -211,6 +212,7 @@ class GLM5ForCausalLM(nn.Module):
         hidden = embeds
         for layer in self.model.main_layers():
             hidden = layer(hidden, state)
+        main_hidden = hidden
         logits = self._logits(self.model.norm(hidden))
 
         mtp_logits: List[torch.Tensor] = []
@@ -228,7 +230,7 @@ class GLM5ForCausalLM(nn.Module):
         kl = torch.stack(state.kl_terms).mean() if state.kl_terms else None
         recall = torch.stack(state.recall_terms).mean() if state.recall_terms else None
         return GLM5Output(logits=logits, mtp_logits=mtp_logits, indexer_kl=kl, expert_counts=expert_counts,
-                          topk_idx=state.topk_idx, topk_recall=recall)
+                          topk_idx=state.topk_idx, topk_recall=recall, hidden=main_hidden)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         out_dtype = torch.float64 if normed.dtype == torch.float64 else torch.float32

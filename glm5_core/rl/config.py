@@ -65,6 +65,12 @@ def _check_devices(devices, key: str) -> None:
         parse_devices(devices, key)
 
 
+def _check_speculative(setting, key: str) -> None:
+    from glm5_core.rl.serving.speculative import parse_setting
+
+    parse_setting(setting, key)
+
+
 def _check_device(device, key: str) -> None:
     from glm5_core.rl.fleet.placement import parse_device
 
@@ -125,6 +131,7 @@ class RolloutConfig:
     devices: Any = field(None, check=_check_devices)  # spawned engines: "cuda:1,cuda:2" or a list (one, or one each)
     # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
     tokenizer: Optional[str] = field(None, check=_check_tokenizer)
+    speculative: Optional[Dict[str, Any]] = field(None, check=_check_speculative)  # {draft_tokens: d}: MTP drafts
 
 
 @dataclasses.dataclass
@@ -200,6 +207,9 @@ class RLConfig:
         if self.rollout.max_len > model.max_position_embeddings:
             return [f"rollout.max_len: expected <= the model's max_position_embeddings="
                     f"{model.max_position_embeddings}, got {self.rollout.max_len}"]
+        if self.rollout.speculative is not None and not model.num_nextn_predict_layers:
+            return ["rollout.speculative: expected a model with MTP weights (num_nextn_predict_layers > 0) to draft "
+                    "with, got a model without"]
         from glm5_core.rl.run_memory import memory_problems
 
         return _codec_problems(self, model.vocab_size) or memory_problems(self, model)

@@ -135,6 +135,10 @@ class RLRun:
             check_visible([cfg.train.device], "train.device", probe)
         torch.set_num_threads(cfg.torch_threads)
         self.model = build_policy(cfg, checkpoint, self.backend)
+        if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
+            from glm5_core.rl.serving.speculative import check_draft_model
+
+            check_draft_model(self.model, "rollout.speculative")
         self.tokenizer = load_run_tokenizer(r.tokenizer) if r.tokenizer is not None else None
         self.env = build_env(cfg.env, cfg.seed, codec=self.tokenizer)
         problem = vocab_problem(self.env.codec, self.model.config.vocab_size,
@@ -212,7 +216,7 @@ class RLRun:
         return WorkerSpec(model_config=self.model.config.to_hf_dict(), weights_path=self.latest_weights,
                           weight_version=self.latest_version, weights_dir=self.weights_dir, backend=self.backend,
                           max_batch=r.max_batch, max_len=r.max_len, prefix_cache_entries=r.prefix_cache_entries,
-                          prefix_cache_tokens=r.prefix_cache_tokens,
+                          prefix_cache_tokens=r.prefix_cache_tokens, speculative=r.speculative,
                           seed=self.cfg.seed * 1000 + index + 7919 * self.latest_version,
                           torch_threads=r.engine_threads, placement=self.engine_devices[index])
 

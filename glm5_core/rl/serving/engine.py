@@ -17,6 +17,9 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   trajectories that are not running here: an admitted request's entry leaves the cache (its KV now lives in
   the slot and is stored back, extended, when the request finishes), and :meth:`end_trajectory` frees a
   finished trajectory's entry.
+* ``speculative={"draft_tokens": d}`` (off by default): each decode step drafts d tokens per slot with the
+  model's MTP layer and verifies them in one forward; a slot emits 1..d+1 tokens per step, distributed exactly
+  as plain sampling's (see ``speculative`` and ``speculative_sampling``).
 * Every tensor the engine creates lives on the model's device.
 * Sampling: a request with a ``sampling_seed`` draws from a generator of its own, seeded with it, one draw per
   token; the others share the engine's generator (seeded at start), so what they draw depends on which
@@ -55,6 +58,7 @@ from glm5_core.rl.serving.protocol import (
     Limits,
 )
 from glm5_core.rl.serving.sampling import sample
+from glm5_core.rl.serving.speculative import SpeculativeDecoder, parse_setting
 
 
 @dataclasses.dataclass
@@ -94,8 +98,10 @@ class _Active:
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
-                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False):
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False,
+                 speculative: Optional[dict] = None):
         config = model.config
+        draft_tokens = parse_setting(speculative)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
         max_len = int(max_len or config.max_position_embeddings)
@@ -127,6 +133,9 @@ class RolloutEngine:
         self.failure: Optional[BaseException] = None  # what stopped the scheduler thread, if anything did
         self._aborted: set = set()  # futures of running requests whose callers gave up (see abort)
         self._step_lock = threading.Lock()  # held by the scheduler for one step
+        # MTP speculative decoding (``speculative={"draft_tokens": d}``; off by default)
+        self.speculative = (SpeculativeDecoder(model, draft_tokens, max_batch, max_len)
+                            if draft_tokens is not None else None)
 
     # -- public API ---------------------------------------------------------------------------------------
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
@@ -378,10 +387,13 @@ class RolloutEngine:
         k = len(admitted)
         reuse = []
         scratch = self.model.new_cache(k, self.max_len)
+        main_fields = len(kv_slots.tensors(scratch))
+        draft_rows = []  # per row: the MTP layer's cached rows (speculative decoding stores them after the main ones)
         for row, (_, request, _) in enumerate(admitted):
             n, entry = self.prefix_cache.lookup(request.rid, request.input_ids, min_version=self.version)
             if entry is not None:
-                kv_slots.write_rows(scratch, row, entry.tensors, n)
+                kv_slots.write_rows(scratch, row, entry.tensors[:main_fields], n)
+            draft_rows.append(entry.tensors[main_fields:] if entry is not None else [])
             reuse.append(n)
         new_lens = [len(r.input_ids) - n for (_, r, _), n in zip(admitted, reuse)]
         T = max(new_lens)
@@ -411,8 +423,14 @@ class RolloutEngine:
             slots.append(slot)
             topk.append([t[row, int(last[row])].tolist() for t in out.topk_idx] if self.record_topk else None)
         self._accept_many(slots, logits, topk)
+        if self.speculative is not None:  # rows still running: the MTP layer reads their prefill hidden states
+            running = [row for row, slot in enumerate(slots) if self._slots[slot] is not None]
+            self.speculative.after_prefill([(slots[row], self._slots[slots[row]].tokens, reuse[row], draft_rows[row])
+                                            for row in running], out.hidden[running])
 
     def _decode(self) -> None:
+        if self.speculative is not None:
+            return self._decode_speculative()
         S = self.max_batch
         last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
         pos = torch.zeros(S, dtype=torch.long)  # [S]
@@ -453,23 +471,42 @@ class RolloutEngine:
                 tokens[i], logprobs[i] = int(drawn[0]), float(logp[0])
         return tokens, logprobs
 
+    def _decode_speculative(self) -> None:
+        """One draft-verify-accept step for all active slots; each emits 1..d+1 tokens (see ``speculative``)."""
+        steps = self.speculative.step(self._slots, self._cache, self._forward, self._generator, self.record_topk)
+        self.stats.decode_steps += 1
+        self.stats.decode_slot_steps += len(steps)
+        for slot, row in steps.items():
+            state = self._slots[slot]
+            for tok, lp, tk in zip(row.tokens, row.logprobs, row.topk):
+                state.kv_len += 1  # the token before ``tok`` now has verified KV
+                if self._emit(slot, state, tok, lp, tk):
+                    break
+
     def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
         states = [self._slots[i] for i in slots]
         tokens, logprobs = self._sample_rows(states, logits_BV)
         for slot, state, tok, lp, tk in zip(slots, states, tokens, logprobs, topk):
-            state.tokens.append(tok)
-            state.outputs.append(tok)
-            state.logprobs.append(lp)
-            state.versions.append(self.version)
-            if tk is not None:
-                state.topk.append(tk)
-            self.stats.generated_tokens += 1
-            if state.future in self._aborted:
-                self._finish(slot, FINISH_ABORT)
-            elif tok in state.request.stop_token_ids:
-                self._finish(slot, FINISH_STOP)
-            elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
-                self._finish(slot, FINISH_LENGTH)
+            self._emit(slot, state, tok, lp, tk)
+
+    def _emit(self, slot: int, state: _Active, tok: int, lp: float, tk) -> bool:
+        """Append one sampled token to the slot's request; finish it if it is done. Returns True if it finished."""
+        state.tokens.append(tok)
+        state.outputs.append(tok)
+        state.logprobs.append(lp)
+        state.versions.append(self.version)
+        if tk is not None:
+            state.topk.append(tk)
+        self.stats.generated_tokens += 1
+        if state.future in self._aborted:
+            self._finish(slot, FINISH_ABORT)
+        elif tok in state.request.stop_token_ids:
+            self._finish(slot, FINISH_STOP)
+        elif len(state.outputs) >= state.request.max_new_tokens or len(state.tokens) >= self.max_len:
+            self._finish(slot, FINISH_LENGTH)
+        else:
+            return False
+        return True
 
     def _finish(self, slot: int, reason: str) -> None:
         state = self._slots[slot]
@@ -477,8 +514,10 @@ class RolloutEngine:
         if state.kv_version < self.version:  # KV (partly) from replaced weights: never reuse it
             self.prefix_cache.drop(state.request.rid)
         else:  # the last sampled token has no KV yet: the cache holds tokens[:kv_len]
-            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len],
-                                    kv_slots.read_rows(self._cache, slot, state.kv_len), version=state.kv_version)
+            rows = kv_slots.read_rows(self._cache, slot, state.kv_len)
+            if self.speculative is not None:  # the MTP layer's rows ride along (after the main layers')
+                rows += self.speculative.read_rows(slot, state.kv_len)
+            self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len], rows, version=state.kv_version)
         self._finish_result(state, reason)
 
     def _finish_result(self, state: _Active, reason: str) -> None:

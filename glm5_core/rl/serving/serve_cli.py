@@ -2,6 +2,7 @@
 --engine-url`` (or any SGLang client) can roll out on engines started elsewhere, on other machines.
 
     glm5 serve --checkpoint runs/tiny/final --port 30000 [--host 127.0.0.1] [--api-key KEY]
+        [--speculative-draft-tokens D]
 
 The checkpoint is an HF-format ``glm_moe_dsa`` directory (``save_pretrained``, what ``glm5 pretrain``
 exports). The weight version starts as SGLang's ``"default"``; ``/update_weights_from_disk`` (an HF directory,
@@ -32,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device, e.g. cuda:1 (default: the backend's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU threads (default: %(default)s)")
+    parser.add_argument("--speculative-draft-tokens", type=int, default=None,
+                        help="MTP speculative decoding with this many draft tokens per step (default: off)")
     add_backend_argument(parser)
 
 
@@ -45,6 +48,19 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-cache-entries: expected an int >= 0, got {args.prefix_cache_entries}")
     if args.api_key == "":
         raise ValueError("--api-key: expected a non-empty key")
+    speculative_setting(args)  # a bad count is refused before the checkpoint is read
+
+
+def speculative_setting(args: argparse.Namespace):
+    """The engine's ``speculative`` setting from ``--speculative-draft-tokens`` (None: off)."""
+    from glm5_core.rl.serving.speculative import MAX_DRAFT_TOKENS
+
+    d = args.speculative_draft_tokens
+    if d is None:
+        return None
+    if not 1 <= d <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-draft-tokens: expected an int in [1, {MAX_DRAFT_TOKENS}], got {d}")
+    return {"draft_tokens": d}
 
 
 def build(args: argparse.Namespace):
@@ -69,7 +85,8 @@ def build(args: argparse.Namespace):
     model = model.to(torch.device(args.device) if args.device else runtime_device(backend))
     engine = RolloutEngine(model, max_batch=args.max_batch, max_len=args.max_len,
                            prefix_cache_entries=args.prefix_cache_entries, seed=args.seed,
-                           reuse_stacked_weights=True)  # the server owns its model
+                           reuse_stacked_weights=True,  # the server owns its model
+                           speculative=speculative_setting(args))
     return EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key, weight_version="default",
                         model_path=args.checkpoint, weights_dir=args.weights_dir)
 

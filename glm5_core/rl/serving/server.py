@@ -275,6 +275,9 @@ class EngineServer:
             "internal_states": [{"paused": self.engine.paused, "num_running_reqs": self.engine.num_active()}],
             "version": glm5_core.__version__,
         }
+        if self.engine.speculative is not None:  # SGLang's field: tokens per row and verify step, since start
+            info["internal_states"][0]["avg_spec_accept_length"] = \
+                self.engine.speculative.stats.mean_acceptance_length()
         info.update(counters)
         info.update(max_batch=self.engine.max_batch, max_len=self.engine.max_len, active=self.engine.num_active(),
                     pid=os.getpid(), prefix_cache_entries=len(self.engine.prefix_cache),
