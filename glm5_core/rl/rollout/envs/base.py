@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +53,8 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
         """``group_size`` fresh episodes on one task."""
+
+    def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
+        """The held-out eval set: per problem, a function of a group id making a fresh episode of it; problems
+        :meth:`new_group` never draws. None (the default): no eval set, the run evaluates nothing."""
+        return None
