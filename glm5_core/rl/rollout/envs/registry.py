@@ -81,6 +81,9 @@ def _converted_kwargs(factory: Callable, env_cfg: Dict[str, Any], problems: List
     if not _takes_any_keyword(factory):
         problems += [unknown_key("env.", str(k), [*known, "name" if "name" in env_cfg else "path"])
                      for k in values if k not in known]
+    required = [n for n, p in _parameters(factory).items() if p.default is p.empty and n not in RUN_ARGUMENTS]
+    problems += [f"env.{n}: required by {env_cfg.get('path') or env_cfg.get('name')}, missing" for n in required
+                 if n not in values]
     if problems:
         return {}
     return {k: (convert_value(f"env.{k}", v, known[k], problems) if known.get(k, Any) is not Any else v)
