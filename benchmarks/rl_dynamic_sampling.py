@@ -2,7 +2,8 @@
 checkpoint, and the trainer steps (and seconds) each setting takes to gain +0.2.
 
     python benchmarks/rl_dynamic_sampling.py --checkpoint runs/tiny/final [--config configs/rl_heldout.yaml]
-        [--repeats 1] [--max-steps 150] [--max-minutes 6] [--target 0.2] [--out benchmarks/results/rl_dynamic_sampling]
+        [--repeats 1] [--max-steps 150] [--max-minutes 6] [--target 0.2] [--set KEY=VALUE ...]
+        [--out benchmarks/results/rl_dynamic_sampling]
 
 Each run is one ``glm5 rl`` process (the CLI itself) with ``dynamic_sampling.enabled`` false or true and
 nothing else changed; repeats alternate the order (off first, then on first, ...). From each run's
@@ -45,6 +46,7 @@ def _elapsed_at(metrics_path: str) -> Dict[int, float]:
 def run_once(args, dynamic: bool, out_dir: str) -> Dict:
     command = [sys.executable, "-m", "glm5_core.cli", "rl", "--config", args.config, "--checkpoint", args.checkpoint,
                "--output-dir", out_dir, "--max-steps", str(args.max_steps), "--max-minutes", str(args.max_minutes),
+               *[a for item in args.set for a in ("--set", item)],
                "--set", f"dynamic_sampling.enabled={'true' if dynamic else 'false'}"]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -72,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--max-minutes", type=float, default=6.0)
     parser.add_argument("--target", type=float, default=0.2)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to every run (e.g. env.held_out=0)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "rl_dynamic_sampling"))
     parser.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "rl_dynamic_sampling"))
     args = parser.parse_args(argv)
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
             out_dir = os.path.join(args.runs_dir, f"r{repeat}_{'on' if dynamic else 'off'}")
             runs.append({"repeat": repeat, **run_once(args, dynamic, out_dir)})
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "eval_history"}), flush=True)
-    report = {"benchmark": "rl_dynamic_sampling", "target": args.target, "config": args.config,
+    report = {"benchmark": "rl_dynamic_sampling", "target": args.target, "config": args.config, "sets": args.set,
               "checkpoint": args.checkpoint, "max_steps": args.max_steps, "max_minutes": args.max_minutes,
               "command": " ".join(["python", "benchmarks/rl_dynamic_sampling.py", *(argv or sys.argv[1:])]),
               "runs": runs}
