@@ -89,9 +89,8 @@ def test_losses_and_advantage_estimators_by_name_or_path():
     ({"advantage": "grpo"}, "train.advantage: expected one of 'group_normalized', 'group_centred' or an import path"),
     ({"advantage": f"{FIXTURES}:broken_advantage"}, "train.advantage: 'tests.rl.plugin_fixtures:broken_advantage' "
                                                     "failed on rewards [1.0, 0.0] of one group (TypeError"),
-    ({"advantage": f"{FIXTURES}:one_advantage_for_all"}, "train.advantage: 'tests.rl.plugin_fixtures:one_advantage_for_all' "
-                                                         "must "
-                                                 "return one finite float per trajectory"),
+    ({"advantage": f"{FIXTURES}:one_advantage_for_all"},
+     "train.advantage: 'tests.rl.plugin_fixtures:one_advantage_for_all' must return one finite float per trajectory"),
     ({"loss": f"{FIXTURES}:mean_zero_advantage"}, "train.loss: 'tests.rl.plugin_fixtures:mean_zero_advantage' "
                                                   "failed on a one-token batch"),
     ({"truncation": "drop"}, "train.truncation: expected one of"),
