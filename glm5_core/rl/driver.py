@@ -206,7 +206,8 @@ class RLRun:
         if not problems:
             return None
         r, e = self.cfg.rollout, self.cfg.eval
-        return Evaluator(problems, generate=self.replicas.generate, forget=self._trajectory_done,
+        return Evaluator(problems, generate=lambda tid, request: self.replicas.generate(tid, request),
+                         forget=self._trajectory_done,
                          map_fn=self.runner._pool.map, temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
                          samples_per_problem=e.samples_per_problem, pass_k=e.pass_k, greedy=e.greedy,
                          correct_reward=e.correct_reward)
