@@ -26,3 +26,22 @@ def test_sync_run_with_a_reward_plugin_dynamic_sampling_and_held_out_eval(tmp_pa
     logged = [r for r in run.metrics.rows if "eval_greedy" in r]
     assert [r["step"] for r in logged] == [0, 1, 2, 2]
     assert summary["eval_reward_start"] == summary["eval_start"]["eval_reward"]
+
+
+def test_glm5_rl_stops_in_one_line_when_the_reward_server_fails(tmp_path, capsys):
+    """reward.on_failure: fail ends the run: one line on stderr naming the server, exit 1, no traceback."""
+    import yaml
+
+    from glm5_core.cli import main
+
+    cfg = {"seed": 0, "mode": "sync", "output_dir": str(tmp_path / "run"), "max_minutes": 5, "max_steps": 2,
+           "env": {"name": "arithmetic", "max_operand": 3, "max_new_tokens": 1},
+           "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
+           "rollout": {"num_engines": 1, "max_batch": 4, "max_len": 64, "group_size": 2},
+           "train": {"batch_size": 4}, "eval": {"samples_per_problem": 1},
+           "reward": {"url": "http://127.0.0.1:9/score", "retries": 0, "timeout_s": 5}}
+    (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["rl", "--config", str(tmp_path / "rl.yaml"), "--backend", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("glm5 rl: error: reward server http://127.0.0.1:9/score failed"), err
+    assert "reward.on_failure: fail" in err[0]
