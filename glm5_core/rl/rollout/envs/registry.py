@@ -105,6 +105,15 @@ def _construct(factory: Callable, kwargs: Dict[str, Any], seed: int) -> Environm
     return env
 
 
+def _unknown_builtin_keys(env_cfg: Dict[str, Any]) -> List[str]:
+    """Without a valid ``name`` or ``path``: the keys no built-in environment takes (a misspelt ``name`` among
+    them)."""
+    if "path" in env_cfg:
+        return []
+    known = {k for name in BUILTIN_ENVIRONMENTS for k in _config_keys(builtin_environment(name))}
+    return [unknown_key("env.", str(k), [*known, "name", "path"]) for k in env_cfg if k not in known | {"name"}]
+
+
 def env_problems(env_cfg: Any) -> List[str]:
     """The problems of an ``env`` section, one line each (empty: the run can build it)."""
     if not isinstance(env_cfg, dict):
@@ -112,7 +121,7 @@ def env_problems(env_cfg: Any) -> List[str]:
     try:
         factory = environment_factory(env_cfg)
     except ValueError as exc:
-        return [str(exc)]
+        return _unknown_builtin_keys(env_cfg) + [str(exc)]
     problems: List[str] = []
     kwargs = _converted_kwargs(factory, env_cfg, problems)
     if problems:
