@@ -78,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_backend_name(args.backend)
     require_available(backend)
     from glm5_core.rl.driver import TrainerStarvedError
+    from glm5_core.rl.rollout.rewards import RewardError
 
     try:
         summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend, resume=args.resume is not None).run()
-    except TrainerStarvedError as exc:
+    except (TrainerStarvedError, RewardError) as exc:
         print(f"glm5 rl: error: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))

@@ -10,8 +10,6 @@ rejected). It must be > 0: greedy rollouts record log-probs no policy ratio refe
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import typing
 from typing import Any, Dict, List, Optional, Sequence
 
 from glm5_core import config_paths
@@ -20,8 +18,6 @@ from glm5_core.config_schema import (
     build,
     check,
     convert_fields,
-    convert_value,
-    did_you_mean,
     field,
     positive,
     shown,
@@ -32,7 +28,6 @@ from glm5_core.rl.algorithm.trainer import TrainerConfig
 from glm5_core.rl.run_state import RLCheckpointConfig
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
-ENVIRONMENTS = ("arithmetic", "calculator")
 MODES = ("sync", "async")
 EXECUTORS = ("local", "ray")
 ROUTINGS = ("dp_aware", "round_robin")
@@ -40,6 +35,7 @@ MAX_SEED = 2 ** 53  # engine seeds are seed * 1000 + engine + 7919 * version: wi
 MAX_THREADS = 4096
 
 
+TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
 WEIGHT_SYNCS = ("disk", "distributed")
 SYNC_BACKENDS = ("gloo", "nccl", "hccl")
 
@@ -98,6 +94,21 @@ def _codec_problems(cfg: "RLConfig", vocab_size: int) -> List[str]:
         return [str(exc)]
     problem = vocab_problem(codec, vocab_size, TOKENIZER_KEY if path is not None else "env.byte_offset")
     return [problem] if problem else []
+def _check_loss(value, key: str) -> None:
+    from glm5_core.rl.algorithm.loss import resolve_loss
+
+    resolve_loss(value, key)
+
+
+def _check_advantage(value, key: str) -> None:
+    from glm5_core.rl.algorithm.advantages import resolve_advantage
+
+    resolve_advantage(value, key)
+
+
+def _check_pass_k(values, key: str) -> None:
+    if not values or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in values):
+        raise ValueError(f"{key}: expected a non-empty list of ints >= 1, got {list(values)!r}")
 
 
 @dataclasses.dataclass
@@ -142,12 +153,34 @@ class RLTrainConfig:
     device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "cuda:0" (None: default)
     max_idle_minutes: float = field(10.0, range=(0, None), open=("lo",))  # no batch for this long ends the run
     optim: TrainerConfig = field(factory=TrainerConfig)
+    # plug-ins (rl/plugins.py): a built-in name or an import path 'pkg.module:name', checked at start
+    loss: str = field("double_sided_is", check=_check_loss)
+    advantage: str = field("group_normalized", check=_check_advantage)
+    # a trajectory cut by rollout.max_len: trained as it is, masked out of the loss, or given truncation_reward
+    truncation: str = field("as_is", choices=TRUNCATION_POLICIES)
+    truncation_reward: float = field(-1.0)
 
 
 @dataclasses.dataclass
 class EvalConfig:
+    """Held-out evaluation (the environment's eval set, see rl/evaluation.py): at start, every ``every`` steps
+    and at the end."""
+
     every: int = field(0, range=(0, None))  # trainer steps between evaluations (0: only at start and end)
-    samples_per_problem: int = field(4, range=(1, None))
+    samples_per_problem: int = field(4, range=(1, None))  # n of pass@k, sampled at rollout.temperature
+    pass_k: List[int] = field(factory=lambda: [1], check=_check_pass_k)  # each k <= samples_per_problem
+    greedy: bool = field(True)  # also one greedy (temperature 0) answer per problem
+    correct_reward: float = field(1.0)  # a sample counts as correct (pass@k, accuracy) when its reward >= this
+
+
+@dataclasses.dataclass
+class DynamicSamplingConfig:
+    """DAPO / slime dynamic sampling (rl/algorithm/dynamic_sampling.py): groups whose rewards are all equal
+    are dropped and more groups are sampled to keep the batch full, for at most ``max_rounds`` rollout rounds
+    a batch (async: a round is a batch's worth of finished groups); then equal-reward groups fill it."""
+
+    enabled: bool = field(False)
+    max_rounds: int = field(4, range=(1, 1000))
 
 
 @dataclasses.dataclass
@@ -165,6 +198,8 @@ class RLConfig:
     train: RLTrainConfig = field(factory=RLTrainConfig)
     eval: EvalConfig = field(factory=EvalConfig)
     checkpoint: RLCheckpointConfig = field(factory=RLCheckpointConfig)  # resume points (glm5 rl --resume)
+    dynamic_sampling: DynamicSamplingConfig = field(factory=DynamicSamplingConfig)
+    reward: Optional[Dict[str, Any]] = field(None)  # {path: ...} or {url: ...}: see rl/rollout/rewards.py
 
     def validate(self, source: str = "config") -> "RLConfig":
         """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold."""
@@ -183,7 +218,7 @@ class RLConfig:
         return dataclasses.replace(GLM5Config.tiny(), **self.model.get("overrides", {}))
 
     def rule_problems(self) -> List[str]:
-        problems = _model_problems(self) + _env_problems(self.env)
+        problems = _model_problems(self) + _env_problems(self.env) + _plugin_problems(self)
         if problems:
             return problems
         r, t = self.rollout, self.train
@@ -213,6 +248,20 @@ class RLConfig:
         from glm5_core.rl.run_memory import memory_problems
 
         return _codec_problems(self, model.vocab_size) or memory_problems(self, model)
+
+
+def _plugin_problems(cfg: "RLConfig") -> List[str]:
+    """``reward``, and the rules between dynamic sampling, evaluation and the rollout."""
+    from glm5_core.rl.rollout.rewards import reward_problems
+
+    problems = reward_problems(cfg.reward)
+    if cfg.dynamic_sampling.enabled and cfg.rollout.group_size < 2:
+        problems.append(f"dynamic_sampling.enabled: expected rollout.group_size >= 2 (a group of one always has "
+                        f"equal rewards, so every group would be dropped), got group_size={cfg.rollout.group_size}")
+    n = cfg.eval.samples_per_problem
+    problems += [f"eval.pass_k: expected each k <= eval.samples_per_problem={n} (pass@k estimates from n samples), "
+                 f"got {k}" for k in cfg.eval.pass_k if k > n]
+    return problems
 
 
 def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
@@ -256,47 +305,12 @@ def _model_problems(cfg: RLConfig) -> List[str]:
     return model.problems("model.overrides.") if model is not None else []
 
 
-def _environment_class(name: str):
-    if name == "arithmetic":
-        from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
-
-        return ArithmeticEnv
-    from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
-
-    return CalculatorEnv
-
-
-def _env_types(name: str) -> Dict[str, Any]:
-    """Config key -> type of environment ``name``: its constructor's keyword arguments and ``byte_offset``."""
-    cls = _environment_class(name)
-    hints = typing.get_type_hints(cls.__init__)
-    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "codec", "seed")]
-    return {**{p: hints[p] for p in params}, "byte_offset": int}
-
-
 def _env_problems(env: Dict[str, Any]) -> List[str]:
-    """``env``: ``name`` and the keys of that environment, typed by its constructor's signature; the constructor
-    itself then checks their ranges (as the run will build it)."""
-    from glm5_core.rl.rollout.envs.codec import ByteCodec
+    """``env``: a built-in ``name`` or a plug-in ``path`` and the keys of that environment (see
+    ``rl/rollout/envs/registry``)."""
+    from glm5_core.rl.rollout.envs.registry import env_problems
 
-    name = env.get("name")
-    known = _env_types(name) if name in ENVIRONMENTS else {k: t for e in ENVIRONMENTS for k, t in _env_types(e).items()}
-    problems = [unknown_key("env.", str(key), [*known, "name"]) for key in env if key not in known and key != "name"]
-    if name not in ENVIRONMENTS:
-        hint = did_you_mean(name, ENVIRONMENTS) if isinstance(name, str) else ""
-        problems.append(f"env.name: expected one of {', '.join(repr(e) for e in ENVIRONMENTS)}, "
-                        f"got {shown(name)}{hint}")
-    if problems:
-        return problems
-    values = {key: convert_value(f"env.{key}", value, known[key], problems) for key, value in env.items()
-              if key != "name"}
-    if problems:
-        return problems
-    try:
-        _environment_class(name)(codec=ByteCodec(values.pop("byte_offset", 0)), **values)
-    except (ValueError, TypeError) as exc:
-        return [f"env.{exc}"]
-    return []
+    return env_problems(env)
 
 
 def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:

@@ -29,20 +29,24 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from glm5_core.rl import run_state
+from glm5_core.rl.algorithm.advantages import resolve_advantage
 from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
+from glm5_core.rl.algorithm.loss import resolve_loss
 from glm5_core.rl.algorithm.trainer import Trainer
+from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
+from glm5_core.rl.evaluation import Evaluator
 from glm5_core.rl.fleet.placement import check_visible, engine_devices, probe_accelerators
 from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
-from glm5_core.rl.rollout.envs.codec import ByteCodec
+from glm5_core.rl.rollout.rewards import build_reward
 from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, load_run_tokenizer, vocab_problem
 from glm5_core.rl.rollout.runner import RolloutRunner
-from glm5_core.rl.rollout.sampling_seeds import sampling_seed
+from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.run_state import RunState
-from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.serving.client import EngineClient
 from glm5_core.rl.serving.worker import WorkerSpec
 
 StepHook = Callable[[int, "RLRun"], None]
@@ -54,18 +58,11 @@ class TrainerStarvedError(RuntimeError):
 
 
 def build_env(env_cfg: Dict, seed: int, codec=None):
-    """The environment of ``env_cfg``; its text goes through ``codec`` (default: bytes at ``env.byte_offset``)."""
-    cfg = dict(env_cfg)
-    name = cfg.pop("name")
-    offset = int(cfg.pop("byte_offset", 0))
-    codec = codec if codec is not None else ByteCodec(offset)
-    if name == "arithmetic":
-        from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
+    """The environment ``env`` names: a built-in ``name`` or a plug-in ``path`` (rl/rollout/envs/registry); its
+    text goes through ``codec`` (the run's tokenizer; None: bytes at ``env.byte_offset``)."""
+    from glm5_core.rl.rollout.envs.registry import build_env as build
 
-        return ArithmeticEnv(codec=codec, seed=seed, **cfg)
-    from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
-
-    return CalculatorEnv(codec=codec, seed=seed, **cfg)
+    return build(env_cfg, seed)
 
 
 def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
@@ -141,16 +138,20 @@ class RLRun:
             check_draft_model(self.model, "rollout.speculative")
         self.tokenizer = load_run_tokenizer(r.tokenizer) if r.tokenizer is not None else None
         self.env = build_env(cfg.env, cfg.seed, codec=self.tokenizer)
-        problem = vocab_problem(self.env.codec, self.model.config.vocab_size,
-                                TOKENIZER_KEY if self.tokenizer is not None else "env.byte_offset")
+        codec = getattr(self.env, "codec", None)  # a plug-in environment may bring its own tokens
+        key = TOKENIZER_KEY if self.tokenizer is not None else "env.byte_offset"
+        problem = codec is not None and vocab_problem(codec, self.model.config.vocab_size, key)
         if problem:
             raise ValueError(problem)
+        self.reward = build_reward(cfg.reward)  # None: the environment's own reward
         teacher = None
         if cfg.train.teacher_checkpoint:
             from glm5_core.model import load_pretrained
 
             teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
-        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher)
+        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
+                               loss_fn=resolve_loss(cfg.train.loss),
+                               advantage_fn=resolve_advantage(cfg.train.advantage))
         resumed = run_state.load_resume_point(self.out_dir, self.trainer, log) if resume else None
         if resume and resumed is None:
             log(f"[rl] resume: {self.out_dir} holds no resume point yet; starting the run over from step 0")
@@ -170,13 +171,18 @@ class RLRun:
         names = self.executor.names if self.external else [f"engine{i}" for i in range(r.num_engines)]
         self.replicas = ReplicaSet(self.executor, self.router, names, client_factory=self._client)
         self.weight_sync = self._make_weight_sync()
+        ds = cfg.dynamic_sampling
         self.buffer = TrajectoryBuffer(batch_size=cfg.train.batch_size, group_size=r.group_size,
-                                       max_staleness=cfg.train.max_staleness)
+                                       max_staleness=cfg.train.max_staleness,
+                                       dynamic_max_rounds=ds.max_rounds if ds.enabled else None)
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
         self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
                                     max_workers=r.episode_threads, forget_fn=self._trajectory_done,
-                                    seed=cfg.seed if self._sends_sampling_seeds() else None)
+                                    seed=cfg.seed if self._sends_sampling_seeds() else None,
+                                    reward_fn=self.reward)
+        self.evaluator = self._make_evaluator()
+        self.truncated_trajectories = 0
         if self.resumed_state is not None:
             self._restore(self.resumed_state)
         self.metrics = MetricsLogger(self.out_dir, resume_step=(self.trainer.version if resumed else -1)
@@ -244,38 +250,26 @@ class RLRun:
         return DiskWeightSync(self.replicas, flush_cache=r.flush_cache_on_sync)
 
     # -- evaluation ---------------------------------------------------------------------------------------
-    def evaluate(self) -> Optional[float]:
-        """Mean reward over every problem of the arithmetic task (sampled at the rollout temperature)."""
-        problems = getattr(self.env, "problems", None)
-        if problems is None:
+    def _make_evaluator(self) -> Optional[Evaluator]:
+        problems = self.env.eval_set()
+        if not problems:
             return None
-        r = self.cfg.rollout
-        episodes = [self.env.episode("eval", a, b) for (a, b) in problems()
-                    for _ in range(self.cfg.eval.samples_per_problem)]
+        r, e = self.cfg.rollout, self.cfg.eval
+        return Evaluator(problems, generate=lambda tid, request: self.replicas.generate(tid, request),
+                         forget=self._trajectory_done,
+                         map_fn=self.runner._pool.map, temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
+                         samples_per_problem=e.samples_per_problem, pass_k=e.pass_k, greedy=e.greedy,
+                         correct_reward=e.correct_reward, seed=self.runner.seed)
 
-        def one(i_ep):
-            i, ep = i_ep
-            limits = ep.turn_limits()
-            tid = f"eval-{self.trainer.version}-{i}"
-            try:
-                params = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": limits.max_new_tokens,
-                          "stop_token_ids": list(limits.stop_token_ids)}
-                if self.runner.seed is not None:
-                    params["sampling_seed"] = sampling_seed(self.runner.seed, tid, 0)
-                response = self.replicas.generate(tid, {"input_ids": ep.context_tokens(), "return_logprob": False,
-                                                        "rid": tid, "sampling_params": params})
-            except (EngineUnavailable, EngineRequestError) as exc:
-                if not is_fleet_failure(exc):
-                    raise
-                return None  # the fleet gave up on this sample: the mean goes over the others
-            finally:  # unpin it and free its prefix-cache entry, like any finished trajectory
-                self._trajectory_done(tid)
-            ep.observe(response["output_ids"])
-            return ep.reward
-
-        rewards = [r for r in self.runner._pool.map(one, enumerate(episodes)) if r is not None]
+    def evaluate(self) -> Optional[Dict[str, float]]:
+        """Greedy accuracy, pass@k and mean sampled reward on the environment's held-out eval set (see
+        ``rl/evaluation``), recorded in ``eval_history``; None if the environment has no eval set."""
+        if self.evaluator is None:
+            return None
+        result = self.evaluator.run(str(self.trainer.version))
         self.closer.flush()  # free the evaluation's cache entries now, not with the next training batch
-        return sum(rewards) / len(rewards) if rewards else None
+        self.eval_history.append({"step": self.trainer.version, **result})
+        return result
 
     # -- weights --------------------------------------------------------------------------------------------
     def _push_weights(self) -> None:
@@ -324,14 +318,14 @@ class RLRun:
         if self.external:
             self._push_weights()
 
-    def _evaluate_at_start(self) -> Optional[float]:
-        if self.resumed_state is not None:  # evaluated when the run started
-            return self.resumed_state.eval_start
+    def _evaluate_at_start(self) -> Optional[Dict[str, float]]:
+        if self.resumed_state is not None:  # evaluated when the run started: its step-0 entry
+            return next(({k: v for k, v in e.items() if k != "step"} for e in self.eval_history if e["step"] == 0),
+                        None)
         eval0 = self.evaluate()
         if eval0 is not None:
-            self.log(f"[rl] eval reward at step 0: {eval0:.3f}")
-            self.metrics.log(0, {"eval_reward": eval0})
-            self.eval_history.append({"step": 0, "eval_reward": eval0})
+            self.log(f"[rl] eval at step 0: {_eval_text(eval0)}")
+            self.metrics.log(0, eval0)
         return eval0
 
     def save_resume_point(self) -> None:
@@ -351,7 +345,7 @@ class RLRun:
         if self.cfg.mode == "async":
             self._producer = threading.Thread(
                 target=self.runner.run_forever, name="rl-producer", daemon=True,
-                kwargs=dict(sink=self.buffer.put, max_inflight_groups=self.cfg.rollout.max_inflight_groups,
+                kwargs=dict(sink=self._accept, max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                             backlog=self.buffer.num_ready, max_buffered=self.cfg.rollout.max_buffered,
                             errors=self._producer_errors, drain_timeout=PRODUCER_DRAIN_S))
             self._producer.start()
@@ -366,11 +360,8 @@ class RLRun:
             batch = self.buffer.take(self.trainer.version, timeout=max(0.1, min(progress.deadline, starve_at) - t0))
             if self._producer_errors:
                 raise self._producer_errors[0]
-        else:  # only the groups still missing from the batch (failed groups leave it short)
-            missing = max(0, self.cfg.train.batch_size - self.buffer.num_ready())
-            for t in self.runner.run_groups(-(-missing // self.cfg.rollout.group_size)):
-                self.buffer.put(t)
-            batch = self.buffer.take(self.trainer.version, timeout=0)
+        else:
+            batch = self._sync_batch()
         now = time.monotonic()
         progress.waited += now - t0
         if batch is not None:
@@ -378,6 +369,26 @@ class RLRun:
         elif now >= starve_at and now < progress.deadline:
             raise TrainerStarvedError(self._starvation_reason(now - progress.last_batch))
         return batch
+
+    def _accept(self, trajectory: Trajectory) -> None:
+        """A finished trajectory into the buffer (its reward as ``train.truncation`` says)."""
+        if trajectory.truncated:
+            self.truncated_trajectories += 1
+        self.buffer.put(penalized(trajectory, self.cfg.train.truncation, self.cfg.train.truncation_reward))
+
+    def _sync_batch(self):
+        """Sync mode: roll out the groups still missing from the batch (failed groups leave it short), again
+        for the groups dynamic sampling held back, for at most ``dynamic_sampling.max_rounds`` rounds."""
+        ds = self.cfg.dynamic_sampling
+        rounds = ds.max_rounds if ds.enabled else 1
+        for round_ in range(1, rounds + 1):
+            missing = max(0, self.cfg.train.batch_size - self.buffer.num_ready())
+            for t in self.runner.run_groups(-(-missing // self.cfg.rollout.group_size)):
+                self._accept(t)
+            batch = self.buffer.take(self.trainer.version, timeout=0, fill_held=round_ == rounds)
+            if batch is not None:
+                return batch
+        return None
 
     def _starvation_reason(self, idle_s: float) -> str:
         sync_error = getattr(self.weight_sync, "last_error", "")
@@ -393,7 +404,7 @@ class RLRun:
     def _train_on(self, batch, progress: _Progress) -> Dict:
         """One optimizer step on ``batch`` (and a weight push when due); the step's metrics row."""
         ages = staleness(batch, self.trainer.version)  # versions behind the trainer
-        stats = self.trainer.train_step(batch)
+        stats = self.trainer.train_step(for_training(batch, self.cfg.train.truncation))
         if self.trainer.should_push():
             self._push_weights()
         progress.trained_tokens += stats["trained_tokens"]
@@ -406,12 +417,22 @@ class RLRun:
                    trained_tokens_per_s=progress.trained_tokens / elapsed,
                    staleness_mean=statistics.mean(ages) if ages else 0.0,  # none if nothing was sampled
                    staleness_histogram={str(k): n for k, n in sorted(collections.Counter(ages).items())},
-                   dropped_stale=self.buffer.dropped_stale, replacements=self.replicas.replacements)
+                   dropped_stale=self.buffer.dropped_stale, replacements=self.replicas.replacements,
+                   truncated=sum(t.truncated for t in batch) / len(batch))
+        row.update(self._plugin_counters())
         step = self.trainer.version
         if self.cfg.eval.every and step % self.cfg.eval.every == 0:
-            row["eval_reward"] = self.evaluate()
-            self.eval_history.append({"step": step, "eval_reward": row["eval_reward"]})
+            row.update(self.evaluate() or {})
         return row
+
+    def _plugin_counters(self) -> Dict:
+        """Dynamic sampling, truncation and reward-plug-in counters, run totals so far."""
+        out = {"truncated_trajectories": self.truncated_trajectories}
+        if self.buffer.dynamic is not None:
+            out.update(self.buffer.dynamic.counters())
+        if self.reward is not None:
+            out["reward_failures"] = self.reward.failures
+        return out
 
     def _log_step(self, row: Dict) -> None:
         step = self.trainer.version
@@ -419,7 +440,7 @@ class RLRun:
         if step % 10 == 0 or step == 1:
             self.log(f"[rl] step {step} reward {row['reward']:.3f} idle {row['trainer_idle_ratio']:.2f} "
                      f"tok/s {row['trained_tokens_per_s']:.1f} masked {row['masked_tokens']:.3f}"
-                     + (f" eval {row['eval_reward']:.3f}" if "eval_reward" in row else ""))
+                     + (f" eval {_eval_text(row)}" if "eval_problems" in row else ""))
         for hook in self.hooks:
             hook(step, self)
 
@@ -432,7 +453,7 @@ class RLRun:
                 self._producer_errors.append(
                     TimeoutError(f"rollout producer still draining after {PRODUCER_DRAIN_S} s"))
 
-    def _finish(self, eval0: Optional[float], info_start: Dict, progress: _Progress, elapsed: float) -> Dict:
+    def _finish(self, eval0: Optional[Dict[str, float]], info_start: Dict, progress: _Progress, elapsed: float) -> Dict:
         """Final evaluation, the summary (written to summary.json), the reward curve."""
         info_end = self.replicas.info()
         eval_end = self.evaluate()
@@ -453,16 +474,19 @@ class RLRun:
             "engine_busy_s": counters["busy_seconds"], "engine_prefill_s": counters["prefill_seconds"],
             "weight_sync": self.cfg.rollout.weight_sync, "weight_sync_s": list(self.weight_sync.seconds),
             "failed_pushes": getattr(self.weight_sync, "failed_pushes", 0),
-            "eval_reward_start": eval0, "eval_reward_end": eval_end,
+            "eval_reward_start": (eval0 or {}).get("eval_reward"),
+            "eval_reward_end": (eval_end or {}).get("eval_reward"),
+            "eval_start": eval0, "eval_end": eval_end, "eval_history": list(self.eval_history),
+            **self._plugin_counters(),
             "issued_trajectories": self.runner.issued_total(), "trained_trajectories": self.buffer.trained_total(),
             "resumed_at_step": self._resumed_at,
             "producer_errors": [f"{type(e).__name__}: {e}" for e in self._producer_errors],
         }
         if eval_end is not None:
-            self.metrics.log(self.trainer.version, {"eval_reward": eval_end})
-            self.eval_history.append({"step": self.trainer.version, "eval_reward": eval_end})
+            self.log(f"[rl] eval at step {self.trainer.version}: {_eval_text(eval_end)}")
+            self.metrics.log(self.trainer.version, eval_end)
         self.metrics.log(self.trainer.version, {"summary": self.summary})
-        title = f"glm5 rl ({self.cfg.env['name']}, {self.cfg.mode})"
+        title = f"glm5 rl ({self.cfg.env.get('name') or self.cfg.env.get('path')}, {self.cfg.mode})"
         self.summary["reward_curve"] = self.metrics.reward_curve(title=title)
         self.summary["metrics_skipped"] = list(self.metrics.skipped)
         with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -481,3 +505,10 @@ class RLRun:
         """Where every issued trajectory ended up (for exactly-once checks)."""
         return {"issued": list(self.runner.issued_ids), "trained": list(self.buffer.taken_ids),
                 "dropped": list(self.buffer.dropped_ids), "buffered": self.buffer.leftover_ids()}
+
+
+def _eval_text(result: Dict) -> str:
+    """One evaluation's figures for the log line: greedy accuracy, pass@k, mean sampled reward."""
+    keys = [k for k in ("eval_greedy", *sorted(k for k in result if k.startswith("eval_pass@")), "eval_reward")
+            if k in result]
+    return " ".join(f"{k[len('eval_'):]} {result[k]:.3f}" for k in keys) or "no answer scored"

@@ -100,7 +100,10 @@ class MetricsLogger:
             ax.plot([s for s, _ in train], smooth, label="batch reward (moving avg 10)")
         evals = [(r["step"], r["eval_reward"]) for r in self.rows if "eval_reward" in r]
         if evals:
-            ax.plot(*zip(*evals), "o-", label="eval reward (all problems)")
+            ax.plot(*zip(*evals), "o-", label="eval reward (sampled, eval set)")
+        greedy = [(r["step"], r["eval_greedy"]) for r in self.rows if "eval_greedy" in r]
+        if greedy:
+            ax.plot(*zip(*greedy), "s--", label="eval greedy accuracy")
         ax.set_xlabel("trainer step")
         ax.set_ylabel("mean reward")
         ax.set_title(title)

@@ -58,7 +58,9 @@ def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
     try:
         cfg = {
             "seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 8, "max_steps": 30,
-            "env": {"name": "arithmetic", "max_operand": 1, "template": "{a}+{b}=", "max_new_tokens": 1},
+            # held_out 0: the eval set is the 4 training problems (this checks that RL through glm5 serve learns)
+            "env": {"name": "arithmetic", "max_operand": 1, "template": "{a}+{b}=", "max_new_tokens": 1,
+                    "held_out": 0},
             "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
             "rollout": {"max_batch": 16, "max_len": 32, "group_size": 4, "max_inflight_groups": 4,
                         "max_buffered": 16, "episode_threads": 16},

@@ -1,12 +1,18 @@
 """Advantages: group-normalised outcome advantages and the cross-stage distillation term.
 
 Legend: N trajectories, T tokens.
+
+An advantage estimator maps (rewards, group ids) of a batch to one advantage per trajectory;
+``train.advantage`` names a built-in (:func:`advantage_estimators`) or a plug-in with that signature.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+import math
+from typing import Callable, Dict, List, Sequence
 
 import torch
+
+AdvantageFn = Callable[[Sequence[float], Sequence[str]], List[float]]
 
 
 def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: float = 1e-6) -> List[float]:
@@ -27,6 +33,38 @@ def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: fl
         for i, v in zip(members, values.tolist()):
             out[i] = v
     return out
+
+
+def group_centred(rewards: Sequence[float], group_ids: Sequence[str]) -> List[float]:
+    """A_i = R_i - mean_g (Dr. GRPO: no division by the group's std, which up-weights near-uniform groups)."""
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"rewards / group_ids: expected equal lengths, got {len(rewards)} and {len(group_ids)}")
+    by_group: Dict[str, List[float]] = {}
+    for r, g in zip(rewards, group_ids):
+        by_group.setdefault(g, []).append(float(r))
+    means = {g: math.fsum(rs) / len(rs) for g, rs in by_group.items()}
+    return [float(r) - means[g] for r, g in zip(rewards, group_ids)]
+
+
+def advantage_estimators() -> Dict[str, AdvantageFn]:
+    return {"group_normalized": group_normalized, "group_centred": group_centred}
+
+
+def resolve_advantage(value, key: str = "train.advantage") -> AdvantageFn:
+    """The estimator ``value`` names, checked on a two-trajectory batch (a plug-in that does not take
+    (rewards, group_ids) or returns anything but one finite float each is refused here, at start)."""
+    from glm5_core.rl.plugins import resolve_callable
+
+    fn = resolve_callable(value, advantage_estimators(), key)
+    try:
+        out = fn([1.0, 0.0], ["g", "g"])
+    except Exception as exc:
+        raise ValueError(f"{key}: {value!r} failed on rewards [1.0, 0.0] of one group ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if not isinstance(out, (list, tuple)) or len(out) != 2 or not all(
+            isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in out):
+        raise ValueError(f"{key}: {value!r} must return one finite float per trajectory, got {out!r:.80}")
+    return fn
 
 
 def distillation_advantage(teacher_logprobs_T: torch.Tensor, policy_logprobs_T: torch.Tensor) -> torch.Tensor:

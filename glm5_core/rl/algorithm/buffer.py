@@ -4,7 +4,10 @@
   normalised within the group);
 * samples older than ``max_staleness`` policy versions are dropped at take time (counted, not trained), with
   their whole group; a trajectory without sampled tokens (its prompt filled ``max_len``) is never stale;
-* exactly-once accounting: a trajectory id can be put once and taken once; a duplicate is a bug and raises.
+* exactly-once accounting: a trajectory id can be put once and taken once; a duplicate is a bug and raises;
+* dynamic sampling (``dynamic``, see ``dynamic_sampling``): a completed group with equal rewards is held back,
+  and fills a batch only once the sampling rounds for it are spent; the held-back groups a batch did not
+  use are dropped when it is taken.
 
 :meth:`state_dict` holds the counters a resumed run continues (drops, the staleness histogram, trajectories
 trained), not trajectories: a sync run's buffer is empty between steps; what an async run had buffered is lost.
@@ -16,6 +19,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from glm5_core.rl.algorithm.dynamic_sampling import DynamicSampler
 from glm5_core.rl.rollout.trajectory import Trajectory
 
 
@@ -26,7 +30,8 @@ def staleness(trajectories: List[Trajectory], policy_version: int) -> List[int]:
 
 
 class TrajectoryBuffer:
-    def __init__(self, *, batch_size: int, group_size: int, max_staleness: Optional[int] = None):
+    def __init__(self, *, batch_size: int, group_size: int, max_staleness: Optional[int] = None,
+                 dynamic_max_rounds: Optional[int] = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if not isinstance(group_size, int) or group_size < 1 or batch_size % group_size:
@@ -47,6 +52,8 @@ class TrajectoryBuffer:
         self.staleness_histogram: Dict[int, int] = collections.Counter()
         self._closed = False
         self._trained_before = 0  # trajectories trained before a resume
+        self.dynamic = (DynamicSampler(max_rounds=dynamic_max_rounds, groups_per_batch=batch_size // group_size)
+                        if dynamic_max_rounds is not None else None)
 
     def put(self, trajectory: Trajectory) -> None:
         with self._cond:
@@ -57,7 +64,8 @@ class TrajectoryBuffer:
             group.append(trajectory)
             if len(group) == self.group_size:
                 del self._pending[trajectory.group_id]
-                self._ready.append(group)
+                if self.dynamic is None or self.dynamic.admit(group):
+                    self._ready.append(group)
                 self._cond.notify_all()
 
     def num_ready(self) -> int:
@@ -69,29 +77,53 @@ class TrajectoryBuffer:
             self._closed = True
             self._cond.notify_all()
 
+    def _is_stale(self, group: List[Trajectory], policy_version: int) -> bool:
+        return self.max_staleness is not None and any(  # oldest_version -1: no sampled token, never stale
+            t.oldest_version >= 0 and policy_version - t.oldest_version > self.max_staleness for t in group)
+
     def _drop_stale(self, policy_version: int) -> None:
+        if self.dynamic is not None:
+            fresh = [g for g in self.dynamic.held if not self._is_stale(g, policy_version)]
+            for group in self.dynamic.held:
+                if not self._is_stale(group, policy_version):
+                    continue
+                self.dropped_stale += len(group)
+                self.dropped_ids.extend(t.trajectory_id for t in group)
+            self.dynamic.held = fresh
         keep = []
         for group in self._ready:
             if any(t.env_failed for t in group):
                 self.dropped_env_failures += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
                 continue
-            stale = self.max_staleness is not None and any(  # oldest_version -1: no sampled token, never stale
-                t.oldest_version >= 0 and policy_version - t.oldest_version > self.max_staleness for t in group)
-            if stale:
+            if self._is_stale(group, policy_version):
                 self.dropped_stale += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
             else:
                 keep.append(group)
         self._ready = keep
 
-    def take(self, policy_version: int, timeout: Optional[float] = None) -> Optional[List[Trajectory]]:
-        """Block until ``batch_size`` fresh trajectories are ready; None on timeout or close."""
+    def _filled_from_held(self, fill_held: bool) -> bool:
+        """Dynamic sampling with its rounds spent (``fill_held``: the caller says so; async: counted here):
+        held-back groups complete the batch. True if the batch is complete."""
+        if self.dynamic is None or not (fill_held or self.dynamic.rounds_spent()):
+            return False
+        missing = self.batch_size - sum(len(g) for g in self._ready)
+        if missing > len(self.dynamic.held) * self.group_size:
+            return False
+        self._ready.extend(self.dynamic.fill(-(-missing // self.group_size)))
+        return True
+
+    def take(self, policy_version: int, timeout: Optional[float] = None, *,
+             fill_held: bool = False) -> Optional[List[Trajectory]]:
+        """Block until ``batch_size`` fresh trajectories are ready; None on timeout or close. ``fill_held``
+        (dynamic sampling, sync mode): the last sampling round for this batch is done, held-back groups may
+        fill it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 self._drop_stale(policy_version)
-                if sum(len(g) for g in self._ready) >= self.batch_size:
+                if sum(len(g) for g in self._ready) >= self.batch_size or self._filled_from_held(fill_held):
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if self._closed or (remaining is not None and remaining <= 0):
@@ -102,6 +134,10 @@ class TrajectoryBuffer:
                 batch.extend(self._ready.pop(0))
             self.taken_ids.extend(t.trajectory_id for t in batch)
             self.staleness_histogram.update(staleness(batch, policy_version))
+            if self.dynamic is not None:
+                self.dynamic.batch_taken()
+                self.dropped_ids.extend(self.dynamic.dropped_ids)
+                self.dynamic.dropped_ids = []
             return batch
 
     def trained_total(self) -> int:
@@ -136,4 +172,5 @@ class TrajectoryBuffer:
         with self._cond:
             ids = [t.trajectory_id for g in self._ready for t in g]
             ids += [t.trajectory_id for g in self._pending.values() for t in g]
+            ids += [t.trajectory_id for g in (self.dynamic.held if self.dynamic else ()) for t in g]
             return ids

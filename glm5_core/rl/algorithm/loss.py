@@ -7,10 +7,14 @@ time (no old-policy recompute). f(r) = r inside the band (1 - eps_l, 1 + eps_h),
 tokens get no gradient. L = -sum_t f(r_t) A_t log pi_theta(a_t) / (number of loss-mask tokens), with f(r_t)
 a constant (stop-gradient), so the gradient is r_t A_t grad log pi_theta - the importance-weighted policy
 gradient - for in-band tokens.
+
+``train.loss`` names a built-in (:func:`losses`) or a plug-in with the signature of
+:func:`double_sided_is_loss` returning a :class:`LossStats`.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Dict
 
 import torch
 
@@ -46,3 +50,27 @@ def double_sided_is_loss(logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, a
     diff = float(((logp_BT.detach() - rollout_logp_BT).abs() * mask).sum().item()) / denom
     mean_ratio = float((ratio * mask).sum().item()) / denom
     return LossStats(loss, masked, diff, mean_ratio, n_tokens)
+
+
+LossFn = Callable[..., LossStats]
+
+
+def losses() -> Dict[str, LossFn]:
+    return {"double_sided_is": double_sided_is_loss}
+
+
+def resolve_loss(value, key: str = "train.loss") -> LossFn:
+    """The loss ``value`` names, checked on a one-token batch (a plug-in that does not take the built-in's
+    arguments or returns no :class:`LossStats` with a scalar ``loss`` is refused here, at start)."""
+    from glm5_core.rl.plugins import resolve_callable
+
+    fn = resolve_callable(value, losses(), key)
+    probe = torch.zeros(1, 1, requires_grad=True)
+    try:
+        out = fn(probe, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), eps_low=0.2, eps_high=0.28)
+    except Exception as exc:
+        raise ValueError(f"{key}: {value!r} failed on a one-token batch ({type(exc).__name__}: {exc})") from None
+    if not isinstance(out, LossStats) or not isinstance(out.loss, torch.Tensor) or out.loss.dim() != 0:
+        raise ValueError(f"{key}: {value!r} must return a LossStats with a scalar tensor loss, got "
+                         f"{type(out).__name__}")
+    return fn

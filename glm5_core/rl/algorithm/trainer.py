@@ -21,8 +21,8 @@ from typing import ClassVar, Dict, List, Sequence, Tuple
 import torch
 
 from glm5_core.config_schema import check, field, non_negative, positive
-from glm5_core.rl.algorithm.advantages import distillation_advantage, group_normalized
-from glm5_core.rl.algorithm.loss import double_sided_is_loss
+from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized
+from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss
 from glm5_core.rl.device import module_device
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
@@ -88,8 +88,10 @@ def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float) -> 
 class Trainer:
     """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0."""
 
-    def __init__(self, model, config: TrainerConfig, *, temperature: float, teacher=None):
+    def __init__(self, model, config: TrainerConfig, *, temperature: float, teacher=None,
+                 loss_fn: LossFn = double_sided_is_loss, advantage_fn: AdvantageFn = group_normalized):
         self.model = model
+        self.loss_fn, self.advantage_fn = loss_fn, advantage_fn  # train.loss / train.advantage
         self.config = config.validate()
         self.temperature = check_training_temperature(temperature)
         self.device = module_device(model)
@@ -115,7 +117,7 @@ class Trainer:
     def train_step(self, trajectories: List[Trajectory]) -> Dict[str, float]:
         cfg = self.config
         self.model.train()
-        advantages = group_normalized([t.reward for t in trajectories], [t.group_id for t in trajectories])
+        advantages = self.advantage_fn([t.reward for t in trajectories], [t.group_id for t in trajectories])
         items = [(s, a) for t, a in zip(trajectories, advantages) for s in t.samples]
         total_tokens = sum(s.num_generated for s, _ in items)
         stats = {"masked_tokens": 0.0, "abs_logprob_diff": 0.0, "ratio": 0.0, "loss": 0.0, "distill_adv": 0.0}
@@ -132,7 +134,7 @@ class Trainer:
                 distill = distillation_advantage(teacher_logp, logp.detach())
                 adv = adv + cfg.distill_coef * distill
                 stats["distill_adv"] += float((distill * batch["loss_mask"]).sum())
-            result = double_sided_is_loss(logp, batch["rollout_logprobs"], adv, batch["loss_mask"],
+            result = self.loss_fn(logp, batch["rollout_logprobs"], adv, batch["loss_mask"],
                                           eps_low=cfg.eps_low, eps_high=cfg.eps_high)
             n = result.num_tokens
             (result.loss * n / max(total_tokens, 1)).backward()  # token mean over the whole batch

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
+from glm5_core.rl.rollout.rewards import reward_input
 from glm5_core.rl.rollout.sampling_seeds import sampling_seed
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
@@ -27,8 +28,9 @@ from glm5_core.rl.serving.sampling import check_top_p, check_training_temperatur
 class RolloutRunner:
     def __init__(self, env: Environment, generate_fn: GenerateFn, *, group_size: int, temperature: float,
                  top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, reward_fn: Optional[Callable[[Dict], Optional[float]]] = None):
         self.env = env
+        self.reward_fn = reward_fn  # reward plug-in (rewards.RewardScorer); None: the episode's own reward
         self.generate_fn = generate_fn
         self.group_size = group_size
         self.temperature = check_training_temperature(temperature, "temperature")  # its trajectories are trained on
@@ -55,7 +57,7 @@ class RolloutRunner:
     def play(self, episode: Episode, trajectory_id: str) -> Trajectory:
         """Run one episode to the end through a TITO gateway."""
         gateway = TITOGateway(trajectory_id, self.generate_fn)
-        failed = rollout_failed = False
+        failed = rollout_failed = truncated = reward_dropped = False
         turn = 0
         try:
             while True:
@@ -63,10 +65,11 @@ class RolloutRunner:
                 limits = episode.turn_limits()
                 budget = self.max_len - len(context)
                 if budget < 1:
-                    break  # context full: the episode ends unfinished (reward as the env scores it)
+                    truncated = True  # context full: the episode ends unfinished (reward as the env scores it)
+                    break
+                max_new_tokens = min(limits.max_new_tokens, budget)
                 params = {"temperature": self.temperature, "top_p": self.top_p,
-                          "max_new_tokens": min(limits.max_new_tokens, budget),
-                          "stop_token_ids": list(limits.stop_token_ids)}
+                          "max_new_tokens": max_new_tokens, "stop_token_ids": list(limits.stop_token_ids)}
                 if self.seed is not None:
                     params["sampling_seed"] = sampling_seed(self.seed, trajectory_id, turn)
                 turn += 1
@@ -77,23 +80,36 @@ class RolloutRunner:
                         raise  # the request's own fault (a bug here), the same on any replica
                     rollout_failed = failed = True  # the fleet gave up on it (retries spent): drop, go on
                     break
+                # cut by rollout.max_len (not by the environment's own max_new_tokens): a truncation
+                truncated = max_new_tokens < limits.max_new_tokens and gateway.current.finish_reasons[-1] == "length"
                 try:
                     if episode.observe(response["output_ids"]):
                         break
                 except Exception:  # an environment crash is not a task failure
                     failed = True
                     break
-            reward = 0.0 if failed else float(episode.reward)
+            reward = 0.0 if failed else self._reward(episode, trajectory_id, gateway)
+            if reward is None:  # the reward plug-in failed and its policy drops the trajectory
+                reward, failed, reward_dropped = 0.0, True, True  # counted by the scorer
         finally:
             self.forget_fn(trajectory_id)
         if failed:
             with self._lock:
                 if rollout_failed:
                     self.rollout_failures += 1
-                else:
+                elif not reward_dropped:
                     self.env_failures += 1
         return Trajectory(trajectory_id, episode.group_id, gateway.finished_samples(), reward,
-                          num_turns=episode.num_turns, info=episode.info(), env_failed=failed)
+                          num_turns=episode.num_turns, info=episode.info(), env_failed=failed,
+                          truncated=truncated and not failed)
+
+    def _reward(self, episode: Episode, trajectory_id: str, gateway: TITOGateway) -> Optional[float]:
+        """The episode's own reward, or the reward plug-in's (None: it failed and drops the trajectory)."""
+        if self.reward_fn is None:
+            return float(episode.reward)
+        codec = getattr(self.env, "codec", None)
+        decode = getattr(codec, "decode", None)
+        return self.reward_fn(reward_input(trajectory_id, episode, gateway.finished_samples(), decode))
 
     def _submit_group(self) -> List[concurrent.futures.Future]:
         futures = []

@@ -57,6 +57,7 @@ class Trajectory:
     num_turns: int = 1
     info: Dict[str, float] = dataclasses.field(default_factory=dict)
     env_failed: bool = False  # an environment crash is not a task failure: such trajectories are not trained
+    truncated: bool = False  # cut by rollout.max_len before the episode ended (train.truncation says how it trains)
 
     @property
     def oldest_version(self) -> int:

@@ -4,15 +4,23 @@ Prompt ``"{a}+{b}="`` (a, b drawn from ``[0, max_operand]``); the policy writes 
 bytes, stopping at a newline. Reward 1.0 iff the first line of the answer, with surrounding spaces removed,
 is exactly ``str(a + b)``; else 0.0. With single-digit operands the answer is one or two byte tokens, which
 a byte-level model pretrained on source code can reach by sampling, so RL has a signal from the start.
+
+Held-out evaluation: a ``held_out`` share of the (a, b) pairs (a fixed split: ``split_seed`` shuffles the
+pairs, the run's seed does not) is the eval set and never drawn for training. ``held_out: 0`` trains on
+every pair and evaluates on every pair (nothing held out; the task as it was before the split existed).
 """
 from __future__ import annotations
 
+import functools
+import math
 import random
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.envs.rng_state import load_rng_state, rng_state_dict
+
+MAX_SPLIT_PAIRS = 1 << 16  # held-out splits list every (a, b) pair: max_operand <= 255
 
 
 def score_answer(text: str, expected: int) -> float:
@@ -54,7 +62,7 @@ class ArithmeticEpisode(Episode):
 
 class ArithmeticEnv(Environment):
     def __init__(self, *, max_operand: int = 4, template: str = "{a}+{b}=", max_new_tokens: int = 3,
-                 codec: ByteCodec = None, seed: int = 0):
+                 held_out: float = 0.2, split_seed: int = 0, codec: ByteCodec = None, seed: int = 0):
         if not isinstance(max_operand, int) or not 0 <= max_operand <= 10**6:
             raise ValueError(f"max_operand: expected an int in [0, 1e6], got {max_operand!r}")
         if "{a}" not in template or "{b}" not in template:
@@ -66,11 +74,23 @@ class ArithmeticEnv(Environment):
                              f"got {template!r} ({type(exc).__name__}: {exc})") from None
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        if isinstance(held_out, bool) or not isinstance(held_out, (int, float)) or not 0.0 <= held_out < 1.0:
+            raise ValueError(f"held_out: expected a share in [0, 1) of the (a, b) pairs, got {held_out!r}")
+        if isinstance(split_seed, bool) or not isinstance(split_seed, int):
+            raise ValueError(f"split_seed: expected an int, got {split_seed!r}")
+        if held_out > 0 and max_operand < 1:
+            raise ValueError(f"held_out: expected 0 with max_operand=0 (one pair: nothing left to train on), "
+                             f"got {held_out!r}")
+        if held_out > 0 and (max_operand + 1) ** 2 > MAX_SPLIT_PAIRS:
+            raise ValueError(f"held_out: expected 0 with max_operand > {math.isqrt(MAX_SPLIT_PAIRS) - 1} (the split "
+                             f"lists every pair), got {held_out!r} with max_operand={max_operand}")
         self.max_operand = max_operand
         self.template = template
         self.max_new_tokens = max_new_tokens
+        self.held_out = float(held_out)
         self.codec = codec or ByteCodec()
         self._rng = random.Random(seed)
+        self._train, self._eval = self._split(split_seed)
 
     def state_dict(self) -> Dict:
         return rng_state_dict(self._rng)
@@ -78,15 +98,43 @@ class ArithmeticEnv(Environment):
     def load_state_dict(self, state: Dict) -> None:
         load_rng_state(self._rng, state)
 
-    def problems(self) -> List[tuple]:
-        """Every (a, b) of the task: the fixed evaluation set."""
+    def problems(self) -> List[Tuple[int, int]]:
+        """Every (a, b) of the task."""
         n = self.max_operand + 1
         return [(a, b) for a in range(n) for b in range(n)]
+
+    def _split(self, split_seed: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+        """(training pairs, held-out pairs): at least one of each when ``held_out`` > 0."""
+        if self.held_out == 0:  # nothing held out: the eval set is every pair (listed only if it is small)
+            pairs = self.problems() if (self.max_operand + 1) ** 2 <= MAX_SPLIT_PAIRS else []
+            return pairs, pairs
+        pairs = self.problems()
+        shuffled = list(pairs)
+        random.Random(split_seed).shuffle(shuffled)
+        n_eval = min(len(pairs) - 1, max(1, round(self.held_out * len(pairs))))
+        return sorted(shuffled[n_eval:]), sorted(shuffled[:n_eval])
+
+    def train_problems(self) -> List[Tuple[int, int]]:
+        return list(self._train)
+
+    def eval_problems(self) -> List[Tuple[int, int]]:
+        """The held-out pairs (every pair with ``held_out`` 0)."""
+        return list(self._eval)
 
     def episode(self, group_id: str, a: int, b: int) -> ArithmeticEpisode:
         return ArithmeticEpisode(group_id, a, b, self.codec, self.template, self.max_new_tokens)
 
+    def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
+        """One episode factory per held-out pair; None when there are too many pairs to list."""
+        return [functools.partial(self._eval_episode, a, b) for a, b in self._eval] or None
+
+    def _eval_episode(self, a: int, b: int, group_id: str) -> ArithmeticEpisode:
+        return self.episode(group_id, a, b)
+
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
-        a = self._rng.randint(0, self.max_operand)
-        b = self._rng.randint(0, self.max_operand)
+        if self.held_out == 0:  # every pair: two draws, as before the split existed
+            a = self._rng.randint(0, self.max_operand)
+            b = self._rng.randint(0, self.max_operand)
+        else:
+            a, b = self._train[self._rng.randrange(len(self._train))]
         return [self.episode(group_id, a, b) for _ in range(group_size)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,3 +62,7 @@ class Environment(abc.ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state:
             raise ValueError(f"env: {type(self).__name__} keeps no state, got {sorted(state)[:4]}")
+    def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
+        """The held-out eval set: per problem, a function of a group id making a fresh episode of it; problems
+        :meth:`new_group` never draws. None (the default): no eval set, the run evaluates nothing."""
+        return None
