@@ -62,7 +62,7 @@ def build_env(env_cfg: Dict, seed: int, codec=None):
     text goes through ``codec`` (the run's tokenizer; None: bytes at ``env.byte_offset``)."""
     from glm5_core.rl.rollout.envs.registry import build_env as build
 
-    return build(env_cfg, seed)
+    return build(env_cfg, seed, codec)
 
 
 def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
