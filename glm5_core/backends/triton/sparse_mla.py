@@ -18,7 +18,16 @@ Backward (recomputes probabilities from the saved log-sum-exp):
   dkv kernel  -- one program per (query row, key tile): the gradient each selected slot sends to its
                  latent row, summed over heads in head order, written per slot;
 then the per-slot gradients are summed into dc_kv / dk_pe by a sorted (deterministic) index_put.
-All arithmetic is fp32 (tiles of 16-bit inputs are widened), so the result tracks the fp32 reference.
+
+Precision. fp32 / fp16 inputs: every product is exact fp32 (16-bit tiles are widened), so the result tracks
+the fp32 reference. bf16 inputs (``uses_tensor_cores``): the prefill forward and backward run their products
+on bf16 tensor cores with fp32 accumulators, the FlashAttention recipe: q_lat, q_pe, the gathered keys and
+d_out are bf16, the probabilities p and score gradients ds are rounded to bf16 for p @ kv, ds @ kv, p^T dO,
+ds^T q; softmax statistics, delta and all accumulations stay fp32, and gradients leave the kernels in fp32.
+Under the interpreter (CPU tensors) bf16 ``tl.dot`` is unusable and its fp32 -> bf16 cast truncates, so the
+kernels round the same operands to nearest-even bf16 themselves and multiply them in fp32, which is exact
+for bf16 x bf16: the rounding points, hence the error the conformance checks measure, are the GPU's.
+The decode path keeps exact fp32 products for every dtype.
 """
 from __future__ import annotations
 
