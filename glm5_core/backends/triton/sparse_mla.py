@@ -56,11 +56,14 @@ def _mm(a, b, TC: tl.constexpr, EMULATE: tl.constexpr):
     """a @ b of fp32 tiles, fp32 result. TC: a bf16 tensor-core product (operands rounded to bf16, fp32
     accumulation); EMULATE (the interpreter, whose bf16 dot is unusable): the same rounded operands, whose
     products are exact in fp32, multiplied in fp32. Otherwise exact fp32 products."""
-    if TC:
+    if TC:  # (one return: the compiler does not prune code after a return under a constexpr branch)
         if EMULATE:
-            return tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), input_precision="ieee")
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    return tl.dot(a, b, input_precision="ieee")
+            out = tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), input_precision="ieee")
+        else:
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
 
 
 @triton.jit
