@@ -3,15 +3,16 @@
 The interpreter checks what the kernels compute; this checks that the compiler accepts them (types of
 loop-carried values, tensor shapes, constexpr use) down to the device binary. Run in a process where
 ``TRITON_INTERPRET`` is unset:  python tests/cuda/aot_compile.py cuda   (or: hip)
-Prints one line per kernel, "OK name tensor_core_ops=N" (N: matrix instructions in its assembly, mma / wgmma
-on NVIDIA, v_mfma on AMD) or "FAIL name error", and exits 1 if any failed.
+Prints one line per kernel, "OK name bf16_matrix_ops=N" (N: bf16 tensor-core instructions in its assembly,
+mma / wgmma on NVIDIA, v_mfma on AMD) or "FAIL name error", and exits 1 if any failed.
 """
 import re
 import sys
 
 I32, I64 = "i32", "i64"
 TARGETS = {"cuda": ("cuda", 90, 32), "hip": ("hip", "gfx942", 64)}
-ASSEMBLY = {"cuda": ("ptx", r"\bw?gmma\.|\bmma\.sync"), "hip": ("amdgcn", r"\bv_mfma")}  # (asm key, matrix op)
+ASSEMBLY = {"cuda": ("ptx", r"\b(?:wgmma\.mma_async|mma\.sync)\S*\.bf16"),  # (asm key, bf16 matrix instruction)
+            "hip": ("amdgcn", r"\bv_mfma_f32_\w*bf16")}
 # Compiler options as the launch tables pass them (AMD: 64-lane wavefronts, AMD-only knobs).
 OPTIONS = {"cuda": {"num_warps": 4, "num_stages": 2},
            "hip": {"num_warps": 8, "num_stages": 2, "waves_per_eu": 2, "matrix_instr_nonkdim": 16}}
@@ -122,7 +123,7 @@ def main(vendor: str) -> int:
             binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target,
                                     options=OPTIONS[vendor])
             asm_key, matrix_op = ASSEMBLY[vendor]
-            print(f"OK {name} tensor_core_ops={len(re.findall(matrix_op, binary.asm[asm_key]))}", flush=True)
+            print(f"OK {name} bf16_matrix_ops={len(re.findall(matrix_op, binary.asm[asm_key]))}", flush=True)
         except Exception as exc:  # report every kernel, then fail
             failed += 1
             print(f"FAIL {name} {exc!r}"[:4000], flush=True)
