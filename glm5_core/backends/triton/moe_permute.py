@@ -130,14 +130,14 @@ class _Dispatch(torch.autograd.Function):
         x_sorted, sort_idx, counts = _dispatch(x, expert_ids, num_experts, config)
         ctx.mark_non_differentiable(sort_idx, counts)
         ctx.save_for_backward(sort_idx)
-        ctx.K, ctx.config = expert_ids.shape[1], config
+        ctx.tokens_slots, ctx.config = tuple(expert_ids.shape), config  # (N, K)
         return x_sorted, sort_idx, counts
 
     @staticmethod
     def backward(ctx, d_x_sorted, _d_sort_idx, _d_counts):
         (sort_idx,) = ctx.saved_tensors
-        M, D = d_x_sorted.shape
-        N, K = M // ctx.K, ctx.K
+        N, K = ctx.tokens_slots
+        D = d_x_sorted.shape[1]
         inverse = _inverse(sort_idx)
         if d_x_sorted.dtype == torch.float64:  # the combine kernel accumulates in fp32: sum fp64 in torch
             return d_x_sorted[inverse].view(N, K, D).sum(1), None, None, None  # [N, K, D] -> [N, D]
