@@ -325,11 +325,13 @@ def _mla_prefill_grad(device: str) -> GradCase:
             lambda **t: mla.prefill_reference(**t, scale=_GRAD_SCALE), x)
 
 
-def _sparse_prefill_grad(device: str) -> GradCase:
-    x = testing.make_sparse_inputs(_GRAD_MLA, 4, device=device, seed=21)
+def _sparse_prefill_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: int = 4,
+                         start_pos=None) -> GradCase:
+    x = testing.make_sparse_inputs(shape, K, device=device, seed=21, start_pos=start_pos)
     idx = x.pop("topk_idx")
-    return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=_GRAD_SCALE, backend=be),
-            lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=_GRAD_SCALE), x)
+    scale = (shape.Dn + shape.Dr) ** -0.5
+    return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=scale, backend=be),
+            lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=scale), x)
 
 
 def _indexer_scores_grad(device: str) -> GradCase:
@@ -352,11 +354,11 @@ def _route_grad(device: str) -> GradCase:
             lambda **t: moe.route_reference(**t, bias=bias, **kw)[0], x)
 
 
-def _expert_grad_inputs(device: str):
+def _expert_grad_inputs(device: str, shape: testing.MoEShape = _GRAD_MOE):
     """(expert inputs, routing weights [N, K], ids [N, K]) shared by the dispatch / experts / combine cases."""
-    x = testing.make_expert_inputs(_GRAD_MOE, device=device, seed=24)
-    logits = testing.make_route_inputs(_GRAD_MOE, device=device, seed=25)["logits"]
-    weights, ids = moe.route_reference(logits, None, top_k=_GRAD_MOE.K)
+    x = testing.make_expert_inputs(shape, device=device, seed=24)
+    logits = testing.make_route_inputs(shape, device=device, seed=25)["logits"]
+    weights, ids = moe.route_reference(logits, None, top_k=shape.K)
     return x, weights, ids
 
 
@@ -367,8 +369,8 @@ def _dispatch_grad(device: str) -> GradCase:
             lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=E)[0], {"x": x["x"]})
 
 
-def _fused_experts_grad(device: str) -> GradCase:
-    x, weights, ids = _expert_grad_inputs(device)
+def _fused_experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
+    x, weights, ids = _expert_grad_inputs(device, shape)
     return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be),
             lambda **t: moe.fused_experts_reference(**t, expert_ids=ids),
             {"x": x["x"], "weights": weights, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
@@ -381,9 +383,9 @@ def _combine_grad(device: str) -> GradCase:
             lambda **t: moe.combine_reference(**t, sort_idx=sort_idx), {"y_sorted": x_sorted, "weights": weights})
 
 
-def _experts_grad(device: str) -> GradCase:
-    x, _, ids = _expert_grad_inputs(device)
-    x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=_GRAD_MOE.E)
+def _experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
+    x, _, ids = _expert_grad_inputs(device, shape)
+    x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
     return (lambda be, **t: moe.grouped_swiglu(**t, counts=counts, backend=be),
             lambda **t: moe.grouped_swiglu_reference(**t, counts=counts),
             {"x_sorted": x_sorted, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
@@ -402,6 +404,20 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
 }
 
 
+# Edge cases of the backward checks: name -> (op, inputs). Experts: K = 1 with more experts than tokens (most
+# receive none). Sparse prefill: K = 1, and K past the visible keys (queries at positions 0..T-1: -1 padded rows).
+_GRAD_MOE_SPARSE_ROUTING = testing.MoEShape(N=6, E=9, K=1, G=1, TG=1, D=12, F=10)
+_GRAD_MLA_PADDED = testing.MLAShape(B=2, T=7, S=11, H=3, Dn=8, Dr=4, Dv=6, C=20)
+GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (  # (op, tag, inputs)
+    ("moe_experts", "K1-empty_experts", lambda dev: _experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
+    ("moe_fused_experts", "K1-empty_experts", lambda dev: _fused_experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
+    ("dsa_sparse_prefill", "K1", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA, K=1)),
+    ("dsa_sparse_prefill", "padded", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
+)
+# Ops whose backward is also checked with bf16 inputs (their kernels have a bf16 path): the rest take fp32 grads.
+BF16_GRAD_OPS = ("dsa_sparse_prefill", "moe_experts", "moe_dispatch", "moe_combine", "moe_fused_experts")
+
+
 def grad_ops() -> Tuple[str, ...]:
     """The ops whose declaration (``OpSpec.differentiable``) says training needs their gradient."""
     return tuple(name for name, spec in registry.op_specs().items() if spec.differentiable)
@@ -414,31 +430,57 @@ def _grad_case(op: str, device: str) -> GradCase:
     return GRAD_CASES[op](device)
 
 
-def _grad_check(op: str) -> CheckFn:
-    """The backend's output carries gradients whenever the reference's does, and they match (fp32)."""
+def _grad_check(op: str, case: Callable[[str], GradCase], dtype: torch.dtype = torch.float32) -> CheckFn:
+    """The backend's output carries gradients whenever the reference's does, and they match.
+
+    fp32: the gradients of every input together against the fp64 reference. bf16: inputs and cotangent
+    rounded to bf16 once, and the same rounded values run in fp64 for the exact gradients; each input's
+    gradient is judged on its own by ``testing.compare_to_fp64``: at most ERROR_FACTOR times the error the
+    reference itself makes at bf16 (fp32 arithmetic, gradients rounded to bf16), plus the bf16 atol."""
 
     def fn(backend: str, device: str) -> testing.Comparison:
-        entry, ref, inputs = _grad_case(op, device)
+        entry, ref, inputs = case(device)
+        if dtype != torch.float32:
+            inputs = {k: v.to(dtype) for k, v in inputs.items()}
 
-        def grads(call, dtype):
-            leaves = {k: v.detach().to(dtype).requires_grad_() for k, v in inputs.items()}
+        def grads(call, run_dtype):
+            leaves = {k: v.detach().to(run_dtype).clone().requires_grad_() for k, v in inputs.items()}
             out = call(**leaves)
             if not out.requires_grad:
                 return None
-            cotangent = testing.randn(out.shape, seed=31, dtype=dtype, device=out.device)
+            cotangent = testing.randn(out.shape, seed=31, dtype=dtype, device=out.device).to(run_dtype)
             torch.autograd.backward(out, cotangent)
-            return torch.cat([leaves[k].grad.flatten() for k in sorted(leaves)])
+            return {k: leaves[k].grad for k in sorted(leaves)}
 
-        got = grads(lambda **t: entry(backend, **t), torch.float32)
+        got = grads(lambda **t: entry(backend, **t), dtype)
         if got is None:
             return testing.Comparison(False, float("inf"), 0.0, "output does not require grad: gradients are dropped")
-        return testing.compare_to_fp64(got, grads(ref, torch.float32), grads(ref, torch.float64), torch.float32)
+        want, exact = grads(ref, dtype), grads(ref, torch.float64)
+        if dtype == torch.float32:
+            flat = [torch.cat([g[k].flatten() for k in sorted(g)]) for g in (got, want, exact)]
+            return testing.compare_to_fp64(*flat, dtype)
+        per_input = {k: testing.compare_to_fp64(got[k], want[k], exact[k], dtype) for k in sorted(got)}
+        def badness(item):  # failures first, then the largest share of the allowance used
+            cmp = item[1]
+            return (not cmp.passed, cmp.max_error / max(cmp.allowed, 1e-30))
+
+        name, worst = max(per_input.items(), key=badness)
+        return testing.Comparison(all(c.passed for c in per_input.values()), worst.max_error, worst.allowed,
+                                  f"d{name} (worst of {len(per_input)} inputs): {worst.detail}")
 
     return fn
 
 
 def _grad_checks() -> List[Check]:
-    return [Check("gradients", f"{op}[backward-fp32]", (op,), _grad_check(op)) for op in grad_ops()]
+    checks = []
+    for op in grad_ops():
+        variants = [("", lambda dev, op=op: _grad_case(op, dev))]
+        variants += [(f"{tag}-", case) for case_op, tag, case in GRAD_EDGE_CASES if case_op == op]
+        for tag, case in variants:
+            for dtype in (torch.float32, torch.bfloat16) if op in BF16_GRAD_OPS else (torch.float32,):
+                checks.append(Check("gradients", f"{op}[backward-{tag}{DTYPE_NAMES[dtype]}]", (op,),
+                                    _grad_check(op, case, dtype)))
+    return checks
 
 
 def _determinism_checks() -> List[Check]:

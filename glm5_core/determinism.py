@@ -6,7 +6,9 @@
 * prefill/decode consistency: the top-k of a query computed with all queries at once (prefill) equals,
   bitwise, the top-k computed for that query alone against a cache of the keys so far (decode), also
   when the cache is a larger preallocated buffer whose tail holds garbage, including for keys whose scores
-  differ only by rounding (near ties).
+  differ only by rounding (near ties);
+* backward repeatability: the gradients of the trained ops with kernels of their own (sparse MLA prefill,
+  the routed experts) are the same bits run to run (no atomics in their backward).
 
 Each check returns a :class:`glm5_core.testing.Comparison` and runs on the tensors' device of the backend.
 """
@@ -122,6 +124,37 @@ def route_batch_invariance(backend: str, device: str) -> testing.Comparison:
     return _ok("per-token routing bitwise identical in chunks of 1 and 5")
 
 
+def _sparse_prefill_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+    shape = testing.MLAShape(B=1, T=4, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
+    x = testing.make_sparse_inputs(shape, 3, dtype=dtype, device=device, seed=13)
+    idx = x.pop("topk_idx")
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+    out = dsa.sparse_prefill(**leaves, topk_idx=idx, scale=(shape.Dn + shape.Dr) ** -0.5, backend=backend)
+    out.backward(testing.randn(out.shape, seed=14, dtype=dtype, device=device))
+    return [leaves[k].grad for k in sorted(leaves)]
+
+
+def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+    shape = testing.MoEShape(N=7, E=5, K=2, G=1, TG=1, D=12, F=10)
+    x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=15)
+    logits = testing.make_route_inputs(shape, device=device, seed=16)["logits"]
+    weights, ids = moe.route_reference(logits, None, top_k=shape.K)
+    leaves = {**{k: v.clone().requires_grad_() for k, v in x.items()}, "weights": weights.to(dtype).requires_grad_()}
+    out = moe.fused_experts(leaves["x"], leaves["weights"], ids, leaves["w_gate"], leaves["w_up"], leaves["w_down"],
+                            backend=backend)
+    out.backward(testing.randn(out.shape, seed=17, dtype=dtype, device=device))
+    return [leaves[k].grad for k in sorted(leaves)]
+
+
+def backward_repeatability(grads: Callable[[str, str, torch.dtype], List[torch.Tensor]], dtype: torch.dtype,
+                           backend: str, device: str, runs: int = 2) -> testing.Comparison:
+    first = grads(backend, device, dtype)
+    for i in range(1, runs):
+        if not all(torch.equal(a, b) for a, b in zip(first, grads(backend, device, dtype))):
+            return _mismatch(f"backward run {i} differs from run 0")
+    return _ok(f"{runs} backward runs bitwise identical ({len(first)} gradients, {dtype})")
+
+
 CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_repeatability": topk_repeatability,
     "topk_batch_invariance": topk_batch_invariance,
@@ -130,8 +163,14 @@ CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu"),
     "topk_prefill_decode_near_ties": lambda be, dev: topk_prefill_decode(be, dev, ties="near_ties"),
     "route_batch_invariance": route_batch_invariance,
+    "sparse_prefill_backward_repeatability": lambda be, dev: backward_repeatability(
+        _sparse_prefill_grads, torch.bfloat16, be, dev),
+    "fused_experts_backward_repeatability": lambda be, dev: backward_repeatability(
+        _fused_experts_grads, torch.float32, be, dev),
 }
 
 # Ops each check exercises (used to report fallbacks).
 CHECK_OPS: Dict[str, List[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
 CHECK_OPS["route_batch_invariance"] = ["moe_route"]
+CHECK_OPS["sparse_prefill_backward_repeatability"] = ["dsa_sparse_prefill"]
+CHECK_OPS["fused_experts_backward_repeatability"] = ["moe_fused_experts"]

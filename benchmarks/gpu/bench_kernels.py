@@ -129,6 +129,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no new case after this many seconds")
     parser.add_argument("--only", nargs="*", default=None, help="case builder names, e.g. indexer_case")
+    parser.add_argument("--skip", nargs="*", default=(), help="case builder names not to run")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
@@ -139,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     header["measured"] = measured_peaks(device)
     rows = []
     for build in cases.ALL_CASES:
-        if args.only and build.__name__ not in args.only:
+        if (args.only and build.__name__ not in args.only) or build.__name__ in args.skip:
             continue
         if time.perf_counter() - t_start > args.budget_s:
             rows.append({"case": build.__name__, "error": "skipped: time budget spent"})

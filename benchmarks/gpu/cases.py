@@ -87,26 +87,61 @@ def sparse_decode_case(device, tiny: bool) -> Case:
                 compute_dtype="fp32")
 
 
-def sparse_prefill_case(device, tiny: bool) -> Case:
-    tiny_shape, h200_shape = (1, 8, 32, 4, 16, 8, 16, 32, 8), (1, 1024, 4096, 16, 192, 64, 256, 512, 512)
-    B, T, S, H, Dn, Dr, Dv, C, K = tiny_shape if tiny else h200_shape
-    dt = torch.bfloat16
+_PREFILL_TINY, _PREFILL_H200 = (1, 8, 32, 4, 16, 8, 16, 32, 8), (1, 1024, 4096, 16, 192, 64, 256, 512, 512)
+
+
+def sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward: bool) -> float:
+    """FLOPs the Triton sparse prefill executes (multiply-adds as 2), per query row r, head h, selected key k:
+      forward kernel:  scores q_lat.kv (2C) + q_pe.kr (2Dr), then p @ kv (2C)                       = 4C + 2Dr
+      dq kernel:       recomputed scores (2C + 2Dr), dp = dO.kv (2C), ds @ kv (2C), ds @ kr (2Dr)   = 6C + 4Dr
+      dkv kernel:      recomputed scores (2C + 2Dr), dp (2C), p^T dO (2C), ds^T q_lat (2C), ds^T q_pe (2Dr)
+                                                                                                     = 8C + 4Dr
+    plus the torch projections per (r, h): absorb q_nope w_uk (2 Dn C) and o_lat w_uv (2 C Dv) forward, twice
+    that backward (a gradient to each operand)."""
+    rows_heads = B * T * H
+    kernel = (4 * C + 2 * Dr) + ((6 * C + 4 * Dr) + (8 * C + 4 * Dr) if backward else 0)
+    projections = 2 * C * (Dn + Dv) * (3 if backward else 1)
+    return float(rows_heads * (K * kernel + projections))
+
+
+def _prefill_inputs(device, tiny: bool, dt):
+    B, T, S, H, Dn, Dr, Dv, C, K = _PREFILL_TINY if tiny else _PREFILL_H200
     x = _mla_inputs(B, T, S, H, Dn, Dr, Dv, C, dt, device)
     pos = torch.arange(S - T, S, device=device).view(1, T, 1)
     idx = (torch.rand(B, T, K, device=device) * (pos + 1)).long().clamp(max=S - 1).to(torch.int32)
-    scale = (Dn + Dr) ** -0.5
+    return x, idx, (Dn + Dr) ** -0.5
 
-    def run(fn):
-        params = {a: v.detach().requires_grad_() for a, v in x.items()}
+
+def sparse_prefill_forward_case(device, tiny: bool) -> Case:
+    """Inference / forward only: bf16 inputs take the tensor-core path; fp32 inputs the exact-fp32 path."""
+    B, T, S, H, Dn, Dr, Dv, C, K = _PREFILL_TINY if tiny else _PREFILL_H200
+    x, idx, scale = _prefill_inputs(device, tiny, torch.bfloat16)
+    x32 = {a: v.float() for a, v in x.items()}
+    impls = {"cuda sparse prefill fwd (bf16 tensor cores)": lambda: _cuda("dsa_sparse_prefill")(*x.values(), idx,
+                                                                                                   scale=scale),
+             "cuda sparse prefill fwd (fp32 inputs, exact fp32)": lambda: _cuda("dsa_sparse_prefill")(
+                 *x32.values(), idx, scale=scale),
+             "reference fwd": lambda: dsa.sparse_attention_reference(*x.values(), idx, scale=scale)}
+    return Case("dsa_sparse_prefill fwd", f"B{B} T{T} S{S} H{H} C{C}+{Dr} K{K} bf16",
+                sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward=False), B * T * K * (C + Dr) * 2, impls)
+
+
+def sparse_prefill_case(device, tiny: bool) -> Case:
+    B, T, S, H, Dn, Dr, Dv, C, K = _PREFILL_TINY if tiny else _PREFILL_H200
+    x, idx, scale = _prefill_inputs(device, tiny, torch.bfloat16)
+    x32 = {a: v.float() for a, v in x.items()}
+
+    def run(fn, inputs):
+        params = {a: v.detach().requires_grad_() for a, v in inputs.items()}
         out = fn(*params.values(), idx, scale=scale)
         out.float().sum().backward()
         return out
 
-    impls = {"cuda sparse prefill fwd+bwd": lambda: run(_cuda("dsa_sparse_prefill")),
-             "reference fwd+bwd": lambda: run(dsa.sparse_attention_reference)}
-    flops = 3 * 2.0 * B * T * H * K * (2 * C + Dr)  # backward ~2x forward
-    return Case("dsa_sparse_prefill", f"B{B} T{T} S{S} H{H} K{K} bf16 fwd+bwd", flops,
-                B * T * K * (C + Dr) * 2 * 3, impls, compute_dtype="fp32")
+    impls = {"cuda sparse prefill fwd+bwd (bf16 tensor cores)": lambda: run(_cuda("dsa_sparse_prefill"), x),
+             "cuda sparse prefill fwd+bwd (fp32 inputs, exact fp32)": lambda: run(_cuda("dsa_sparse_prefill"), x32),
+             "reference fwd+bwd": lambda: run(dsa.sparse_attention_reference, x)}
+    return Case("dsa_sparse_prefill", f"B{B} T{T} S{S} H{H} K{K} bf16 fwd+bwd",
+                sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward=True), B * T * K * (C + Dr) * 2 * 3, impls)
 
 
 def route_case(device, tiny: bool) -> Case:
@@ -134,17 +169,45 @@ def permute_case(device, tiny: bool) -> Case:
     return Case("moe_dispatch+combine", f"N{N} K{K} E{E} D{D} bf16", 0.0, 2 * (2 * N * K * D * 2), impls)
 
 
-def experts_case(device, tiny: bool) -> Case:
+def _experts_inputs(device, tiny: bool):
     E, M, D, F_ = (4, 64, 32, 48) if tiny else (8, 1024, 6144, 2048)  # fp32-accumulated: keep it ~80 GFLOP
     dt = torch.bfloat16
     counts = torch.full((E,), M // E, device=device, dtype=torch.int64)
     x = _randn(M, D, dtype=dt, device=device)
     wg, wu = (_randn(E, F_, D, dtype=dt, device=device, scale=D ** -0.5) for _ in range(2))
     wd = _randn(E, D, F_, dtype=dt, device=device, scale=F_ ** -0.5)
+    return (E, M, D, F_), counts, (x, wg, wu, wd)
+
+
+def experts_case(device, tiny: bool) -> Case:
+    (E, M, D, F_), counts, (x, wg, wu, wd) = _experts_inputs(device, tiny)
     impls = {"cuda grouped SwiGLU": lambda: _cuda("moe_experts")(x, counts, wg, wu, wd),
              "reference (per-expert torch matmuls, fp32)": lambda: moe.grouped_swiglu_reference(x, counts, wg, wu, wd)}
     return Case("moe_experts", f"E{E} M{M} D{D} F{F_} bf16", 6.0 * M * D * F_, (3 * E * F_ * D + 2 * M * D) * 2, impls,
                 compute_dtype="fp32")
+
+
+def experts_backward_flops(M, D, F_) -> float:
+    """FLOPs the Triton grouped SwiGLU forward + backward executes: eleven [M, D] x [D, F]-sized GEMMs of
+    2 M D F each: forward gate, up, down (3); backward recomputed gate and up (2), dh = dO Wd (1),
+    dx = dg Wg + du Wu (2), dWg = dg^T x, dWu = du^T x (2), dWd = dO^T h (1)."""
+    return 11 * 2.0 * M * D * F_
+
+
+def experts_backward_case(device, tiny: bool) -> Case:
+    (E, M, D, F_), counts, inputs = _experts_inputs(device, tiny)
+
+    def run(fn):
+        x, wg, wu, wd = (t.detach().requires_grad_() for t in inputs)
+        out = fn(x, counts, wg, wu, wd)
+        out.float().sum().backward()
+        return out
+
+    impls = {"cuda grouped SwiGLU fwd+bwd": lambda: run(_cuda("moe_experts")),
+             "reference fwd+bwd (per-expert torch matmuls, fp32)": lambda: run(moe.grouped_swiglu_reference)}
+    # compulsory traffic: x, dO, dx [M, D]; the three weight stacks and their gradients
+    return Case("moe_experts fwd+bwd", f"E{E} M{M} D{D} F{F_} bf16", experts_backward_flops(M, D, F_),
+                (6 * E * F_ * D + 4 * M * D) * 2, impls, compute_dtype="fp32")
 
 
 def muon_case(device, tiny: bool) -> Case:
@@ -162,5 +225,8 @@ def muon_case(device, tiny: bool) -> Case:
                 compute_dtype="fp32")
 
 
-ALL_CASES: List[Callable[[str, bool], Case]] = [indexer_case, sparse_decode_case, sparse_prefill_case, route_case,
-                                                permute_case, experts_case, muon_case]
+ALL_CASES: List[Callable[[str, bool], Case]] = [indexer_case, sparse_decode_case, sparse_prefill_forward_case,
+                                                sparse_prefill_case, route_case, permute_case, experts_case,
+                                                experts_backward_case, muon_case]
+# The kernels training runs (forward + backward), benchmarked first by run_h200.sh.
+TRAINING_CASES = ("sparse_prefill_forward_case", "sparse_prefill_case", "experts_backward_case")

@@ -64,3 +64,19 @@ def test_the_near_tie_check_catches_a_topk_whose_rounding_depends_on_the_cache_l
     registry._kernel_table.cache_clear()
     assert not verdicts["topk_prefill_decode_near_ties"], verdicts
     assert determinism.CHECKS["topk_prefill_decode_near_ties"]("cpu", "cpu").passed
+
+
+def test_backward_repeatability_catches_gradients_that_change_between_runs():
+    import torch
+
+    from glm5_core import determinism
+
+    runs = iter(range(10))
+
+    def drifting_grads(backend, device, dtype):  # as a backward accumulating with atomics in a varying order may
+        return [torch.ones(3, dtype=dtype), torch.full((2,), 1.0 + next(runs) * 2.0 ** -20, dtype=dtype)]
+
+    result = determinism.backward_repeatability(drifting_grads, torch.float32, "cpu", "cpu")
+    assert not result.passed and "backward run 1 differs" in result.detail
+    steady = determinism.backward_repeatability(lambda *a: [torch.ones(3)], torch.float32, "cpu", "cpu")
+    assert steady.passed

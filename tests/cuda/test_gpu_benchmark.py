@@ -46,3 +46,28 @@ def test_tiny_run_writes_results_without_errors(tmp_path):
             assert entry["ms"] > 0 and "error" not in entry, (label, entry)
     assert "| moe_route |" in next(tmp_path.glob("cuda_kernels_*.md")).read_text()
     assert torch.cuda.is_available() or results["header"]["peaks"] == {}
+
+
+def test_training_case_flop_counts_follow_the_formulas():
+    cases = _load("cases")
+    B, T, H, Dn, Dr, Dv, C, K = 1, 8, 4, 16, 8, 16, 32, 8  # the tiny prefill shape
+    per_key_fwd, per_key_bwd = 4 * C + 2 * Dr, (6 * C + 4 * Dr) + (8 * C + 4 * Dr)
+    projections = 2 * C * (Dn + Dv)
+    assert cases.sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward=False) == B * T * H * (
+        K * per_key_fwd + projections)
+    assert cases.sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward=True) == B * T * H * (
+        K * (per_key_fwd + per_key_bwd) + 3 * projections)
+    assert cases.sparse_prefill_case("cpu", tiny=True).flops == cases.sparse_prefill_flops(
+        B, T, H, Dn, Dr, Dv, C, K, backward=True)
+    M, D, F = 64, 32, 48  # the tiny experts shape: 3 forward GEMMs, 8 backward ones (2 of them recomputing)
+    assert cases.experts_backward_case("cpu", tiny=True).flops == (3 + 8) * 2 * M * D * F
+
+
+def test_run_h200_benchmarks_the_training_kernels_first():
+    cases = _load("cases")
+    names = {build.__name__ for build in cases.ALL_CASES}
+    assert set(cases.TRAINING_CASES) <= names
+    script = (BENCH_DIR / "run_h200.sh").read_text()
+    line = next(row for row in script.splitlines() if row.startswith("TRAINING="))
+    assert line.split('"')[1].split() == list(cases.TRAINING_CASES)
+    assert script.index("--only $TRAINING") < script.index("--skip $TRAINING")

@@ -102,3 +102,47 @@ def test_tile_schedule_covers_every_row_once():
     experts, row0, row1 = tile_schedule(torch.tensor([3, 0, 9, 1]), block_m=4)
     assert experts.tolist() == [0, 2, 2, 2, 3]
     assert row0.tolist() == [0, 3, 7, 11, 12] and row1.tolist() == [3, 12, 12, 12, 13]
+
+
+def _grads(fn, leaves, *args, cotangent):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    fn(*leaves, *args).backward(cotangent)
+    return [t.grad for t in leaves]
+
+
+def test_grouped_swiglu_backward_matches_reference(device):
+    E, D, F = 5, 24, 40
+    counts = torch.tensor([7, 0, 70, 1, 3], device=device)  # an empty expert, one spanning two row tiles
+    M = int(counts.sum())
+    x = testing.randn((M, D), seed=15, device=device)
+    w_gate, w_up = (testing.randn((E, F, D), seed=s, device=device, scale=0.2) for s in (16, 17))
+    w_down = testing.randn((E, D, F), seed=18, device=device, scale=0.2)
+    cotangent = testing.randn((M, D), seed=19, device=device)
+
+    def call(fn):
+        return _grads(lambda x, wg, wu, wd: fn(x, counts, wg, wu, wd), [x, w_gate, w_up, w_down], cotangent=cotangent)
+
+    ours, ref = call(kernel("moe_experts")), call(moe.grouped_swiglu_reference)
+    for name, a, b in zip(("x_sorted", "w_gate", "w_up", "w_down"), ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert_close(a, b, torch.float32, f"d{name}")
+    for grad in ours[1:]:
+        assert torch.equal(grad[1], torch.zeros_like(grad[1]))  # the expert with no row
+
+
+def test_combine_and_dispatch_backward_match_reference(device):
+    N, K, E, D = 11, 3, 6, 20
+    x = testing.randn((N, D), seed=20, device=device)
+    ids = torch.randint(0, E - 1, (N, K), generator=testing.generator(21)).to(device=device, dtype=torch.int32)
+    weights = torch.rand((N, K), generator=testing.generator(22)).to(device)
+    y = testing.randn((N * K, D), seed=23, device=device)
+    _, sort_idx, _ = moe.dispatch_reference(x, ids, num_experts=E)
+    d_out = testing.randn((N, D), seed=24, device=device)
+    ours_y, ours_w = _grads(lambda y, w: kernel("moe_combine")(y, sort_idx, w), [y, weights], cotangent=d_out)
+    ref_y, ref_w = _grads(lambda y, w: moe.combine_reference(y, sort_idx, w), [y, weights], cotangent=d_out)
+    assert_close(ours_y, ref_y, torch.float32, "d y_sorted")
+    assert_close(ours_w, ref_w, torch.float32, "d weights")
+    d_sorted = testing.randn((N * K, D), seed=25, device=device)
+    ours_x = _grads(lambda x: kernel("moe_dispatch")(x, ids, num_experts=E)[0], [x], cotangent=d_sorted)[0]
+    ref_x = _grads(lambda x: moe.dispatch_reference(x, ids, num_experts=E)[0], [x], cotangent=d_sorted)[0]
+    assert_close(ours_x, ref_x, torch.float32, "d x")

@@ -68,3 +68,43 @@ def test_supports_declines_fp64_and_long_dense_decode():
     ok, why = kernel("mla_decode").supports(long_q, long_q[..., :4], torch.zeros(1, 70, 8), torch.zeros(1, 70, 4),
                                             torch.zeros(1, 8, 8), torch.zeros(1, 8, 8), scale=1.0, start_pos=0)
     assert not ok and "65" in why
+
+
+def test_the_tensor_core_path_is_taken_for_bf16_inputs_only():
+    from glm5_core.backends.triton.sparse_mla import uses_tensor_cores
+
+    bf16 = _inputs(torch.bfloat16, "cpu")
+    assert uses_tensor_cores(*(bf16[a] for a in ARGS[:4]))
+    for dtype in (torch.float32, torch.float16):
+        x = _inputs(dtype, "cpu")
+        assert not uses_tensor_cores(*(x[a] for a in ARGS[:4])), dtype
+    assert not uses_tensor_cores(bf16["q_nope"], bf16["q_pe"], bf16["c_kv"].float(), bf16["k_pe"])
+
+
+def test_round_to_bf16_is_the_round_to_nearest_even_cast(device):
+    """The interpreter's emulation of the tensor-core operands rounds like torch's (and the GPU's) fp32 -> bf16."""
+    import triton
+
+    from tests.cuda.bf16_round_probe import round_kernel
+
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * 3], dtype=torch.float32)  # halfway
+    x = torch.cat([ties, testing.randn((200,), seed=3) * 100, testing.randn((50,), seed=4) * 1e-30]).to(device)
+    out = torch.empty_like(x)
+    round_kernel[(triton.cdiv(x.numel(), 64),)](x, out, x.numel(), BLOCK=64)
+    assert torch.equal(out, x.to(torch.bfloat16).float())
+
+
+def test_bf16_prefill_rounds_the_tensor_core_operands(device):
+    """On bf16 inputs the kernels also round the probabilities to bf16 (a tensor-core operand of p @ c_kv): the
+    result differs from the exact-fp32 path on the same bf16 values, by about one bf16 rounding."""
+    from glm5_core.backends.cuda.launch import CUDA_CONFIGS
+    from glm5_core.backends.triton import sparse_mla
+
+    x = _inputs(torch.bfloat16, device, K=9, seed=6)
+    q_lat = mla.absorb_query(x["q_nope"].float(), x["w_uk"].float())
+    operands = [t.to(torch.bfloat16).contiguous() for t in (q_lat, x["q_pe"], x["c_kv"], x["k_pe"])]  # bf16 values
+    config = CUDA_CONFIGS["sparse_mla"]
+    exact, _ = sparse_mla.latent_forward(*(t.float() for t in operands), x["topk_idx"], 0.3, config)
+    rounded, _ = sparse_mla.latent_forward(*operands, x["topk_idx"], 0.3, config, tensor_cores=True)
+    diff = float((exact - rounded).abs().max())
+    assert 0 < diff <= 2 ** -7 * float(exact.abs().max())

@@ -8,6 +8,8 @@ launch covers all experts with no padding of the token dimension:
   pass 2:           out[M, D]    = hidden @ Wd[e]^T
 Both passes are the same kernel (``_grouped_gemm_kernel``), with or without the gated pair.
 Accumulation is fp32 with exact fp32 products (16-bit tiles are widened), like the reference.
+``_GroupedSwiGLU`` makes it differentiable: the backward (``moe_experts_bwd``) recomputes the gated pair
+and gives the gradients of the rows and of the three weight stacks.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_core.backends.triton import _util
+from glm5_core.backends.triton import _util, moe_experts_bwd
 from glm5_core.backends.triton.launch import LaunchConfig
 
 
@@ -71,19 +73,41 @@ def _launch(a, b1, b2, out, schedule, config: LaunchConfig, swiglu: bool):
         SWIGLU=swiglu, BM=BM, BN=BN, BK=BK, **config.launch_kwargs())
 
 
-def grouped_swiglu(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
-    """``moe_experts``: [M, D] in x_sorted's dtype."""
-    M, D = x_sorted.shape
+def _forward(x, counts, w_gate, w_up, w_down, schedule, config: LaunchConfig):
+    """fp32 [M, D] for contiguous operands."""
+    M, D = x.shape
     F = w_gate.shape[1]
-    out = torch.zeros((M, D), dtype=torch.float32, device=x_sorted.device)
-    schedule = tile_schedule(counts, config.block("m"))
+    out = torch.zeros((M, D), dtype=torch.float32, device=x.device)
     if schedule[0].numel() == 0:
-        return out.to(x_sorted.dtype)
-    x, w_gate, w_up, w_down = (t.contiguous() for t in (x_sorted, w_gate, w_up, w_down))
+        return out
     hidden = torch.empty((M, F), dtype=torch.float32, device=x.device)
     _launch(x, w_gate, w_up, hidden, schedule, config, swiglu=True)
     _launch(hidden, w_down, w_down, out, schedule, config, swiglu=False)
-    return out.to(x_sorted.dtype)
+    return out
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_sorted, counts, w_gate, w_up, w_down, config):
+        x, w_gate_c, w_up_c, w_down_c = (t.contiguous() for t in (x_sorted, w_gate, w_up, w_down))
+        schedule = tile_schedule(counts, config.block("m"))
+        ctx.save_for_backward(x, counts, w_gate_c, w_up_c, w_down_c, *schedule)
+        ctx.config = config
+        ctx.dtypes = (x_sorted.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
+        return _forward(x, counts, w_gate_c, w_up_c, w_down_c, schedule, config).to(x_sorted.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, counts, w_gate, w_up, w_down, *schedule = ctx.saved_tensors
+        dx, d_wg, d_wu, d_wd = moe_experts_bwd.grouped_swiglu_backward(
+            x, counts, w_gate, w_up, w_down, d_out.contiguous(), schedule, ctx.config)
+        x_dt, wg_dt, wu_dt, wd_dt = ctx.dtypes
+        return dx.to(x_dt), None, d_wg.to(wg_dt), d_wu.to(wu_dt), d_wd.to(wd_dt), None
+
+
+def grouped_swiglu(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
+    """``moe_experts``: [M, D] in x_sorted's dtype; differentiable in x_sorted and the three weight stacks."""
+    return _GroupedSwiGLU.apply(x_sorted, counts, w_gate, w_up, w_down, config)
 
 
 def supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):

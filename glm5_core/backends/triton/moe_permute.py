@@ -8,6 +8,11 @@ dispatch:
                     own to ``offsets[e] + (number of earlier ones)``: a stable counting sort, no atomics;
   gather kernel  -- x_sorted[r] = x[sort_idx[r] // K].
 combine: out[n] = sum_j w[n, j] * y_sorted[inverse[n * K + j]], in slot order, fp32 accumulation.
+
+Both are differentiable (``_Dispatch``, ``_Combine``), with backwards made of the same kernels, no atomics:
+  dispatch:  dx[n] = sum_j d_x_sorted[inverse[n * K + j]]          (the combine kernel, unit weights)
+  combine:   d_y_sorted[r] = w[m] * d_out[m // K] with m = sort_idx[r]       (the gather kernel, weighted)
+             d_w[n, j] = d_out[n] . y_sorted[inverse[n * K + j]]       (one program per token)
 """
 from __future__ import annotations
 
@@ -43,12 +48,18 @@ def _place_kernel(ids_ptr, offsets_ptr, sort_idx_ptr, M, BR: tl.constexpr):
 
 
 @triton.jit
-def _gather_rows_kernel(x_ptr, sort_idx_ptr, out_ptr, M, D, K, stride_x, BR: tl.constexpr, BD: tl.constexpr):
+def _gather_rows_kernel(x_ptr, sort_idx_ptr, w_ptr, out_ptr, M, D, K, stride_x, WEIGHTED: tl.constexpr,
+                        BR: tl.constexpr, BD: tl.constexpr):
+    """out[r] = x[sort_idx[r] // K], times w[sort_idx[r]] (fp32) when WEIGHTED."""
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    src = tl.load(sort_idx_ptr + offs_r, mask=offs_r < M, other=0) // K
+    slot = tl.load(sort_idx_ptr + offs_r, mask=offs_r < M, other=0)
+    src = slot // K
     mask = (offs_r[:, None] < M) & (offs_d[None, :] < D)
     rows = tl.load(x_ptr + src[:, None] * stride_x + offs_d[None, :], mask=mask)
+    if WEIGHTED:
+        w = tl.load(w_ptr + slot, mask=offs_r < M, other=0.0).to(tl.float32)
+        rows = (rows.to(tl.float32) * w[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], rows, mask=mask)
 
 
@@ -64,41 +75,121 @@ def _combine_kernel(y_ptr, inverse_ptr, w_ptr, out_ptr, D, K, BD: tl.constexpr):
     tl.store(out_ptr + n * D + offs_d, acc.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
+@triton.jit
+def _combine_weight_grad_kernel(y_ptr, inverse_ptr, dout_ptr, dw_ptr, D, K, BD: tl.constexpr):
+    """d_w[n, j] = d_out[n] . y[inverse[n * K + j]] (fp32), one program per token, hidden tiles in order."""
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    for j in range(0, K):
+        r = tl.load(inverse_ptr + n * K + j).to(tl.int64)
+        acc = tl.zeros([BD], tl.float32)
+        for d0 in range(0, D, BD):
+            dd = d0 + offs
+            y = tl.load(y_ptr + r * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+            acc += y * tl.load(dout_ptr + n * D + dd, mask=dd < D, other=0.0).to(tl.float32)
+        tl.store(dw_ptr + n * K + j, tl.sum(acc, axis=0))
+
+
 _GATHER_ROWS = 16
 
 
-def dispatch(x, expert_ids, *, num_experts: int, config: LaunchConfig):
-    """``moe_dispatch``: (x_sorted [M, D], sort_idx int64 [M], counts int64 [E])."""
+def _inverse(sort_idx):
+    """inverse[m] = the sorted row of flat assignment m (sort_idx's dtype)."""
+    inverse = torch.empty_like(sort_idx)
+    inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device, dtype=sort_idx.dtype)
+    return inverse
+
+
+def _gather(x, sort_idx, weights, K: int, out_dtype, config: LaunchConfig):
+    """[M, D]: rows of x [N, D] (stride(1) == 1) in sorted order, scaled by weights [M] when given."""
+    M, D = sort_idx.numel(), x.shape[1]
+    out = torch.empty((M, D), dtype=out_dtype, device=x.device)
+    if M and D:
+        BD = config.block("cols")
+        _gather_rows_kernel[(triton.cdiv(M, _GATHER_ROWS), triton.cdiv(D, BD))](
+            x, sort_idx, weights if weights is not None else x, out, M, D, K, x.stride(0),
+            WEIGHTED=weights is not None, BR=_GATHER_ROWS, BD=BD, **config.launch_kwargs())
+    return out
+
+
+def _combine_rows(y_sorted, inverse, weights, config: LaunchConfig):
+    """out [N, D] in y_sorted's dtype: the weighted slot sums (y_sorted, weights contiguous)."""
+    N, K = weights.shape
+    D = y_sorted.shape[1]
+    out = torch.empty((N, D), dtype=y_sorted.dtype, device=y_sorted.device)
+    if N and D:
+        BD = config.block("cols")
+        _combine_kernel[(N, triton.cdiv(D, BD))](y_sorted, inverse, weights, out, D, K, BD=BD,
+                                                **config.launch_kwargs())
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, expert_ids, num_experts, config):
+        x_sorted, sort_idx, counts = _dispatch(x, expert_ids, num_experts, config)
+        ctx.mark_non_differentiable(sort_idx, counts)
+        ctx.save_for_backward(sort_idx)
+        ctx.tokens_slots, ctx.config = tuple(expert_ids.shape), config  # (N, K)
+        return x_sorted, sort_idx, counts
+
+    @staticmethod
+    def backward(ctx, d_x_sorted, _d_sort_idx, _d_counts):
+        (sort_idx,) = ctx.saved_tensors
+        N, K = ctx.tokens_slots
+        D = d_x_sorted.shape[1]
+        inverse = _inverse(sort_idx)
+        if d_x_sorted.dtype == torch.float64:  # the combine kernel accumulates in fp32: sum fp64 in torch
+            return d_x_sorted[inverse].view(N, K, D).sum(1), None, None, None  # [N, K, D] -> [N, D]
+        ones = torch.ones((N, K), dtype=torch.float32, device=d_x_sorted.device)
+        return _combine_rows(d_x_sorted.contiguous(), inverse, ones, ctx.config), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted, sort_idx, weights, config):
+        y_sorted, weights_c = y_sorted.contiguous(), weights.contiguous()
+        inverse = _inverse(sort_idx)
+        ctx.save_for_backward(y_sorted, sort_idx, inverse, weights_c)
+        ctx.config, ctx.w_dtype = config, weights.dtype
+        return _combine_rows(y_sorted, inverse, weights_c, config)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        y_sorted, sort_idx, inverse, weights = ctx.saved_tensors
+        N, K = weights.shape
+        D = y_sorted.shape[1]
+        d_out = d_out.contiguous()
+        d_y = _gather(d_out, sort_idx, weights.view(-1), K, y_sorted.dtype, ctx.config)
+        d_w = torch.zeros((N, K), dtype=torch.float32, device=d_out.device)
+        if N and K and D:
+            _combine_weight_grad_kernel[(N,)](y_sorted, inverse, d_out, d_w, D, K, BD=ctx.config.block("cols"),
+                                              **ctx.config.launch_kwargs())
+        return d_y, None, d_w.to(ctx.w_dtype), None
+
+
+def _dispatch(x, expert_ids, num_experts: int, config: LaunchConfig):
     N, K = expert_ids.shape
-    D = x.shape[1]
     M = N * K
     ids = expert_ids.reshape(-1).contiguous()  # [M]
     x = x if x.stride(1) == 1 else x.contiguous()
-    BR, BD = config.block("rows"), config.block("cols")
+    BR = config.block("rows")
     counts = torch.empty(num_experts, dtype=torch.int64, device=x.device)
     _count_kernel[(num_experts,)](ids, counts, M, BR=BR, **config.launch_kwargs())
     offsets = (torch.cumsum(counts, 0) - counts).contiguous()  # exclusive prefix sum [E]
     sort_idx = torch.empty(M, dtype=torch.int64, device=x.device)
     _place_kernel[(num_experts,)](ids, offsets, sort_idx, M, BR=BR, **config.launch_kwargs())
-    x_sorted = torch.empty((M, D), dtype=x.dtype, device=x.device)
-    if M and D:
-        _gather_rows_kernel[(triton.cdiv(M, _GATHER_ROWS), triton.cdiv(D, BD))](
-            x, sort_idx, x_sorted, M, D, K, x.stride(0), BR=_GATHER_ROWS, BD=BD, **config.launch_kwargs())
-    return x_sorted, sort_idx, counts
+    return _gather(x, sort_idx, None, K, x.dtype, config), sort_idx, counts
+
+
+def dispatch(x, expert_ids, *, num_experts: int, config: LaunchConfig):
+    """``moe_dispatch``: (x_sorted [M, D], sort_idx int64 [M], counts int64 [E]); differentiable in x."""
+    return _Dispatch.apply(x, expert_ids, num_experts, config)
 
 
 def combine(y_sorted, sort_idx, weights, *, config: LaunchConfig):
-    """``moe_combine``: out [N, D] in y_sorted's dtype."""
-    N, K = weights.shape
-    D = y_sorted.shape[1]
-    inverse = torch.empty_like(sort_idx)
-    inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device, dtype=sort_idx.dtype)
-    out = torch.empty((N, D), dtype=y_sorted.dtype, device=y_sorted.device)
-    if N and D:
-        BD = config.block("cols")
-        _combine_kernel[(N, triton.cdiv(D, BD))](y_sorted.contiguous(), inverse, weights.contiguous(), out, D, K,
-                                                BD=BD, **config.launch_kwargs())
-    return out
+    """``moe_combine``: out [N, D] in y_sorted's dtype; differentiable in y_sorted and weights."""
+    return _Combine.apply(y_sorted, sort_idx, weights, config)
 
 
 def combine_supports(y_sorted, sort_idx, weights, **kwargs):

@@ -18,7 +18,16 @@ Backward (recomputes probabilities from the saved log-sum-exp):
   dkv kernel  -- one program per (query row, key tile): the gradient each selected slot sends to its
                  latent row, summed over heads in head order, written per slot;
 then the per-slot gradients are summed into dc_kv / dk_pe by a sorted (deterministic) index_put.
-All arithmetic is fp32 (tiles of 16-bit inputs are widened), so the result tracks the fp32 reference.
+
+Precision. fp32 / fp16 inputs: every product is exact fp32 (16-bit tiles are widened), so the result tracks
+the fp32 reference. bf16 inputs (``uses_tensor_cores``): the prefill forward and backward run their products
+on bf16 tensor cores with fp32 accumulators, the FlashAttention recipe: q_lat, q_pe, the gathered keys and
+d_out are bf16, the probabilities p and score gradients ds are rounded to bf16 for p @ kv, ds @ kv, p^T dO,
+ds^T q; softmax statistics, delta and all accumulations stay fp32, and gradients leave the kernels in fp32.
+Under the interpreter (CPU tensors) bf16 ``tl.dot`` is unusable and its fp32 -> bf16 cast truncates, so the
+kernels round the same operands to nearest-even bf16 themselves and multiply them in fp32, which is exact
+for bf16 x bf16: the rounding points, hence the error the conformance checks measure, are the GPU's.
+The decode path keeps exact fp32 products for every dtype.
 """
 from __future__ import annotations
 
@@ -31,6 +40,30 @@ from glm5_core.backends.triton.launch import LaunchConfig
 from glm5_core.ops.mla import absorb_query, project_output
 
 _SLOT_BUDGET = 1 << 26  # fp32 elements of per-slot key gradients held at once by the backward (256 MiB)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), kept in fp32: the GPU's cast, bit for bit, also under the
+    interpreter (whose own fp32 -> bf16 cast truncates). Finite inputs (probabilities, scores, gradients)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, TC: tl.constexpr, EMULATE: tl.constexpr):
+    """a @ b of fp32 tiles, fp32 result. TC: a bf16 tensor-core product (operands rounded to bf16, fp32
+    accumulation); EMULATE (the interpreter, whose bf16 dot is unusable): the same rounded operands, whose
+    products are exact in fp32, multiplied in fp32. Otherwise exact fp32 products."""
+    if TC:  # (one return: the compiler does not prune code after a return under a constexpr branch)
+        if EMULATE:
+            out = tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), input_precision="ieee")
+        else:
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
 
 
 @triton.jit
@@ -52,7 +85,7 @@ def _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
 
 @triton.jit
 def _load_heads(ptr, row, h0, stride_r, stride_h, H, D: tl.constexpr, BH: tl.constexpr, D_PAD: tl.constexpr):
-    """Rows h0..h0+BH-1 of a [R, H, D] fp32 tensor (contiguous last dim) -> [BH, D_PAD]."""
+    """Rows h0..h0+BH-1 of a [R, H, D] tensor (contiguous last dim) -> [BH, D_PAD] (fp32; bf16 when TC)."""
     offs_h = h0 + tl.arange(0, BH)
     offs_d = tl.arange(0, D_PAD)
     return tl.load(ptr + row * stride_r + offs_h[:, None] * stride_h + offs_d[None, :],
@@ -63,7 +96,7 @@ def _load_heads(ptr, row, h0, stride_r, stride_h, H, D: tl.constexpr, BH: tl.con
 def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, lse_ptr,
                        T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks, stride_ir,
                        C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                       C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+                       C_PAD: tl.constexpr, DR_PAD: tl.constexpr, TC: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
     b = row // T
@@ -75,14 +108,14 @@ def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, ls
     for k0 in range(0, K, BK):
         kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
                                      stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
-        s = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(q_pe, tl.trans(kr), input_precision="ieee")
+        s = _mm(q_lat, tl.trans(kv), TC, EMULATE) + _mm(q_pe, tl.trans(kr), TC, EMULATE)
         s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BH, BK]
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
         alpha = tl.exp(m - m_ref)
         p = tl.exp(s - m_ref[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
+        acc = acc * alpha[:, None] + _mm(p, kv, TC, EMULATE)
         m = m_new
     has_key = row_sum > 0.0
     out = tl.where(has_key[:, None], acc / tl.where(has_key, row_sum, 1.0)[:, None], 0.0)
@@ -95,11 +128,12 @@ def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, ls
 
 
 @triton.jit
-def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale):
+def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC: tl.constexpr,
+                       EMULATE: tl.constexpr):
     """Recompute p = exp(s - lse) and ds = p * (dO . kv - delta) for one [heads, keys] tile."""
-    s = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(q_pe, tl.trans(kr), input_precision="ieee")
+    s = _mm(q_lat, tl.trans(kv), TC, EMULATE) + _mm(q_pe, tl.trans(kr), TC, EMULATE)
     p = tl.where(valid[None, :], tl.exp(s * scale - lse[:, None]), 0.0)
-    dp = tl.dot(d_out, tl.trans(kv), input_precision="ieee")
+    dp = _mm(d_out, tl.trans(kv), TC, EMULATE)
     return p, p * (dp - delta[:, None])
 
 
@@ -107,7 +141,7 @@ def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale):
 def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
                           dqlat_ptr, dqpe_ptr, T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks,
                           stride_ir, C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                          C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+                          C_PAD: tl.constexpr, DR_PAD: tl.constexpr, TC: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BH
     b = row // T
@@ -122,9 +156,9 @@ def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr
     for k0 in range(0, K, BK):
         kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
                                      stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
-        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale)
-        dq_lat += tl.dot(ds, kv, input_precision="ieee")
-        dq_pe += tl.dot(ds, kr, input_precision="ieee")
+        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC, EMULATE)
+        dq_lat += _mm(ds, kv, TC, EMULATE)
+        dq_pe += _mm(ds, kr, TC, EMULATE)
     offs_c = tl.arange(0, C_PAD)
     offs_r = tl.arange(0, DR_PAD)
     tl.store(dqlat_ptr + row * H * C + offs_h[:, None] * C + offs_c[None, :], dq_lat * scale,
@@ -138,7 +172,7 @@ def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_pt
                            dkv_slots_ptr, dkr_slots_ptr, row0, T, H, K, scale, stride_cb, stride_cs,
                            stride_kb, stride_ks, stride_ir,
                            C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                           C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+                           C_PAD: tl.constexpr, DR_PAD: tl.constexpr, TC: tl.constexpr, EMULATE: tl.constexpr):
     local = tl.program_id(0).to(tl.int64)  # row within this chunk
     row = row0 + local
     k0 = tl.program_id(1) * BK
@@ -154,10 +188,10 @@ def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_pt
         d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
         lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
         delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
-        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale)
-        dkv += tl.dot(tl.trans(p), d_out, input_precision="ieee")
-        dkv += tl.dot(tl.trans(ds), q_lat, input_precision="ieee") * scale
-        dkr += tl.dot(tl.trans(ds), q_pe, input_precision="ieee") * scale
+        p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC, EMULATE)
+        dkv += _mm(tl.trans(p), d_out, TC, EMULATE)
+        dkv += _mm(tl.trans(ds), q_lat, TC, EMULATE) * scale
+        dkr += _mm(tl.trans(ds), q_pe, TC, EMULATE) * scale
     offs_k = k0 + tl.arange(0, BK)
     offs_c = tl.arange(0, C_PAD)
     offs_r = tl.arange(0, DR_PAD)
@@ -168,10 +202,11 @@ def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_pt
              mask=kmask & (offs_r[None, :] < DR))
 
 
-def _meta(q_lat, q_pe, config: LaunchConfig):
+def _meta(q_lat, q_pe, config: LaunchConfig, tensor_cores: bool = False):
     C, DR = q_lat.shape[-1], q_pe.shape[-1]
     return dict(C=C, DR=DR, BH=config.block("heads"), BK=config.block("keys"),
-                C_PAD=_util.next_pow2(C, 16), DR_PAD=_util.next_pow2(DR, 16))
+                C_PAD=_util.next_pow2(C, 16), DR_PAD=_util.next_pow2(DR, 16),
+                TC=tensor_cores, EMULATE=tensor_cores and q_lat.device.type == "cpu")  # cpu: the interpreter
 
 
 def _key_strides(c_kv, k_pe, idx):
@@ -179,13 +214,14 @@ def _key_strides(c_kv, k_pe, idx):
     return (c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1), idx.shape[-1])
 
 
-def latent_forward(q_lat, q_pe, c_kv, k_pe, idx, scale: float, config: LaunchConfig):
-    """o_lat fp32 [B, T, H, C] and log-sum-exp fp32 [B, T, H] (+inf for a query with no key)."""
+def latent_forward(q_lat, q_pe, c_kv, k_pe, idx, scale: float, config: LaunchConfig, tensor_cores: bool = False):
+    """o_lat fp32 [B, T, H, C] and log-sum-exp fp32 [B, T, H] (+inf for a query with no key).
+    ``tensor_cores``: every operand is bf16 and the products run on bf16 tensor cores (fp32 accumulation)."""
     B, T, H, C = q_lat.shape
     K = idx.shape[-1]
     out = torch.empty((B, T, H, C), dtype=torch.float32, device=q_lat.device)
     lse = torch.empty((B, T, H), dtype=torch.float32, device=q_lat.device)
-    meta = _meta(q_lat, q_pe, config)
+    meta = _meta(q_lat, q_pe, config, tensor_cores)
     _sparse_fwd_kernel[(B * T, triton.cdiv(H, meta["BH"]))](
         q_lat, q_pe, c_kv, k_pe, idx, out, lse, T, H, K, scale, *_key_strides(c_kv, k_pe, idx),
         **meta, **config.launch_kwargs())
@@ -199,13 +235,14 @@ def _slot_rows(idx: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.where(idx >= 0, idx.long() + base, torch.full_like(idx, B * num_keys, dtype=torch.long))
 
 
-def latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, scale: float, config: LaunchConfig):
-    """Gradients (dq_lat, dq_pe, dc_kv, dk_pe), all fp32."""
+def latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, scale: float, config: LaunchConfig,
+                    tensor_cores: bool = False):
+    """Gradients (dq_lat, dq_pe, dc_kv, dk_pe), all fp32 (``tensor_cores``: bf16 operands, d_out rounded to bf16)."""
     B, T, H, C = q_lat.shape
     S, DR, K = c_kv.shape[1], q_pe.shape[-1], idx.shape[-1]
-    d_out = d_out.float().contiguous()
-    delta = (out * d_out).sum(-1).contiguous()  # [B, T, H]
-    meta = _meta(q_lat, q_pe, config)
+    d_out = (d_out.to(torch.bfloat16) if tensor_cores else d_out.float()).contiguous()
+    delta = (out * d_out.float()).sum(-1).contiguous()  # [B, T, H], from the d_out the kernels see
+    meta = _meta(q_lat, q_pe, config, tensor_cores)
     strides = _key_strides(c_kv, k_pe, idx)
     dq_lat = torch.empty_like(q_lat, dtype=torch.float32)
     dq_pe = torch.empty_like(q_pe, dtype=torch.float32)
@@ -230,19 +267,30 @@ def latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, scale: float,
     return dq_lat, dq_pe, dkv[:-1].view(B, S, C), dkr[:-1].view(B, S, DR)
 
 
+def _tensor_core_operands(q_lat, q_pe, c_kv, k_pe, tensor_cores: bool):
+    """The operands the kernels read: all bf16 for the tensor-core path, else as given."""
+    if not tensor_cores:
+        return q_lat, q_pe, c_kv, k_pe
+    return tuple(t.to(torch.bfloat16).contiguous() for t in (q_lat, q_pe, c_kv, k_pe))
+
+
 class _SparseLatentAttention(torch.autograd.Function):
+    """o_lat of fp32 q_lat / q_pe (so their gradients stay fp32) and c_kv / k_pe as given."""
+
     @staticmethod
-    def forward(ctx, q_lat, q_pe, c_kv, k_pe, idx, scale, config):
-        out, lse = latent_forward(q_lat, q_pe, c_kv, k_pe, idx, scale, config)
-        ctx.save_for_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse)
-        ctx.scale, ctx.config = scale, config
+    def forward(ctx, q_lat, q_pe, c_kv, k_pe, idx, scale, config, tensor_cores):
+        operands = _tensor_core_operands(q_lat, q_pe, c_kv, k_pe, tensor_cores)
+        out, lse = latent_forward(*operands, idx, scale, config, tensor_cores)
+        ctx.save_for_backward(*operands, idx, out, lse)
+        ctx.scale, ctx.config, ctx.tensor_cores = scale, config, tensor_cores
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q_lat, q_pe, c_kv, k_pe, idx, out, lse = ctx.saved_tensors
-        grads = latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, ctx.scale, ctx.config)
-        return (*grads, None, None, None)
+        grads = latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, ctx.scale, ctx.config,
+                                ctx.tensor_cores)
+        return (*grads, None, None, None, None)
 
 
 def _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx):
@@ -251,10 +299,19 @@ def _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx):
     return q_lat, q_pe.float().contiguous(), c_kv.contiguous(), k_pe.contiguous(), topk_idx.contiguous()
 
 
+def uses_tensor_cores(q_nope, q_pe, c_kv, k_pe) -> bool:
+    """bf16 activations and cache: the prefill's products run on bf16 tensor cores (fp32 accumulation);
+    fp32 / fp16 inputs keep exact fp32 products."""
+    return all(t.dtype == torch.bfloat16 for t in (q_nope, q_pe, c_kv, k_pe))
+
+
 def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float, config: LaunchConfig):
     """``dsa_sparse_prefill``: differentiable in q_nope, q_pe, c_kv, k_pe, w_uk, w_uv."""
-    q_lat, q_pe32, c_kv32, k_pe32, idx = _latent_inputs(q_nope, q_pe, c_kv.float(), k_pe.float(), w_uk, topk_idx)
-    o_lat = _SparseLatentAttention.apply(q_lat, q_pe32, c_kv32, k_pe32, idx, float(scale), config)
+    tensor_cores = uses_tensor_cores(q_nope, q_pe, c_kv, k_pe)
+    if not tensor_cores:
+        c_kv, k_pe = c_kv.float(), k_pe.float()
+    q_lat, q_pe32, c_kv, k_pe, idx = _latent_inputs(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx)
+    o_lat = _SparseLatentAttention.apply(q_lat, q_pe32, c_kv, k_pe, idx, float(scale), config, tensor_cores)
     return project_output(o_lat, w_uv.float()).to(q_nope.dtype)
 
 

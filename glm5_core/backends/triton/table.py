@@ -43,9 +43,11 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
         "dsa_sparse_decode": bind(sparse_mla.sparse_decode, configs["sparse_mla"], sparse_mla.supports),
         "mla_decode": bind(sparse_mla.dense_decode, configs["sparse_mla"], sparse_mla.dense_decode_supports),
         "moe_route": bind(moe_route.route, configs["moe_route"], moe_route.supports),
-        "moe_dispatch": bind(moe_permute.dispatch, configs["moe_permute"]),
-        "moe_combine": bind(moe_permute.combine, configs["moe_permute"], moe_permute.combine_supports),
-        "moe_experts": bind(moe_experts.grouped_swiglu, configs["grouped_gemm"], moe_experts.supports),
+        "moe_dispatch": bind(moe_permute.dispatch, configs["moe_permute"], differentiable=True),
+        "moe_combine": bind(moe_permute.combine, configs["moe_permute"], moe_permute.combine_supports,
+                            differentiable=True),  # backwards: moe_permute._Dispatch / _Combine
+        "moe_experts": bind(moe_experts.grouped_swiglu, configs["grouped_gemm"], moe_experts.supports,
+                            differentiable=True),  # backward through _GroupedSwiGLU (moe_experts_bwd)
         "muon_orthogonalize": bind(newton_schulz.orthogonalize, configs["newton_schulz"], newton_schulz.supports),
     }
     table.update(custom_ops.register(configs))  # inference ops as torch.library custom ops (torch.compile)
