@@ -88,7 +88,7 @@ class _Active:
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
-                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False):
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = True):
         config = model.config
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
@@ -96,8 +96,8 @@ class RolloutEngine:
         if not 2 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
         self.model = model.eval()
-        if reuse_stacked_weights:  # for a model only this engine writes (load_state_dict), e.g. a worker's own
-            model.reuse_stacked_expert_weights(True)
+        if reuse_stacked_weights:  # the MoE layers keep their stacked expert weights between decode steps
+            model.reuse_stacked_expert_weights(True)  # (dropped on every push; see MoE._stacked)
         self.device = module_device(model)
         self.max_batch = max_batch
         self.max_len = max_len
@@ -326,6 +326,7 @@ class RolloutEngine:
                     current = self.model.state_dict()
                     for name, tensor in state_dict.items():
                         current[name].copy_(tensor)
+            self.model.drop_stacked_expert_weights()  # never decode with a stacked copy of the old experts
             self.version = version
             self.prefix_cache.flush()
             self.stats.weight_updates += 1
@@ -407,22 +408,27 @@ class RolloutEngine:
         self._accept_many(slots, logits, topk)
 
     def _decode(self) -> None:
-        S = self.max_batch
-        last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
-        pos = torch.zeros(S, dtype=torch.long)  # [S]
-        for slot, state in enumerate(self._slots):
-            if state is not None:
-                last[slot, 0] = state.tokens[-1]
-                pos[slot] = state.kv_len
-        out = self._forward(last.to(self.device), self._cache, pos.to(self.device))
+        """One token for every active slot. The forward covers only the window of slots from the first active
+        one to the last (free slots are taken lowest first, so that is usually just the active ones): a view of
+        those rows of the batched cache, not all ``max_batch`` of them."""
         active = [i for i, s in enumerate(self._slots) if s is not None]
+        lo, hi = active[0], active[-1] + 1
+        last = torch.zeros(hi - lo, 1, dtype=torch.long)  # [W, 1] over the window's W = hi - lo slots
+        pos = torch.zeros(hi - lo, dtype=torch.long)  # [W]
+        for slot in active:
+            last[slot - lo, 0] = self._slots[slot].tokens[-1]
+            pos[slot - lo] = self._slots[slot].kv_len
+        window = kv_slots.row_window(self._cache, lo, hi)
+        start = int(pos[0]) if len(active) == 1 else pos.to(self.device)
+        out = self._forward(last.to(self.device), window, start)
         for i in active:
             self._slots[i].kv_len += 1  # versions only grow: the slot's oldest KV version is unchanged
         self.stats.decode_steps += 1
         self.stats.decode_slot_steps += len(active)
-        rows = torch.tensor(active, dtype=torch.long, device=self.device)
-        topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
-        self._accept_many(active, out.logits[rows, 0], topk)
+        rows = [i - lo for i in active]  # [A] rows of the window
+        logits = out.logits[:, 0] if len(rows) == hi - lo else out.logits[torch.tensor(rows, device=self.device), 0]
+        topk = [[t[r, 0].tolist() for t in out.topk_idx] for r in rows] if self.record_topk else [None] * len(rows)
+        self._accept_many(active, logits, topk)
 
     def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
         states = [self._slots[i] for i in slots]
