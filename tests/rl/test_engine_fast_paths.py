@@ -40,20 +40,25 @@ def test_engine_keeps_stacked_expert_weights_by_default(tiny_policy):
     assert not any(layer.reuse_stacked_weights or layer._stacked_cache for layer in opted_out.moe_layers())
 
 
+@pytest.mark.parametrize("threaded", [False, True], ids=["caller_applies", "scheduler_applies"])
 @pytest.mark.parametrize("partial", [False, True])
-def test_weight_push_replaces_kept_stacked_expert_weights(tiny_policy, partial):
+def test_weight_push_replaces_kept_stacked_expert_weights(tiny_policy, partial, threaded):
     """After a push that changes only the routed experts, the engine decodes with the new experts: its tokens
-    and log-probs are those of an engine built on the new weights (a stale stacked copy would give the old)."""
+    and log-probs are those of an engine built on the new weights (a stale stacked copy would give the old).
+    With a scheduler thread the push lands inside a step (inference mode), without one in the caller."""
     model = copy.deepcopy(tiny_policy)
     engine = RolloutEngine(model, max_batch=4, max_len=96, seed=1)
+    if threaded:
+        engine.start()
     requests = _requests(3)
     before = [(r.output_ids, r.logprobs) for r in engine.generate(requests)]  # fills the kept stacks
     new_state = _expert_weights_scaled(model, 1.7)
     push = {k: v for k, v in new_state.items() if ".experts." in k} if partial else new_state
-    engine.update_weights(push, version=1, partial=partial)
+    engine.update_weights(push, version=1, partial=partial, wait=60 if threaded else None)
     for r in requests:
         engine.end_trajectory(r.rid)
     after = [(r.output_ids, r.logprobs) for r in engine.generate(requests)]
+    engine.shutdown()
 
     reference = copy.deepcopy(tiny_policy)
     reference.load_state_dict(new_state)
@@ -107,16 +112,16 @@ def test_split_groups_is_contiguous_balanced_and_complete():
     assert sum(groups, []) == list(range(11)) and max(map(len, groups)) - min(map(len, groups)) <= 1
 
 
-def test_decode_threads_map_runs_groups_without_grad_and_restores_the_callers_threads():
+def test_decode_threads_map_runs_groups_in_inference_mode_and_restores_the_callers_threads():
     decoders = DecodeThreads(2, intra_op_threads=1)
     before = torch.get_num_threads()
     try:
-        seen = decoders.map(lambda g: (g, torch.is_grad_enabled(), torch.get_num_threads()), [[0], [1, 2]])
+        seen = decoders.map(lambda g: (g, torch.is_inference_mode_enabled(), torch.get_num_threads()), [[0], [1, 2]])
     finally:
         decoders.close()
     assert [s[0] for s in seen] == [[0], [1, 2]]
-    assert all(not grad and threads == 1 for _, grad, threads in seen)
-    assert torch.get_num_threads() == before and torch.is_grad_enabled()
+    assert all(inference and threads == 1 for _, inference, threads in seen)
+    assert torch.get_num_threads() == before and not torch.is_inference_mode_enabled()
     def fails_on_the_pool(group):
         if group == [1]:
             raise RuntimeError("boom")

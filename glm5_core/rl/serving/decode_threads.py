@@ -49,7 +49,7 @@ class DecodeThreads:
 
     def map(self, fn: Callable[[List[int]], Result], groups: List[List[int]]) -> List[Result]:
         """``[fn(g) for g in groups]``, the first group on the calling thread, the others on the pool, all
-        without autograd; the first exception is raised after every group finished."""
+        in inference mode; the first exception is raised after every group finished."""
         futures = [self._executor().submit(self._run, fn, g) for g in groups[1:]]
         try:
             first = self._run(fn, groups[0], restore=True)
@@ -62,7 +62,7 @@ class DecodeThreads:
         if self.intra_op_threads is not None and before != self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)  # this thread's setting (OpenMP: per-thread)
         try:
-            with torch.no_grad():
+            with torch.inference_mode():
                 return fn(group)
         finally:
             if restore and torch.get_num_threads() != before:
