@@ -8,7 +8,8 @@ the medians over the rounds, and the per-round ratios are kept too. Parts (``--p
   * generate: the rollout engine at its defaults (``RolloutEngine(model)``, greedy requests) against
     ``model.generate(do_sample=False)`` (transformers' DynamicCache), batch 1 and 8 (``--batches``), a
     64-token prompt and 128 new tokens (``--prompt-tokens``, ``--new-tokens``); new tokens/s. Checked: the
-    fraction of generated tokens on which the two agree.
+    fraction of generated tokens on which the two agree. ``--also-decode-threads N`` adds the engine with
+    ``decode_threads=N`` as a third side (batches > 1).
   * prefill: one forward without a cache over ``--prefill-shapes`` (BxT), the last position's logits (as a
     generate prefill computes them); tokens/s. Checked: the max relative error of those logits.
 
@@ -17,7 +18,7 @@ top-4 + 1 shared, index_topk 128 (so a 64 + 128 generation runs past it: DSA dro
 (tie-free scores, so both sides select the same keys), vocabulary 4096.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_vs_transformers.py --part generate --part prefill \\
-        --rounds 5 --out benchmarks/results/vs_transformers_cpu.json
+        --rounds 5 --also-decode-threads 2 --out benchmarks/results/vs_transformers_cpu.json
 """
 from __future__ import annotations
 
@@ -116,10 +117,26 @@ def part_generate(models: Models, args) -> Dict:
         got = torch.tensor([r.output_ids for r in engine_generate()])
         agree = float((got == want).float().mean())
         first_diff = [int((g != w).nonzero()[0]) if bool((g != w).any()) else None for g, w in zip(got, want)]
-        times = interleaved({"transformers": hf_generate, "glm5_core": engine_generate}, args.rounds,
-                            f"generate B={batch}")
-        out["batches"][str(batch)] = dict(summary(times, batch * args.new_tokens), token_agreement=agree,
-                                          first_divergence_per_row=first_diff)
+        sides = {"transformers": hf_generate, "glm5_core": engine_generate}
+        if args.also_decode_threads and batch > 1:  # the same engine with concurrent decode groups, for contrast
+            variant = RolloutEngine(models.glm5, decode_threads=args.also_decode_threads)
+            name = f"glm5_core_decode_threads_{args.also_decode_threads}"
+
+            def variant_generate(variant=variant):
+                results = variant.generate(requests)
+                for request in requests:
+                    variant.end_trajectory(request.rid)
+                return results
+
+            variant_generate()  # warm-up
+            sides[name] = variant_generate
+        times = interleaved(sides, args.rounds, f"generate B={batch}")
+        result = dict(summary(times, batch * args.new_tokens), token_agreement=agree,
+                      first_divergence_per_row=first_diff)
+        for name in sides:
+            if name.startswith("glm5_core_"):
+                result[f"speedup_of_medians_{name}"] = summary(times, 1, candidate=name)["speedup_of_medians"]
+        out["batches"][str(batch)] = result
     return out
 
 
@@ -172,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-shapes", nargs="+", default=["1x512", "4x512"])
+    parser.add_argument("--also-decode-threads", type=int, default=0,
+                        help="generate: also time the engine with decode_threads=N (batches > 1), for contrast")
     parser.add_argument("--out", default="benchmarks/results/vs_transformers_cpu.json")
     args = parser.parse_args(argv)
     if args.rounds < 1:
