@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
+FIRST_TOPK = 256  # top_p_filter's first partial sort width (a peaked nucleus fits; a wider one grows it 4x)
 
 
 def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
@@ -62,7 +63,7 @@ def top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
     probs = torch.softmax(logits_BV[rows], dim=-1)  # [R, V]
     top_p_R1 = top_p_B[rows].unsqueeze(-1)  # [R, 1]
     V = probs.shape[-1]
-    k = min(V, _FIRST_K)
+    k = min(V, FIRST_TOPK)
     while True:
         values = torch.topk(probs, k, dim=-1, sorted=True).values  # [R, k], descending
         mass_before = torch.cumsum(values, dim=-1) - values  # [R, k] mass of strictly better positions
@@ -78,8 +79,6 @@ def top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
     drop[rows] = ~keep
     return logits_BV.masked_fill(drop, float("-inf"))
 
-
-_FIRST_K = 256  # the first partial sort's width (nuclei of peaked distributions fit; wider ones grow it)
 
 
 def sorted_top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
