@@ -126,8 +126,15 @@ class GLM5ForCausalLM(nn.Module):
             raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
         for layer in self.moe_layers():
             layer.reuse_stacked_weights = enabled
-            layer._stacked_cache.clear()
+            layer.drop_stacked_weights()
         return self
+
+    def drop_stacked_expert_weights(self) -> None:
+        """Forget every MoE layer's kept stacked expert weights (the next no-grad forward stacks them again).
+        A weight push calls it: the kept copies follow in-place writes by their version counters, and this makes
+        a push safe whichever way it wrote the parameters."""
+        for layer in self.moe_layers():
+            layer.drop_stacked_weights()
 
     def indexer_parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.model.layers:

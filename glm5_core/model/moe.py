@@ -90,22 +90,27 @@ class MoE(nn.Module):
     def _stacked(self, name: str) -> torch.Tensor:
         """The experts' ``name`` weights as one tensor, [E, F, D] or [E, D, F].
 
-        Rebuilt on every call by default. An inference server that owns its weights (the rollout engine's
-        worker) turns on ``reuse_stacked_weights``: with autograd off the stacked copy is then kept while every
+        Rebuilt on every call by default (a training process) and in every grad-enabled forward. The rollout
+        engine turns on ``reuse_stacked_weights`` (its default): with autograd off the stacked copy is kept while every
         expert weight is the same tensor object (held weakly: a replaced parameter, e.g. after ``.to()`` or
         ``load_state_dict(assign=True)``, never matches) with the same storage, dtype and in-place version
-        counter (``load_state_dict`` and optimizer steps bump it). A write through ``param.data`` bumps
-        nothing, which is why the reuse is opt-in. It costs one extra copy of the expert weights.
+        counter (``load_state_dict`` and optimizer steps bump it), and the engine drops it on every weight push
+        (:meth:`drop_stacked_weights`). A write through ``param.data`` bumps nothing: code that writes the
+        weights that way must call :meth:`drop_stacked_weights`. It costs one extra copy of the expert weights.
         """
         weights = [getattr(e, name).weight for e in self.experts]
-        if not self.reuse_stacked_weights or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-            return torch.stack(weights)
+        if not self.reuse_stacked_weights or torch.is_grad_enabled():  # a kept stack may be an inference tensor,
+            return torch.stack(weights)  # which autograd cannot save: grad-enabled forwards always stack
         key = [(w.data_ptr(), w._version, w.dtype) for w in weights]
         cached = self._stacked_cache.get(name)
         if cached is None or cached[1] != key or any(ref() is not w for ref, w in zip(cached[0], weights)):
             cached = ([weakref.ref(w) for w in weights], key, torch.stack(weights))
             self._stacked_cache[name] = cached
         return cached[2]
+
+    def drop_stacked_weights(self) -> None:
+        """Forget the kept stacked expert weights (see :meth:`_stacked`); the next forward stacks them again."""
+        self._stacked_cache.clear()
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""

@@ -7,6 +7,12 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   their rows are then copied into free slots of the batched cache. Every scheduler step decodes one token
   for all active slots at once (ragged ``start_pos [S]``). A finished request frees its slot at once and a
   waiting one takes it on the next step (continuous batching).
+* Decode steps run on ``decode_threads`` threads (default 1), each over a contiguous group of the active
+  slots and, on cpu, with one torch intra-op thread: a step is many small ops, and splitting each of them
+  across cores costs more than it saves (measured in ``benchmarks/bench_vs_transformers.py``); prefill keeps
+  the caller's thread setting. Each group's forward covers only its slots' window of the batched cache.
+  The MoE layers keep their stacked expert weights between steps (``reuse_stacked_weights``, dropped on
+  every weight push).
 * Attention is ``"sparse"`` (DSA with the deterministic top-k, the same path the trainer recomputes).
 * Each sampled token carries its log-prob (temperature-scaled softmax, see ``sampling``) and the weight
   version that produced it. Weight updates land between steps; the prefix cache is flushed then. Each
@@ -48,6 +54,7 @@ import torch
 from glm5_core.ops import _checks
 from glm5_core.rl.device import module_device
 from glm5_core.rl.serving import kv_slots
+from glm5_core.rl.serving.decode_threads import DecodeThreads
 from glm5_core.rl.serving.prefix_cache import TrajectoryPrefixCache
 from glm5_core.rl.serving.protocol import (
     FINISH_ABORT,
@@ -98,8 +105,8 @@ class _Active:
 class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
-                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = False,
-                 speculative: Optional[dict] = None):
+                 record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = True,
+                 decode_threads: int = 1, speculative: Optional[dict] = None):
         config = model.config
         draft_tokens = parse_setting(speculative)
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -108,9 +115,11 @@ class RolloutEngine:
         if not 2 <= max_len <= config.max_position_embeddings:
             raise ValueError(f"max_len: expected an int in [2, {config.max_position_embeddings}], got {max_len}")
         self.model = model.eval()
-        if reuse_stacked_weights:  # for a model only this engine writes (load_state_dict), e.g. a worker's own
-            model.reuse_stacked_expert_weights(True)
+        if reuse_stacked_weights:  # the MoE layers keep their stacked expert weights between decode steps
+            model.reuse_stacked_expert_weights(True)  # (dropped on every push; see MoE._stacked)
         self.device = module_device(model)
+        # decode steps on cpu: one intra-op thread per decoding thread (decode_threads.py says why)
+        self._decoders = DecodeThreads(decode_threads, intra_op_threads=1 if self.device.type == "cpu" else None)
         self.max_batch = max_batch
         self.max_len = max_len
         self.limits = Limits(vocab_size=config.vocab_size, max_input_tokens=max_len - 1,
@@ -276,6 +285,7 @@ class RolloutEngine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._decoders.close()
         for state in [s for s in self._slots if s is not None]:
             self._finish_result(state, FINISH_ABORT)
         while self._waiting:
@@ -341,13 +351,14 @@ class RolloutEngine:
                     current = self.model.state_dict()
                     for name, tensor in state_dict.items():
                         current[name].copy_(tensor)
+            self.model.drop_stacked_expert_weights()  # never decode with a stacked copy of the old experts
             self.version = version
             self.prefix_cache.flush()
             self.stats.weight_updates += 1
             applied.set()
 
-    @torch.no_grad()
-    def step(self) -> None:
+    @torch.inference_mode()  # no autograd bookkeeping at all (~6% of a batch-1 decode step); the engine's
+    def step(self) -> None:  # own tensors (scratch and prefix caches, kept expert stacks) are inference tensors
         """Apply pending weights, admit waiting requests into free slots (prefill), decode one token."""
         t0 = time.monotonic()
         self._apply_pending_weights()
@@ -429,24 +440,37 @@ class RolloutEngine:
                                             for row in running], out.hidden[running])
 
     def _decode(self) -> None:
+        """One token for every active slot. The active slots are cut into up to ``decode_threads`` contiguous
+        groups decoded concurrently (``decode_threads.py``); each group's forward covers only the window of
+        slots from its first to its last (free slots are taken lowest first, so usually just its own): a view
+        of those rows of the batched cache, never all ``max_batch`` of them. Sampling then runs once, over
+        the active slots in slot order."""
         if self.speculative is not None:
             return self._decode_speculative()
-        S = self.max_batch
-        last = torch.zeros(S, 1, dtype=torch.long)  # [S, 1]
-        pos = torch.zeros(S, dtype=torch.long)  # [S]
-        for slot, state in enumerate(self._slots):
-            if state is not None:
-                last[slot, 0] = state.tokens[-1]
-                pos[slot] = state.kv_len
-        out = self._forward(last.to(self.device), self._cache, pos.to(self.device))
         active = [i for i, s in enumerate(self._slots) if s is not None]
+        parts = self._decoders.map(self._decode_group, self._decoders.groups(active))
         for i in active:
             self._slots[i].kv_len += 1  # versions only grow: the slot's oldest KV version is unchanged
         self.stats.decode_steps += 1
         self.stats.decode_slot_steps += len(active)
-        rows = torch.tensor(active, dtype=torch.long, device=self.device)
-        topk = [[t[i, 0].tolist() for t in out.topk_idx] for i in active] if self.record_topk else [None] * len(active)
-        self._accept_many(active, out.logits[rows, 0], topk)
+        logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])  # [A, V]
+        self._accept_many(active, logits, [tk for p in parts for tk in p[1]])
+
+    def _decode_group(self, group: List[int]) -> Tuple[torch.Tensor, List]:
+        """Forward the last token of the slots ``group`` (ascending) over their cache window: (logits [G, V],
+        per slot its top-k trace or None)."""
+        lo, hi = group[0], group[-1] + 1
+        last = torch.zeros(hi - lo, 1, dtype=torch.long)  # [W, 1] over the window's W = hi - lo slots
+        pos = torch.zeros(hi - lo, dtype=torch.long)  # [W]
+        for slot in group:
+            last[slot - lo, 0] = self._slots[slot].tokens[-1]
+            pos[slot - lo] = self._slots[slot].kv_len
+        start = int(pos[0]) if hi - lo == 1 else pos.to(self.device)
+        out = self._forward(last.to(self.device), kv_slots.row_window(self._cache, lo, hi), start)
+        rows = [slot - lo for slot in group]  # [G] rows of the window
+        logits = out.logits[:, 0] if len(rows) == hi - lo else out.logits[torch.tensor(rows, device=self.device), 0]
+        topk = [[t[r, 0].tolist() for t in out.topk_idx] for r in rows] if self.record_topk else [None] * len(rows)
+        return logits, topk
 
     def _request_generator(self, request: GenerateRequest) -> Optional[torch.Generator]:
         if request.sampling_seed is None:

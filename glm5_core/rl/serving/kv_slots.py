@@ -8,7 +8,7 @@ the prefix cache. Only the dataclass fields of the cache are touched, so any cac
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, TypeVar
 
 import torch
 
@@ -27,6 +27,16 @@ def tensors(cache) -> List[torch.Tensor]:
         if isinstance(value, list):
             out.extend(t for t in value if t is not None)
     return out
+
+
+Cache = TypeVar("Cache")
+
+
+def row_window(cache: Cache, lo: int, hi: int) -> Cache:
+    """The same kind of cache over rows ``[lo, hi)`` of ``cache``: views, so writes land in ``cache``."""
+    changes = {name: [None if t is None else t[lo:hi] for t in getattr(cache, name)]
+               for name in _fields(cache) if isinstance(getattr(cache, name), list)}
+    return dataclasses.replace(cache, **changes)
 
 
 def read_rows(cache, slot: int, length: int) -> List[torch.Tensor]:
