@@ -128,7 +128,8 @@ class RLRun:
             from glm5_core.model import load_pretrained
 
             teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
-        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher)
+        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
+                               routing_replay=cfg.train.routing_replay, index_replay=cfg.train.index_replay)
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
@@ -143,7 +144,9 @@ class RLRun:
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
         self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
-                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done)
+                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done,
+                                    return_routed_experts=cfg.train.routing_replay,
+                                    return_indexer_topk=cfg.train.index_replay)
         self.metrics = MetricsLogger(self.out_dir)
         self.summary: Dict = {}
         self._producer: Optional[threading.Thread] = None
@@ -166,7 +169,8 @@ class RLRun:
                           max_batch=r.max_batch, max_len=r.max_len, prefix_cache_entries=r.prefix_cache_entries,
                           prefix_cache_tokens=r.prefix_cache_tokens,
                           seed=self.cfg.seed * 1000 + index + 7919 * self.latest_version,
-                          torch_threads=r.engine_threads, placement=self.engine_devices[index])
+                          torch_threads=r.engine_threads, placement=self.engine_devices[index],
+                          record_routing=self.cfg.train.routing_replay, record_index_topk=self.cfg.train.index_replay)
 
     def _make_executor(self):
         if self.external:
