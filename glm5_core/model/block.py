@@ -30,7 +30,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MoE):
             main = state.record_topk  # False in the MTP module: it neither replays nor records
             replay = state.routing_replay[self.mlp.moe_index] if main and state.routing_replay is not None else None
-            ffn_out, counts, ids = self.mlp(ffn_in, replay)
+            ffn_out, counts, ids = self.mlp.route_and_run(ffn_in, replay)
             previous = state.expert_counts[self.mlp.moe_index]
             state.expert_counts[self.mlp.moe_index] = counts if previous is None else previous + counts
             if main:

@@ -121,10 +121,15 @@ class MoE(nn.Module):
             self._stacked_cache[name] = cached
         return cached[2]
 
-    def forward(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E] detached, expert ids int32 [B, T, K]).
-        ``replay_ids`` int [B, T, K]: routing replay (see ``Gate.forward``)."""
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""
+        y, counts, _ = self.route_and_run(x)
+        return y, counts
+
+    def route_and_run(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also returns the chosen expert ids int32 [B, T, K]; ``replay_ids`` int [B, T, K]
+        forces them (routing replay, see ``Gate.forward``)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)  # [N, D]
         flat_replay = replay_ids.reshape(B * T, -1) if replay_ids is not None else None  # [N, K]

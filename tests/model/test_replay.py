@@ -113,7 +113,7 @@ def test_gradients_through_replayed_experts_match_the_reference_moe():
     N = 12
     x = torch.randn(1, N, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
     ids = random_experts((N, cfg.num_experts_per_tok), cfg.n_routed_experts, seed=5)
-    y, _, used = layer(x, ids.view(1, N, -1))
+    y, _, used = layer.route_and_run(x, ids.view(1, N, -1))
     assert torch.equal(used.view(N, -1), ids.to(torch.int32))
     params = [x, layer.gate.weight, layer.experts[int(ids[0, 0])].up_proj.weight]
     grads = torch.autograd.grad((y ** 2).sum(), params)
