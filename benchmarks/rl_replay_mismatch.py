@@ -2,7 +2,7 @@
 trainer is tau policy versions ahead of the engine that sampled (async RL staleness).
 
     python benchmarks/rl_replay_mismatch.py --checkpoint runs/tiny/final [--samples 64] [--steps 4]
-        [--out benchmarks/results/rl_replay_mismatch.json]
+        [--seeds 0 1 2] [--out benchmarks/results/rl_replay_mismatch.json]
 
 Policy versions: v0 is the checkpoint (the Quickstart's, by default); v1..v4 come from real RL steps
 (``Trainer.train_step``, lr 3e-4 as configs/rl_tiny.yaml, 32 trajectories a step, each sampled by the engine
@@ -18,7 +18,8 @@ replay, routing + index replay. Reported per tau and way:
   * key mismatch: fraction of positions past index_topk (where the top-k is a real selection) where some full
     indexer layer's set of keys differs from the rollout's;
   * |logp_train - logp_rollout| over the sampled tokens: mean and max.
-tau = 0 is engine vs trainer at equal weights (decode path with a KV cache vs one full forward).
+tau = 0 is engine vs trainer at equal weights (decode path with a KV cache vs one full forward). Each seed
+repeats everything (its own RL steps and measured samples); the summary is the mean over seeds (max: largest).
 Also: bytes per token of each trace, stored and on the wire (base64 JSON), here and at GLM-5's size.
 """
 from __future__ import annotations
@@ -162,7 +163,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="runs/tiny/final")
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one full repeat (versions, samples) each")
     parser.add_argument("--out", default="benchmarks/results/rl_replay_mismatch.json")
     args = parser.parse_args()
     if not os.path.isfile(os.path.join(args.checkpoint, "config.json")):
@@ -170,26 +171,42 @@ def main() -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    torch.manual_seed(args.seed)
     t0 = time.monotonic()
-    model = load_pretrained(args.checkpoint, backend="cpu").eval()
-    states = versions(model, args.steps, args.seed)
-    model.load_state_dict(states[0])
-    engine = RolloutEngine(model, max_batch=16, max_len=128, seed=args.seed + 999, record_routing=True,
-                           record_index_topk=True)
-    samples = rollout(engine, stdlib_windows(args.samples, args.seed + 7), "measure-")  # sampled under v0
     rows = []
-    for tau in (t for t in TAUS if t <= args.steps):
-        model.load_state_dict(states[tau])
-        for way in WAYS:
-            rows.append({"tau": tau, "replay": way, **measure(model, samples, way)})
-            print(json.dumps(rows[-1]), flush=True)
+    for seed in args.seeds:
+        torch.manual_seed(seed)
+        model = load_pretrained(args.checkpoint, backend="cpu").eval()
+        states = versions(model, args.steps, seed)
+        model.load_state_dict(states[0])
+        engine = RolloutEngine(model, max_batch=16, max_len=128, seed=seed + 999, record_routing=True,
+                               record_index_topk=True)
+        samples = rollout(engine, stdlib_windows(args.samples, seed + 7), f"measure{seed}-")  # sampled under v0
+        for tau in (t for t in TAUS if t <= args.steps):
+            model.load_state_dict(states[tau])
+            for way in WAYS:
+                rows.append({"seed": seed, "tau": tau, "replay": way, **measure(model, samples, way)})
+                print(json.dumps(rows[-1]), flush=True)
     result = {"command": "python benchmarks/" + " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
               "checkpoint": args.checkpoint, "samples": args.samples, "prompt_tokens": PROMPT, "new_tokens": NEW,
-              "train_steps": args.steps, "rows": rows, "bytes_per_token": trace_bytes(samples, model.config),
+              "train_steps": args.steps, "seeds": args.seeds, "mean_over_seeds": mean_over_seeds(rows),
+              "rows": rows, "bytes_per_token": trace_bytes(samples, model.config),
               "seconds": round(time.monotonic() - t0, 1)}
-    write_json(args.out, result, result["bytes_per_token"])
+    write_json(args.out, result, {"mean_over_seeds": result["mean_over_seeds"],
+                                  "bytes_per_token": result["bytes_per_token"]})
     return 0
+
+
+def mean_over_seeds(rows):
+    """Per (tau, replay): the mean of each figure over the seeds (max: the largest)."""
+    keys = ("expert_mismatch_positions", "expert_mismatch_pairs", "key_mismatch_positions", "abs_logp_diff_mean")
+    out = []
+    for tau in sorted({r["tau"] for r in rows}):
+        for way in WAYS:
+            group = [r for r in rows if r["tau"] == tau and r["replay"] == way]
+            summary = {k: sum(r[k] for r in group) / len(group) for k in keys}
+            summary["abs_logp_diff_max"] = max(r["abs_logp_diff_max"] for r in group)
+            out.append({"tau": tau, "replay": way, **summary})
+    return out
 
 
 if __name__ == "__main__":

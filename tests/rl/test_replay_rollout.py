@@ -169,3 +169,16 @@ def test_wire_traces_are_checked(edit, match):
 def test_int16_keys_round_trip_with_padding():
     keys = torch.tensor([[[0, -1, -1]], [[1, 0, -1]]], dtype=torch.int16)
     assert torch.equal(replay_trace.decode(wire(keys), "k", rows=2), keys)
+
+
+def test_config_keys(monkeypatch):
+    from glm5_core.rl.config import config_from_dict
+
+    monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
+    cfg = config_from_dict({"train": {"routing_replay": True, "index_replay": True}})
+    assert cfg.train.routing_replay and cfg.train.index_replay
+    with pytest.raises(ValueError, match="train.routing_replay"):
+        config_from_dict({"train": {"routing_replay": "yes"}})
+    with pytest.raises(ValueError, match="train.routing_replay: expected false with rollout.engine_urls"):
+        config_from_dict({"train": {"routing_replay": True},
+                          "rollout": {"engine_urls": ["http://127.0.0.1:30000"]}})
