@@ -134,10 +134,9 @@ class RolloutEngine:
         if len(request.input_ids) > self.limits.max_input_tokens:
             raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, "
                              f"got {len(request.input_ids)}")
-        for asked, kind in ((request.return_routed_experts, "routing"), (request.return_indexer_topk, "index_topk")):
-            if asked and not self.record[kind]:
-                raise ValueError(f"return_{'routed_experts' if kind == 'routing' else 'indexer_topk'}: this engine "
-                                 f"does not record them (start it with record_{kind}=True)")
+        for name, kind in (("return_routed_experts", "routing"), ("return_indexer_topk", "index_topk")):
+            if getattr(request, name) and not self.record[kind]:
+                raise ValueError(f"{name}: this engine does not record them (start it with record_{kind}=True)")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
