@@ -53,6 +53,8 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=False)
         self.indexer = Indexer(cfg) if indexer_type == "full" else None
+        # rank of this layer among the main model's full-indexer layers (its row in topk_idx / index replay)
+        self.full_index = cfg.layer_indexer_types()[:layer_idx].count("full") if self.indexer is not None else None
 
     def absorbed_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj: w_uk [H, Dn, C], w_uv [H, Dv, C]."""
@@ -119,9 +121,14 @@ class MLA(nn.Module):
         if state.attention != "sparse" and not state.indexer_loss:
             return None, index_inputs
         topk_idx = dsa.indexer_topk(q_i, keys_i, w_i, self.indexer.topk, start_pos=index_start, backend=self.kernels)
-        state.shared_topk = topk_idx
         if state.attention == "sparse" and state.record_topk:
+            if state.index_replay is not None:  # index replay: rows holding keys select exactly those keys
+                replay = state.index_replay[self.full_index]  # [B, T, K]
+                topk_idx = torch.where(replay[..., :1] >= 0, replay.to(topk_idx.dtype), topk_idx)
             state.topk_idx.append(topk_idx)
+            if state.cache is not None and state.cache.index_topk:
+                state.cache.write_index_topk(self.layer_idx, topk_idx, state.start_pos)
+        state.shared_topk = topk_idx
         return topk_idx, index_inputs
 
     def _indexer_signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs: IndexInputs,

@@ -28,9 +28,15 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), state)
         ffn_in = self.post_attention_layernorm(h)
         if isinstance(self.mlp, MoE):
-            ffn_out, counts = self.mlp(ffn_in)
+            main = state.record_topk  # False in the MTP module: it neither replays nor records
+            replay = state.routing_replay[self.mlp.moe_index] if main and state.routing_replay is not None else None
+            ffn_out, counts, ids = self.mlp.route_and_run(ffn_in, replay)
             previous = state.expert_counts[self.mlp.moe_index]
             state.expert_counts[self.mlp.moe_index] = counts if previous is None else previous + counts
+            if main:
+                state.expert_ids.append(ids)
+                if state.cache is not None and state.cache.expert_ids:
+                    state.cache.write_expert_ids(self.mlp.moe_index, ids, state.start_pos)
         else:
             ffn_out = self.mlp(ffn_in)
         return h + ffn_out

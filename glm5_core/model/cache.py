@@ -5,6 +5,10 @@ Legend: B batch, L max_len (key slots), C kv_lora_rank, Dr qk_rope_head_dim, Di 
 Per main decoder layer: the compressed latent ``c_kv [B, L, C]`` (after kv_a_layernorm) and the roped
 shared key ``k_pe [B, L, Dr]`` (576 values per token at GLM-5 size), plus the indexer keys
 ``index_k [B, L, Di]`` for layers that run their own indexer ("full"; ``None`` for "shared" layers).
+With ``record_routing`` / ``record_index_topk`` (a rollout engine recording for routing / index replay) it
+also keeps, per position, the experts each main MoE layer chose (``expert_ids [B, L, K]``, compact ids, see
+``glm5_core.model.replay``) and the keys each full-indexer layer selected (``index_topk [B, L, K_idx]``); being
+cache fields, they follow the KV wherever the engine copies it (prefix cache, slots).
 The cache never holds expanded per-head keys or values. Slot ``s`` holds the token at absolute position
 ``s``; rows may be ragged (each row's own ``start_pos``): slots past a row's last token are ignored by
 the causal mask, so right-padded prompts can be prefilled together.
@@ -16,6 +20,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from glm5_core.model import replay
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.rope import positions_of
 
@@ -27,10 +32,13 @@ class KVCache:
     c_kv: List[torch.Tensor]
     k_pe: List[torch.Tensor]
     index_k: List[Optional[torch.Tensor]]
+    expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer (if recorded)
+    index_topk: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)  # per layer, None: shared
 
     @classmethod
     def new(cls, cfg: GLM5Config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
-            device: Union[str, torch.device] = "cpu") -> "KVCache":
+            device: Union[str, torch.device] = "cpu", record_routing: bool = False,
+            record_index_topk: bool = False) -> "KVCache":
         for name, value in (("batch_size", batch_size), ("max_len", max_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -41,11 +49,19 @@ class KVCache:
         def zeros(width: int) -> torch.Tensor:
             return torch.zeros(batch_size, max_len, width, dtype=dtype, device=device)
 
+        def ids(width: int, id_dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(batch_size, max_len, width, dtype=id_dtype, device=device)
+
         types = cfg.layer_indexer_types()
+        num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        expert_dtype, key_dtype = replay.expert_id_dtype(cfg.n_routed_experts), replay.key_id_dtype(max_len)
         return cls(
             c_kv=[zeros(cfg.kv_lora_rank) for _ in range(cfg.num_hidden_layers)],
             k_pe=[zeros(cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)],
             index_k=[zeros(cfg.index_head_dim) if kind == "full" else None for kind in types],
+            expert_ids=[ids(cfg.num_experts_per_tok, expert_dtype) for _ in range(num_moe)] if record_routing else [],
+            index_topk=([ids(cfg.index_topk, key_dtype) if kind == "full" else None for kind in types]
+                        if record_index_topk else []),
         )
 
     @property
@@ -93,3 +109,13 @@ class KVCache:
         store = self.index_k[layer]
         assert store is not None, f"layer {layer} has no indexer keys (a 'shared' layer)"
         return self._write(store, index_k, start_pos)
+
+    def write_expert_ids(self, moe_layer: int, ids: torch.Tensor, start_pos: StartPos) -> None:
+        """Record the experts [B, T, K] main MoE layer ``moe_layer`` chose for the current tokens."""
+        self._write(self.expert_ids[moe_layer], ids, start_pos)
+
+    def write_index_topk(self, layer: int, topk_idx: torch.Tensor, start_pos: StartPos) -> None:
+        """Record the keys [B, T, K_idx] full-indexer layer ``layer`` selected for the current tokens."""
+        store = self.index_topk[layer]
+        assert store is not None, f"layer {layer} has no indexer (a 'shared' layer)"
+        self._write(store, topk_idx, start_pos)

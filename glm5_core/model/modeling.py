@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from glm5_core import registry
+from glm5_core.model import replay
 from glm5_core.model.block import DecoderLayer
 from glm5_core.model.cache import KVCache
 from glm5_core.model.config import GLM5Config
@@ -22,6 +23,7 @@ from glm5_core.model.mtp import MTPLayer
 from glm5_core.model.norm import RMSNorm
 from glm5_core.model.rope import RotaryEmbedding, positions_of
 from glm5_core.model.state import ATTENTION_MODES, ForwardState
+from glm5_core.ops import _checks
 from glm5_core.ops import moe as moe_ops
 from glm5_core.ops._checks import value_checks_enabled
 
@@ -37,6 +39,7 @@ class GLM5Output:
     topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
     topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True
     hidden: Optional[torch.Tensor] = None  # [B, T, D] last main layer's output (before model.norm): the MTP input
+    expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
 
 
 class GLM5Model(nn.Module):
@@ -158,9 +161,13 @@ class GLM5ForCausalLM(nn.Module):
             bias = layer.gate.e_score_correction_bias
             bias.copy_(moe_ops.update_bias(bias, counts.to(bias.device), gamma))
 
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+    def new_cache(self, batch_size: int, max_len: int, *, record_routing: bool = False,
+                  record_index_topk: bool = False) -> KVCache:
+        """A cache for ``batch_size`` rows of ``max_len`` positions; ``record_routing`` / ``record_index_topk``
+        also keep each position's experts / selected keys (what a rollout engine returns for replay)."""
         weight = self.model.embed_tokens.weight
-        return KVCache.new(self.config, batch_size, max_len, dtype=weight.dtype, device=weight.device)
+        return KVCache.new(self.config, batch_size, max_len, dtype=weight.dtype, device=weight.device,
+                           record_routing=record_routing, record_index_topk=record_index_topk)
 
     # ---- forward ---------------------------------------------------------------------------------------
     def _check_call(self, input_ids, attention, mtp_depths, cache, start_pos) -> None:
@@ -205,17 +212,44 @@ class GLM5ForCausalLM(nn.Module):
                 raise ValueError(f"cache: expected {self.config.num_hidden_layers} layers, got {cache.num_layers}")
             cache.check_window(input_ids.shape[0], input_ids.shape[1], start_pos)
 
+    def _check_replay(self, input_ids, attention, start_pos, routing_replay, index_replay) -> None:
+        cfg = self.config
+        B, T = input_ids.shape
+        if routing_replay is not None:
+            replay.check_routing(routing_replay, batch=B, tokens=T, moe_layers=self._num_main_moe_layers(),
+                                 top_k=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts)
+            _checks.same_device(input_ids=input_ids, routing_replay=routing_replay)
+        if index_replay is not None:
+            if attention != "sparse":
+                raise ValueError(f"index_replay: expected attention='sparse' (the keys it replays are what sparse "
+                                 f"attention reads), got attention={attention!r}")
+            replay.check_index(index_replay, batch=B, tokens=T, full_layers=cfg.layer_indexer_types().count("full"),
+                               topk=cfg.index_topk, start_pos=start_pos)
+            _checks.same_device(input_ids=input_ids, index_replay=index_replay)
+
+    def _num_main_moe_layers(self) -> int:
+        return sum(self.config.is_moe_layer(i) for i in range(self.config.num_hidden_layers))
+
     def forward(self, input_ids: torch.Tensor, attention: str = "sparse", indexer_loss: bool = False,
-                mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0) -> GLM5Output:
+                mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0,
+                routing_replay: Optional[torch.Tensor] = None,
+                index_replay: Optional[torch.Tensor] = None) -> GLM5Output:
         """``attention="sparse"`` (the default) is DSA as the checkpoint defines it (each query attends to the
         top ``index_topk`` keys of its "full" indexer layer, reused by "shared" layers), what transformers'
-        glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage)."""
+        glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage).
+
+        ``routing_replay`` int [B, T, M, K] / ``index_replay`` int [B, T, F, Ki]: use these experts per main MoE
+        layer / these keys per full-indexer layer instead of selecting them (rows of -1: select as usual);
+        see ``glm5_core.model.replay``. The chosen experts come back in ``expert_ids``."""
         self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
+        self._check_replay(input_ids, attention, start_pos, routing_replay, index_replay)
         B, T = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = self.model.rotary(positions_of(start_pos, B, T, input_ids.device), embeds.dtype)  # [B, T, Dr/2]
         state = ForwardState(attention=attention, start_pos=start_pos, cache=cache, indexer_loss=bool(indexer_loss),
-                             cos=cos, sin=sin, expert_counts=[None] * self.num_moe_layers)
+                             cos=cos, sin=sin, expert_counts=[None] * self.num_moe_layers,
+                             routing_replay=list(routing_replay.unbind(2)) if routing_replay is not None else None,
+                             index_replay=list(index_replay.unbind(2)) if index_replay is not None else None)
         hidden = embeds
         for layer in self.model.main_layers():
             hidden = layer(hidden, state)
@@ -237,7 +271,8 @@ class GLM5ForCausalLM(nn.Module):
         kl = torch.stack(state.kl_terms).mean() if state.kl_terms else None
         recall = torch.stack(state.recall_terms).mean() if state.recall_terms else None
         return GLM5Output(logits=logits, mtp_logits=mtp_logits, indexer_kl=kl, expert_counts=expert_counts,
-                          topk_idx=state.topk_idx, topk_recall=recall, hidden=main_hidden)
+                          topk_idx=state.topk_idx, topk_recall=recall, hidden=main_hidden,
+                          expert_ids=state.expert_ids)
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
         out_dtype = torch.float64 if normed.dtype == torch.float64 else torch.float32

@@ -15,7 +15,7 @@ built (``registry.bind``).
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +44,29 @@ class Gate(nn.Module):
         self.e_score_correction_bias = self.e_score_correction_bias.to(torch.float32)
         return self
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights fp32 [N, K], expert ids int32 [N, K]); router logits in fp32 (fp64 for fp64)."""
+    def forward(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights fp32 [N, K], expert ids int32 [N, K]); router logits in fp32 (fp64 for fp64).
+
+        ``replay_ids`` int [N, K] (routing replay): rows holding expert ids use exactly those experts, with
+        weights recomputed from these logits at those ids (gradients reach the router through them); a row
+        equal to the router's own choice keeps ``route``'s weights (the same values, bit for bit what a forward
+        without replay computes); rows of -1 are routed as usual. Checked by the model (``replay.check_routing``)."""
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         logits = F.linear(x.to(compute), self.weight.to(compute))  # [N, E]
         if torch.onnx.is_in_onnx_export():
             return self.route_for_export(logits)
-        return moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",
-                         n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
-                         routed_scaling_factor=self.scaling, backend=self.kernels)
+        weights, ids = moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",
+                                 n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                                 routed_scaling_factor=self.scaling, backend=self.kernels)
+        if replay_ids is None:
+            return weights, ids
+        replayed = (replay_ids[:, :1] >= 0)  # [N, 1]: the row is replayed
+        forced = torch.where(replayed, replay_ids.to(ids.dtype), ids)  # [N, K]
+        differs = (forced != ids).any(-1, keepdim=True)  # [N, 1]; rows that agree keep route's own weights
+        forced_weights = moe.route_weights(logits, forced, score_func="sigmoid", renormalize=self.renormalize,
+                                           routed_scaling_factor=self.scaling)  # [N, K]
+        return torch.where(differs, forced_weights, weights), forced
 
 
     def route_for_export(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -114,9 +128,17 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""
+        y, counts, _ = self.route_and_run(x)
+        return y, counts
+
+    def route_and_run(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also returns the chosen expert ids int32 [B, T, K]; ``replay_ids`` int [B, T, K]
+        forces them (routing replay, see ``Gate.forward``)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)  # [N, D]
-        weights, ids = self.gate(flat)  # [N, K]
+        flat_replay = replay_ids.reshape(B * T, -1) if replay_ids is not None else None  # [N, K]
+        weights, ids = self.gate(flat, flat_replay)  # [N, K]
         if torch.onnx.is_in_onnx_export():
             routed, counts = self._all_experts(flat, weights, ids)
         else:
@@ -126,7 +148,7 @@ class MoE(nn.Module):
             counts = self._tokens_per_expert(ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)
-        return routed.view(B, T, D), counts.detach()
+        return routed.view(B, T, D), counts.detach(), ids.view(B, T, -1)
 
     def _tokens_per_expert(self, ids: torch.Tensor) -> torch.Tensor:
         """int64 [E]: how many of the N*K routed copies each expert got. A scatter-add of ones rather than

@@ -81,11 +81,42 @@ def route_reference(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_
         keep = keep.unsqueeze(-1).expand(N, n_group, per_group).reshape(N, E)  # [N, E]
         select = select.masked_fill(~keep, float("-inf"))
     ids = _stable_desc_order(select)[:, :top_k]  # [N, K]
-    weights = scores.gather(1, ids)  # unbiased
+    return _weights_at(scores, ids, renormalize, routed_scaling_factor), ids.to(torch.int32)
+
+
+def _weights_at(scores: torch.Tensor, ids: torch.Tensor, renormalize: bool, routed_scaling_factor: float
+                ) -> torch.Tensor:
+    """The routing weights of experts ``ids`` [N, K] from the unbiased scores [N, E] (compute dtype)."""
+    weights = scores.gather(1, ids.long())  # [N, K], unbiased
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
     weights = weights * routed_scaling_factor
-    return weights.to(torch.float64 if ct == torch.float64 else torch.float32), ids.to(torch.int32)
+    return weights.to(torch.float64 if scores.dtype == torch.float64 else torch.float32)
+
+
+def route_weights(logits: torch.Tensor, expert_ids: torch.Tensor, *, score_func: str = "sigmoid",
+                  renormalize: bool = True, routed_scaling_factor: float = 1.0) -> torch.Tensor:
+    """Routing weights fp32 [N, K] of GIVEN experts (routing replay): the unbiased scores of ``expert_ids``
+    [N, K] computed from ``logits`` [N, E], renormalised and scaled as :func:`route` does; no selection.
+
+    Differentiable in ``logits``: the router learns through the replayed experts' weights (Megatron's R3 /
+    slime's ``--use-rollout-routing-replay`` gather the scores at the replayed ids the same way). Pure torch on
+    every backend (a gather and a sum). ``expert_ids`` must hold K distinct ids in ``[0, E)`` per row."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
+    _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[N, K] int32")
+    _checks.same_device(logits=logits, expert_ids=expert_ids)
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func: expected one of {SCORE_FUNCS}, got {score_func!r}")
+    if not isinstance(renormalize, bool):
+        raise TypeError(f"renormalize: expected a bool, got {type(renormalize).__name__}")
+    _checks.positive_float("routed_scaling_factor", routed_scaling_factor)
+    _checks.index_range("expert_ids", expert_ids, 0, sizes["E"] - 1)
+    ct = _checks.compute_dtype(logits.dtype)
+    logits = logits.to(ct)
+    scores = _sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, dim=-1)  # [N, E]
+    return _weights_at(scores, expert_ids, renormalize, float(routed_scaling_factor))
 
 
 def dispatch_reference(x, expert_ids, *, num_experts: int):

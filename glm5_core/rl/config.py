@@ -152,6 +152,9 @@ class RLTrainConfig:
     teacher_checkpoint: Optional[str] = field(None, check=config_paths.input_dir)
     device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "cuda:0" (None: default)
     max_idle_minutes: float = field(10.0, range=(0, None), open=("lo",))  # no batch for this long ends the run
+    # the policy's forward uses the experts / DSA keys the engines used (they record and return them per sample)
+    routing_replay: bool = field(False)
+    index_replay: bool = field(False)
     optim: TrainerConfig = field(factory=TrainerConfig)
     # plug-ins (rl/plugins.py): a built-in name or an import path 'pkg.module:name', checked at start
     loss: str = field("double_sided_is", check=_check_loss)
@@ -276,6 +279,10 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
         engine_devices(r.devices, r.num_engines)
     except ValueError as exc:
         problems.append(str(exc))
+    for key, on in (("routing_replay", t.routing_replay), ("index_replay", t.index_replay)):
+        if on and r.engine_urls is not None:
+            problems.append(f"train.{key}: expected false with rollout.engine_urls (external engines' replay traces "
+                            f"are not in the form the gateway reads: glm5 rl must start the engines), got true")
     if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:
         problems.append(f"train.optim.push_every: expected <= train.max_staleness + 1 = {t.max_staleness + 1} "
                         f"(after the first push every sample would be too stale to train on; lower push_every or "

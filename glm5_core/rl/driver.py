@@ -151,7 +151,8 @@ class RLRun:
             teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
         self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
                                loss_fn=resolve_loss(cfg.train.loss),
-                               advantage_fn=resolve_advantage(cfg.train.advantage))
+                               advantage_fn=resolve_advantage(cfg.train.advantage),
+                               routing_replay=cfg.train.routing_replay, index_replay=cfg.train.index_replay)
         resumed = run_state.load_resume_point(self.out_dir, self.trainer, log) if resume else None
         if resume and resumed is None:
             log(f"[rl] resume: {self.out_dir} holds no resume point yet; starting the run over from step 0")
@@ -180,7 +181,8 @@ class RLRun:
                                     temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
                                     max_workers=r.episode_threads, forget_fn=self._trajectory_done,
                                     seed=cfg.seed if self._sends_sampling_seeds() else None,
-                                    reward_fn=self.reward)
+                                    reward_fn=self.reward, return_routed_experts=cfg.train.routing_replay,
+                                    return_indexer_topk=cfg.train.index_replay)
         self.evaluator = self._make_evaluator()
         self.truncated_trajectories = 0
         if self.resumed_state is not None:
@@ -224,7 +226,8 @@ class RLRun:
                           max_batch=r.max_batch, max_len=r.max_len, prefix_cache_entries=r.prefix_cache_entries,
                           prefix_cache_tokens=r.prefix_cache_tokens, speculative=r.speculative,
                           seed=self.cfg.seed * 1000 + index + 7919 * self.latest_version,
-                          torch_threads=r.engine_threads, placement=self.engine_devices[index])
+                          torch_threads=r.engine_threads, placement=self.engine_devices[index],
+                          record_routing=self.cfg.train.routing_replay, record_index_topk=self.cfg.train.index_replay)
 
     def _make_executor(self):
         if self.external:

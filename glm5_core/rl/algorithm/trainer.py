@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import ClassVar, Dict, List, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from glm5_core.config_schema import check, field, non_negative, positive
 from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized
 from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss
+from glm5_core.rl.algorithm.replay_batch import pad_traces
 from glm5_core.rl.device import module_device
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
@@ -78,20 +79,27 @@ def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tenso
     return {"input_ids": ids, "targets": ids[:, 1:], "loss_mask": mask[:, 1:], "rollout_logprobs": rollout[:, 1:]}
 
 
-def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """log pi(token t+1 | tokens <= t) for t < T-1: [B, T-1], and the DSA top-k per full-indexer layer."""
-    out = model(input_ids_BT, attention="sparse")
+def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float, *,
+                      routing_replay: Optional[torch.Tensor] = None,
+                      index_replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """log pi(token t+1 | tokens <= t) for t < T-1: [B, T-1], and the DSA top-k per full-indexer layer.
+    ``routing_replay`` / ``index_replay``: the rollout's experts / keys (``replay_batch.pad_traces``)."""
+    out = model(input_ids_BT, attention="sparse", routing_replay=routing_replay, index_replay=index_replay)
     logp = token_logprobs(out.logits[:, :-1], input_ids_BT[:, 1:], temperature)  # [B, T-1]
     return logp, out.topk_idx
 
 
 class Trainer:
-    """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0."""
+    """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0. ``routing_replay`` /
+    ``index_replay`` (``train.routing_replay`` / ``train.index_replay``): the policy's forward uses the experts /
+    DSA keys the engine used for each sample (its recorded traces; see ``glm5_core.model.replay``)."""
 
     def __init__(self, model, config: TrainerConfig, *, temperature: float, teacher=None,
-                 loss_fn: LossFn = double_sided_is_loss, advantage_fn: AdvantageFn = group_normalized):
+                 loss_fn: LossFn = double_sided_is_loss, advantage_fn: AdvantageFn = group_normalized,
+                 routing_replay: bool = False, index_replay: bool = False):
         self.model = model
         self.loss_fn, self.advantage_fn = loss_fn, advantage_fn  # train.loss / train.advantage
+        self.replay = {"routing": bool(routing_replay), "index": bool(index_replay)}
         self.config = config.validate()
         self.temperature = check_training_temperature(temperature)
         self.device = module_device(model)
@@ -121,11 +129,13 @@ class Trainer:
         items = [(s, a) for t, a in zip(trajectories, advantages) for s in t.samples]
         total_tokens = sum(s.num_generated for s, _ in items)
         stats = {"masked_tokens": 0.0, "abs_logprob_diff": 0.0, "ratio": 0.0, "loss": 0.0, "distill_adv": 0.0}
+        untraced = {f"{kind}_replay_untraced_samples": 0.0 for kind, on in self.replay.items() if on}
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(items), cfg.micro_batch_size):
             chunk = items[start:start + cfg.micro_batch_size]
             batch = pad_samples([s for s, _ in chunk], self.device)
-            logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature)
+            replay = self._replay_tensors([s for s, _ in chunk], stats)
+            logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature, **replay)
             adv_B = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=self.device)
             adv = adv_B.unsqueeze(1).expand_as(logp).clone()  # [B, T-1]
             if self.teacher is not None and cfg.distill_coef > 0:
@@ -146,10 +156,25 @@ class Trainer:
         self.optimizer.step()
         self.step_count += 1
         denom = max(total_tokens, 1)
-        out = {k: v / denom for k, v in stats.items()}
+        out = {k: v / denom for k, v in stats.items() if k not in untraced}
+        out.update({k: stats[k] for k in untraced})  # counts of samples trained without their trace
         out.update(trained_tokens=float(total_tokens), trained_samples=float(len(items)),
                    context_tokens=float(sum(len(s.tokens) for s, _ in items)),
                    grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
+        return out
+
+    def _replay_tensors(self, samples: List[Sample], stats: Dict[str, float]) -> Dict[str, torch.Tensor]:
+        """The micro-batch's routing_replay / index_replay forward arguments, for the kinds switched on."""
+        cfg = self.model.config
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        dims = {"routing": (moe_layers, cfg.num_experts_per_tok),
+                "index": (cfg.layer_indexer_types().count("full"), cfg.index_topk)}
+        out = {}
+        for kind, on in self.replay.items():
+            if on:
+                out[f"{kind}_replay"], missing = pad_traces(samples, kind, *dims[kind], device=self.device)
+                key = f"{kind}_replay_untraced_samples"
+                stats[key] = stats.get(key, 0.0) + missing
         return out
 
     def should_push(self) -> bool:

@@ -9,13 +9,16 @@ manager folded or dropped history) closes the current sample and opens a new one
 Weight versions come as SGLang sends them: ``meta_info.weight_version`` a string (``"default"`` before any
 update: the checkpoint the engine started from, which is the trainer's version 0) or an int, and per-token
 versions in SGLang's ``weight_versions`` spans (or ``token_weight_versions``, one per token, from older glm5
-servers). The trainer's versions are ints; a version that is neither gives a ``ValueError`` naming the field.
+servers). With ``return_routed_experts`` / ``return_indexer_topk`` the gateway asks for the replay traces and
+keeps the last response's (which covers the whole sample) on the sample, checked (``replay_trace.decode``).
+The trainer's versions are ints; a version that is neither gives a ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
 from glm5_core.rl.rollout.trajectory import Sample
+from glm5_core.rl.serving import replay_trace
 
 GenerateFn = Callable[[str, Dict], Dict]  # (trajectory id, SGLang request) -> SGLang response
 DEFAULT_VERSION = "default"  # SGLang's ServerArgs.weight_version before any update
@@ -66,9 +69,11 @@ def finish_type(reason: Any) -> str:
 class TITOGateway:
     """Records one trajectory. ``generate_fn`` sends a request to an engine (through the router)."""
 
-    def __init__(self, trajectory_id: str, generate_fn: GenerateFn):
+    def __init__(self, trajectory_id: str, generate_fn: GenerateFn, *, return_routed_experts: bool = False,
+                 return_indexer_topk: bool = False):
         self.trajectory_id = trajectory_id
         self._generate_fn = generate_fn
+        self._replay = {"routed_experts": bool(return_routed_experts), "indexer_topk": bool(return_indexer_topk)}
         self.samples: List[Sample] = [Sample()]
         self.num_requests = 0
 
@@ -84,10 +89,10 @@ class TITOGateway:
             self.samples.append(Sample())  # context was rewritten: a new append-only sample
             recorded = self.current.tokens
         self.current.append(input_ids[len(recorded):], sampled=False)
-        response = self._generate_fn(self.trajectory_id, {
-            "input_ids": input_ids, "sampling_params": dict(sampling_params), "return_logprob": True,
-            "rid": self.trajectory_id,
-        })
+        body = {"input_ids": input_ids, "sampling_params": dict(sampling_params), "return_logprob": True,
+                "rid": self.trajectory_id}
+        body.update({f"return_{name}": True for name, asked in self._replay.items() if asked})
+        response = self._generate_fn(self.trajectory_id, body)
         output_ids = [int(t) for t in response["output_ids"]]
         logprob_entries = response["meta_info"]["output_token_logprobs"]
         if len(logprob_entries) != len(output_ids) or any(int(e[1]) != t for e, t in zip(logprob_entries, output_ids)):
@@ -96,8 +101,19 @@ class TITOGateway:
         self.current.append(output_ids, sampled=True, logprobs=[float(e[0]) for e in logprob_entries],
                             versions=versions)
         self.current.finish_reasons.append(finish_type(response["meta_info"].get("finish_reason")))
+        self._record_traces(response["meta_info"])
         self.num_requests += 1
         return response
+
+    def _record_traces(self, meta: Dict) -> None:
+        """The replay traces of the sample's whole sequence (every token but the last), as the engine returned
+        them; a response without one (e.g. aborted before it ran) leaves the sample without a trace."""
+        rows = len(self.current.tokens) - 1
+        for name, asked in self._replay.items():
+            if asked:
+                value = meta.get(name)
+                trace = replay_trace.decode(value, f"meta_info.{name}", rows=rows) if value is not None else None
+                setattr(self.current, name, trace)
 
     def finished_samples(self) -> List[Sample]:
         """Samples with at least one sampled token (a sample of pure context trains nothing)."""

@@ -28,7 +28,8 @@ from glm5_core.rl.serving.sampling import check_top_p, check_training_temperatur
 class RolloutRunner:
     def __init__(self, env: Environment, generate_fn: GenerateFn, *, group_size: int, temperature: float,
                  top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None,
-                 seed: Optional[int] = None, reward_fn: Optional[Callable[[Dict], Optional[float]]] = None):
+                 seed: Optional[int] = None, reward_fn: Optional[Callable[[Dict], Optional[float]]] = None,
+                 return_routed_experts: bool = False, return_indexer_topk: bool = False):
         self.env = env
         self.reward_fn = reward_fn  # reward plug-in (rewards.RewardScorer); None: the episode's own reward
         self.generate_fn = generate_fn
@@ -37,6 +38,8 @@ class RolloutRunner:
         self.top_p = check_top_p(top_p)  # else every engine refuses every request
         self.max_len = max_len
         self.forget_fn = forget_fn or (lambda tid: None)
+        self.replay_traces = {"return_routed_experts": return_routed_experts,  # asked of the engines (replay)
+                              "return_indexer_topk": return_indexer_topk}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rl-episode")
         self.seed = seed  # None: requests carry no sampling_seed (the engines' shared generators draw)
         self._next_group = 0
@@ -56,7 +59,7 @@ class RolloutRunner:
 
     def play(self, episode: Episode, trajectory_id: str) -> Trajectory:
         """Run one episode to the end through a TITO gateway."""
-        gateway = TITOGateway(trajectory_id, self.generate_fn)
+        gateway = TITOGateway(trajectory_id, self.generate_fn, **self.replay_traces)
         failed = rollout_failed = truncated = reward_dropped = False
         turn = 0
         try:

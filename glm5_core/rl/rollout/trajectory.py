@@ -4,13 +4,17 @@ Legend: L tokens of one sample (context + generated), aligned lists.
 
 ``loss_mask[i]`` is 1 for tokens the policy sampled and 0 for prompt / tool / environment tokens;
 ``logprobs[i]`` and ``versions[i]`` are the engine's recorded log-prob and weight version of sampled
-tokens (0.0 and -1 elsewhere). A trajectory whose context was rewritten (context management) yields
+tokens (0.0 and -1 elsewhere). ``routed_experts`` / ``indexer_topk``, when the engine returned them, are the
+experts / DSA keys the engine used at every position but the last (routing / index replay).
+A trajectory whose context was rewritten (context management) yields
 several samples, each an append-only token sequence; all share the trajectory's reward.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List, Optional
+
+import torch
 
 
 @dataclasses.dataclass
@@ -22,6 +26,9 @@ class Sample:
     logprobs: List[float] = dataclasses.field(default_factory=list)
     versions: List[int] = dataclasses.field(default_factory=list)
     finish_reasons: List[str] = dataclasses.field(default_factory=list)  # one per generation
+    # replay traces of tokens[:-1] (None: not recorded): int [L-1, M, K] experts, int [L-1, F, Ki] DSA keys
+    routed_experts: Optional[torch.Tensor] = None
+    indexer_topk: Optional[torch.Tensor] = None
 
     def append(self, tokens: List[int], *, sampled: bool, logprobs: Optional[List[float]] = None,
                versions: Optional[List[int]] = None) -> None:

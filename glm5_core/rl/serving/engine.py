@@ -32,6 +32,10 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   requests were decoded with them. Seeded draws do not; the logits can still differ in the last bit with the
   batch a request was prefilled or decoded in (measured on CPU), so bitwise repetition also needs the same
   batches (``max_batch`` 1).
+* Replay traces (``record_routing`` / ``record_index_topk``): the cache also keeps each position's experts /
+  selected keys, so they travel with the KV through the prefix cache and the slots; a finished request that
+  asked (``return_routed_experts`` / ``return_indexer_topk``) gets them for its whole sequence but the last
+  token (``replay_trace``).
 * Weight sync as SGLang does it: :meth:`pause` stops the scheduler between steps (``in_place``: running
   requests keep their slots and KV; ``abort``: they finish with ``finish_reason`` abort), updates land (a full
   state dict, or ``partial=True`` buckets of it, applied in order before the next step and while paused),
@@ -53,7 +57,7 @@ import torch
 
 from glm5_core.ops import _checks
 from glm5_core.rl.device import module_device
-from glm5_core.rl.serving import kv_slots
+from glm5_core.rl.serving import kv_slots, replay_trace
 from glm5_core.rl.serving.decode_threads import DecodeThreads
 from glm5_core.rl.serving.prefix_cache import TrajectoryPrefixCache
 from glm5_core.rl.serving.protocol import (
@@ -106,7 +110,8 @@ class RolloutEngine:
     def __init__(self, model, *, max_batch: int = 8, max_len: Optional[int] = None, prefix_cache_entries: int = 256,
                  prefix_cache_tokens: Optional[int] = None, seed: int = 0, weight_version: int = 0,
                  record_topk: bool = False, max_new_tokens_cap: int = 1024, reuse_stacked_weights: bool = True,
-                 decode_threads: int = 1, speculative: Optional[dict] = None):
+                 decode_threads: int = 1, speculative: Optional[dict] = None, record_routing: bool = False,
+                 record_index_topk: bool = False):
         config = model.config
         draft_tokens = parse_setting(speculative)
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -125,11 +130,13 @@ class RolloutEngine:
         self.limits = Limits(vocab_size=config.vocab_size, max_input_tokens=max_len - 1,
                              max_new_tokens=min(max_new_tokens_cap, max_len - 1))
         self.record_topk = record_topk
+        # replay traces kept in the KV cache, returned to requests that ask (return_routed_experts / _indexer_topk)
+        self.record = {"routing": bool(record_routing), "index_topk": bool(record_index_topk)}
         self.version = int(weight_version)
         self._newest_version = self.version  # the newest version accepted by update_weights
         self.stats = EngineStats()
         self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
-        self._cache = model.new_cache(max_batch, max_len)
+        self._cache = self._new_cache(max_batch)
         self._param_names = frozenset(model.state_dict())
         self._slots: List[Optional[_Active]] = [None] * max_batch
         self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
@@ -151,6 +158,9 @@ class RolloutEngine:
         if len(request.input_ids) > self.limits.max_input_tokens:
             raise ValueError(f"input_ids: expected at most {self.limits.max_input_tokens} tokens, "
                              f"got {len(request.input_ids)}")
+        for name, kind in (("return_routed_experts", "routing"), ("return_indexer_topk", "index_topk")):
+            if getattr(request, name) and not self.record[kind]:
+                raise ValueError(f"{name}: this engine does not record them (start it with record_{kind}=True)")
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stopping:
@@ -385,6 +395,10 @@ class RolloutEngine:
         if admitted or decoded:
             self.stats.busy_seconds += time.monotonic() - t0
 
+    def _new_cache(self, rows: int):
+        return self.model.new_cache(rows, self.max_len, record_routing=self.record["routing"],
+                                    record_index_topk=self.record["index_topk"])
+
     def _forward(self, input_ids: torch.Tensor, cache, start_pos):
         # The engine builds every op input itself (token ids checked at submit, positions from its own
         # bookkeeping): the per-op value checks (a device sync each) would only slow the decode loop.
@@ -397,7 +411,7 @@ class RolloutEngine:
         rows are copied into the requests' slots."""
         k = len(admitted)
         reuse = []
-        scratch = self.model.new_cache(k, self.max_len)
+        scratch = self._new_cache(k)
         main_fields = len(kv_slots.tensors(scratch))
         draft_rows = []  # per row: the MTP layer's cached rows (speculative decoding stores them after the main ones)
         for row, (_, request, _) in enumerate(admitted):
@@ -542,12 +556,16 @@ class RolloutEngine:
             if self.speculative is not None:  # the MTP layer's rows ride along (after the main layers')
                 rows += self.speculative.read_rows(slot, state.kv_len)
             self.prefix_cache.store(state.request.rid, state.tokens[:state.kv_len], rows, version=state.kv_version)
-        self._finish_result(state, reason)
+        request, n = state.request, state.kv_len  # the cache holds every position but the last sampled token's
+        routed = replay_trace.read(self._cache.expert_ids, slot, n) if request.return_routed_experts else None
+        keys = replay_trace.read(self._cache.index_topk, slot, n) if request.return_indexer_topk else None
+        self._finish_result(state, reason, routed, keys)
 
-    def _finish_result(self, state: _Active, reason: str) -> None:
+    def _finish_result(self, state: _Active, reason: str, routed_experts=None, indexer_topk=None) -> None:
         result = GenerateResult(state.request.rid, state.outputs, state.logprobs, state.versions, reason,
                                 prompt_tokens=len(state.request.input_ids), cached_tokens=state.cached,
-                                topk_trace=state.topk if self.record_topk else None)
+                                topk_trace=state.topk if self.record_topk else None,
+                                routed_experts=routed_experts, indexer_topk=indexer_topk)
         if not state.future.done():
             state.future.set_result(result)
         if self._aborted:  # after set_result: an abort() racing with this finish sees the future done

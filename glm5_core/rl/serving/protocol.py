@@ -11,6 +11,9 @@ batches or arrived first (see ``engine``). Response, as SGLang's tokenizer manag
 "weight_versions": [{"version": str, "start": int, "end": int}]}}``. ``weight_versions`` are SGLang's spans of
 output tokens sampled under one weight version (several when an update landed mid-generation);
 ``weight_version`` is the last span's version, a string (SGLang's default before any update is ``"default"``).
+With ``"return_routed_experts": true`` / ``"return_indexer_topk": true`` (an engine started with
+``record_routing`` / ``record_index_topk``), ``meta_info.routed_experts`` / ``meta_info.indexer_topk`` carry the
+replay traces of every position but the last (``replay_trace``).
 
 SGLang sampling parameters that clients send by default (``top_k: -1``, ``skip_special_tokens``, ...) are
 accepted at their neutral values and refused otherwise (``NEUTRAL_PARAMS``).
@@ -24,6 +27,8 @@ import dataclasses
 import math
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from glm5_core.rl.serving import replay_trace
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -46,6 +51,8 @@ class GenerateRequest:
     stop_token_ids: Tuple[int, ...] = ()
     return_logprob: bool = True
     sampling_seed: Optional[int] = None  # None: the engine's shared generator
+    return_routed_experts: bool = False  # SGLang's request field: the experts of every position (routing replay)
+    return_indexer_topk: bool = False  # the DSA keys of every position (index replay)
 
 
 MAX_SAMPLING_SEED = 2 ** 63  # torch.Generator.manual_seed takes any int below this
@@ -112,7 +119,8 @@ def _check_neutral(params: Dict) -> None:
 def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ValueError(f"request: expected a JSON object, got {type(body).__name__}")
-    unknown = set(body) - {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text"}
+    unknown = set(body) - {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text",
+                           "return_routed_experts", "return_indexer_topk"}
     if unknown:
         raise ValueError(f"request: unknown fields {sorted(unknown)}")
     if body.get("text") is not None:
@@ -146,8 +154,14 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
     rid = uuid.uuid4().hex if rid is None else rid
     if not isinstance(rid, str) or not 1 <= len(rid) <= 256:
         raise ValueError(f"rid: expected a str of 1 to 256 characters, got {rid!r:.80}")
+    replay_flags = []
+    for name in ("return_routed_experts", "return_indexer_topk"):
+        flag = body.get(name, False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r:.80}")
+        replay_flags.append(flag)
     return GenerateRequest(rid, input_ids, temperature, top_p, int(max_new), tuple(stops), return_logprob,
-                           _sampling_seed(params))
+                           _sampling_seed(params), *replay_flags)
 
 
 @dataclasses.dataclass
@@ -160,6 +174,9 @@ class GenerateResult:
     prompt_tokens: int
     cached_tokens: int
     topk_trace: Optional[List[List[List[int]]]] = None  # per sampled token, per full-indexer layer: top-k ids
+    # replay traces (see replay_trace), when the request asked: per position [P, M, K] experts, [P, F, Ki] keys
+    routed_experts: Optional[Any] = None
+    indexer_topk: Optional[Any] = None
 
     def finish_reason_json(self) -> Dict[str, Any]:
         """SGLang's ``BaseFinishReason.to_json()`` forms."""
@@ -189,6 +206,10 @@ class GenerateResult:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(self.logprobs, self.output_ids)]
+        if self.routed_experts is not None:
+            meta["routed_experts"] = replay_trace.encode(self.routed_experts)
+        if self.indexer_topk is not None:
+            meta["indexer_topk"] = replay_trace.encode(self.indexer_topk)
         return {"text": None, "output_ids": list(self.output_ids), "meta_info": meta}
 
 

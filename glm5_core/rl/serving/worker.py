@@ -29,6 +29,8 @@ class WorkerSpec:
     prefix_cache_tokens: Optional[int] = None
     record_topk: bool = False
     speculative: Optional[Dict[str, int]] = None  # {draft_tokens: d}: MTP speculative decoding
+    record_routing: bool = False  # replay traces (train.routing_replay / train.index_replay)
+    record_index_topk: bool = False
     seed: int = 0
     torch_threads: int = 1
     placement: Optional[str] = None  # rollout.devices entry, e.g. "cuda:2" (None: the backend's default device)
@@ -58,7 +60,8 @@ def build_server(spec: WorkerSpec):
                            prefix_cache_entries=spec.prefix_cache_entries,
                            prefix_cache_tokens=spec.prefix_cache_tokens, seed=spec.seed,
                            record_topk=spec.record_topk, reuse_stacked_weights=True,  # the worker owns the model
-                           speculative=spec.speculative)
+                           speculative=spec.speculative, record_routing=spec.record_routing,
+                           record_index_topk=spec.record_index_topk)
     engine.update_weights(load_file(spec.weights_path), spec.weight_version)
     return EngineServer(engine, weights_dir=spec.weights_dir)
 
