@@ -64,7 +64,7 @@ def test_glm5_rl_on_glm5_serve_raises_the_arithmetic_reward(tmp_path, capsys):
             "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
             "rollout": {"max_batch": 16, "max_len": 32, "group_size": 4, "max_inflight_groups": 4,
                         "max_buffered": 16, "episode_threads": 16},
-            "train": {"batch_size": 16, "max_staleness": 2, "optim": {"lr": 1e-3, "micro_batch_size": 16}},
+            "train": {"batch_size": 16, "max_staleness": 2, "optim": {"lr": 3e-4, "micro_batch_size": 16}},
             "eval": {"every": 0, "samples_per_problem": 32},
         }
         (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
