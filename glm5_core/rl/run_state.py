@@ -38,6 +38,7 @@ RL_STATE_FORMAT = 1
 MAX_RUN_FILE_BYTES = 4 * 1024 * 1024
 MAX_RESUME_STEP = 2 ** 40  # far beyond any run: the step is checked against the config after loading
 # config keys a resume may change: budgets, where logs and engines are, evaluation (no effect on training)
+RUN_FOLDERS = ("checkpoints", "weights", "tensorboard")  # what a run keeps in its output dir as folders
 RESUMABLE_KEYS = ("output_dir", "max_steps", "max_minutes", "torch_threads", "train.max_idle_minutes",
                   "rollout.engine_urls", "rollout.api_key", "checkpoint", "eval")
 
@@ -85,6 +86,11 @@ def check_output_dir(out_dir: str, resume: bool) -> None:
     if resume and RUN_FILE not in entries:
         raise ValueError(f"--resume: {out_dir!r} holds no RL run (no {RUN_FILE}); expected the output dir of an "
                          f"earlier glm5 rl run")
+    for name in RUN_FOLDERS if resume else ():  # the run reads and writes them as folders
+        path = os.path.join(out_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(f"--resume: {path!r} is not a folder (expected the {name} folder glm5 rl writes, "
+                             f"or nothing)")
     if not resume and entries:
         kind = "an earlier RL run" if RUN_FILE in entries else f"{len(entries)} entries ({', '.join(entries[:3])})"
         raise ValueError(f"output_dir: {out_dir!r} already holds {kind}; continue it with --resume {out_dir}, or "

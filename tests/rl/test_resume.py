@@ -159,6 +159,21 @@ def test_a_fresh_run_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     assert (other / "notes.txt").read_text() == "mine" and sorted(os.listdir(other)) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("name", ["checkpoints", "weights", "tensorboard"])
+def test_a_resume_refuses_a_run_folder_that_is_a_file(tmp_path, name):
+    """A file where the run keeps a folder: refused before anything is built (checkpoints: the resume would
+    start over and fail at its first save; weights, tensorboard: a FileExistsError traceback)."""
+    run_dir = tmp_path / "run"
+    run_state.write_run_file(str(run_dir), config_from_dict({**TINY, "output_dir": str(run_dir)}), None)
+    (run_dir / name).write_text("not a folder")
+    with pytest.raises(ValueError, match=f"--resume: .*{name}' is not a folder"):
+        run_state.check_output_dir(str(run_dir), resume=True)
+    (run_dir / name).unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (run_dir / name).symlink_to(tmp_path / "elsewhere")  # a folder on another disk, linked in: allowed
+    run_state.check_output_dir(str(run_dir), resume=True)
+
+
 @pytest.fixture
 def resume_point(tmp_path):
     """A run folder with one resume point at step 0 (no engine started), and its config file."""
