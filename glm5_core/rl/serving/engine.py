@@ -25,7 +25,8 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   token; the others share the engine's generator (seeded at start), so what they draw depends on which
   requests were decoded with them. Seeded draws do not; the logits can still differ in the last bit with the
   batch a request was prefilled or decoded in (measured on CPU), so bitwise repetition also needs the same
-  batches (``max_batch`` 1).
+  batches (``max_batch`` 1). With ``speculative`` on, a seed draws the request's first token only: drafts,
+  acceptances and corrected tokens come from the shared generator.
 * Weight sync as SGLang does it: :meth:`pause` stops the scheduler between steps (``in_place``: running
   requests keep their slots and KV; ``abort``: they finish with ``finish_reason`` abort), updates land (a full
   state dict, or ``partial=True`` buckets of it, applied in order before the next step and while paused),
