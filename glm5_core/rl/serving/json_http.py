@@ -66,7 +66,7 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         value = json.loads(raw)
     except RecursionError:  # nested past Python's recursion limit
         raise BodyError(f"request body: JSON nested deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int literals past Python's digit limit
         raise BodyError(f"request body: invalid JSON ({getattr(exc, 'msg', exc)})") from None
     _check_depth(value, max_depth)
     return value
