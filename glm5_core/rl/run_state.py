@@ -3,7 +3,8 @@
 ``<output_dir>/rl_run.json`` (written atomically before anything else of a fresh run) marks the folder as an RL
 run's: its config (``rollout.api_key`` left out) and the ``--checkpoint`` the policy started from. A fresh run
 refuses a folder that is not empty; ``--resume`` refuses one without this file, or whose config differs from
-this run's in anything but :data:`RESUMABLE_KEYS`.
+this run's in anything but :data:`RESUMABLE_KEYS` (a key added to the config schema since the run started
+matches while it is left at its default).
 
 ``<output_dir>/checkpoints/step_N/`` (N = policy version) are ``glm5_core.train.checkpoint`` folders: published
 atomically, pruned by write history, recovered after a kill at any point (``checkpoint_folders``):
@@ -38,6 +39,7 @@ RL_STATE_FORMAT = 1
 MAX_RUN_FILE_BYTES = 4 * 1024 * 1024
 MAX_RESUME_STEP = 2 ** 40  # far beyond any run: the step is checked against the config after loading
 # config keys a resume may change: budgets, where logs and engines are, evaluation (no effect on training)
+RUN_FOLDERS = ("checkpoints", "weights", "tensorboard")  # what a run keeps in its output dir as folders
 RESUMABLE_KEYS = ("output_dir", "max_steps", "max_minutes", "torch_threads", "train.max_idle_minutes",
                   "rollout.engine_urls", "rollout.api_key", "checkpoint", "eval")
 
@@ -60,16 +62,21 @@ def _resumable(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS)
 
 
-def first_difference(saved: Any, current: Any, prefix: str = "") -> Optional[str]:
-    """The first config key whose value differs (keys in :data:`RESUMABLE_KEYS` aside), as one line."""
+def first_difference(saved: Any, current: Any, prefix: str = "", defaults: Any = None) -> Optional[str]:
+    """The first config key whose value differs (keys in :data:`RESUMABLE_KEYS` aside), as one line. A key the
+    earlier run's config lacks (written by a version without it) matches when this config leaves it at its
+    default (``defaults``: the default config, as JSON types, or None)."""
+    defaults = defaults if isinstance(defaults, dict) else {}
     if isinstance(saved, dict) and isinstance(current, dict):
         for key in list(current) + [k for k in saved if k not in current]:
             name = f"{prefix}{key}"
             if _resumable(name):
                 continue
+            if key not in saved and key in current and key in defaults and current[key] == defaults[key]:
+                continue
             if key not in saved or key not in current:
                 return f"{name}: {'not in the earlier run' if key not in saved else 'not in this config'}"
-            found = first_difference(saved[key], current[key], name + ".")
+            found = first_difference(saved[key], current[key], name + ".", defaults.get(key))
             if found:
                 return found
         return None
@@ -85,6 +92,11 @@ def check_output_dir(out_dir: str, resume: bool) -> None:
     if resume and RUN_FILE not in entries:
         raise ValueError(f"--resume: {out_dir!r} holds no RL run (no {RUN_FILE}); expected the output dir of an "
                          f"earlier glm5 rl run")
+    for name in RUN_FOLDERS if resume else ():  # the run reads and writes them as folders
+        path = os.path.join(out_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(f"--resume: {path!r} is not a folder (expected the {name} folder glm5 rl writes, "
+                             f"or nothing)")
     if not resume and entries:
         kind = "an earlier RL run" if RUN_FILE in entries else f"{len(entries)} entries ({', '.join(entries[:3])})"
         raise ValueError(f"output_dir: {out_dir!r} already holds {kind}; continue it with --resume {out_dir}, or "
@@ -116,7 +128,7 @@ def check_same_run(out_dir: str, cfg, policy_checkpoint: Optional[str]) -> Optio
             saved.get("config"), dict) or not isinstance(saved.get("checkpoint"), (str, type(None))):
         raise ValueError(f"--resume: {path}: expected format {RUN_FILE_FORMAT} with a config and a checkpoint "
                          f"(as glm5 rl writes it), got {str(saved)[:80]}")
-    difference = first_difference(saved["config"], plain_config(cfg))
+    difference = first_difference(saved["config"], plain_config(cfg), defaults=plain_config(type(cfg)()))
     if difference:
         raise ValueError(f"--resume: {out_dir!r} holds a run of another config ({difference}); resume with the "
                          f"earlier run's config, or start this one in a new folder")

@@ -406,6 +406,9 @@ def test_malformed_bodies_oversize_and_deep_json(scripted):
     very_deep = b'{"a": ' + b"[" * 200000 + b"]" * 200000 + b"}"  # past Python's recursion limit
     code, payload = post(scripted, "/v1/chat/completions", None, headers, raw=very_deep)
     assert code == 400 and "nested deeper" in payload["error"]["message"]
+    long_int = b'{"max_tokens": ' + b"1" * 5000 + b"}"  # past Python's digit limit for int literals
+    code, payload = post(scripted, "/v1/chat/completions", None, headers, raw=long_int)
+    assert code == 400 and "invalid JSON" in payload["error"]["message"], payload
     code, payload = post(scripted, "/v1/nope", GOOD, headers)
     assert code == 404 and payload["error"]["code"] == "not_found"
 

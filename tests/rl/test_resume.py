@@ -143,6 +143,24 @@ def test_a_resume_refuses_a_folder_of_another_config(tmp_path, capsys):
         run_state.check_same_run(str(run_dir), same, str(tmp_path / "another_policy"))
 
 
+def test_a_run_of_an_earlier_version_resumes_while_new_config_keys_keep_their_defaults(tmp_path):
+    """rl_run.json written by a version whose config had no rollout.sampling_seeds / rollout.speculative: the
+    same config resumes (the keys are at their defaults); setting one of them is a difference."""
+    run_dir = tmp_path / "run"
+    cfg = config_from_dict({**TINY, "output_dir": str(run_dir)})
+    run_state.write_run_file(str(run_dir), cfg, None)
+    path = run_dir / run_state.RUN_FILE
+    body = json.loads(path.read_text())
+    for key in ("sampling_seeds", "speculative"):
+        del body["config"]["rollout"][key]
+    path.write_text(json.dumps(body))
+    assert run_state.check_same_run(str(run_dir), cfg, None) is None
+    seeded = config_from_dict({**TINY, "output_dir": str(run_dir),
+                               "rollout": {**TINY["rollout"], "sampling_seeds": True}})
+    with pytest.raises(ValueError, match="rollout.sampling_seeds: not in the earlier run"):
+        run_state.check_same_run(str(run_dir), seeded, None)
+
+
 def test_a_fresh_run_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     config = _config_file(tmp_path)
     earlier = tmp_path / "earlier"
@@ -157,6 +175,21 @@ def test_a_fresh_run_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     line = _one_line_error(capsys, ["rl", "--config", str(config), "--resume", str(other), "--backend", "cpu"])
     assert "holds no RL run" in line
     assert (other / "notes.txt").read_text() == "mine" and sorted(os.listdir(other)) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "weights", "tensorboard"])
+def test_a_resume_refuses_a_run_folder_that_is_a_file(tmp_path, name):
+    """A file where the run keeps a folder: refused before anything is built (checkpoints: the resume would
+    start over and fail at its first save; weights, tensorboard: a FileExistsError traceback)."""
+    run_dir = tmp_path / "run"
+    run_state.write_run_file(str(run_dir), config_from_dict({**TINY, "output_dir": str(run_dir)}), None)
+    (run_dir / name).write_text("not a folder")
+    with pytest.raises(ValueError, match=f"--resume: .*{name}' is not a folder"):
+        run_state.check_output_dir(str(run_dir), resume=True)
+    (run_dir / name).unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (run_dir / name).symlink_to(tmp_path / "elsewhere")  # a folder on another disk, linked in: allowed
+    run_state.check_output_dir(str(run_dir), resume=True)
 
 
 @pytest.fixture

@@ -115,18 +115,23 @@ def test_deeply_nested_json_is_a_400(depth):
         server.shutdown()
 
 
-def test_a_body_without_content_length_is_a_411_and_the_connection_closes():
+@pytest.mark.parametrize("length_header,status", [
+    (b"Transfer-Encoding: chunked", b"411"),  # no Content-Length at all
+    (b"Content-Length: \xb2", b"411"),  # latin-1 superscript two: str.isdigit() says yes, int() refuses it
+    (b"Content-Length: " + b"1" * 5000, b"413"),  # past int()'s digit limit for str
+], ids=["chunked", "superscript-digit", "5000-digits"])
+def test_a_body_without_a_usable_content_length_is_refused_and_the_connection_closes(length_header, status):
     """The server cannot tell where such a body ends, so it must not read the rest as the next request."""
     engine = NeverFinishingEngine()
     server = EngineServer(engine).start()
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n" + length_header + b"\r\n\r\n"
                          b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the "body", shaped like a second request
             reply = b""
             while chunk := sock.recv(65536):  # ends when the server closes the connection
                 reply += chunk
-        assert reply.startswith(b"HTTP/1.1 411") and b"Content-Length" in reply, reply[:200]
+        assert reply.startswith(b"HTTP/1.1 " + status), reply[:200]
         assert reply.count(b"HTTP/1.1 ") == 1, "the unread body was served as a request"
         assert not engine.submitted.is_set()
     finally:

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 MAX_JSON_DEPTH = 32  # no route of the engine server takes more than a few levels
+MAX_LENGTH_DIGITS = 18  # a Content-Length of more digits is past any cap (caps are far below 10**18)
 
 
 class BodyError(ValueError):
@@ -34,10 +35,11 @@ class ClientStalledError(Exception):
 def read_body(handler: BaseHTTPRequestHandler, max_bytes: int) -> bytes:
     """The ``Content-Length`` bytes of the request ``handler`` serves, at most ``max_bytes``."""
     length = handler.headers.get("Content-Length")
-    if length is None or not length.isdigit():
+    # ASCII digits only: str.isdigit() also takes e.g. latin-1 '\xb2', which int() refuses
+    if length is None or not (length.isascii() and length.isdigit()):
         raise BodyError("Content-Length: expected a byte count", 411, close=True)
-    if int(length) > max_bytes:
-        raise BodyError(f"request body: expected at most {max_bytes} bytes, got {length}", 413, close=True)
+    if len(length) > MAX_LENGTH_DIGITS or int(length) > max_bytes:  # the length first: int() caps its digits
+        raise BodyError(f"request body: expected at most {max_bytes} bytes, got {length[:40]}", 413, close=True)
     try:
         raw = handler.rfile.read(int(length))
     except TimeoutError:
@@ -64,7 +66,7 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
         value = json.loads(raw)
     except RecursionError:  # nested past Python's recursion limit
         raise BodyError(f"request body: JSON nested deeper than {max_depth} levels") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int literals past Python's digit limit
         raise BodyError(f"request body: invalid JSON ({getattr(exc, 'msg', exc)})") from None
     _check_depth(value, max_depth)
     return value

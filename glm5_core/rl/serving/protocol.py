@@ -4,7 +4,8 @@ Request (JSON): ``{"input_ids": [int], "sampling_params": {"temperature", "top_p
 "stop_token_ids", "sampling_seed"}, "return_logprob": bool, "rid": str}``. ``sampling_seed`` (the field of that
 name of SGLang's ``SamplingParams``, sglang/srt/sampling/sampling_params.py; an int in [0, 2**63), optional)
 gives the request a random stream of its own, so what it samples does not depend on which requests shared its
-batches or arrived first (see ``engine``). Response, as SGLang's tokenizer manager builds it:
+batches or arrived first (see ``engine``; with speculative decoding on it fixes the first token only).
+Response, as SGLang's tokenizer manager builds it:
 ``{"text": null, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
 "output_token_logprobs": [[logprob, token_id, null]], "finish_reason": {"type": "stop", "matched": id} |
 {"type": "length", "length": n} | {"type": "abort", "message": str, ...}, "weight_version": str,
