@@ -14,7 +14,7 @@ through the queries in blocks (a [B, H, c, S] block of scores at a time, never [
 """
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Union
 
 import torch
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "moe_select", "moe_route", "moe_dispatch", "moe_combine", "moe_experts",
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "moe_select", "moe_route", "moe_dispatch",
+              "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
 
