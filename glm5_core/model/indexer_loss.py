@@ -46,15 +46,24 @@ QUERY_BLOCK = 256  # queries per block of selected_attention_target: [B, H, QUER
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                               w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
                               start_pos: StartPos) -> torch.Tensor:
-    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), computed one block of queries
-    at a time: the same formula, without a [B, T, S] tensor."""
-    T = q_nope.shape[1]
+    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), one block of queries at a time
+    (no [B, T, S] tensor). The scores take MLA's expanded form, q_nope . (c_kv W_UK^T) + q_pe . k_pe: the same
+    values as the absorbed form up to rounding, with Dn + Dr products per score instead of C + Dr."""
+    compute = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    q_nope, q_pe, c_kv, k_pe, w_uk = (t.to(compute) for t in (q_nope, q_pe, c_kv, k_pe, w_uk))
+    B, T = q_nope.shape[:2]
+    S = c_kv.shape[1]
+    k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
     blocks = []
     for t0 in range(0, T, QUERY_BLOCK):
         t1 = min(T, t0 + QUERY_BLOCK)
-        block_start = start_pos + t0  # an int, or a [B] tensor of per-row starts
-        target = attention_target(q_nope[:, t0:t1], q_pe[:, t0:t1], c_kv, k_pe, w_uk, scale=scale,
-                                  start_pos=block_start)  # [B, c, S]
+        q_blk = q_nope[:, t0:t1].transpose(1, 2)  # [B, H, c, Dn]
+        scores = torch.matmul(q_blk, k_nope.transpose(2, 3))  # [B, H, c, S]
+        scores = scores + torch.matmul(q_pe[:, t0:t1].transpose(1, 2), k_pe.unsqueeze(1).transpose(2, 3))
+        visible = causal_mask(start_pos + t0, B, t1 - t0, S, q_nope.device)  # [B, c, S]; start: int or [B]
+        probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+        summed = probs.sum(dim=1)  # [B, c, S]
+        target = summed / summed.sum(dim=-1, keepdim=True)
         idx = topk_idx[:, t0:t1]  # [B, c, K]
         blocks.append(target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0))
     return torch.cat(blocks, dim=1)  # [B, T, K]

@@ -7,13 +7,15 @@
 //   dP[h,j] = dO[h] . c_kv[i_j],  D[h] = sum_j p dP,  G[h,j] = scale * p (dP - D)  (the gradient of s before scaling)
 //   d q_lat[h] = sum_j G c_kv[i_j],  d q_pe[h] = sum_j G k_pe[i_j]
 //   d c_kv[s] = sum over (t, j) with i_j = s of sum_h (p[h,j] dO[h] + G[h,j] q_lat[h]),  d k_pe[s] = ... G q_pe[h]
-// Two passes, each touching only the selected rows (time and memory O(T K), never O(T S)):
-//   1. per query row (parallel): recompute p from the selected rows, then dP, G, d q_lat, d q_pe; keep p and G
-//      [B, T, H, K] (zeros at -1 slots);
-//   2. per key slot (parallel): its (t, j) entries, listed by a stable counting sort in ascending (t, j) order,
-//      summed in that order.
-// Every sum has a fixed order that depends neither on the thread count nor on which thread ran what: the
-// gradients are bitwise repeatable.
+// Query rows go through in blocks whose per-entry key gradients fit kContribBytes (a block size that depends on
+// the shapes only, never on the thread count):
+//   1. per query row of the block (parallel): recompute p from the selected rows, then dP, G, d q_lat, d q_pe, and
+//      each selected slot's contribution to its key's gradient, sum_h p dO[h] + G q_lat[h] (and sum_h G q_pe[h]),
+//      from the row's own dO and queries (cache-hot);
+//   2. the block's contributions are added to d c_kv / d k_pe (parallel over bands of keys, each band owned by
+//      one thread), in ascending (t, j) order.
+// Time and memory O(T K) (never O(T S)); each key's gradient is summed in (t, j) order whatever the thread
+// count: the gradients are bitwise repeatable.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,131 +32,126 @@
 namespace glm5 {
 namespace {
 
+constexpr int64_t kContribBytes = int64_t(16) << 20;  // key-gradient contributions held at once (a row block)
+constexpr int64_t kKeyBand = 16;  // keys per band of pass 2; bands are dealt to threads round-robin
+
 template <typename cache_t, typename acc_t>
 void sparse_prefill_backward_kernel(const acc_t* grad_o, const acc_t* q_lat, const acc_t* q_pe, const cache_t* c_kv,
                                     const cache_t* k_pe, const int64_t* idx, acc_t scale, int64_t B, int64_t T_,
                                     int64_t H, int64_t C, int64_t R, int64_t S, int64_t K, acc_t* dq_lat,
                                     acc_t* dq_pe, acc_t* dc_kv, acc_t* dk_pe) {
-  const int64_t rows = B * T_;
+  const int64_t rows = B * T_, width = C + R;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   const int threads = std::max(1, at::get_num_threads());
-  std::vector<acc_t> p_all(rows * H * K), g_all(rows * H * K);  // p and G [B, T, H, K]
+  const int64_t row_bytes = K * width * static_cast<int64_t>(sizeof(acc_t));
+  const int64_t block = std::max<int64_t>(1, kContribBytes / std::max<int64_t>(1, row_bytes));
+  std::vector<acc_t> contrib(std::min(rows, block) * K * width);  // [rows of the block, K, C + R]
+  for (int64_t i = 0; i < B * S * C; ++i) dc_kv[i] = acc_t(0);
+  for (int64_t i = 0; i < B * S * R; ++i) dk_pe[i] = acc_t(0);
 
-  // Per-thread scratch, allocated before the region (nothing that can fail is allocated inside it).
-  const int64_t rows_size = K * (C + R);
-  std::vector<acc_t> kv_all(threads * rows_size);  // the query's selected rows, converted to acc_t [K, C + R]
-  std::vector<std::vector<int64_t>> slot_all(threads);  // which of the K slots each kept row came from
+  // Per-thread scratch, allocated before the regions (nothing that can fail is allocated inside them).
+  std::vector<acc_t> kv_all(threads * K * width);  // the row's selected keys, converted to acc_t [K, C + R]
+  std::vector<acc_t> pg_all(threads * 2 * H * K);  // p and G [H, K] of the row
+  std::vector<std::vector<int64_t>> slot_all(threads);  // which of the K slots each kept key came from
   for (auto& slot : slot_all) slot.reserve(K);
   RegionErrors errors;
 
+  for (int64_t row0 = 0; row0 < rows; row0 += block) {
+    const int64_t row1 = std::min(rows, row0 + block);
 #pragma omp parallel num_threads(threads)
-  {
-    acc_t* kv_KC = kv_all.data() + omp_get_thread_num() * rows_size;
-    std::vector<int64_t>& slot = slot_all[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t row = 0; row < rows; ++row) {
-      errors.run([&] {
+    {
+      const int tid = omp_get_thread_num();
+      acc_t* kv_KC = kv_all.data() + tid * K * width;
+      acc_t* p_HK = pg_all.data() + tid * 2 * H * K;
+      acc_t* g_HK = p_HK + H * K;
+      std::vector<int64_t>& slot = slot_all[tid];
+#pragma omp for schedule(dynamic, 2)
+      for (int64_t row = row0; row < row1; ++row) {
+        errors.run([&] {
+          const int64_t b = row / T_;
+          slot.clear();
+          for (int64_t j = 0; j < K; ++j) {
+            const int64_t s = idx[row * K + j];
+            if (s < 0) continue;
+            acc_t* dst = kv_KC + static_cast<int64_t>(slot.size()) * width;
+            const cache_t* lat = c_kv + (b * S + s) * C;
+            const cache_t* rope = k_pe + (b * S + s) * R;
+            for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
+            for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
+            slot.push_back(j);
+          }
+          const int64_t n = static_cast<int64_t>(slot.size());
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t* dql = dq_lat + (row * H + h) * C;
+            acc_t* dqr = dq_pe + (row * H + h) * R;
+            for (int64_t c = 0; c < C; ++c) dql[c] = acc_t(0);
+            for (int64_t r = 0; r < R; ++r) dqr[r] = acc_t(0);
+            if (n == 0) continue;  // no selected key: the output was zeros, every gradient is zero
+            const acc_t* ql = q_lat + (row * H + h) * C;
+            const acc_t* qr = q_pe + (row * H + h) * R;
+            const acc_t* dO = grad_o + (row * H + h) * C;
+            acc_t* p = p_HK + h * K;  // indexed by kept key i < n
+            acc_t* g = g_HK + h * K;
+            acc_t m = neg_inf;
+            for (int64_t i = 0; i < n; ++i) {
+              const acc_t* kv = kv_KC + i * width;
+              p[i] = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
+              m = std::max(m, p[i]);
+            }
+            acc_t total = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              p[i] = std::exp(p[i] - m);
+              total = total + p[i];
+            }
+            const acc_t inv = acc_t(1) / total;
+            acc_t d_sum = 0;  // D = sum_j p dP
+            for (int64_t i = 0; i < n; ++i) {
+              p[i] = p[i] * inv;
+              g[i] = dot(dO, kv_KC + i * width, C);  // dP, for now
+              d_sum = d_sum + p[i] * g[i];
+            }
+            for (int64_t i = 0; i < n; ++i) {
+              g[i] = scale * (p[i] * (g[i] - d_sum));
+              const acc_t* kv = kv_KC + i * width;
+              axpy(g[i], kv, dql, C);
+              axpy(g[i], kv + C, dqr, R);
+            }
+          }
+          // This row's contribution to each kept key's gradient, slot by slot (-1 slots stay unused).
+          acc_t* row_contrib = contrib.data() + (row - row0) * K * width;
+          for (int64_t i = 0; i < n; ++i) {
+            acc_t* dst = row_contrib + slot[i] * width;
+            for (int64_t c = 0; c < width; ++c) dst[c] = acc_t(0);
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t p = p_HK[h * K + i], g = g_HK[h * K + i];
+              axpy(p, grad_o + (row * H + h) * C, dst, C);
+              axpy(g, q_lat + (row * H + h) * C, dst, C);
+              axpy(g, q_pe + (row * H + h) * R, dst + C, R);
+            }
+          }
+        });
+      }
+    }
+    errors.rethrow_if_failed("sparse_prefill_backward");
+
+    // Pass 2: every thread walks the block's entries in (t, j) order and adds those of the key bands it owns.
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+      for (int64_t row = row0; row < row1; ++row) {
         const int64_t b = row / T_;
-        slot.clear();
         for (int64_t j = 0; j < K; ++j) {
           const int64_t s = idx[row * K + j];
-          if (s < 0) continue;
-          acc_t* dst = kv_KC + static_cast<int64_t>(slot.size()) * (C + R);
-          const cache_t* lat = c_kv + (b * S + s) * C;
-          const cache_t* rope = k_pe + (b * S + s) * R;
-          for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<acc_t>(lat[c]);
-          for (int64_t r = 0; r < R; ++r) dst[C + r] = static_cast<acc_t>(rope[r]);
-          slot.push_back(j);
-        }
-        const int64_t n = static_cast<int64_t>(slot.size());
-        acc_t* p_HK = p_all.data() + row * H * K;
-        acc_t* g_HK = g_all.data() + row * H * K;
-        for (int64_t i = 0; i < H * K; ++i) p_HK[i] = g_HK[i] = acc_t(0);
-        for (int64_t h = 0; h < H; ++h) {
-          acc_t* dql = dq_lat + (row * H + h) * C;
-          acc_t* dqr = dq_pe + (row * H + h) * R;
-          for (int64_t c = 0; c < C; ++c) dql[c] = acc_t(0);
-          for (int64_t r = 0; r < R; ++r) dqr[r] = acc_t(0);
-          if (n == 0) continue;  // no selected key: the output was zeros, every gradient is zero
-          const acc_t* ql = q_lat + (row * H + h) * C;
-          const acc_t* qr = q_pe + (row * H + h) * R;
-          const acc_t* dO = grad_o + (row * H + h) * C;
-          acc_t* p = p_HK + h * K;  // indexed by slot
-          acc_t* g = g_HK + h * K;
-          acc_t m = neg_inf;
-          for (int64_t i = 0; i < n; ++i) {
-            const acc_t* kv = kv_KC + i * (C + R);
-            const acc_t sc = (dot(ql, kv, C) + dot(qr, kv + C, R)) * scale;
-            p[slot[i]] = sc;
-            m = std::max(m, sc);
-          }
-          acc_t total = 0;
-          for (int64_t i = 0; i < n; ++i) {
-            const acc_t e = std::exp(p[slot[i]] - m);
-            p[slot[i]] = e;
-            total = total + e;
-          }
-          const acc_t inv = acc_t(1) / total;
-          acc_t d_sum = 0;  // D = sum_j p dP
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t j = slot[i];
-            p[j] = p[j] * inv;
-            g[j] = dot(dO, kv_KC + i * (C + R), C);  // dP, for now
-            d_sum = d_sum + p[j] * g[j];
-          }
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t j = slot[i];
-            g[j] = scale * (p[j] * (g[j] - d_sum));
-            const acc_t* kv = kv_KC + i * (C + R);
-            axpy(g[j], kv, dql, C);
-            axpy(g[j], kv + C, dqr, R);
-          }
-        }
-      });
-    }
-  }
-  errors.rethrow_if_failed("sparse_prefill_backward");
-
-  // Pass 2: each key slot's (t, j) entries in ascending order (stable counting sort), then its sums.
-  std::vector<int64_t> start(B * S + 1, 0), entry(rows * K);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t b = row / T_;
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t s = idx[row * K + j];
-      if (s >= 0) ++start[b * S + s + 1];
-    }
-  }
-  for (int64_t i = 0; i < B * S; ++i) start[i + 1] += start[i];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t b = row / T_;
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t s = idx[row * K + j];
-        if (s >= 0) entry[fill[b * S + s]++] = row * K + j;
-      }
-    }
-  }
-  // Early keys are visible to more queries: dynamic chunks keep the threads evenly loaded.
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-  for (int64_t key = 0; key < B * S; ++key) {
-    errors.run([&] {
-      acc_t* dkv = dc_kv + key * C;
-      acc_t* dkr = dk_pe + key * R;
-      for (int64_t c = 0; c < C; ++c) dkv[c] = acc_t(0);
-      for (int64_t r = 0; r < R; ++r) dkr[r] = acc_t(0);
-      for (int64_t e = start[key]; e < start[key + 1]; ++e) {
-        const int64_t row = entry[e] / K, j = entry[e] % K;
-        for (int64_t h = 0; h < H; ++h) {
-          const int64_t at = (row * H + h) * K + j;
-          axpy(p_all[at], grad_o + (row * H + h) * C, dkv, C);
-          axpy(g_all[at], q_lat + (row * H + h) * C, dkv, C);
-          axpy(g_all[at], q_pe + (row * H + h) * R, dkr, R);
+          if (s < 0 || (s / kKeyBand) % nthreads != tid) continue;
+          const acc_t* src = contrib.data() + ((row - row0) * K + j) * width;
+          acc_t* dkv = dc_kv + (b * S + s) * C;
+          acc_t* dkr = dk_pe + (b * S + s) * R;
+          for (int64_t c = 0; c < C; ++c) dkv[c] = dkv[c] + src[c];
+          for (int64_t r = 0; r < R; ++r) dkr[r] = dkr[r] + src[C + r];
         }
       }
-    });
+    }
   }
-  errors.rethrow_if_failed("sparse_prefill_backward");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_prefill_backward(
