@@ -19,6 +19,9 @@ An op the chosen backend does not implement (or a call it declines through its k
 ``supports(...)`` hook, or a call needing gradients its kernel cannot give) runs the pure-torch reference,
 which is the spec; ``explain()`` shows which implementation each op resolves to and why. ``GLM5_STRICT=1``
 turns every such fallback into a :class:`BackendCoverageError`, for vendors proving coverage.
+``record_reference_runs()`` lists the calls that computed with the reference in a block (each training step
+reports them as ``reference_ops``). An op whose outputs carry no gradient (``OpSpec.gradient_free``: the
+top-k indices) keeps its kernel when inputs require grad.
 
 Binding (vLLM's ``CustomOp`` dispatch-at-construction): model layers and optimizers call :func:`bind` once,
 when they are built, applying the resolution order at that moment, and pass the :class:`Binding` as
