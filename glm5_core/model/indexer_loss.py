@@ -54,15 +54,17 @@ def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: to
     B, T = q_nope.shape[:2]
     S = c_kv.shape[1]
     k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
+    last_start = int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else int(start_pos)
     blocks = []
     for t0 in range(0, T, QUERY_BLOCK):
         t1 = min(T, t0 + QUERY_BLOCK)
+        seen = min(S, last_start + t1)  # keys past every query of the block are invisible: not computed
         q_blk = q_nope[:, t0:t1].transpose(1, 2)  # [B, H, c, Dn]
-        scores = torch.matmul(q_blk, k_nope.transpose(2, 3))  # [B, H, c, S]
-        scores = scores + torch.matmul(q_pe[:, t0:t1].transpose(1, 2), k_pe.unsqueeze(1).transpose(2, 3))
-        visible = causal_mask(start_pos + t0, B, t1 - t0, S, q_nope.device)  # [B, c, S]; start: int or [B]
+        scores = torch.matmul(q_blk, k_nope[:, :, :seen].transpose(2, 3))  # [B, H, c, seen]
+        scores = scores + torch.matmul(q_pe[:, t0:t1].transpose(1, 2), k_pe[:, :seen].unsqueeze(1).transpose(2, 3))
+        visible = causal_mask(start_pos + t0, B, t1 - t0, seen, q_nope.device)  # [B, c, seen]; start: int or [B]
         probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
-        summed = probs.sum(dim=1)  # [B, c, S]
+        summed = probs.sum(dim=1)  # [B, c, seen]
         target = summed / summed.sum(dim=-1, keepdim=True)
         idx = topk_idx[:, t0:t1]  # [B, c, K]
         blocks.append(target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0))

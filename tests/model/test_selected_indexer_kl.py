@@ -41,10 +41,11 @@ def test_selected_scores_pass_gradcheck():
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-@pytest.mark.parametrize("start_pos", (0, 4))
-def test_selected_target_kl_and_recall_equal_the_dense_ones(monkeypatch, block, start_pos):
+@pytest.mark.parametrize("start", ("0", "4", "ragged"))
+def test_selected_target_kl_and_recall_equal_the_dense_ones(monkeypatch, block, start):
     monkeypatch.setattr(indexer_loss, "QUERY_BLOCK", block)
-    shape = testing.MLAShape(B=2, T=6, S=6 + start_pos, H=3, Dn=5, Dr=4, Dv=6, C=7)
+    start_pos = torch.tensor([1, 4]) if start == "ragged" else int(start)
+    shape = testing.MLAShape(B=2, T=6, S=6 + (4 if start == "ragged" else start_pos), H=3, Dn=5, Dr=4, Dv=6, C=7)
     x = {n: t.double() for n, t in testing.make_sparse_inputs(shape, 3, seed=3, start_pos=start_pos).items()}
     idx = x["topk_idx"]
     args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
