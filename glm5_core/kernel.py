@@ -5,7 +5,8 @@
 sizes); the reference then runs, and ``why`` is what ``record_fallbacks`` / strict mode report. A kernel
 without a backward keeps ``differentiable=False``: the registry routes every call that needs gradients to the
 differentiable reference before ``supports`` is asked, so a ``supports`` hook never has to look at
-``requires_grad``.
+``requires_grad``. Calls of an op whose outputs carry no gradient (``OpSpec.gradient_free``: top-k indices)
+need no backward, whatever their inputs require: the kernel takes them.
 """
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ class Kernel:
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
-    def declines(self, args: tuple, kwargs: dict) -> str:
-        """Why this kernel cannot take the call ('' when it can): gradients it cannot give, then ``supports``."""
-        if not self.differentiable and needs_grad(*args, **kwargs):
+    def declines(self, args: tuple, kwargs: dict, *, outputs_have_gradients: bool = True) -> str:
+        """Why this kernel cannot take the call ('' when it can): gradients it cannot give (only asked of ops
+        whose outputs have gradients), then ``supports``."""
+        if outputs_have_gradients and not self.differentiable and needs_grad(*args, **kwargs):
             return NO_BACKWARD
         if self.supports is not None:
             ok, why = self.supports(*args, **kwargs)

@@ -20,6 +20,8 @@ class OpSpec:
     ``family``: the conformance family (``glm5_core.conformance.FAMILIES``) whose checks cover the op.
     ``differentiable``: training needs this op's gradient; the reference gives it, and the ``gradients``
     conformance family checks that every backend keeps it.
+    ``gradient_free``: the op's outputs carry no gradient (integer indices, as the top-k): a kernel takes its
+    calls even when an input requires grad, since no backward is ever asked of it.
     ``composite`` / ``parts``: a composite op (as torch's CompositeImplicitAutograd): a backend without a fused
     kernel for it runs ``composite(*args, backend=..., **kwargs)``, which calls the backend's kernels for
     ``parts`` (each part falling back on its own), never the whole reference.
@@ -29,6 +31,7 @@ class OpSpec:
     reference: Callable
     family: str
     differentiable: bool = False
+    gradient_free: bool = False
     composite: Optional[Callable] = None
     parts: Tuple[str, ...] = ()
 
@@ -41,6 +44,10 @@ class OpSpec:
             raise ValueError(f"{self.name}: family: expected a conformance family name, got {self.family!r}")
         if not isinstance(self.differentiable, bool):
             raise TypeError(f"{self.name}: differentiable: expected a bool, got {type(self.differentiable).__name__}")
+        if not isinstance(self.gradient_free, bool):
+            raise TypeError(f"{self.name}: gradient_free: expected a bool, got {type(self.gradient_free).__name__}")
+        if self.gradient_free and self.differentiable:
+            raise ValueError(f"{self.name}: an op is either differentiable or gradient_free, got both")
         if (self.composite is None) != (not self.parts):
             raise ValueError(f"{self.name}: a composite op declares both composite and parts, got "
                              f"composite={self.composite!r}, parts={self.parts!r}")

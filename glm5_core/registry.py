@@ -19,6 +19,9 @@ An op the chosen backend does not implement (or a call it declines through its k
 ``supports(...)`` hook, or a call needing gradients its kernel cannot give) runs the pure-torch reference,
 which is the spec; ``explain()`` shows which implementation each op resolves to and why. ``GLM5_STRICT=1``
 turns every such fallback into a :class:`BackendCoverageError`, for vendors proving coverage.
+``record_reference_runs()`` lists the calls that computed with the reference in a block (each training step
+reports them as ``reference_ops``). An op whose outputs carry no gradient (``OpSpec.gradient_free``: the
+top-k indices) keeps its kernel when inputs require grad.
 
 Binding (vLLM's ``CustomOp`` dispatch-at-construction): model layers and optimizers call :func:`bind` once,
 when they are built, applying the resolution order at that moment, and pass the :class:`Binding` as
@@ -62,6 +65,10 @@ _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
 # (op, why) of each call a backend kernel declined inside ``record_fallbacks()``; None when nobody records.
 _DECLINED_LOG: contextvars.ContextVar[Optional[List[Tuple[str, str]]]] = contextvars.ContextVar(
     "glm5_declined_log", default=None)
+# (op, why) of each call that computed with the reference inside ``record_reference_runs()`` (declined calls and
+# ops without a kernel alike); None when nobody records.
+_REFERENCE_LOG: contextvars.ContextVar[Optional[List[Tuple[str, str]]]] = contextvars.ContextVar(
+    "glm5_reference_log", default=None)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -423,6 +430,27 @@ def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
         _DECLINED_LOG.reset(token)
 
 
+@contextlib.contextmanager
+def record_reference_runs() -> Iterator[List[Tuple[str, str]]]:
+    """Collect ``(op, why)`` for every call in the block that computed with the reference: calls a kernel
+    declined and calls of ops the backend has no kernel for (a composite without a fused kernel records its
+    parts' calls). What a training step's ``reference_ops`` metric and the benchmarks' path checks read.
+    Calls traced by ``torch.compile`` are not recorded."""
+    ran: List[Tuple[str, str]] = []
+    token = _REFERENCE_LOG.set(ran)
+    try:
+        yield ran
+    finally:
+        _REFERENCE_LOG.reset(token)
+
+
+def _log_reference_run(op: str, why: str) -> None:
+    if not torch.compiler.is_compiling():
+        ran = _REFERENCE_LOG.get()
+        if ran is not None:
+            ran.append((op, why))
+
+
 def _declined_call(res: Resolution, why: str, args: tuple, kwargs: dict):
     """A kernel declined this call: the reference runs (strict mode: an error), recorded for conformance."""
     if strict_mode():
@@ -432,6 +460,7 @@ def _declined_call(res: Resolution, why: str, args: tuple, kwargs: dict):
         declined = _DECLINED_LOG.get()
         if declined is not None:
             declined.append((res.op, why))
+    _log_reference_run(res.op, why)
     return res.spec.reference(*args, **kwargs)
 
 
@@ -440,7 +469,7 @@ def _run(res: Resolution, via: BackendArg, args: tuple, kwargs: dict):
     the binding or backend name the call came through), or the reference."""
     kernel = res.kernel
     if kernel is not None:
-        why = kernel.declines(args, kwargs)
+        why = kernel.declines(args, kwargs, outputs_have_gradients=not res.spec.gradient_free)
         if not why:
             return kernel.fn(*args, **kwargs)
         if res.spec.is_composite:  # a declining fused kernel: the backend's parts (a composite never declines)
@@ -450,6 +479,8 @@ def _run(res: Resolution, via: BackendArg, args: tuple, kwargs: dict):
         return res.spec.composite(*args, backend=via, **kwargs)
     if strict_mode():
         raise _strict_fallback_error(res)
+    if res.is_reference:
+        _log_reference_run(res.op, res.reason)
     return res.impl(*args, **kwargs)
 
 

@@ -176,6 +176,48 @@ def test_calls_needing_gradients_skip_kernels_without_a_backward(tmp_path, monke
         muon.orthogonalize(G, backend="vendorx")
 
 
+GRADIENT_FREE_TOPK = ("from glm5_core.ops import dsa\n"
+                      "        def select(q, k, w, *, topk, start_pos=0):\n"
+                      "            select.calls += 1\n"
+                      "            return dsa.indexer_topk_reference(q, k, w, topk=topk, start_pos=start_pos)\n"
+                      "        select.calls = 0")
+
+
+def test_a_kernel_without_backward_takes_calls_whose_outputs_carry_no_gradient(tmp_path, monkeypatch,
+                                                                               fresh_registry):
+    """Top-k indices have no gradient: inputs that require grad must not send the call to the reference."""
+    from glm5_core import testing
+    from glm5_core.ops import dsa
+
+    _fake_backend_module(tmp_path, "vendorx_topk", GRADIENT_FREE_TOPK, table="{'dsa_indexer_topk': Kernel(select)}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import vendorx_topk
+
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=1, T=5, S=5, H=2, D=8, K=3), seed=0)
+    q, k, w = (x[n].requires_grad_(True) for n in ("q", "k", "w"))
+    with registry.record_reference_runs() as ran:
+        idx = dsa.indexer_topk(q, k, w, 3, backend="vendorx")
+    assert vendorx_topk.select.calls == 1 and ran == [] and not idx.requires_grad
+    assert registry.op_spec("dsa_indexer_topk").gradient_free
+
+
+def test_reference_runs_are_recorded_whether_declined_or_without_a_kernel(tmp_path, monkeypatch, fresh_registry):
+    _fake_backend_module(tmp_path, "vendorx_ran", kernel=f"Kernel(orthogonalize, supports={AT_MOST_4_COLUMNS})")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from glm5_core.ops import moe
+
+    with registry.record_reference_runs() as ran:
+        muon.orthogonalize(torch.randn(8, 3), backend="vendorx")  # the kernel
+        muon.orthogonalize(torch.randn(3, 8), backend="vendorx")  # declined
+        moe.route(torch.randn(4, 8), None, top_k=2, backend="vendorx")  # no kernel
+    assert ran == [("muon_orthogonalize", "at most 4 columns"), ("moe_route", "vendorx has no router kernel yet")]
+
+
+def test_an_op_is_not_both_differentiable_and_gradient_free():
+    with pytest.raises(ValueError, match="either differentiable or gradient_free"):
+        registry.OpSpec("x", len, family="dsa", differentiable=True, gradient_free=True)
+
+
 @pytest.mark.parametrize("form", ("record", "legacy_attribute"))
 def test_a_differentiable_kernel_takes_gradient_calls(tmp_path, monkeypatch, fresh_registry, form):
     if form == "record":

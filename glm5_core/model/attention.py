@@ -27,6 +27,7 @@ from glm5_core.model.config import GLM5Config
 from glm5_core.model.indexer import Indexer
 from glm5_core.model.norm import RMSNorm
 from glm5_core.model.rope import apply_rope
+from glm5_core.model.selected_index_scores import selected_index_scores
 from glm5_core.model.state import ForwardState
 from glm5_core.ops import dsa, mla
 
@@ -134,11 +135,15 @@ class MLA(nn.Module):
     def _indexer_signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs: IndexInputs,
                          state: ForwardState) -> None:
         q_i, keys_i, w_i, index_start = index_inputs
+        if state.attention == "sparse":  # only the selected keys matter: nothing [B, T, S] is kept
+            target = indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=self.scale,
+                                                            start_pos=attn_start)  # [B, T, K]
+            scores = selected_index_scores(q_i, keys_i, w_i, topk_idx)  # [B, T, K]
+            state.kl_terms.append(indexer_loss.selected_kl(target, scores, topk_idx))
+            state.recall_terms.append(indexer_loss.selected_recall(target))
+            return
         target = indexer_loss.attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, scale=self.scale,
                                                start_pos=attn_start)  # [B, T, S]
         scores = dsa.indexer_scores(q_i, keys_i, w_i, start_pos=index_start, backend=self.kernels)  # [B, T, S]
-        if state.attention == "sparse":
-            state.kl_terms.append(indexer_loss.sparse_kl(target, scores, topk_idx))
-        else:
-            state.kl_terms.append(indexer_loss.dense_kl(target, scores))
+        state.kl_terms.append(indexer_loss.dense_kl(target, scores))
         state.recall_terms.append(indexer_loss.topk_recall(target, topk_idx))

@@ -7,6 +7,10 @@ Dense stage:  KL(p || softmax(I)) over every causal key.
 Sparse stage: the same KL restricted to the selected keys (p renormalised over them).
 Recall:       the share of p's mass that falls on the selected keys.
 Each is averaged over the B*T queries.
+
+The sparse stage needs p and the indexer scores at the selected keys only: ``selected_attention_target`` goes
+through the queries in blocks (a [B, H, c, S] block of scores at a time, never [B, T, S]), and
+``glm5_core.model.selected_index_scores`` gives the scores at the selected keys with their gradient.
 """
 from __future__ import annotations
 
@@ -35,6 +39,38 @@ def attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tenso
     return summed / summed.sum(dim=-1, keepdim=True)
 
 
+QUERY_BLOCK = 256  # queries per block of selected_attention_target: [B, H, QUERY_BLOCK, S] scores at a time
+
+
+@torch.no_grad()
+def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                              w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
+                              start_pos: StartPos) -> torch.Tensor:
+    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), one block of queries at a time
+    (no [B, T, S] tensor). The scores take MLA's expanded form, q_nope . (c_kv W_UK^T) + q_pe . k_pe: the same
+    values as the absorbed form up to rounding, with Dn + Dr products per score instead of C + Dr."""
+    compute = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    q_nope, q_pe, c_kv, k_pe, w_uk = (t.to(compute) for t in (q_nope, q_pe, c_kv, k_pe, w_uk))
+    B, T = q_nope.shape[:2]
+    S = c_kv.shape[1]
+    k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
+    last_start = int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else int(start_pos)
+    blocks = []
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(T, t0 + QUERY_BLOCK)
+        seen = min(S, last_start + t1)  # keys past every query of the block are invisible: not computed
+        q_blk = q_nope[:, t0:t1].transpose(1, 2)  # [B, H, c, Dn]
+        scores = torch.matmul(q_blk, k_nope[:, :, :seen].transpose(2, 3))  # [B, H, c, seen]
+        scores = scores + torch.matmul(q_pe[:, t0:t1].transpose(1, 2), k_pe[:, :seen].unsqueeze(1).transpose(2, 3))
+        visible = causal_mask(start_pos + t0, B, t1 - t0, seen, q_nope.device)  # [B, c, seen]; start: int or [B]
+        probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+        summed = probs.sum(dim=1)  # [B, c, seen]
+        target = summed / summed.sum(dim=-1, keepdim=True)
+        idx = topk_idx[:, t0:t1]  # [B, c, K]
+        blocks.append(target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0))
+    return torch.cat(blocks, dim=1)  # [B, T, K]
+
+
 def _kl(target: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """mean over queries of sum_s target * (log target - log_q), over the kept entries only."""
     log_q = log_q.masked_fill(~keep, 0.0)
@@ -51,13 +87,22 @@ def dense_kl(target: torch.Tensor, index_scores: torch.Tensor) -> torch.Tensor:
 
 
 def sparse_kl(target: torch.Tensor, index_scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-    """The KL restricted to the selected keys topk_idx [B, T, K] (-1 = none)."""
+    """The KL restricted to the selected keys topk_idx [B, T, K] (-1 = none), from the dense p and scores."""
     keep = topk_idx >= 0  # [B, T, K]
     rows = topk_idx.clamp(min=0).long()
-    selected_scores = index_scores.to(target.dtype).gather(-1, rows).masked_fill(~keep, float("-inf"))  # [B, T, K]
+    selected_scores = index_scores.gather(-1, rows).masked_fill(~keep, float("-inf"))  # [B, T, K]
     selected_p = target.gather(-1, rows).masked_fill(~keep, 0.0)  # [B, T, K]
-    selected_p = selected_p / selected_p.sum(-1, keepdim=True).clamp_min(torch.finfo(target.dtype).tiny)
-    return _kl(selected_p, torch.log_softmax(selected_scores, dim=-1), keep)
+    return selected_kl(selected_p, selected_scores, topk_idx)
+
+
+def selected_kl(selected_target: torch.Tensor, selected_scores: torch.Tensor,
+                topk_idx: torch.Tensor) -> torch.Tensor:
+    """sparse_kl from p and the indexer scores at the selected keys, both [B, T, K] (p 0 and scores -inf at
+    the -1 slots of topk_idx)."""
+    keep = topk_idx >= 0  # [B, T, K]
+    dtype = selected_target.dtype
+    selected_p = selected_target / selected_target.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+    return _kl(selected_p, torch.log_softmax(selected_scores.to(dtype), dim=-1), keep)
 
 
 @torch.no_grad()
@@ -65,4 +110,10 @@ def topk_recall(target: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
     """Mean over queries of the target mass on the selected keys."""
     keep = topk_idx >= 0
     mass = target.gather(-1, topk_idx.clamp(min=0).long()).masked_fill(~keep, 0.0)  # [B, T, K]
-    return mass.sum(-1).mean()
+    return selected_recall(mass)
+
+
+@torch.no_grad()
+def selected_recall(selected_target: torch.Tensor) -> torch.Tensor:
+    """topk_recall from p at the selected keys [B, T, K] (0 at the -1 slots)."""
+    return selected_target.sum(-1).mean()

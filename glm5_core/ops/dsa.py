@@ -135,7 +135,7 @@ def sparse_attention_reference(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *
 
 OPS = (
     OpSpec("dsa_indexer_scores", indexer_scores_reference, family="dsa", differentiable=True),
-    OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa"),
+    OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa", gradient_free=True),  # int32 indices
     OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
     OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
 )

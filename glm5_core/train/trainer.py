@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,6 +62,15 @@ def _stderr(message: str) -> None:
 
 def _quiet(message: str) -> None:
     """Ranks other than 0 stay silent (rank 0 says it once)."""
+
+
+def _reference_report(ran: List[Tuple[str, str]]) -> Dict[str, Dict[str, int]]:
+    """{op: {why: calls}} of the ops that computed with the reference during one step (empty: kernels only)."""
+    report: Dict[str, Dict[str, int]] = {}
+    for op, why in ran:
+        report.setdefault(op, {})
+        report[op][why] = report[op].get(why, 0) + 1
+    return report
 
 
 def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
@@ -216,8 +225,10 @@ class Trainer:
                 self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
         lrs = self.schedule.lrs(step)
         _set_learning_rates(self.optimizer, lrs, self.cfg.optimizer.muon.lr_ratio)
-        values = self._step(self._wrapped, point.stage, step)
-        return {"step": step + 1, "stage": point.stage.label, **values, "lr": lrs["main"], "indexer_lr": lrs["indexer"]}
+        with registry.record_reference_runs() as ran:
+            values = self._step(self._wrapped, point.stage, step)
+        return {"step": step + 1, "stage": point.stage.label, **values, "lr": lrs["main"], "indexer_lr": lrs["indexer"],
+                "reference_ops": _reference_report(ran)}
 
     # ------------------------------------------------------------------------------------ the run
     def run(self) -> dict:

@@ -67,6 +67,23 @@ def test_stages_train_what_they_should(small_raw, tmp_path):
     assert records[2]["indexer_lr"] == pytest.approx(5e-3) and records[3]["indexer_lr"] == pytest.approx(2e-4)
 
 
+def test_each_step_reports_the_ops_that_ran_the_reference(small_raw, tmp_path):
+    """A sparse step trains on kernels only (the indexer top-k and the sparse attention with its backward); a
+    dense step says which ops the cpu backend leaves to the reference, and why."""
+    from glm5_core.backends.cpu import backend
+
+    if not backend.status().built:
+        pytest.skip(f"every op runs the reference here: {backend.status().describe()}")
+    run = tmp_path / "run"
+    pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run)))
+    records = _records(run)
+    assert [r["stage"] for r in records][4:] == ["sparse"] * 2
+    assert all(r["reference_ops"] == {} for r in records[4:]), [r["reference_ops"] for r in records[4:]]
+    dense = records[0]["reference_ops"]
+    assert set(dense) <= {"mla_prefill", "dsa_indexer_scores"} and "mla_prefill" in dense
+    assert all("no native kernel" in why for whys in dense.values() for why in whys)
+
+
 def test_dense_stage_leaves_the_indexer_alone(small_raw, tmp_path):
     small_raw["stages"] = [{"kind": "dense", "steps": 2}]
     small_raw["checkpoint"] = {"every_steps": 1, "keep_last": 10}

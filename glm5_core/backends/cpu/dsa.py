@@ -2,9 +2,11 @@
 
 Each takes exactly the arguments of its reference (``glm5_core.ops.dsa``), already validated, and calls
 the native ``torch.ops.glm5_cpu`` ops. Sparse prefill and sparse decode share one contract (absorbed MLA
-over the selected latent rows, any number of queries) and one kernel; it has no backward, so a prefill
-that needs gradients (training) runs the reference (the registry routes it: ``differentiable`` is False).
-Legend as in ``glm5_core.ops.dsa``.
+over the selected latent rows, any number of queries) and one forward kernel; a prefill that needs gradients
+(training) goes through the native backward ``sparse_prefill_backward`` (csrc/cpu_sparse_prefill_backward.cpp),
+which touches the selected rows only: O(T K) time and memory, never O(T S). The query absorption and the
+output projection stay torch ops (autograd differentiates them). The indexer top-k returns indices, which
+carry no gradient: it runs natively whatever its inputs require. Legend as in ``glm5_core.ops.dsa``.
 """
 from __future__ import annotations
 
@@ -53,14 +55,40 @@ def _sparse_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: f
     return _on_cpu(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx)
 
 
+class _SparseLatentAttention(torch.autograd.Function):
+    """o_lat [B, T, Hm, C] from the native forward; the backward recomputes the softmax over the selected rows
+    (nothing [T, K]-sized is kept between the passes) and returns d q_lat, d q_pe, d c_kv, d k_pe."""
+
+    @staticmethod
+    def forward(ctx, q_lat, q_pe, c_kv, k_pe, topk_idx, scale):
+        ctx.save_for_backward(q_lat, q_pe, c_kv, k_pe, topk_idx)
+        ctx.scale = scale
+        return torch.ops.glm5_cpu.sparse_decode(q_lat, q_pe, c_kv, k_pe, topk_idx, scale)
+
+    @staticmethod
+    def backward(ctx, grad_o_lat):
+        q_lat, q_pe, c_kv, k_pe, topk_idx = ctx.saved_tensors
+        d_q_lat, d_q_pe, d_c_kv, d_k_pe = torch.ops.glm5_cpu.sparse_prefill_backward(
+            grad_o_lat.to(q_lat.dtype).contiguous(), q_lat, q_pe, c_kv, k_pe, topk_idx, ctx.scale)
+        return d_q_lat, d_q_pe, d_c_kv.to(c_kv.dtype), d_k_pe.to(k_pe.dtype), None, None
+
+
 def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
-    """[B, T, Hm, Dv]: the same kernel as decode (rows are independent queries, batch invariant), so an
-    inference prefill and the decode steps after it compute every query the same way."""
-    return sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale)
+    """[B, T, Hm, Dv]: the same forward kernel as decode (rows are independent queries, batch invariant), so an
+    inference prefill and the decode steps after it compute every query the same way; differentiable through
+    the native backward when gradients are needed."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_pe, c_kv, k_pe, w_uk, w_uv))):
+        return sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale)
+    out_dtype = q_nope.dtype
+    ct = _checks.compute_dtype(out_dtype)
+    q_lat = absorb_query(q_nope.to(ct), w_uk.to(ct))  # [B, T, Hm, C]
+    o_lat = _SparseLatentAttention.apply(q_lat, q_pe.to(ct), c_kv, k_pe, topk_idx, float(scale))  # [B, T, Hm, C]
+    return project_output(o_lat, w_uv.to(ct)).to(out_dtype)
 
 
 KERNELS: Mapping[str, Kernel] = {
     "dsa_indexer_topk": Kernel(indexer_topk, supports=_indexer_supports),
     "dsa_sparse_decode": Kernel(sparse_decode, supports=_sparse_supports),
-    "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports),
+    # native backward (sparse_prefill_backward) over the selected rows only
+    "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports, differentiable=True),
 }

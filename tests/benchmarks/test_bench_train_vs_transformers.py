@@ -1,0 +1,38 @@
+"""benchmarks/bench_train_vs_transformers.py stops loudly when a step did not run the kernels it names."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its folder's _results
+    spec = importlib.util.spec_from_file_location("bench_train_vs_transformers_under_test",
+                                                  BENCHMARKS / "bench_train_vs_transformers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_sparse_step_that_ran_the_reference_stops_the_benchmark(bench, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench._check_path("glm5_sparse", [("dsa_indexer_topk", "the kernel has no backward")])
+    assert stop.value.code == 1
+    assert "dsa_indexer_topk (the kernel has no backward)" in capsys.readouterr().err
+
+
+def test_the_dense_step_may_run_only_the_reference_the_cpu_backend_chose(bench):
+    bench._check_path("glm5_dense", [("mla_prefill", "no native kernel")])
+    bench._check_path("glm5_sparse", [])
+    with pytest.raises(SystemExit):
+        bench._check_path("glm5_dense", [("moe_fused_experts", "declined")])
+
+
+def test_cases_are_checked(bench):
+    assert bench._parse_case("2x512") == (2, 512)
+    for bad in ("512", "0x512", "2x1", "ax2"):
+        with pytest.raises(Exception, match="case: expected"):
+            bench._parse_case(bad)

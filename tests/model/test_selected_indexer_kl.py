@@ -1,0 +1,100 @@
+"""The sparse stage's indexer KL from the selected keys only: the same values and gradients as the dense
+formulas gathered at the selected keys, computed in query blocks, with no [B, T, S] tensor."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from glm5_core import testing
+from glm5_core.model import indexer_loss, selected_index_scores
+from glm5_core.ops import dsa
+
+BLOCKS = (1, 3, 1000)  # one query a block, blocks that do not divide T, one block for everything
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_selected_scores_and_gradients_equal_the_dense_scores_gathered(monkeypatch, block):
+    monkeypatch.setattr(selected_index_scores, "QUERY_BLOCK", block)
+    shape = testing.IndexerShape(B=2, T=7, S=7, H=3, D=8, K=4)
+    x = {n: t.double().requires_grad_(True) for n, t in testing.make_indexer_inputs(shape, seed=1).items()}
+    idx = dsa.indexer_topk_reference(x["q"].detach(), x["k"].detach(), x["w"].detach(), topk=shape.K)
+    idx[0, 5, 1] = -1  # a -1 slot in the middle of a row
+    got = selected_index_scores.selected_index_scores(x["q"], x["k"], x["w"], idx)
+    dense = dsa.indexer_scores_reference(x["q"], x["k"], x["w"])  # [B, T, S]
+    keep = idx >= 0
+    want = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, float("-inf"))
+    torch.testing.assert_close(got, want)
+    weights = torch.randn(idx.shape, dtype=torch.float64).masked_fill(~keep, 0.0)
+    grads_got = torch.autograd.grad((got.masked_fill(~keep, 0.0) * weights).sum(), [x["q"], x["k"], x["w"]])
+    grads_want = torch.autograd.grad((want.masked_fill(~keep, 0.0) * weights).sum(), [x["q"], x["k"], x["w"]])
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w)
+
+
+def test_selected_scores_pass_gradcheck():
+    shape = testing.IndexerShape(B=1, T=5, S=5, H=2, D=4, K=3)
+    x = {n: t.double() for n, t in testing.make_indexer_inputs(shape, seed=2).items()}
+    idx = dsa.indexer_topk_reference(x["q"], x["k"], x["w"], topk=shape.K)
+    keep = idx >= 0
+    leaves = [x[n].clone().requires_grad_(True) for n in ("q", "k", "w")]
+    assert torch.autograd.gradcheck(
+        lambda q, k, w: selected_index_scores.selected_index_scores(q, k, w, idx).masked_fill(~keep, 0.0), leaves)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("start", ("0", "4", "ragged"))
+def test_selected_target_kl_and_recall_equal_the_dense_ones(monkeypatch, block, start):
+    monkeypatch.setattr(indexer_loss, "QUERY_BLOCK", block)
+    start_pos = torch.tensor([1, 4]) if start == "ragged" else int(start)
+    shape = testing.MLAShape(B=2, T=6, S=6 + (4 if start == "ragged" else start_pos), H=3, Dn=5, Dr=4, Dv=6, C=7)
+    x = {n: t.double() for n, t in testing.make_sparse_inputs(shape, 3, seed=3, start_pos=start_pos).items()}
+    idx = x["topk_idx"]
+    args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
+    target = indexer_loss.attention_target(*args, scale=0.4, start_pos=start_pos)  # [B, T, S]
+    selected = indexer_loss.selected_attention_target(*args, idx, scale=0.4, start_pos=start_pos)  # [B, T, K]
+    keep = idx >= 0
+    torch.testing.assert_close(selected, target.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, 0.0))
+    scores = torch.randn(shape.B, shape.T, shape.S, dtype=torch.float64)
+    selected_scores = scores.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, float("-inf"))
+    torch.testing.assert_close(indexer_loss.selected_kl(selected, selected_scores, idx),
+                               indexer_loss.sparse_kl(target, scores, idx))
+    torch.testing.assert_close(indexer_loss.selected_recall(selected), indexer_loss.topk_recall(target, idx))
+
+
+class _Shapes(TorchDispatchMode):
+    """The shape of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_model, make_config):
+    """T = S = 24 (no other size of the model is 24): no tensor made for the sparse stage's indexer KL, forward
+    or backward, holds a [T, S] plane (the top-k selection is the kernels' business: tests/cpu_native)."""
+    from glm5_core.model import attention
+
+    monkeypatch.setattr(indexer_loss, "QUERY_BLOCK", 4)
+    seen = _Shapes()
+    signals = attention.MLA._indexer_signals
+
+    def watched(self, *args, **kwargs):
+        with seen:
+            return signals(self, *args, **kwargs)
+
+    monkeypatch.setattr(attention.MLA, "_indexer_signals", watched)
+    model = make_model(make_config(max_position_embeddings=32), dtype=torch.float32).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    out = model(ids, attention="sparse", indexer_loss=True)
+    with seen:
+        grads = torch.autograd.grad(out.indexer_kl, list(model.indexer_parameters()), allow_unused=True)
+    assert out.indexer_kl.item() > 0 and any(g is not None and g.any() for g in grads)
+    assert len(seen.shapes) > 50  # the mode saw the KL's ops
+    planes = [s for s in seen.shapes if any(s[i:i + 2] == (24, 24) for i in range(len(s) - 1))]
+    assert planes == []
