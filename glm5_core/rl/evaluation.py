@@ -17,7 +17,7 @@ import math
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Episode
-from glm5_core.rl.rollout.sampling_seeds import sampling_seed
+from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 
 GenerateFn = Callable[[str, Dict], Dict]
@@ -57,11 +57,8 @@ class Evaluator:
                 budget = self.max_len - len(context)
                 if budget < 1:
                     break
-                params = {"temperature": temperature, "top_p": self.top_p,
-                          "max_new_tokens": min(limits.max_new_tokens, budget),
-                          "stop_token_ids": list(limits.stop_token_ids)}
-                if self.seed is not None:
-                    params["sampling_seed"] = sampling_seed(self.seed, tid, turn)
+                params = turn_sampling_params(temperature, self.top_p, min(limits.max_new_tokens, budget),
+                                              limits.stop_token_ids, self.seed, tid, turn)
                 turn += 1
                 try:
                     response = self.generate(tid, {"input_ids": context, "return_logprob": False, "rid": tid,

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from glm5_core.rl.rollout.envs.base import Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.rollout.rewards import reward_input
-from glm5_core.rl.rollout.sampling_seeds import sampling_seed
+from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
@@ -71,10 +71,8 @@ class RolloutRunner:
                     truncated = True  # context full: the episode ends unfinished (reward as the env scores it)
                     break
                 max_new_tokens = min(limits.max_new_tokens, budget)
-                params = {"temperature": self.temperature, "top_p": self.top_p,
-                          "max_new_tokens": max_new_tokens, "stop_token_ids": list(limits.stop_token_ids)}
-                if self.seed is not None:
-                    params["sampling_seed"] = sampling_seed(self.seed, trajectory_id, turn)
+                params = turn_sampling_params(self.temperature, self.top_p, max_new_tokens, limits.stop_token_ids,
+                                              self.seed, trajectory_id, turn)
                 turn += 1
                 try:
                     response = gateway.generate(context, params)
