@@ -86,9 +86,29 @@ def first_difference(saved: Any, current: Any, prefix: str = "", defaults: Any =
     return None
 
 
+def _is_dead_run_file_write(out_dir: str, name: str) -> bool:
+    """``rl_run.json.tmp-<pid>`` left by a writer that no longer runs (killed before its rename): debris, not a run."""
+    prefix = f"{RUN_FILE}.tmp-"
+    pid = name[len(prefix):]
+    if not name.startswith(prefix) or not pid.isdigit() or len(pid) > 9 or \
+            not os.path.isfile(os.path.join(out_dir, name)):
+        return False
+    try:
+        os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's)
+        return False
+    return False  # it exists: a run writing it now
+
+
 def check_output_dir(out_dir: str, resume: bool) -> None:
-    """A fresh run needs a new or empty folder; a resume needs a folder holding an RL run (``rl_run.json``)."""
+    """A fresh run needs a new or empty folder; a resume needs a folder holding an RL run (``rl_run.json``).
+    A run file whose writer was killed before its rename is removed: the run it began never started."""
     entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    for name in [e for e in entries if _is_dead_run_file_write(out_dir, e)]:
+        os.remove(os.path.join(out_dir, name))
+        entries.remove(name)
     if resume and RUN_FILE not in entries:
         raise ValueError(f"--resume: {out_dir!r} holds no RL run (no {RUN_FILE}); expected the output dir of an "
                          f"earlier glm5 rl run")

@@ -192,6 +192,25 @@ def test_a_resume_refuses_a_run_folder_that_is_a_file(tmp_path, name):
     run_state.check_output_dir(str(run_dir), resume=True)
 
 
+def test_a_run_file_whose_writer_was_killed_does_not_block_the_folder(tmp_path):
+    """A kill between writing ``rl_run.json.tmp-<pid>`` and its rename left the folder refused by a fresh run
+    ("already holds 1 entries") and by --resume ("no RL run"): the debris of a dead writer is removed, the
+    folder is empty again; a live writer's file is left alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / f"rl_run.json.tmp-{dead.pid}").write_text('{"format": 1, "conf')  # torn by the kill
+    run_state.check_output_dir(str(run_dir), resume=False)
+    assert list(run_dir.iterdir()) == []
+    (run_dir / f"rl_run.json.tmp-{os.getpid()}").write_text("{}")  # this process is alive: not debris
+    with pytest.raises(ValueError, match="already holds 1 entries"):
+        run_state.check_output_dir(str(run_dir), resume=False)
+
+
 @pytest.fixture
 def resume_point(tmp_path):
     """A run folder with one resume point at step 0 (no engine started), and its config file."""
