@@ -29,7 +29,7 @@ def silent_agent(client, model, task):
 def hanging_agent(client, model, task):
     """Generates once, then hangs past any timeout_s the tests set; its late request must fail."""
     ask_once(client, model)
-    time.sleep(3)
+    time.sleep(10)
     ask_once(client, model)
     return 1.0
 

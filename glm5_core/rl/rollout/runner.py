@@ -5,6 +5,9 @@ keeps ``max_inflight_groups`` groups going and feeds the buffer as trajectories 
 buffer already holds ``max_buffered`` trajectories); in sync mode :meth:`RolloutRunner.run_groups` plays a
 fixed number of groups and returns when all are done. Every trajectory id is issued once.
 
+An :class:`~glm5_core.rl.rollout.envs.base.AgentEpisode` (``env.name: openai_agent``) plays itself: the runner
+hands it ``generate_fn`` and the sampling settings and trains what it recorded (:meth:`RolloutRunner.play_agent`).
+
 With ``seed`` set, every request carries a ``sampling_seed`` derived from it, the trajectory id and the turn
 (``sampling_seeds``); :meth:`state_dict` / :meth:`load_state_dict` carry the group numbering (hence the ids
 and seeds) and the failure counts over a resume.
