@@ -86,6 +86,19 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
         assert trajectory.reward in (0.0, 1.0) and not trajectory.env_failed
 
 
+def test_glm5_rl_stops_in_one_line_when_an_agent_fails_under_on_failure_fail(tmp_path, tok_dir, tok, capsys):
+    sets = [f"rollout.tokenizer={tok_dir}", f"output_dir={tmp_path / 'run'}", "env.on_failure=fail",
+            "env.agent=tests.rl.agent_fixtures:raising_agent", "env.max_tokens=2",
+            f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
+            "rollout.group_size=2", "rollout.max_batch=4", "train.batch_size=2", "train.optim.micro_batch_size=2"]
+    rc = main(["rl", "--config", "configs/rl_openai_agent.yaml", "--backend", "cpu",
+               *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert err[0].startswith("glm5 rl: error: agent failed (exception) on trajectory 'g0-")
+    assert "RuntimeError: agent bug (env.on_failure: fail)" in err[0]
+
+
 # -- the per-episode failure policy, through the rollout runner -----------------------------------------------
 def play(tok, agent, *, on_failure="drop", timeout_s=30.0, group_size=2, generate=None, tasks=TASKS):
     env = OpenAIAgentEnv(agent=agent, tasks=tasks, on_failure=on_failure, timeout_s=timeout_s, max_tokens=64,
