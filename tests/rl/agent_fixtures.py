@@ -43,3 +43,10 @@ def text_reward_agent(client, model, task):
 def constant_agent(client, model, task):
     ask_once(client, model)
     return 0.5
+
+
+def token_sum_reward():
+    """A reward factory whose rewards differ between samples of a group (so the policy gets a gradient)."""
+    def score(sample) -> float:
+        return float(sum(sample["response_ids"]) % 5)
+    return score
