@@ -103,11 +103,12 @@ def test_glm5_rl_stops_in_one_line_when_an_agent_fails_under_on_failure_fail(tmp
 
 
 # -- the per-episode failure policy, through the rollout runner -----------------------------------------------
-def play(tok, agent, *, on_failure="drop", timeout_s=30.0, group_size=2, generate=None, tasks=TASKS):
+def play(tok, agent, *, on_failure="drop", timeout_s=30.0, group_size=2, generate=None, tasks=TASKS, **runner_kw):
     env = OpenAIAgentEnv(agent=agent, tasks=tasks, on_failure=on_failure, timeout_s=timeout_s, max_tokens=64,
                          codec=tok, seed=0)
     recorder = Recorder(generate or CalculatorModel(tok))
-    runner = RolloutRunner(env, recorder, group_size=group_size, temperature=1.0, top_p=1.0, max_len=1024, seed=3)
+    runner = RolloutRunner(env, recorder, group_size=group_size, temperature=1.0, top_p=1.0, max_len=1024, seed=3,
+                           **runner_kw)
     try:
         return runner.run_groups(1), env, runner, recorder
     finally:
@@ -121,6 +122,14 @@ def test_the_example_agent_solves_its_task_with_a_scripted_model(tok):
     for t in trajectories:
         assert_trained_exactly_the_engines_tokens(t, recorder.of(t.trajectory_id))
     assert runner.env_failures == 0 and env.failure_counts() == {k: 0 for k in env.failure_counts()}
+
+
+def test_agent_requests_ask_the_engines_for_the_replay_traces_the_trainer_replays(tok):
+    _, _, _, recorder = play(tok, AGENT, return_routed_experts=True)
+    assert recorder.calls and all(request.get("return_routed_experts") is True and "return_indexer_topk" not in request
+                                  for _, request, _ in recorder.calls)
+    _, _, _, recorder = play(tok, AGENT)
+    assert not any("return_routed_experts" in request for _, request, _ in recorder.calls)
 
 
 @pytest.mark.parametrize("agent, kind", [("raising_agent", "exception"), ("silent_agent", "no_requests"),

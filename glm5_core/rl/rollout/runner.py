@@ -123,7 +123,7 @@ class RolloutRunner:
     def play_agent(self, episode: AgentEpisode, trajectory_id: str) -> Trajectory:
         """Run an agent episode: it generates through ``generate_fn`` itself and returns what was recorded. A
         failed agent run the episode drops (its failure policy) is not trained and counts as an env failure."""
-        sampling = AgentSampling(self.temperature, self.top_p, self.max_len, self.seed)
+        sampling = AgentSampling(self.temperature, self.top_p, self.max_len, self.seed, **self.replay_traces)
         try:
             run = episode.run(trajectory_id, self.generate_fn, sampling)
         finally:

@@ -79,12 +79,15 @@ class Environment(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class AgentSampling:
-    """The run's sampling settings an agent episode generates with (``seed`` None: no per-request seeds)."""
+    """The run's sampling settings an agent episode generates with (``seed`` None: no per-request seeds; the
+    ``return_*`` flags: replay traces to ask of the engines and record)."""
 
     temperature: float
     top_p: float
     max_len: int
     seed: Optional[int] = None
+    return_routed_experts: bool = False
+    return_indexer_topk: bool = False
 
 
 @dataclasses.dataclass

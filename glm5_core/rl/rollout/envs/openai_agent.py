@@ -148,7 +148,9 @@ class OpenAIAgentEnv(Environment):
                 self._proxy = OpenAIProxy(self.codec, self._generate, max_context_tokens=sampling.max_len,
                                           model_name=self.model_name, default_max_tokens=self.max_tokens,
                                           max_new_tokens=min(1024, sampling.max_len - 1),
-                                          temperature=sampling.temperature, top_p=sampling.top_p).start()
+                                          temperature=sampling.temperature, top_p=sampling.top_p,
+                                          return_routed_experts=sampling.return_routed_experts,
+                                          return_indexer_topk=sampling.return_indexer_topk).start()
             assert generate_fn == self._generate_fn and sampling == self._sampling, "one run, one proxy"
             return self._proxy
 
