@@ -156,7 +156,15 @@ def test_an_agent_past_its_timeout_is_dropped_without_waiting_for_it(tok):
 
 
 def test_on_failure_zero_trains_what_the_agent_recorded_with_reward_zero(tok):
-    trajectories, env, runner, recorder = play(tok, "tests.rl.agent_fixtures:raising_agent", on_failure="zero")
+    scorer = {"calls": 0}
+
+    def reward_plugin(payload):  # not asked: the failure's reward is 0
+        scorer["calls"] += 1
+        return 1.0
+
+    trajectories, env, runner, recorder = play(tok, "tests.rl.agent_fixtures:raising_agent", on_failure="zero",
+                                               reward_fn=reward_plugin)
+    assert scorer["calls"] == 0
     for t in trajectories:
         assert not t.env_failed and t.reward == 0.0
         assert_trained_exactly_the_engines_tokens(t, recorder.of(t.trajectory_id))

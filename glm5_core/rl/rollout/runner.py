@@ -129,8 +129,10 @@ class RolloutRunner:
         finally:
             self.forget_fn(trajectory_id)
         failed = run.drop or not run.samples  # nothing recorded: nothing to train
-        reward = 0.0 if failed else self._reward(_FinishedAgent(episode.group_id, run), trajectory_id, run.samples,
-                                                 run.reward)
+        if failed or run.failure is not None:  # a failure kept under on_failure: zero trains with reward 0
+            reward = 0.0
+        else:
+            reward = self._reward(_FinishedAgent(episode.group_id, run), trajectory_id, run.samples)
         reward_dropped = reward is None
         if failed or reward_dropped:
             reward = 0.0
@@ -139,10 +141,10 @@ class RolloutRunner:
         return Trajectory(trajectory_id, episode.group_id, run.samples, reward, num_turns=run.num_turns,
                           info=dict(run.info), env_failed=failed or reward_dropped)
 
-    def _reward(self, episode, trajectory_id: str, samples, own_reward: Optional[float] = None) -> Optional[float]:
+    def _reward(self, episode, trajectory_id: str, samples) -> Optional[float]:
         """The episode's own reward, or the reward plug-in's (None: it failed and drops the trajectory)."""
         if self.reward_fn is None:
-            return float(episode.reward if own_reward is None else own_reward)
+            return float(episode.reward)
         codec = getattr(self.env, "codec", None)
         decode = getattr(codec, "decode", None)
         return self.reward_fn(reward_input(trajectory_id, episode, samples, decode))
