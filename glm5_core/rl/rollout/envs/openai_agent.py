@@ -165,11 +165,11 @@ class OpenAIAgentEnv(Environment):
                                                                                      trajectory_id, turn)}}
         return self._generate_fn(trajectory_id, request)
 
-    def _forget(self, trajectory_id: str) -> None:
+    def forget_turns(self, trajectory_id: str) -> None:
         with self._lock:
             self._turns.pop(trajectory_id, None)
 
-    def failed(self, kind: str, trajectory_id: str, detail: str) -> bool:
+    def record_failure(self, kind: str, trajectory_id: str, detail: str) -> bool:
         """Count and log a failed episode; True when its policy drops it. Raises :class:`AgentError` under
         ``fail``."""
         message = f"agent failed ({kind}) on trajectory {trajectory_id!r}: {detail}"
@@ -205,13 +205,13 @@ class OpenAIAgentEpisode(AgentEpisode):
             thread.join(env.timeout_s)
         finally:
             record = proxy.close_trajectory(trajectory_id)  # a late request of a timed-out agent now fails
-            env._forget(trajectory_id)
+            env.forget_turns(trajectory_id)
         if not thread.is_alive():
             client.close()  # a running agent still holds it; its thread ends on the closed trajectory
         samples = record.gateway.finished_samples()
         info = {"agent_requests": float(record.gateway.num_requests), "rerenders": float(record.transcript.rerenders)}
         failure, detail, reward = self._outcome(thread, samples)
-        drop = failure is not None and env.failed(failure, trajectory_id, detail)
+        drop = failure is not None and env.record_failure(failure, trajectory_id, detail)
         return AgentRun(samples, reward, num_turns=record.gateway.num_requests, info=info, failure=failure, drop=drop)
 
     def _outcome(self, thread: _AgentThread, samples) -> tuple:
