@@ -224,6 +224,9 @@ class RLConfig:
         problems = _model_problems(self) + _env_problems(self.env) + _plugin_problems(self)
         if problems:
             return problems
+        problems = _env_tokenizer_problems(self)
+        if problems:
+            return problems
         r, t = self.rollout, self.train
         if t.batch_size % r.group_size:
             problems.append(f"train.batch_size: expected a multiple of rollout.group_size={r.group_size}, "
@@ -318,6 +321,17 @@ def _env_problems(env: Dict[str, Any]) -> List[str]:
     from glm5_core.rl.rollout.envs.registry import env_problems
 
     return env_problems(env)
+
+
+def _env_tokenizer_problems(cfg: RLConfig) -> List[str]:
+    """An environment that talks chat (the OpenAI proxy's, ``env.name: openai_agent``) needs ``rollout.tokenizer``."""
+    from glm5_core.rl.rollout.envs.registry import needs_chat_template
+
+    if cfg.rollout.tokenizer is None and needs_chat_template(cfg.env):
+        what = cfg.env.get("name") or cfg.env.get("path")
+        return [f"rollout.tokenizer: env {what!r} needs a tokenizer directory with a chat template (its agents' "
+                f"chat requests are rendered by it), got null"]
+    return []
 
 
 def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:

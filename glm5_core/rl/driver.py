@@ -435,6 +435,9 @@ class RLRun:
             out.update(self.buffer.dynamic.counters())
         if self.reward is not None:
             out["reward_failures"] = self.reward.failures
+        agent_failures = getattr(self.env, "failure_counts", None)  # agent environments (env.on_failure)
+        if agent_failures is not None:
+            out["agent_failures"] = agent_failures()
         return out
 
     def _log_step(self, row: Dict) -> None:
@@ -499,6 +502,7 @@ class RLRun:
     def _teardown(self) -> None:
         self.runner.stop()
         self.runner.shutdown()
+        self.env.close()
         self.buffer.close()
         self.weight_sync.shutdown()
         self.replicas.shutdown()

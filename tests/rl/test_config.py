@@ -58,7 +58,7 @@ def test_the_shipped_configs_parse(path):
     ({"env": {"name": "arithmetic", "max_operant": 4}}, "env.max_operant: unknown key; did you mean 'max_operand'?"),
     ({"env": {"name": "calculator", "pareto_alpha": "x"}}, "env.pareto_alpha: expected a finite number, got 'x'"),
     ({"env": {"name": "calculator", "byte_offset": -1}}, "env.byte_offset: expected an int >= 0, got -1"),
-    ({"env": {"name": "chess"}}, "env.name: expected one of 'arithmetic', 'calculator', got 'chess'"),
+    ({"env": {"name": "chess"}}, "env.name: expected one of 'arithmetic', 'calculator', 'openai_agent', got 'chess'"),
 ])
 def test_each_bad_value_is_one_line_naming_its_key(data, expected):
     problem = _problem(data)

@@ -13,6 +13,7 @@ from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
 from tests.rl import plugin_fixtures
 
 FIXTURES = "tests.rl.plugin_fixtures"
+UNKNOWN_CHESS = "env.name: expected one of 'arithmetic', 'calculator', 'openai_agent', got 'chess'"
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +29,7 @@ def _problem(data):
 
 
 def test_build_env_refuses_an_unknown_name_instead_of_building_the_calculator():
-    with pytest.raises(ValueError, match="env.name: expected one of 'arithmetic', 'calculator', got 'chess'"):
+    with pytest.raises(ValueError, match=UNKNOWN_CHESS):
         build_env({"name": "chess"}, seed=0)
     with pytest.raises(ValueError, match="did you mean 'arithmetic'"):
         build_env({"name": "arithmetc"}, seed=0)
@@ -56,7 +57,7 @@ def test_an_environment_by_import_path_gets_its_keys_the_codec_and_the_run_seed(
     ({"path": f"{FIXTURES}:Missing"}, f"env.path: module '{FIXTURES}' has no attribute 'Missing'"),
     ({"path": "not a path"}, "env.path: expected an import path 'pkg.module:name', got 'not a path'"),
     ({"name": "arithmetic", "path": f"{FIXTURES}:ConstantEnv"}, "env: expected 'name' (a built-in) or 'path'"),
-    ({"name": "chess"}, "env.name: expected one of 'arithmetic', 'calculator', got 'chess'"),
+    ({"name": "chess"}, UNKNOWN_CHESS),
 ])
 def test_each_bad_environment_is_one_line_naming_its_key(env, expected):
     problem = _problem({"env": env})
@@ -138,4 +139,4 @@ def test_glm5_rl_exits_2_with_one_line_for_an_unknown_environment(tmp_path, caps
     config.write_text("env: {name: chess}\n")
     assert main(["rl", "--config", str(config), "--check-config"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "env.name: expected one of 'arithmetic', 'calculator', got 'chess'" in err
+    assert len(err.splitlines()) == 1 and UNKNOWN_CHESS in err

@@ -1,6 +1,7 @@
-"""``rollout.tokenizer``: glm5 rl's environments encode prompts and decode completions through a tokenizer directory
-(trained here: tests/rl/tiny_chat_tokenizer.py), the trained token ids are those the engine sampled, and a directory
-that is missing, has no chat template or more tokens than the policy's vocab_size is refused with one line."""
+"""``rollout.tokenizer``: glm5 rl's environments render prompts through a tokenizer directory's chat template and
+decode completions with it (trained here: tests/rl/tiny_chat_tokenizer.py), the trained token ids are those the
+engine sampled, and a directory that is missing, has no chat template or more tokens than the policy's vocab_size is
+refused with one line."""
 import json
 import re
 
@@ -61,9 +62,13 @@ def test_glm5_rl_trains_on_the_token_ids_the_engine_sampled_through_the_tokenize
         sample, = trajectory.samples
         assert sample.tokens == prompt + output  # the sampled ids, as the engine returned them
         assert sample.loss_mask == [0] * len(prompt) + [1] * len(output)
-        text = tokenizer.decode(prompt)
-        assert re.fullmatch(r"\d\+\d=", text), text
-        assert prompt == tokenizer.encode(text) != ByteCodec().encode(text)  # the tokenizer's ids, not bytes
+        text = tokenizer.decode(prompt, skip_special_tokens=False)
+        user_turn = r"<\|im_start\|>user<\|im_sep\|>(\d\+\d=)<\|im_end\|><\|im_start\|>assistant<\|im_sep\|>"
+        question = re.fullmatch(user_turn, text).group(1)
+        # the chat template's user turn, in the tokenizer's ids (transformers' own rendering), not bytes
+        assert prompt == tokenizer.hf.apply_chat_template([{"role": "user", "content": question}],
+                                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert prompt != ByteCodec().encode(text)
         outputs += output
     assert max(outputs) >= 256  # the engine samples over the tokenizer's vocabulary, past the byte range
 

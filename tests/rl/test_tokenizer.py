@@ -112,15 +112,16 @@ def test_glm_turn_ending_tokens_come_from_generation_config(glm):
     assert [glm.token_text(i) for i in glm.stop_token_ids] == ["<|endoftext|>", "<|user|>", "<|observation|>"]
 
 
-def test_codec_interface_drives_the_byte_codec_environments(chatml):
+def test_the_built_in_environments_take_the_chat_tokenizer_as_codec_and_render_through_its_template(chatml):
     env = ArithmeticEnv(max_operand=4, codec=chatml, seed=0)
     episode = env.episode("g", 2, 3)
-    assert chatml.decode(episode.context_tokens()) == "2+3="
-    assert episode.turn_limits().stop_token_ids == (chatml.token("\n"),)
-    episode.observe(chatml.encode("5\n"))
+    rendered = chatml.decode(episode.context_tokens(), skip_special_tokens=False)
+    assert rendered == "<|im_start|>user<|im_sep|>2+3=<|im_end|><|im_start|>assistant<|im_sep|>"
+    assert episode.turn_limits().stop_token_ids == chatml.stop_token_ids
+    episode.observe(chatml.encode_with_control_tokens("5<|im_end|>"))
     assert episode.reward == 1.0
     (calc,) = CalculatorEnv(codec=chatml, min_numbers=2, seed=0).new_group("g", 1)
-    assert chatml.decode(calc.context_tokens()).startswith("Add the numbers with calc. First: ")
+    assert chatml.decode(calc.context_tokens()).startswith("userAdd the numbers with calc. First: ")
 
 
 def test_plain_text_never_becomes_control_tokens(chatml):

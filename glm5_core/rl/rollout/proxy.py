@@ -97,7 +97,8 @@ class OpenAIProxy:
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
                  max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
                  tool_parser: Optional[ToolCallParser] = None, temperature: Optional[float] = None,
-                 top_p: Optional[float] = None):
+                 top_p: Optional[float] = None, return_routed_experts: bool = False,
+                 return_indexer_topk: bool = False):
         if not isinstance(tokenizer, ChatTokenizer) or not tokenizer.has_chat_template:
             raise ValueError(f"tokenizer: expected a ChatTokenizer with a chat template, got {tokenizer!r:.80}")
         if not isinstance(model_name, str) or not model_name:
@@ -118,6 +119,9 @@ class OpenAIProxy:
         self.model_name = model_name
         self.auto_open = bool(auto_open)
         self.tool_parser = tool_parser or ToolCallParser()
+        # replay traces asked of the engines and recorded per sample (train.routing_replay / index_replay)
+        self.replay = {"return_routed_experts": bool(return_routed_experts),
+                       "return_indexer_topk": bool(return_indexer_topk)}
         self.created = int(time.time())
         self._trajectories: Dict[str, ProxyTrajectory] = {}
         self._lock = threading.Lock()
@@ -149,7 +153,7 @@ class OpenAIProxy:
     def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:
         if len(self._trajectories) >= self.max_trajectories:
             raise ValueError(f"trajectory_id: {self.max_trajectories} trajectories already open (max_trajectories)")
-        record = ProxyTrajectory(trajectory_id, TITOGateway(trajectory_id, self.generate_fn),
+        record = ProxyTrajectory(trajectory_id, TITOGateway(trajectory_id, self.generate_fn, **self.replay),
                                  ChatTranscript(self.tokenizer))
         self._trajectories[trajectory_id] = record
         return record

@@ -5,6 +5,9 @@ keeps ``max_inflight_groups`` groups going and feeds the buffer as trajectories 
 buffer already holds ``max_buffered`` trajectories); in sync mode :meth:`RolloutRunner.run_groups` plays a
 fixed number of groups and returns when all are done. Every trajectory id is issued once.
 
+An :class:`~glm5_core.rl.rollout.envs.base.AgentEpisode` (``env.name: openai_agent``) plays itself: the runner
+hands it ``generate_fn`` and the sampling settings and trains what it recorded (:meth:`RolloutRunner.play_agent`).
+
 With ``seed`` set, every request carries a ``sampling_seed`` derived from it, the trajectory id and the turn
 (``sampling_seeds``); :meth:`state_dict` / :meth:`load_state_dict` carry the group numbering (hence the ids
 and seeds) and the failure counts over a resume.
@@ -16,13 +19,23 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from glm5_core.rl.rollout.envs.base import Environment, Episode
+from glm5_core.rl.rollout.envs.base import AgentEpisode, AgentRun, AgentSampling, Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.rollout.rewards import reward_input
 from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
+
+
+class _FinishedAgent:
+    """A finished agent run as :func:`reward_input` reads an episode."""
+
+    def __init__(self, group_id: str, run: AgentRun):
+        self.group_id, self.reward, self.num_turns, self._info = group_id, run.reward, run.num_turns, run.info
+
+    def info(self) -> Dict[str, float]:
+        return dict(self._info)
 
 
 class RolloutRunner:
@@ -58,7 +71,10 @@ class RolloutRunner:
             return episodes
 
     def play(self, episode: Episode, trajectory_id: str) -> Trajectory:
-        """Run one episode to the end through a TITO gateway."""
+        """Run one episode to the end through a TITO gateway (an agent episode: through its own, see
+        :meth:`play_agent`)."""
+        if isinstance(episode, AgentEpisode):
+            return self.play_agent(episode, trajectory_id)
         gateway = TITOGateway(trajectory_id, self.generate_fn, **self.replay_traces)
         failed = rollout_failed = truncated = reward_dropped = False
         turn = 0
@@ -89,7 +105,7 @@ class RolloutRunner:
                 except Exception:  # an environment crash is not a task failure
                     failed = True
                     break
-            reward = 0.0 if failed else self._reward(episode, trajectory_id, gateway)
+            reward = 0.0 if failed else self._reward(episode, trajectory_id, gateway.finished_samples())
             if reward is None:  # the reward plug-in failed and its policy drops the trajectory
                 reward, failed, reward_dropped = 0.0, True, True  # counted by the scorer
         finally:
@@ -104,13 +120,34 @@ class RolloutRunner:
                           num_turns=episode.num_turns, info=episode.info(), env_failed=failed,
                           truncated=truncated and not failed)
 
-    def _reward(self, episode: Episode, trajectory_id: str, gateway: TITOGateway) -> Optional[float]:
+    def play_agent(self, episode: AgentEpisode, trajectory_id: str) -> Trajectory:
+        """Run an agent episode: it generates through ``generate_fn`` itself and returns what was recorded. A
+        failed agent run the episode drops (its failure policy) is not trained and counts as an env failure."""
+        sampling = AgentSampling(self.temperature, self.top_p, self.max_len, self.seed, **self.replay_traces)
+        try:
+            run = episode.run(trajectory_id, self.generate_fn, sampling)
+        finally:
+            self.forget_fn(trajectory_id)
+        failed = run.drop or not run.samples  # nothing recorded: nothing to train
+        if failed or run.failure is not None:  # a failure kept under on_failure: zero trains with reward 0
+            reward = 0.0
+        else:
+            reward = self._reward(_FinishedAgent(episode.group_id, run), trajectory_id, run.samples)
+        reward_dropped = reward is None
+        if failed or reward_dropped:
+            reward = 0.0
+            with self._lock:
+                self.env_failures += not reward_dropped  # a dropped reward is counted by the scorer
+        return Trajectory(trajectory_id, episode.group_id, run.samples, reward, num_turns=run.num_turns,
+                          info=dict(run.info), env_failed=failed or reward_dropped)
+
+    def _reward(self, episode, trajectory_id: str, samples) -> Optional[float]:
         """The episode's own reward, or the reward plug-in's (None: it failed and drops the trajectory)."""
         if self.reward_fn is None:
             return float(episode.reward)
         codec = getattr(self.env, "codec", None)
         decode = getattr(codec, "decode", None)
-        return self.reward_fn(reward_input(trajectory_id, episode, gateway.finished_samples(), decode))
+        return self.reward_fn(reward_input(trajectory_id, episode, samples, decode))
 
     def _submit_group(self) -> List[concurrent.futures.Future]:
         futures = []

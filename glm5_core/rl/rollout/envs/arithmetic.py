@@ -17,6 +17,7 @@ import random
 from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
+from glm5_core.rl.rollout.envs.chat_prompts import model_text, prompt_tokens, stop_tokens
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.envs.rng_state import load_rng_state, rng_state_dict
 
@@ -32,8 +33,8 @@ class ArithmeticEpisode(Episode):
         self.group_id = group_id
         self.a, self.b = a, b
         self._codec = codec
-        self._prompt = codec.encode(template.format(a=a, b=b))
-        self._limits = TurnLimits(max_new_tokens, (codec.token("\n"),))
+        self._prompt = prompt_tokens(codec, template.format(a=a, b=b))  # bytes, or the chat template's user turn
+        self._limits = TurnLimits(max_new_tokens, stop_tokens(codec, "\n"))
         self._answer: List[int] = []
         self._turns = 0
 
@@ -50,7 +51,7 @@ class ArithmeticEpisode(Episode):
 
     @property
     def reward(self) -> float:
-        return score_answer(self._codec.decode(self._answer), self.a + self.b)
+        return score_answer(model_text(self._codec, self._answer), self.a + self.b)
 
     @property
     def num_turns(self) -> int:

@@ -6,6 +6,11 @@ The prompt shows the first number; each model turn is one calculator call (its f
 asks for the answer, and the reward is 1.0 iff the model's final line is exactly the total.
 ``n`` is long-tailed: ``1 + floor(pareto(alpha))`` capped at ``max_numbers``, so most episodes are short and a
 few are very long, which is what leaves a synchronous RL loop waiting on stragglers.
+
+With a chat tokenizer (``rollout.tokenizer``) the same conversation goes through its chat template
+(:mod:`chat_prompts`): the prompt is a user message, each tool result a ``role: tool`` message followed by a user
+message with the next number (or ``answer:``), appended after the model's sampled ids; a folded tool result is a
+``role: tool`` message ``[..]`` (the user message after it stays).
 """
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from typing import Dict, List
 from glm5_core.rl.rollout.envs.arithmetic import score_answer
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
 from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
+from glm5_core.rl.rollout.envs.chat_prompts import ChatTurns, model_text, stop_tokens, uses_chat_template
 from glm5_core.rl.rollout.envs.codec import ByteCodec
-from glm5_core.rl.rollout.envs.context import ContextManager
+from glm5_core.rl.rollout.envs.context import FOLDED_TEXT, ContextManager
 from glm5_core.rl.rollout.envs.rng_state import load_rng_state, rng_state_dict
 
 
@@ -30,14 +36,20 @@ class CalculatorEpisode(Episode):
         self.group_id = group_id
         self.numbers = numbers
         self._codec = codec
-        prompt = codec.encode(f"Add the numbers with calc. First: {numbers[0]}\n")
+        text = f"Add the numbers with calc. First: {numbers[0]}\n"
+        self._asked_answer = len(numbers) == 1
+        self._chat = None
+        if uses_chat_template(codec):
+            self._chat = ChatTurns(codec, text + ("answer:" if self._asked_answer else ""))
+            prompt = self._chat.prompt
+        else:
+            prompt = codec.encode(text)
         self.context = ContextManager(prompt, codec, keep_recent=keep_recent, token_budget=token_budget)
-        self._limits = TurnLimits(max_new_tokens, (codec.token("\n"),))
+        self._limits = TurnLimits(max_new_tokens, stop_tokens(codec, "\n"))
         self._revealed = 1
         self._turns = 0
         self._final: List[int] = []
-        self._asked_answer = len(numbers) == 1
-        if self._asked_answer:
+        if self._asked_answer and self._chat is None:
             self.context.prompt += codec.encode("answer:")
 
     def context_tokens(self) -> List[int]:
@@ -51,24 +63,31 @@ class CalculatorEpisode(Episode):
         if self._asked_answer:
             self._final = list(output_ids)
             return True
-        expression = self._codec.decode(output_ids).split("\n", 1)[0]
+        expression = model_text(self._codec, output_ids).split("\n", 1)[0]
         try:
             result = str(calculate(expression))
         except ToolError as exc:
             result = f"error: {exc}"
-        reply = f"<tool>{result}</tool>"
+        shown = None  # the number this turn reveals
         if self._revealed < len(self.numbers):
-            reply += f" next: {self.numbers[self._revealed]}\n"
+            shown = self.numbers[self._revealed]
             self._revealed += 1
         if self._revealed == len(self.numbers):
-            reply += "answer:"
             self._asked_answer = True
-        self.context.add_turn(output_ids, self._codec.encode(reply))
+        ask = (f"next: {shown}\n" if shown is not None else "") + ("answer:" if self._asked_answer else "")
+        if self._chat is None:
+            reply = f"<tool>{result}</tool>" + (" " if shown is not None else "") + ask
+            self.context.add_turn(output_ids, self._codec.encode(reply))
+        else:
+            user = {"role": "user", "content": ask}  # kept when the tool result is folded
+            tool_ids, folded_ids = self._chat.reply(output_ids, [{"role": "tool", "content": result}, user],
+                                                    folded=[{"role": "tool", "content": FOLDED_TEXT.strip()}, user])
+            self.context.add_turn(output_ids, tool_ids, folded_ids)
         return False
 
     @property
     def reward(self) -> float:
-        return score_answer(self._codec.decode(self._final), sum(self.numbers))
+        return score_answer(model_text(self._codec, self._final), sum(self.numbers))
 
     @property
     def num_turns(self) -> int:

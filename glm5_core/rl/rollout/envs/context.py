@@ -12,7 +12,7 @@ Tokens are kept as ids (the model's are exactly what it sampled); only the envir
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 
@@ -24,6 +24,7 @@ DROPPED_TEXT = "[history dropped]\n"
 class Turn:
     model_tokens: List[int]
     tool_tokens: List[int]
+    folded_tokens: Optional[List[int]] = None  # what replaces tool_tokens once folded (None: the FOLDED_TEXT ids)
 
 
 class ContextManager:
@@ -44,15 +45,20 @@ class ContextManager:
         self.num_folds = 0
         self.num_drops = 0
 
-    def add_turn(self, model_tokens: List[int], tool_tokens: List[int]) -> None:
-        self.turns.append(Turn(list(model_tokens), list(tool_tokens)))
+    def add_turn(self, model_tokens: List[int], tool_tokens: List[int],
+                 folded_tokens: Optional[List[int]] = None) -> None:
+        self.turns.append(Turn(list(model_tokens), list(tool_tokens),
+                               None if folded_tokens is None else list(folded_tokens)))
 
     def _render(self) -> List[int]:
         out = list(self.prompt) + (list(self._dropped) if self._history_dropped else [])
         first_verbatim = len(self.turns) - self.keep_recent
         for i, turn in enumerate(self.turns):
             out += turn.model_tokens
-            out += turn.tool_tokens if i >= first_verbatim else self._folded
+            if i >= first_verbatim:
+                out += turn.tool_tokens
+            else:
+                out += self._folded if turn.folded_tokens is None else turn.folded_tokens
         return out
 
     def render(self) -> List[int]:

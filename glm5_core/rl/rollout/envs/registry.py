@@ -1,4 +1,4 @@
-"""Which environment a run builds: ``env: {name: arithmetic | calculator, ...}`` (built-in) or
+"""Which environment a run builds: ``env: {name: arithmetic | calculator | openai_agent, ...}`` (built-in) or
 ``env: {path: "pkg.module:factory", ...}`` (a plug-in).
 
 The other keys of ``env`` are keyword arguments of the environment's constructor (a plug-in: its factory),
@@ -17,7 +17,7 @@ from glm5_core.rl.plugins import load_object
 from glm5_core.rl.rollout.envs.base import Environment
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 
-BUILTIN_ENVIRONMENTS = ("arithmetic", "calculator")
+BUILTIN_ENVIRONMENTS = ("arithmetic", "calculator", "openai_agent")
 RUN_ARGUMENTS = ("codec", "seed")  # passed by the run, not set in the config
 
 
@@ -31,6 +31,10 @@ def builtin_environment(name: str) -> Callable[..., Environment]:
         from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
 
         return CalculatorEnv
+    if name == "openai_agent":
+        from glm5_core.rl.rollout.envs.openai_agent import OpenAIAgentEnv
+
+        return OpenAIAgentEnv
     hint = did_you_mean(name, BUILTIN_ENVIRONMENTS) if isinstance(name, str) else ""
     raise ValueError(f"env.name: expected one of {', '.join(repr(e) for e in BUILTIN_ENVIRONMENTS)}, got "
                      f"{shown(name)}{hint} (a plug-in: env.path, an import path 'pkg.module:factory')")
@@ -113,6 +117,16 @@ def _unknown_builtin_keys(env_cfg: Dict[str, Any]) -> List[str]:
         return []
     known = {k for name in BUILTIN_ENVIRONMENTS for k in _config_keys(builtin_environment(name))}
     return [unknown_key("env.", str(k), [*known, "name", "path"]) for k in env_cfg if k not in known | {"name"}]
+
+
+def needs_chat_template(env_cfg: Any) -> bool:
+    """Whether the environment ``env`` names needs ``rollout.tokenizer`` (``requires_chat_template`` on its class
+    or factory: the OpenAI proxy renders chat requests, the byte codec cannot)."""
+    try:
+        factory = environment_factory(env_cfg)
+    except ValueError:
+        return False
+    return bool(getattr(factory, "requires_chat_template", False))
 
 
 def env_problems(env_cfg: Any) -> List[str]:
