@@ -91,7 +91,8 @@ def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens, monkeypatc
 
     def recording(*args, **kwargs):
         tokens, accepted = accept_drafts(*args, **kwargs)
-        counts.append([accepted[i].item() for i, s in enumerate(engine._slots) if s is not None])
+        active = [i for i, s in enumerate(engine._slots) if s is not None]  # the step's window starts at active[0]
+        counts.append([accepted[i - active[0]].item() for i in active])
         return tokens, accepted
 
     monkeypatch.setattr(speculative, "accept_drafts", recording)
