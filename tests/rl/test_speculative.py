@@ -111,10 +111,12 @@ def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens, monkeypatc
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
-def test_sampled_tokens_follow_the_target_distribution():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_tokens_follow_the_target_distribution(seeded):
     """4000 requests for 3 tokens of one prompt, vocabulary 4, d = 2, temperature 0.8, top-p 0.9: the joint
     distribution of (x1, x2, x3) (x2 and x3 come from accepted drafts, residual or bonus draws) against the exact
-    one, computed from the model's full forwards (what plain sampling draws from)."""
+    one, computed from the model's full forwards (what plain sampling draws from); ``seeded``: every request draws
+    from its own sampling_seed's generator."""
     V, N, temperature, top_p = 4, 4000, 0.8, 0.9
     model = peaked_model(vocab_size=V, seed=1)
     prompt = [1, 2, 3, 0, 1, 2, 0, 0, 3, 1, 2]
@@ -134,12 +136,36 @@ def test_sampled_tokens_follow_the_target_distribution():
     engine = RolloutEngine(model, max_batch=64, max_len=32, prefix_cache_entries=0, seed=3,
                            speculative={"draft_tokens": 2})
     results = engine.generate([GenerateRequest(f"s{i}", prompt, temperature=temperature, top_p=top_p,
-                                               max_new_tokens=4) for i in range(N)])
+                                               max_new_tokens=4, sampling_seed=1000 + i if seeded else None)
+                               for i in range(N)])
     stats = engine.speculative.stats
     assert 0.1 * stats.drafted < stats.accepted < 0.9 * stats.drafted
     cells = torch.tensor([r.output_ids[0] * V * V + r.output_ids[1] * V + r.output_ids[2] for r in results])
     counts = torch.bincount(cells, minlength=V ** 3)
     assert chi_square_pvalue(counts, N * joint.flatten()) > ALPHA
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_came_before_or_beside_it():
+    """sampling_seed under speculative decoding: drafts, acceptance tests and corrected / bonus tokens all come from
+    the request's own generator, so its tokens do not depend on the engine's seed, on what the engine served before
+    or on the (unseeded) requests decoded in the same steps; another seed draws other tokens."""
+    model = peaked_model(vocab_size=6)
+    prompt = ragged_requests(1, 6, 1.0)[0].input_ids
+
+    def seeded(rid, seed):
+        return GenerateRequest(rid, prompt, temperature=1.0, max_new_tokens=24, sampling_seed=seed)
+
+    def engine(seed, max_batch=1):
+        return RolloutEngine(model, max_batch=max_batch, max_len=96, seed=seed, prefix_cache_entries=0,
+                             speculative={"draft_tokens": 3})
+
+    spec = engine(0)
+    alone = spec.generate([seeded("a", 7)])[0].output_ids
+    assert 0 < spec.speculative.stats.accepted < spec.speculative.stats.drafted  # drafts accepted and rejected
+    after = engine(1).generate(ragged_requests(2, 6, 1.0) + [seeded("b", 7)])[-1].output_ids
+    beside = engine(2, max_batch=3).generate(ragged_requests(2, 6, 1.0, prefix="c") + [seeded("c", 7)])[-1]
+    assert after == alone and beside.output_ids == alone
+    assert engine(0).generate([seeded("d", 8)])[0].output_ids != alone
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
