@@ -11,7 +11,7 @@ from glm5_core.rl.rollout.trajectory import Sample
 from glm5_core.rl.serving import kv_slots
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import GenerateRequest
-from glm5_core.rl.serving.speculative_sampling import accept_drafts, sampling_probs
+from glm5_core.rl.serving.speculative_sampling import accept_drafts, draw, sampling_probs
 
 ALPHA = 1e-4  # chi-square tests: a correct sampler fails a given seed with this probability
 
@@ -60,6 +60,35 @@ def test_accept_drafts_emits_target_distribution_per_position():
     bonus_rows = accepted == d
     bonus = torch.bincount(tokens[bonus_rows, d], minlength=V)
     assert chi_square_pvalue(bonus, bonus_rows.sum() * p[d]) > ALPHA
+
+
+def test_accept_drafts_limit_tests_only_the_first_drafts_and_draws_the_bonus_there():
+    """limit 1 at d = 2: the second draft is never tested; a row that accepts the first draft emits a token drawn
+    from p_1 (the bonus of a one-draft row), not the outcome of testing draft 2."""
+    g = torch.Generator().manual_seed(1)
+    B, d, V = 200_000, 2, 5
+    p = torch.softmax(torch.randn(d + 1, V, generator=g) * 1.5, -1)  # [d+1, V]
+    q = torch.softmax(torch.randn(d, V, generator=g) * 1.5, -1)  # [d, V]
+    drafts = torch.stack([torch.multinomial(q[j], B, replacement=True, generator=g) for j in range(d)], 1)
+    limit = torch.ones(B, dtype=torch.long)
+    tokens, accepted = accept_drafts(p.expand(B, d + 1, V), drafts, q.expand(B, d, V), g, limit=limit)
+    assert accepted.max() == 1 and (accepted == 1).any() and (accepted == 0).any()
+    assert chi_square_pvalue(torch.bincount(tokens[:, 0], minlength=V), B * p[0]) > ALPHA
+    rows = accepted == 1
+    assert chi_square_pvalue(torch.bincount(tokens[rows, 1], minlength=V), rows.sum() * p[1]) > ALPHA
+
+
+def test_draw_inverts_the_cumulative_distribution_and_never_picks_a_zero_weight():
+    g = torch.Generator().manual_seed(2)
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 5.0, 0.0])  # unnormalised, zero weights inside and at the end
+    N = 100_000
+    tokens = draw(weights.expand(N, -1), torch.rand(N, generator=g))
+    counts, positive = torch.bincount(tokens, minlength=6), weights > 0
+    assert (counts[~positive] == 0).all()
+    assert chi_square_pvalue(counts[positive], N * weights[positive] / weights.sum()) > ALPHA
+    # the smallest and largest uniforms torch.rand gives, and 1.0: a product with the total rounded up to it
+    edge = torch.tensor([0.0, 1.0 - 2.0 ** -24, 1.0])
+    assert draw(weights.expand(3, -1), edge).tolist() == [1, 4, 4]
 
 
 def test_accept_drafts_greedy_rows_keep_the_target_argmax():
