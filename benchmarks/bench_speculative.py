@@ -3,6 +3,7 @@
     python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 9] [--new-tokens 128]
         [--speed-new-tokens 64] [--out benchmarks/results/bench_speculative.json]
     python benchmarks/bench_speculative.py --part costs [--out benchmarks/results/bench_speculative_costs.json]
+    python benchmarks/bench_speculative.py --part speed [--temperature 0] (the speed rounds only)
 
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
@@ -114,7 +115,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--speed-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--part", choices=("all", "costs"), default="all")
+    ap.add_argument("--part", choices=("all", "costs", "speed"), default="all")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_speculative[_costs].json")
     args = ap.parse_args()
     if not os.path.isdir(args.checkpoint):
@@ -132,8 +133,8 @@ def main() -> None:
     ids = prompts(16)
 
     acceptance, greedy_equal = {}, {}
-    _, _, plain_greedy = run(model, 8, ids, args.new_tokens, 0.0, None, seed=0)
-    for temperature in (0.0, 1.0):
+    _, _, plain_greedy = run(model, 8, ids, args.new_tokens, 0.0, None, seed=0) if args.part == "all" else (0, 0, 0)
+    for temperature in (0.0, 1.0) if args.part == "all" else ():
         for d in (1, 2, 3, 4):
             _, a, outputs = run(model, 8, ids, args.new_tokens, temperature, d, seed=0)
             acceptance[f"T={temperature:g} d={d}"] = round(a, 3)

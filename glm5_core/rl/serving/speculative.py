@@ -21,6 +21,13 @@ DeepSeek-V3's / GLM-5's MTP layer with ``speculative_eagle_topk=1`` (one chain, 
    different counts; a row's cache "rolls back" by its length alone (slots past it are rewritten before any
    query can see them, as in plain decoding).
 
+Cost per step (``benchmarks/bench_speculative.py --part costs``): one verify forward over d+1 positions and d
+MTP forwards. The forwards cover only the window of slots from the first active one to the last (as plain
+decoding's do) and pass one int start position when every row of the window has the same one (always at batch 1:
+the main model's int fast paths); a step's random numbers are drawn once, 2 * draft_tokens + 1 per row
+(:meth:`SpeculativeDecoder._uniforms`), and all rows sample in batched calls. A row drafts no more than it can
+still emit (its own limit; rows of one step may differ).
+
 The MTP layer keeps its own one-layer latent cache of S rows (``L + d + 1`` positions: provisional draft
 entries may run past the main cache). A finished request's MTP rows are stored in the prefix cache after its
 main-layer rows, so a later turn drafts over the reused prefix too.

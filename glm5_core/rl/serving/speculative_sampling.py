@@ -12,6 +12,10 @@ bonus token is drawn from ``p_d``. Every emitted token then follows the target d
 ``logits / temperature`` restricted to the top-p nucleus. Greedy rows (temperature below ``GREEDY_BELOW``) use
 one-hot distributions at the argmax, which makes the same rule accept a draft iff it is the target's argmax and
 emit the target's argmax otherwise: exactly plain greedy decoding.
+
+Randomness: every draw (drafts, acceptance tests, the last token) takes one given uniform number and inverts the
+cumulative distribution (:func:`draw`), so a step's random numbers can be drawn up front, per row, from the
+row's own generator (a request's ``sampling_seed``) and every row is then sampled in one batched call.
 """
 from __future__ import annotations
 
