@@ -3,7 +3,7 @@
     python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 9] [--new-tokens 128]
         [--speed-new-tokens 64] [--out benchmarks/results/bench_speculative.json]
     python benchmarks/bench_speculative.py --part costs [--out benchmarks/results/bench_speculative_costs.json]
-    python benchmarks/bench_speculative.py --part speed [--temperature 0] (the speed rounds only)
+    python benchmarks/bench_speculative.py --part speed [--temperature 0] [--batches 1] (the speed rounds only)
 
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
@@ -115,12 +115,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--speed-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes of the speed rounds")
     ap.add_argument("--part", choices=("all", "costs", "speed"), default="all")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_speculative[_costs].json")
     args = ap.parse_args()
     if not os.path.isdir(args.checkpoint):
         print(f"--checkpoint: no such folder {args.checkpoint!r} (run: glm5 pretrain --config configs/tiny.yaml)",
               file=sys.stderr)
+        sys.exit(2)
+    if any(not 1 <= b <= 16 for b in args.batches):
+        print(f"--batches: expected batch sizes in [1, 16] (16 prompts), got {args.batches}", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(1)
     model = load_pretrained(args.checkpoint).eval()
@@ -143,10 +147,11 @@ def main() -> None:
             print(f"acceptance T={temperature:g} d={d}: {a:.3f}", flush=True)
 
     configs = [None, 1, 2, 3, 4]
-    rates = {(b, d): [] for b in (1, 8) for d in configs}  # per round (wall, cpu) tokens per second
-    accept_runs = {(b, d): [] for b in (1, 8) for d in configs}
+    batches = args.batches
+    rates = {(b, d): [] for b in batches for d in configs}  # per round (wall, cpu) tokens per second
+    accept_runs = {(b, d): [] for b in batches for d in configs}
     for r in range(args.rounds):
-        for batch in (1, 8):
+        for batch in batches:
             order = configs if r % 2 == 0 else configs[::-1]
             for d in order:
                 rate, a, _ = run(model, batch, ids[:batch], args.speed_new_tokens, args.temperature, d, seed=r)
@@ -154,7 +159,7 @@ def main() -> None:
                 accept_runs[(batch, d)].append(a)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     speed = {}
-    for batch in (1, 8):
+    for batch in batches:
         for d in configs:
             key = f"batch {batch} " + (f"d={d}" if d else "plain")
             speed[key] = {"mean_acceptance_length": round(statistics.median(accept_runs[(batch, d)]), 3)}
