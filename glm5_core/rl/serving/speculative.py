@@ -200,7 +200,8 @@ class SpeculativeDecoder:
         W = hi - lo
         n = [len(states[i].tokens) for i in active]
         # a row's own draft limit: its room in the cache and its remaining tokens (its last step drafts no more
-        # than it can emit); the step drafts the largest limit, as far as every row's room allows
+        # than it can emit); the step drafts the largest limit, as far as every row's room allows (so a row's
+        # drafts depend on the other rows only while one of them is within draft_tokens of max_len)
         limits = [min(self.draft_tokens, self.max_len - n_i, max(1, states[i].request.max_new_tokens
                                                                  - len(states[i].outputs) - 1))
                   for i, n_i in zip(active, n)]
@@ -220,12 +221,10 @@ class SpeculativeDecoder:
 
         drafts, draft_probs = self._draft(states, active, lo, W, n, d, temperature, top_p, any_greedy,
                                           uniforms)  # [W, d], [W, d, V]
-        last = torch.tensor([[0]] * W, dtype=torch.long)  # [W, 1] each row's last token (no KV yet)
-        pos = [0] * W
+        last, pos = [[0]] * W, [0] * W  # per window row: its last token (no KV yet) and that token's position
         for r, i, n_i in zip(rows, active, n):
-            last[r, 0] = states[i].tokens[-1]
-            pos[r] = n_i - 1
-        ids = torch.cat((last.to(self.device), drafts), dim=1)  # [W, d+1]: the last token, then the drafts
+            last[r], pos[r] = [states[i].tokens[-1]], n_i - 1
+        ids = torch.cat((torch.tensor(last, dtype=torch.long, device=self.device), drafts), dim=1)  # [W, d+1]
         start = pos[0] if same else torch.tensor(pos, dtype=torch.long, device=self.device)
         window = main_cache if W == main_cache.batch_size else kv_slots.row_window(main_cache, lo, hi)
         out = forward(ids, window, start)
