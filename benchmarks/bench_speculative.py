@@ -3,6 +3,7 @@
     python benchmarks/bench_speculative.py [--checkpoint runs/tiny/final] [--rounds 9] [--new-tokens 128]
         [--speed-new-tokens 64] [--out benchmarks/results/bench_speculative.json]
     python benchmarks/bench_speculative.py --part costs [--out benchmarks/results/bench_speculative_costs.json]
+    python benchmarks/bench_speculative.py --part speed [--temperature 0] [--batches 1] (the speed rounds only)
 
 The checkpoint is the Quickstart's (``glm5 pretrain --config configs/tiny.yaml``), trained on the Python standard
 library's sources; prompts are 96-byte windows of stdlib files (byte tokens), every request decodes
@@ -13,12 +14,17 @@ tokens equal plain greedy decoding's. Speed: engine tokens/s
 and 8 for plain decoding and d = 1..4, at ``--temperature`` (default 1.0, what RL rollouts sample at); the
 configurations alternate within each round (interleaved rounds, order reversed every other round). Reported:
 median tokens/s over rounds, and the median over rounds of each round's ratio to plain decoding in that round
-(the figure to quote on a shared machine, where the load changes between rounds). torch runs on one thread, as
-the Quickstart does.
+(the figure to quote on a shared machine, where the load changes between rounds). The same figures are also
+given in process CPU time (``*_cpu``: generated tokens per CPU-second of this process): on a loaded machine the
+wall time also counts the time the process waited for a core, which changes between and within rounds; CPU time
+counts only the time it ran (it still pays for caches shared with other processes), so its ratios are the stabler
+ones there. On an idle machine the two agree. torch runs on one thread, as the Quickstart does.
 
-``--part costs`` times the forwards a speculative step is made of, against a 100-token context: the main model
-over T = 1, 3, 5 new positions (plain decoding, verify at d = 2, 4) and one MTP forward with its logits, at batch
-1 and 8 (30 interleaved rounds, medians, milliseconds).
+``--part costs`` times the forwards a speculative step is made of, against a 100-token context, as the engine
+calls them (batch 1: one int start position; batch 8: a tensor of them): the main model over T = 1, 3, 4, 5 new
+positions (plain decoding, verify at d = 2, 3, 4) and one MTP forward with its logits over T = 1 (a chained
+draft) and T = 4 (a draft-extend after 3 accepted drafts), at batch 1 and 8 (30 interleaved rounds, medians,
+milliseconds of wall time and of process CPU time).
 """
 from __future__ import annotations
 
@@ -60,12 +66,12 @@ def run(model, batch: int, ids, new_tokens: int, temperature: float, draft_token
                            seed=seed, speculative=spec)
     requests = [GenerateRequest(f"b{i}", p, temperature=temperature, top_p=1.0, max_new_tokens=new_tokens)
                 for i, p in enumerate(ids)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     results = engine.generate(requests)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(r.output_ids) for r in results)
     acceptance = engine.speculative.stats.mean_acceptance_length() if engine.speculative else 1.0
-    return tokens / seconds, acceptance, [r.output_ids for r in results]
+    return (tokens / seconds, tokens / cpu_seconds), acceptance, [r.output_ids for r in results]
 
 
 @torch.no_grad()
@@ -76,26 +82,29 @@ def forward_costs(model, rounds: int = 30):
         cache, draft_cache = model.new_cache(batch, 256), new_mtp_cache(model, batch, 256)
         with _checks.skip_value_checks():
             model(torch.randint(0, 256, (batch, 100), generator=g), cache=cache, start_pos=0)
-        pos = torch.full((batch,), 100, dtype=torch.long)
+        pos = 100 if batch == 1 else torch.full((batch,), 100, dtype=torch.long)  # as the engine passes it
 
         def main_forward(T):
             with _checks.skip_value_checks():
                 model(torch.randint(0, 256, (batch, T), generator=g), cache=cache, start_pos=pos)
 
-        def mtp():
-            h = mtp_forward(model, draft_cache, torch.randn(batch, 1, model.config.hidden_size, generator=g),
-                            torch.randint(0, 256, (batch, 1), generator=g), pos)
-            mtp_logits(model, h[:, 0])
+        def mtp(T):
+            h = mtp_forward(model, draft_cache, torch.randn(batch, T, model.config.hidden_size, generator=g),
+                            torch.randint(0, 256, (batch, T), generator=g), pos)
+            mtp_logits(model, h[:, -1])
 
-        parts = {"main T=1": lambda: main_forward(1), "main T=3": lambda: main_forward(3),
-                 "main T=5": lambda: main_forward(5), "mtp T=1": mtp}
-        times = {name: [] for name in parts}
+        parts = {f"main T={T}": (lambda T=T: main_forward(T)) for T in (1, 3, 4, 5)}
+        parts.update({f"mtp T={T}": (lambda T=T: mtp(T)) for T in (1, 4)})
+        wall = {name: [] for name in parts}
+        cpu = {name: [] for name in parts}
         for _ in range(rounds):
             for name, fn in parts.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                times[name].append(time.perf_counter() - t0)
-        out[f"batch {batch}"] = {name: round(1000 * statistics.median(v), 2) for name, v in times.items()}
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        out[f"batch {batch}"] = {name: {"wall": round(1000 * statistics.median(wall[name]), 2),
+                                        "cpu": round(1000 * statistics.median(cpu[name]), 2)} for name in parts}
     return out
 
 
@@ -106,12 +115,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--speed-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--part", choices=("all", "costs"), default="all")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes of the speed rounds")
+    ap.add_argument("--part", choices=("all", "costs", "speed"), default="all")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/bench_speculative[_costs].json")
     args = ap.parse_args()
     if not os.path.isdir(args.checkpoint):
         print(f"--checkpoint: no such folder {args.checkpoint!r} (run: glm5 pretrain --config configs/tiny.yaml)",
               file=sys.stderr)
+        sys.exit(2)
+    if any(not 1 <= b <= 16 for b in args.batches):
+        print(f"--batches: expected batch sizes in [1, 16] (16 prompts), got {args.batches}", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(1)
     model = load_pretrained(args.checkpoint).eval()
@@ -124,8 +137,8 @@ def main() -> None:
     ids = prompts(16)
 
     acceptance, greedy_equal = {}, {}
-    _, _, plain_greedy = run(model, 8, ids, args.new_tokens, 0.0, None, seed=0)
-    for temperature in (0.0, 1.0):
+    _, _, plain_greedy = run(model, 8, ids, args.new_tokens, 0.0, None, seed=0) if args.part == "all" else (0, 0, 0)
+    for temperature in (0.0, 1.0) if args.part == "all" else ():
         for d in (1, 2, 3, 4):
             _, a, outputs = run(model, 8, ids, args.new_tokens, temperature, d, seed=0)
             acceptance[f"T={temperature:g} d={d}"] = round(a, 3)
@@ -134,10 +147,11 @@ def main() -> None:
             print(f"acceptance T={temperature:g} d={d}: {a:.3f}", flush=True)
 
     configs = [None, 1, 2, 3, 4]
-    rates = {(b, d): [] for b in (1, 8) for d in configs}
-    accept_runs = {(b, d): [] for b in (1, 8) for d in configs}
+    batches = args.batches
+    rates = {(b, d): [] for b in batches for d in configs}  # per round (wall, cpu) tokens per second
+    accept_runs = {(b, d): [] for b in batches for d in configs}
     for r in range(args.rounds):
-        for batch in (1, 8):
+        for batch in batches:
             order = configs if r % 2 == 0 else configs[::-1]
             for d in order:
                 rate, a, _ = run(model, batch, ids[:batch], args.speed_new_tokens, args.temperature, d, seed=r)
@@ -145,16 +159,19 @@ def main() -> None:
                 accept_runs[(batch, d)].append(a)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     speed = {}
-    for batch in (1, 8):
-        plain = statistics.median(rates[(batch, None)])
+    for batch in batches:
         for d in configs:
             key = f"batch {batch} " + (f"d={d}" if d else "plain")
-            med = statistics.median(rates[(batch, d)])
-            ratios = [x / p for x, p in zip(rates[(batch, d)], rates[(batch, None)])]
-            speed[key] = {"tokens_per_s": round(med, 1), "vs_plain": round(med / plain, 2),
-                          "vs_plain_median_of_round_ratios": round(statistics.median(ratios), 2),
-                          "mean_acceptance_length": round(statistics.median(accept_runs[(batch, d)]), 3),
-                          "rounds": [round(x, 1) for x in rates[(batch, d)]]}
+            speed[key] = {"mean_acceptance_length": round(statistics.median(accept_runs[(batch, d)]), 3)}
+            for clock, suffix in ((0, ""), (1, "_cpu")):
+                mine = [x[clock] for x in rates[(batch, d)]]
+                plain = [x[clock] for x in rates[(batch, None)]]
+                med = statistics.median(mine)
+                ratios = [x / p for x, p in zip(mine, plain)]
+                speed[key].update({f"tokens_per_s{suffix}": round(med, 1),
+                                   f"vs_plain{suffix}": round(med / statistics.median(plain), 2),
+                                   f"vs_plain_median_of_round_ratios{suffix}": round(statistics.median(ratios), 2),
+                                   f"rounds{suffix}": [round(x, 1) for x in mine]})
     result = {"command": command,
               "checkpoint": args.checkpoint, "new_tokens": args.new_tokens,
               "speed_new_tokens": args.speed_new_tokens, "prompt_bytes": PROMPT_BYTES,

@@ -11,7 +11,7 @@ from glm5_core.rl.rollout.trajectory import Sample
 from glm5_core.rl.serving import kv_slots
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import GenerateRequest
-from glm5_core.rl.serving.speculative_sampling import accept_drafts, sampling_probs
+from glm5_core.rl.serving.speculative_sampling import accept_drafts, draw, sampling_probs
 
 ALPHA = 1e-4  # chi-square tests: a correct sampler fails a given seed with this probability
 
@@ -62,6 +62,35 @@ def test_accept_drafts_emits_target_distribution_per_position():
     assert chi_square_pvalue(bonus, bonus_rows.sum() * p[d]) > ALPHA
 
 
+def test_accept_drafts_limit_tests_only_the_first_drafts_and_draws_the_bonus_there():
+    """limit 1 at d = 2: the second draft is never tested; a row that accepts the first draft emits a token drawn
+    from p_1 (the bonus of a one-draft row), not the outcome of testing draft 2."""
+    g = torch.Generator().manual_seed(1)
+    B, d, V = 200_000, 2, 5
+    p = torch.softmax(torch.randn(d + 1, V, generator=g) * 1.5, -1)  # [d+1, V]
+    q = torch.softmax(torch.randn(d, V, generator=g) * 1.5, -1)  # [d, V]
+    drafts = torch.stack([torch.multinomial(q[j], B, replacement=True, generator=g) for j in range(d)], 1)
+    limit = torch.ones(B, dtype=torch.long)
+    tokens, accepted = accept_drafts(p.expand(B, d + 1, V), drafts, q.expand(B, d, V), g, limit=limit)
+    assert accepted.max() == 1 and (accepted == 1).any() and (accepted == 0).any()
+    assert chi_square_pvalue(torch.bincount(tokens[:, 0], minlength=V), B * p[0]) > ALPHA
+    rows = accepted == 1
+    assert chi_square_pvalue(torch.bincount(tokens[rows, 1], minlength=V), rows.sum() * p[1]) > ALPHA
+
+
+def test_draw_inverts_the_cumulative_distribution_and_never_picks_a_zero_weight():
+    g = torch.Generator().manual_seed(2)
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 5.0, 0.0])  # unnormalised, zero weights inside and at the end
+    N = 100_000
+    tokens = draw(weights.expand(N, -1), torch.rand(N, generator=g))
+    counts, positive = torch.bincount(tokens, minlength=6), weights > 0
+    assert (counts[~positive] == 0).all()
+    assert chi_square_pvalue(counts[positive], N * weights[positive] / weights.sum()) > ALPHA
+    # the smallest and largest uniforms torch.rand gives, and 1.0: a product with the total rounded up to it
+    edge = torch.tensor([0.0, 1.0 - 2.0 ** -24, 1.0])
+    assert draw(weights.expand(3, -1), edge).tolist() == [1, 4, 4]
+
+
 def test_accept_drafts_greedy_rows_keep_the_target_argmax():
     logits = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]] * 2)  # [2, 3, 3]
     temperature, top_p = torch.zeros(2), torch.ones(2)
@@ -91,7 +120,8 @@ def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens, monkeypatc
 
     def recording(*args, **kwargs):
         tokens, accepted = accept_drafts(*args, **kwargs)
-        counts.append([accepted[i].item() for i, s in enumerate(engine._slots) if s is not None])
+        active = [i for i, s in enumerate(engine._slots) if s is not None]  # the step's window starts at active[0]
+        counts.append([accepted[i - active[0]].item() for i in active])
         return tokens, accepted
 
     monkeypatch.setattr(speculative, "accept_drafts", recording)
@@ -110,10 +140,12 @@ def test_greedy_speculative_equals_plain_greedy_bitwise(draft_tokens, monkeypatc
         assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
-def test_sampled_tokens_follow_the_target_distribution():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_tokens_follow_the_target_distribution(seeded):
     """4000 requests for 3 tokens of one prompt, vocabulary 4, d = 2, temperature 0.8, top-p 0.9: the joint
     distribution of (x1, x2, x3) (x2 and x3 come from accepted drafts, residual or bonus draws) against the exact
-    one, computed from the model's full forwards (what plain sampling draws from)."""
+    one, computed from the model's full forwards (what plain sampling draws from); ``seeded``: every request draws
+    from its own sampling_seed's generator."""
     V, N, temperature, top_p = 4, 4000, 0.8, 0.9
     model = peaked_model(vocab_size=V, seed=1)
     prompt = [1, 2, 3, 0, 1, 2, 0, 0, 3, 1, 2]
@@ -133,12 +165,36 @@ def test_sampled_tokens_follow_the_target_distribution():
     engine = RolloutEngine(model, max_batch=64, max_len=32, prefix_cache_entries=0, seed=3,
                            speculative={"draft_tokens": 2})
     results = engine.generate([GenerateRequest(f"s{i}", prompt, temperature=temperature, top_p=top_p,
-                                               max_new_tokens=4) for i in range(N)])
+                                               max_new_tokens=4, sampling_seed=1000 + i if seeded else None)
+                               for i in range(N)])
     stats = engine.speculative.stats
     assert 0.1 * stats.drafted < stats.accepted < 0.9 * stats.drafted
     cells = torch.tensor([r.output_ids[0] * V * V + r.output_ids[1] * V + r.output_ids[2] for r in results])
     counts = torch.bincount(cells, minlength=V ** 3)
     assert chi_square_pvalue(counts, N * joint.flatten()) > ALPHA
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_came_before_or_beside_it():
+    """sampling_seed under speculative decoding: drafts, acceptance tests and corrected / bonus tokens all come from
+    the request's own generator, so its tokens do not depend on the engine's seed, on what the engine served before
+    or on the (unseeded) requests decoded in the same steps; another seed draws other tokens."""
+    model = peaked_model(vocab_size=6)
+    prompt = ragged_requests(1, 6, 1.0)[0].input_ids
+
+    def seeded(rid, seed):
+        return GenerateRequest(rid, prompt, temperature=1.0, max_new_tokens=24, sampling_seed=seed)
+
+    def engine(seed, max_batch=1):
+        return RolloutEngine(model, max_batch=max_batch, max_len=96, seed=seed, prefix_cache_entries=0,
+                             speculative={"draft_tokens": 3})
+
+    spec = engine(0)
+    alone = spec.generate([seeded("a", 7)])[0].output_ids
+    assert 0 < spec.speculative.stats.accepted < spec.speculative.stats.drafted  # drafts accepted and rejected
+    after = engine(1).generate(ragged_requests(2, 6, 1.0) + [seeded("b", 7)])[-1].output_ids
+    beside = engine(2, max_batch=3).generate(ragged_requests(2, 6, 1.0, prefix="c") + [seeded("c", 7)])[-1]
+    assert after == alone and beside.output_ids == alone
+    assert engine(0).generate([seeded("d", 8)])[0].output_ids != alone
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

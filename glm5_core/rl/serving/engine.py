@@ -31,8 +31,8 @@ Legend: S slots (``max_batch``), L ``max_len``, V vocabulary.
   token; the others share the engine's generator (seeded at start), so what they draw depends on which
   requests were decoded with them. Seeded draws do not; the logits can still differ in the last bit with the
   batch a request was prefilled or decoded in (measured on CPU), so bitwise repetition also needs the same
-  batches (``max_batch`` 1). With ``speculative`` on, a seed draws the request's first token only: drafts,
-  acceptances and corrected tokens come from the shared generator.
+  batches (``max_batch`` 1). With ``speculative`` on, the seed's generator also draws the request's drafts,
+  acceptance tests and corrected / bonus tokens (a fixed count per step, see ``SpeculativeDecoder._uniforms``).
 * Replay traces (``record_routing`` / ``record_index_topk``): the cache also keeps each position's experts /
   selected keys, so they travel with the KV through the prefix cache and the slots; a finished request that
   asked (``return_routed_experts`` / ``return_indexer_topk``) gets them for its whole sequence but the last

@@ -21,6 +21,13 @@ DeepSeek-V3's / GLM-5's MTP layer with ``speculative_eagle_topk=1`` (one chain, 
    different counts; a row's cache "rolls back" by its length alone (slots past it are rewritten before any
    query can see them, as in plain decoding).
 
+Cost per step (``benchmarks/bench_speculative.py --part costs``): one verify forward over d+1 positions and d
+MTP forwards. The forwards cover only the window of slots from the first active one to the last (as plain
+decoding's do) and pass one int start position when every row of the window has the same one (always at batch 1:
+the main model's int fast paths); a step's random numbers are drawn once, 2 * draft_tokens + 1 per row
+(:meth:`SpeculativeDecoder._uniforms`), and all rows sample in batched calls. A row drafts no more than it can
+still emit (its own limit; rows of one step may differ).
+
 The MTP layer keeps its own one-layer latent cache of S rows (``L + d + 1`` positions: provisional draft
 entries may run past the main cache). A finished request's MTP rows are stored in the prefix cache after its
 main-layer rows, so a later turn drafts over the reused prefix too.
@@ -37,7 +44,8 @@ from glm5_core.model.rope import positions_of
 from glm5_core.model.state import ForwardState
 from glm5_core.ops import _checks
 from glm5_core.rl.serving import kv_slots
-from glm5_core.rl.serving.speculative_sampling import accept_drafts, full_logprobs, sampling_probs
+from glm5_core.rl.serving.sampling import GREEDY_BELOW
+from glm5_core.rl.serving.speculative_sampling import accept_drafts, draw, full_logprobs, sampling_probs
 
 MAX_DRAFT_TOKENS = 16
 
@@ -184,77 +192,121 @@ class SpeculativeDecoder:
     def step(self, states: Sequence, main_cache, forward: Callable, generator: torch.Generator,
              record_topk: bool) -> Dict[int, RowStep]:
         """Draft, verify and accept for every active slot (``states[slot]`` not None, with ``tokens``,
-        ``request``, ``outputs``). Returns what each active slot emits; the caller appends it token by token."""
-        S = len(states)
+        ``request``, ``outputs``, ``generator``). Returns what each active slot emits; the caller appends it token
+        by token. The forwards cover the window of slots from the first active one to the last (W rows)."""
         active = [i for i, s in enumerate(states) if s is not None]
-        n = {i: len(states[i].tokens) for i in active}
-        remaining = max(states[i].request.max_new_tokens - len(states[i].outputs) for i in active)
-        d = min(self.draft_tokens, min(self.max_len - n[i] for i in active), max(1, remaining - 1))
-        temperature = torch.ones(S, dtype=torch.float32)
-        top_p = torch.ones(S, dtype=torch.float32)
-        for i in active:
-            temperature[i] = states[i].request.temperature
-            top_p[i] = states[i].request.top_p
+        lo, hi = active[0], active[-1] + 1
+        rows = [i - lo for i in active]  # [A] rows of the window
+        W = hi - lo
+        n = [len(states[i].tokens) for i in active]
+        # a row's own draft limit: its room in the cache and its remaining tokens (its last step drafts no more
+        # than it can emit); the step drafts the largest limit, as far as every row's room allows (so a row's
+        # drafts depend on the other rows only while one of them is within draft_tokens of max_len)
+        limits = [min(self.draft_tokens, self.max_len - n_i, max(1, states[i].request.max_new_tokens
+                                                                 - len(states[i].outputs) - 1))
+                  for i, n_i in zip(active, n)]
+        d = min(max(limits), min(self.max_len - n_i for n_i in n))
+        limits = [min(c, d) for c in limits]
+        settings = [(1.0, 1.0)] * W  # (temperature, top_p) per window row; rows of free slots: placeholders
+        for r, i in zip(rows, active):
+            settings[r] = (states[i].request.temperature, states[i].request.top_p)
+        temperature = torch.tensor([t for t, _ in settings], dtype=torch.float32, device=self.device)  # [W]
         # rows with top_p 1 keep every token: the nucleus filter (a sort) runs only if some row restricts it
-        top_p = top_p.to(self.device) if bool((top_p < 1).any()) else None
-        temperature = temperature.to(self.device)
+        top_p = (torch.tensor([p for _, p in settings], dtype=torch.float32, device=self.device)
+                 if any(p < 1 for _, p in settings) else None)
+        any_greedy = any(t < GREEDY_BELOW for t, _ in settings)
+        uniforms = self._uniforms(states, active, lo, W, generator)  # [W, 2 * draft_tokens + 1]
+        # one start position for the whole window when every row has one (batch 1): the int fast paths
+        same = W == len(active) and len(set(n)) == 1
 
-        drafts, draft_probs = self._draft(states, active, n, d, temperature, top_p, generator)  # [S, d], [S, d, V]
-
-        ids = torch.zeros(S, d + 1, dtype=torch.long)  # [S, d+1]: last token, then the drafts
-        pos = torch.zeros(S, dtype=torch.long)
-        for i in active:
-            ids[i, 0] = states[i].tokens[-1]
-            pos[i] = n[i] - 1
-        ids = ids.to(self.device)
-        ids[:, 1:] = drafts
-        out = forward(ids, main_cache, pos.to(self.device))
-        target_probs = sampling_probs(out.logits, temperature, top_p)  # [S, d+1, V]
-        tokens, accepted = accept_drafts(target_probs, drafts, draft_probs, generator)
-        logprobs = full_logprobs(out.logits, tokens, temperature)  # [S, d+1]
+        drafts, draft_probs = self._draft(states, active, lo, W, n, d, temperature, top_p, any_greedy,
+                                          uniforms)  # [W, d], [W, d, V]
+        last, pos = [[0]] * W, [0] * W  # per window row: its last token (no KV yet) and that token's position
+        for r, i, n_i in zip(rows, active, n):
+            last[r], pos[r] = [states[i].tokens[-1]], n_i - 1
+        ids = torch.cat((torch.tensor(last, dtype=torch.long, device=self.device), drafts), dim=1)  # [W, d+1]
+        start = pos[0] if same else torch.tensor(pos, dtype=torch.long, device=self.device)
+        window = main_cache if W == main_cache.batch_size else kv_slots.row_window(main_cache, lo, hi)
+        out = forward(ids, window, start)
+        target_probs = sampling_probs(out.logits, temperature, top_p, any_greedy)  # [W, d+1, V]
+        limit = None if min(limits) == d else torch.tensor(
+            [limits[rows.index(r)] if r in rows else d for r in range(W)], dtype=torch.long, device=self.device)
+        accept_u = torch.cat((uniforms[:, self.draft_tokens:self.draft_tokens + d], uniforms[:, -1:]), dim=1)
+        tokens, accepted = accept_drafts(target_probs, drafts, draft_probs, uniforms=accept_u,
+                                         limit=limit)  # [W, d+1], [W]
+        logprobs = full_logprobs(out.logits, tokens, temperature)  # [W, d+1]
 
         tokens_l, accepted_l, logprobs_l = tokens.tolist(), accepted.tolist(), logprobs.tolist()
-        topk_rows = [t.tolist() for t in out.topk_idx] if record_topk else None  # per layer [S][d+1][K]
+        topk_rows = [t.tolist() for t in out.topk_idx] if record_topk else None  # per layer [W][d+1][K]
         result = {}
-        for i in active:
-            k = accepted_l[i]
-            self.pending[i] = out.hidden[i, :k + 1]  # positions n-1..n-1+k, verified
-            self.mtp_len[i] = n[i] - 1
-            topk = [[layer[i][j] for layer in topk_rows] if topk_rows else None for j in range(k + 1)]
-            result[i] = RowStep(tokens_l[i][:k + 1], logprobs_l[i][:k + 1], topk)
+        for r, i, n_i, limit_r in zip(rows, active, n, limits):
+            k = accepted_l[r]
+            self.pending[i] = out.hidden[r, :k + 1]  # positions n-1..n-1+k, verified
+            self.mtp_len[i] = n_i - 1
+            topk = [[layer[r][j] for layer in topk_rows] if topk_rows else None for j in range(k + 1)]
+            result[i] = RowStep(tokens_l[r][:k + 1], logprobs_l[r][:k + 1], topk)
             self.stats.row_steps += 1
-            self.stats.drafted += d
+            self.stats.drafted += limit_r
             self.stats.accepted += k
         return result
 
-    def _draft(self, states, active: List[int], n: Dict[int, int], d: int, temperature: torch.Tensor,
-               top_p: torch.Tensor, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Draft-extend over each row's pending positions, then d - 1 chained steps.
-        Returns drafts int64 [S, d] and their distributions fp32 [S, d, V]."""
-        S = len(states)
-        D = self.model.config.hidden_size
-        m = {i: self.pending[i].shape[0] for i in active}
-        T = max(m.values())
-        hidden = torch.zeros(S, T, D, dtype=self.pending[active[0]].dtype, device=self.device)  # [S, T, D]
-        next_ids = torch.zeros(S, T, dtype=torch.long)  # [S, T]
-        start = torch.zeros(S, dtype=torch.long)
-        last = torch.zeros(S, dtype=torch.long)  # index of each row's last real position
+    def _uniforms(self, states, active: List[int], lo: int, W: int, generator: torch.Generator) -> torch.Tensor:
+        """Every random number the step uses, fp32 [W, 2 * draft_tokens + 1] per window row: the draws of its
+        drafts, its acceptance tests, then its last token's draw. A request with a ``sampling_seed`` takes its
+        row from its own generator, always that many numbers per step, so its tokens depend on its seed alone
+        (and its logits); the other rows share ``generator``."""
+        R = 2 * self.draft_tokens + 1
+        shared = [i - lo for i in active if states[i].generator is None]
+        if len(shared) == W:
+            return torch.rand(W, R, generator=generator, device=self.device)
+        u = torch.zeros(W, R, device=self.device)  # rows of free slots stay 0 (nothing reads them)
+        if shared:
+            u[shared] = torch.rand(len(shared), R, generator=generator, device=self.device)
         for i in active:
-            hidden[i, :m[i]] = self.pending[i]
-            next_ids[i, :m[i]] = torch.tensor(states[i].tokens[self.mtp_len[i] + 1:n[i]], dtype=torch.long)
-            start[i] = self.mtp_len[i]
-            last[i] = m[i] - 1
-        start, last = start.to(self.device), last.to(self.device)
-        h = mtp_forward(self.model, self.cache, hidden, next_ids.to(self.device), start)
-        h = h[torch.arange(S, device=self.device), last].unsqueeze(1)  # [S, 1, D] at position n-2
-        logits = mtp_logits(self.model, h[:, 0])  # [S, V]
+            if states[i].generator is not None:
+                u[i - lo] = torch.rand(R, generator=states[i].generator, device=self.device)
+        return u
+
+    def _draft(self, states, active: List[int], lo: int, W: int, n: List[int], d: int, temperature: torch.Tensor,
+               top_p: Optional[torch.Tensor], any_greedy: bool,
+               uniforms: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Draft-extend over each row's pending positions, then d - 1 chained steps, over the MTP cache rows of
+        the window. Returns drafts int64 [W, d] and their distributions fp32 [W, d, V]."""
+        pending = [self.pending[i] for i in active]  # [m_r, D] each
+        m = [p.shape[0] for p in pending]
+        T = max(m)
+        ids: List[List[int]] = [[0] * T for _ in range(W)]  # [W, T] the token after each position
+        starts = [0] * W
+        for i, n_i in zip(active, n):
+            tokens = states[i].tokens[self.mtp_len[i] + 1:n_i]
+            ids[i - lo][:len(tokens)] = tokens
+            starts[i - lo] = self.mtp_len[i]
+        if W == len(active) and len(set(m)) == 1:  # every row of the window has T positions
+            hidden = torch.stack(pending)  # [W, T, D]
+        else:
+            hidden = pending[0].new_zeros(W, T, pending[0].shape[-1])  # [W, T, D] right-padded
+            for i, p in zip(active, pending):
+                hidden[i - lo, :p.shape[0]] = p
+        cache = self.cache if W == self.cache.batch_size else kv_slots.row_window(self.cache, lo, lo + W)
+        ends = [starts[i - lo] + m_r for i, m_r in zip(active, m)]  # each row's next MTP position (n - 1)
+        if W == len(active) and len(set(m)) == 1 and len(set(starts)) == 1:  # one start: the int fast paths
+            start, last_pos = starts[0], ends[0]
+            h = mtp_forward(self.model, cache, hidden, torch.tensor(ids, device=self.device), start)[:, -1:]
+        else:
+            start = torch.tensor(starts, dtype=torch.long, device=self.device)
+            last = torch.tensor([m[active.index(r + lo)] - 1 if r + lo in active else 0 for r in range(W)],
+                                device=self.device)  # [W] index of each row's last real position
+            last_pos = start + last + 1  # [W] position n - 1
+            h = mtp_forward(self.model, cache, hidden, torch.tensor(ids, device=self.device), start)
+            h = h[torch.arange(W, device=self.device), last].unsqueeze(1)  # [W, 1, D] at position n-2
+        logits = mtp_logits(self.model, h[:, 0])  # [W, V]
         drafts, probs = [], []
         for j in range(d):
-            q = sampling_probs(logits, temperature, top_p)  # [S, V]
-            y = torch.multinomial(q, 1, generator=generator)  # [S, 1]
+            q = sampling_probs(logits, temperature, top_p, any_greedy)  # [W, V]
+            y = draw(q, uniforms[:, j]).unsqueeze(1)  # [W, 1]
             drafts.append(y)
             probs.append(q)
             if j + 1 < d:  # position n-1+j: the MTP's own output and the draft just made
-                h = mtp_forward(self.model, self.cache, h, y, start + last + 1 + j)  # [S, 1, D]
+                h = mtp_forward(self.model, cache, h, y, last_pos + j)  # [W, 1, D]
                 logits = mtp_logits(self.model, h[:, 0])
         return torch.cat(drafts, dim=1), torch.stack(probs, dim=1)
