@@ -229,6 +229,12 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
     return out
 
 
+def check_model_file(path: Path, model: torch.nn.Module, root: Optional[Path] = None) -> None:
+    """ValueError unless ``model.safetensors``'s header (names, shapes, dtypes) fits ``model`` (a ``meta`` model
+    will do): reads no tensor data. ``root``: the folder the file must stay inside (default its own)."""
+    _check_model_file(Path(path), model, Path(path).parent if root is None else Path(root))
+
+
 def _check_model_file(path: Path, model: torch.nn.Module, root: Path) -> None:
     """Names, shapes and dtypes in ``model.safetensors``'s header against ``model``, before reading its data."""
     expected = model.state_dict()
