@@ -1,7 +1,8 @@
 """Resume points of an RL run (``glm5 rl --resume DIR``), written and read by ``glm5 pretrain``'s checkpoint code.
 
 ``<output_dir>/rl_run.json`` (written atomically before anything else of a fresh run) marks the folder as an RL
-run's: its config (``rollout.api_key`` left out) and the ``--checkpoint`` the policy started from. A fresh run
+run's: its config (``rollout.api_key`` left out), the ``--checkpoint`` the policy started from, and what a resume
+rebuilds the policy from without that checkpoint (``policy``, see ``starting_policy``). A fresh run
 refuses a folder that is not empty; ``--resume`` refuses one without this file, or whose config differs from
 this run's in anything but :data:`RESUMABLE_KEYS` (a key added to the config schema since the run started
 matches while it is left at its default).
