@@ -138,6 +138,20 @@ def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC:
 
 
 @triton.jit
+def _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row, h0, H, C: tl.constexpr,
+                         DR: tl.constexpr, BH: tl.constexpr, C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    """What the backward reads of heads h0..h0+BH-1 of one query row: q_lat, q_pe, d_out tiles and the
+    log-sum-exp / delta rows (+inf / 0 past H)."""
+    offs_h = h0 + tl.arange(0, BH)
+    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
+    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
+    d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
+    delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+    return q_lat, q_pe, d_out, lse, delta
+
+
+@triton.jit
 def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
                           dqlat_ptr, dqpe_ptr, T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks,
                           stride_ir, C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -146,11 +160,8 @@ def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr
     h0 = tl.program_id(1) * BH
     b = row // T
     offs_h = h0 + tl.arange(0, BH)
-    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
-    d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-    lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
-    delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+    q_lat, q_pe, d_out, lse, delta = _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row, h0,
+                                                          H, C, DR, BH, C_PAD, DR_PAD)
     dq_lat = tl.zeros([BH, C_PAD], tl.float32)
     dq_pe = tl.zeros([BH, DR_PAD], tl.float32)
     for k0 in range(0, K, BK):
@@ -182,12 +193,8 @@ def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_pt
     dkv = tl.zeros([BK, C_PAD], tl.float32)
     dkr = tl.zeros([BK, DR_PAD], tl.float32)
     for h0 in range(0, H, BH):  # fixed head order
-        offs_h = h0 + tl.arange(0, BH)
-        q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-        q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
-        d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-        lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
-        delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+        q_lat, q_pe, d_out, lse, delta = _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row,
+                                                              h0, H, C, DR, BH, C_PAD, DR_PAD)
         p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC, EMULATE)
         dkv += _mm(tl.trans(p), d_out, TC, EMULATE)
         dkv += _mm(tl.trans(ds), q_lat, TC, EMULATE) * scale
