@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def checkpoint_files(checkpoint: Optional[str]) -> Optional[Dict[str, Dict[str, int]]]:
