@@ -59,3 +59,26 @@ def test_the_rocm_sparse_mla_kernels_compile_for_gfx942_within_its_lds():
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("| gfx942 | sparse_mla |") == 6  # fwd, dq, dkv x fp32, bf16
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_a_latent_width_whose_tiles_do_not_fit_runs_the_reference_with_the_reason(device, vendor):
+    """supports() allows C <= 1024, Dr <= 256, but at C=1024, Dr=256 the fp32 tiles fit neither vendor's shared
+    memory: the kernel declines (the reference runs) instead of failing to launch; GLM-5's 512 + 64 fits."""
+    import torch
+
+    from tests.cuda.helpers import kernel
+
+    def inputs(C, DR):
+        B, T, S, H, K = 1, 2, 4, 2, 2
+        return (torch.zeros(B, T, H, 8, device=device), torch.zeros(B, T, H, DR, device=device),
+                torch.zeros(B, S, C, device=device), torch.zeros(B, S, DR, device=device),
+                torch.zeros(H, 8, C, device=device), torch.zeros(H, 8, C, device=device),
+                torch.zeros(B, T, K, dtype=torch.int32, device=device))
+
+    for op in ("dsa_sparse_prefill", "dsa_sparse_decode"):
+        ok, why = kernel(op, vendor).supports(*inputs(1024, 256), scale=0.1)
+        assert not ok and "C=1024" in why and "shared memory per block" in why, (op, why)
+        assert kernel(op, vendor).supports(*inputs(512, 64), scale=0.1) == (True, ""), op
+    ok, why = kernel("mla_decode", vendor).supports(*inputs(1024, 256)[:6], scale=0.1, start_pos=0)
+    assert not ok and "shared memory per block" in why, why

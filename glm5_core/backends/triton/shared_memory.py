@@ -183,3 +183,13 @@ def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str
         for kernel, tiles in FAMILY_TILES[family](dict(config.blocks), dims, itemsize).items():
             out[(kernel, itemsize)] = launch_bytes(tiles, config.num_stages)
     return out
+
+
+def over_limit(family: str, config, limit: int, dims: ModelDims = GLM5_DIMS, itemsize: int = 4) -> str:
+    """Why a launch of ``family`` with ``config`` at ``dims`` (inputs of ``itemsize`` bytes) needs more than
+    ``limit`` bytes of shared memory per block ("" when every kernel of the family fits)."""
+    for kernel, tiles in FAMILY_TILES[family](dict(config.blocks), dims, itemsize).items():
+        need = launch_bytes(tiles, config.num_stages)
+        if need > limit:
+            return f"its {kernel} kernel needs ~{need} bytes of shared memory per block, over this GPU's {limit}"
+    return ""

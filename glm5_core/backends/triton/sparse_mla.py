@@ -31,12 +31,15 @@ The decode path keeps exact fp32 products for every dtype.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from glm5_core.backends.triton import _util
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton import _util, shared_memory
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 from glm5_core.ops.mla import absorb_query, project_output
 
 _SLOT_BUDGET = 1 << 26  # fp32 elements of per-slot key gradients held at once by the backward (256 MiB)
@@ -348,7 +351,10 @@ def dense_decode_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **kwargs):
     return supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, torch.empty((1, 1, 1)), **kwargs)
 
 
-def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwargs):
+def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, launch: LaunchConfig = None,
+             shared_memory_limit: int = None, **kwargs):
+    """``launch`` / ``shared_memory_limit`` (bound by the kernel table): decline latent / rope widths whose fp32
+    tiles (the widest the kernels hold) would not fit the vendor's shared memory per block."""
     why = _util.float_dtype_verdict("q_nope", q_nope)
     if why:
         return False, why
@@ -356,4 +362,14 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwargs):
         return False, f"latent width C={c_kv.shape[-1]} > 1024 or rope dim {q_pe.shape[-1]} > 256"
     if topk_idx.shape[-1] == 0:
         return False, "no selected keys (K=0)"
+    if launch is not None and shared_memory_limit is not None:
+        dims = dataclasses.replace(shared_memory.GLM5_DIMS, latent=c_kv.shape[-1], rope=q_pe.shape[-1])
+        why = shared_memory.over_limit("sparse_mla", launch, shared_memory_limit, dims)
+        if why:
+            return False, f"latent width C={c_kv.shape[-1]}, rope dim {q_pe.shape[-1]}: {why}"
     return True, ""
+
+
+def fitting(hook, configs: KernelConfigs):
+    """``hook`` (``supports`` / ``dense_decode_supports``) with the vendor's launch and shared-memory limit bound."""
+    return functools.partial(hook, launch=configs["sparse_mla"], shared_memory_limit=configs.shared_memory_limit)
