@@ -31,6 +31,7 @@ from glm5_core.backends.triton import (
     sparse_mla,
 )
 from glm5_core.backends.triton import shared_memory as smem
+from glm5_core.backends.triton._util import next_pow2
 
 TARGETS = {"rocm": GPUTarget("hip", "gfx942", 64), "cuda": GPUTarget("cuda", 90, 32)}
 FLOAT_NAMES = {4: "fp32", 2: "bf16"}
@@ -69,16 +70,16 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
     blocks = config.blocks
     fp = "*" + FLOAT_NAMES[itemsize]
     if family == "indexer":
-        pads = dict(H=dims.indexer_heads, D=dims.indexer_head_dim, H_PAD=smem.next_pow2(dims.indexer_heads, 16),
-                    D_PAD=smem.next_pow2(dims.indexer_head_dim, 16), BS=blocks["keys"], WIDEN=False)
-        kp = smem.next_pow2(dims.index_topk, blocks["keys"])
+        pads = dict(H=dims.indexer_heads, D=dims.indexer_head_dim, H_PAD=next_pow2(dims.indexer_heads, 16),
+                    D_PAD=next_pow2(dims.indexer_head_dim, 16), BS=blocks["keys"], WIDEN=False)
+        kp = next_pow2(dims.index_topk, blocks["keys"])
         ptrs = dict(q_ptr=fp, k_ptr=fp, start_ptr="*i32", out_ptr="*i32", scratch_ptr="*i64", nan_ptr="*i8")
         yield "indexer_topk", indexer._indexer_topk_kernel, dict(pads, KP=kp), ptrs
         yield "indexer_scores", indexer._indexer_scores_kernel, pads, dict(ptrs, out_ptr="*fp32")
     elif family == "sparse_mla":
         tc = itemsize == 2
         meta = dict(C=dims.latent, DR=dims.rope, BH=blocks["heads"], BK=blocks["keys"],
-                    C_PAD=smem.next_pow2(dims.latent, 16), DR_PAD=smem.next_pow2(dims.rope, 16), TC=tc,
+                    C_PAD=next_pow2(dims.latent, 16), DR_PAD=next_pow2(dims.rope, 16), TC=tc,
                     EMULATE=False)
         ptrs = {name: fp for name in ("qlat_ptr", "qpe_ptr", "ckv_ptr", "kpe_ptr", "dout_ptr")}
         ptrs["idx_ptr"] = "*i32"
@@ -100,7 +101,7 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
     elif family == "moe_route":
         E, K = dims.experts, dims.experts_per_token
         meta = dict(HAS_BIAS=True, SOFTMAX=False, RENORM=True, N_GROUP=1, PER_GROUP=E, TOPK_GROUP=1, TOP_K=K,
-                    K_PAD=smem.next_pow2(K), E_PAD=smem.next_pow2(E), G_PAD=1, BN=blocks["tokens"])
+                    K_PAD=next_pow2(K), E_PAD=next_pow2(E), G_PAD=1, BN=blocks["tokens"])
         yield "route", moe_route._route_kernel, meta, dict(ids_ptr="*i32")
     elif family == "moe_permute":
         ids = dict(ids_ptr="*i32", counts_ptr="*i64", offsets_ptr="*i64", sort_idx_ptr="*i64")

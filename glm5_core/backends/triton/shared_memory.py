@@ -32,6 +32,8 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Tuple
 
+from glm5_core.backends.triton._util import next_pow2
+
 # Per block / workgroup, bytes.
 SHARED_MEMORY_LIMITS = {
     "cuda": 227 * 1024,  # Hopper (H100 / H200): 228 KiB per SM, of which 227 KiB can be opted into by one block
@@ -75,11 +77,6 @@ class ModelDims:
 
 GLM5_DIMS = ModelDims(latent=512, rope=64, indexer_heads=32, indexer_head_dim=128, index_topk=2048, experts=256,
                       experts_per_token=8)
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
 
 
 def _indexer(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
