@@ -18,7 +18,7 @@ The formula, per kernel, over the tiles it holds:
   counts 4 bytes, a tile cast to bf16 for tensor cores 2).
 * All of a kernel's operand tiles count as live at once. That is an upper bound: the allocator reuses a buffer
   whose live range has ended. Compiled for sm_90 the old fp32 sparse-MLA dkv launch (heads 16, keys 64) took
-  exactly this sum (225,280 bytes); for gfx942 it took its largest tile (131,072 bytes, the gathered [64, 512]
+  exactly its operand tiles' sum (225,280 bytes); for gfx942 its largest tile (131,072 bytes, the gathered [64, 512]
   latent rows), which is the 128 KB that did not fit (see ``benchmarks/results/shared_memory_probe.md``).
 * The software pipeliner keeps ``num_stages`` copies of a tile loaded in a loop (a load the loop's first
   iteration needs is prefetched while the previous one is consumed); loop-invariant tiles are held once.
