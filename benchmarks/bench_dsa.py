@@ -48,33 +48,32 @@ def _bench(benchmark, name, impl, T, S, rounds, measure_memory):
     return benchmark.stats.stats.median
 
 
-@pytest.mark.parametrize("T,S", SMALL, ids=lambda v: str(v))
-@pytest.mark.parametrize("name", ["reference", "cpu"])
-def test_indexer_topk(benchmark, name, T, S):
+def _implementation(name: str):
+    """The ``dsa_indexer_topk`` implementation ``name`` (skips when the native extension is not built)."""
     impls = implementations("dsa_indexer_topk")
     if name not in impls:
         pytest.skip("native extension not built")
-    _bench(benchmark, name, impls[name], T, S, rounds=3, measure_memory=False)
+    return impls[name]
+
+
+@pytest.mark.parametrize("T,S", SMALL, ids=lambda v: str(v))
+@pytest.mark.parametrize("name", ["reference", "cpu"])
+def test_indexer_topk(benchmark, name, T, S):
+    _bench(benchmark, name, _implementation(name), T, S, rounds=3, measure_memory=False)
 
 
 @pytest.mark.large
 @pytest.mark.parametrize("T,S", LARGE, ids=lambda v: str(v))
 @pytest.mark.parametrize("name", ["reference", "cpu"])
 def test_indexer_topk_large(benchmark, name, T, S):
-    impls = implementations("dsa_indexer_topk")
-    if name not in impls:
-        pytest.skip("native extension not built")
-    _bench(benchmark, name, impls[name], T, S, rounds=3, measure_memory=True)
+    _bench(benchmark, name, _implementation(name), T, S, rounds=3, measure_memory=True)
 
 
 @pytest.mark.large
 def test_indexer_topk_128k_gemm_bound(benchmark):
     """cpu kernel only (the reference would need ~9 GiB here): memory and fraction of the GEMM bound."""
-    impls = implementations("dsa_indexer_topk")
-    if "cpu" not in impls:
-        pytest.skip("native extension not built")
     T, S = 512, 131072
-    median = _bench(benchmark, "cpu", impls["cpu"], T, S, rounds=3, measure_memory=True)
+    median = _bench(benchmark, "cpu", _implementation("cpu"), T, S, rounds=3, measure_memory=True)
     # The fp32 matmul rate is that of a compute-bound square GEMM: the indexer's own shape
     # ([T*H, 128] @ [128, S]) is bound by writing its huge output, which would flatter the kernel.
     rate = fp32_matmul_rate(2048, 2048, 2048)

@@ -417,17 +417,24 @@ def _lookup(op: str, backend: BackendArg) -> Resolution:
 
 # --------------------------------------------------------------------------------------------- dispatch
 @contextlib.contextmanager
+def _collecting(log: contextvars.ContextVar) -> Iterator[List[Tuple[str, str]]]:
+    """A fresh list that ``log`` (a context variable of (op, why) lists) points at inside the block."""
+    collected: List[Tuple[str, str]] = []
+    token = log.set(collected)
+    try:
+        yield collected
+    finally:
+        log.reset(token)
+
+
+@contextlib.contextmanager
 def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
     """Collect ``(op, why)`` for every call in the block that a backend kernel declined (its ``supports`` hook,
     or gradients it cannot give), so that the reference ran instead. Static fallbacks (ops a backend does not
     implement) are not calls a kernel declined: :func:`runs_reference` answers for those. Calls traced by
     ``torch.compile`` are not recorded (reading the recorder would break the graph)."""
-    declined: List[Tuple[str, str]] = []
-    token = _DECLINED_LOG.set(declined)
-    try:
+    with _collecting(_DECLINED_LOG) as declined:
         yield declined
-    finally:
-        _DECLINED_LOG.reset(token)
 
 
 @contextlib.contextmanager
@@ -436,12 +443,8 @@ def record_reference_runs() -> Iterator[List[Tuple[str, str]]]:
     declined and calls of ops the backend has no kernel for (a composite without a fused kernel records its
     parts' calls). What a training step's ``reference_ops`` metric and the benchmarks' path checks read.
     Calls traced by ``torch.compile`` are not recorded."""
-    ran: List[Tuple[str, str]] = []
-    token = _REFERENCE_LOG.set(ran)
-    try:
+    with _collecting(_REFERENCE_LOG) as ran:
         yield ran
-    finally:
-        _REFERENCE_LOG.reset(token)
 
 
 def _log_reference_run(op: str, why: str) -> None:

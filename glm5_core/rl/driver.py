@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from glm5_core.rl import run_state
+from glm5_core.rl import run_state, starting_policy
 from glm5_core.rl.algorithm.advantages import resolve_advantage
 from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
 from glm5_core.rl.algorithm.loss import resolve_loss
@@ -65,9 +65,14 @@ def build_env(env_cfg: Dict, seed: int, codec=None):
     return build(env_cfg, seed, codec)
 
 
+def policy_device(cfg: RLConfig, backend: Optional[str]) -> torch.device:
+    """``train.device``, default: the runtime device of ``backend``."""
+    return torch.device(cfg.train.device) if cfg.train.device else runtime_device(backend)
+
+
 def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
     """The policy, on ``train.device`` (default: the runtime device of ``backend``)."""
-    device = torch.device(cfg.train.device) if cfg.train.device else runtime_device(backend)
+    device = policy_device(cfg, backend)
     if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
         from glm5_core.model import load_pretrained
 
@@ -131,7 +136,7 @@ class RLRun:
         if cfg.train.device:
             check_visible([cfg.train.device], "train.device", probe)
         torch.set_num_threads(cfg.torch_threads)
-        self.model = build_policy(cfg, checkpoint, self.backend)
+        self.model = self._starting_policy(cfg, checkpoint, resume)
         if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
             from glm5_core.rl.serving.speculative import check_draft_model
 
@@ -157,7 +162,7 @@ class RLRun:
         if resume and resumed is None:
             log(f"[rl] resume: {self.out_dir} holds no resume point yet; starting the run over from step 0")
         if not resume:
-            run_state.write_run_file(self.out_dir, cfg, checkpoint)
+            run_state.write_run_file(self.out_dir, cfg, checkpoint, starting_policy.describe(self.model, checkpoint))
         self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
         self._checkpoint_history: List[str] = resumed[1] if resumed else []
         self._checkpointed_version = self.trainer.version if resumed else None
@@ -194,6 +199,22 @@ class RLRun:
         self._producer_errors: List[BaseException] = []
 
     # -- construction -------------------------------------------------------------------------------------
+    def _starting_policy(self, cfg: RLConfig, checkpoint: Optional[str], resume: bool):
+        """The policy to train: built from ``checkpoint``; on a resume with a resume point, rebuilt from what the run
+        recorded of it, reading nothing of the checkpoint (the weights come from the resume point); on a resume
+        with none yet, from the checkpoint, once it is checked unchanged (see ``starting_policy``)."""
+        record = run_state.read_run_file(self.out_dir).get("policy") if resume else None
+        if record is None:  # a fresh run, or a run started by a version that recorded nothing
+            return build_policy(cfg, checkpoint, self.backend)
+        where = os.path.join(self.out_dir, run_state.RUN_FILE)
+        weights = run_state.resume_point_weights(self.out_dir, self.log)
+        if weights is None:  # the run starts over from step 0: from the starting weights
+            starting_policy.check_unchanged(record, checkpoint, self.out_dir, where)
+            return build_policy(cfg, checkpoint, self.backend)
+        if starting_policy.recorded_config(record, where) is None:
+            return build_policy(cfg, None, self.backend)  # model.preset's architecture
+        return starting_policy.rebuild(record, self.backend, policy_device(cfg, self.backend), weights, where)
+
     def _restore(self, state: RunState) -> None:
         """The environment, runner and buffer of a resume point (the trainer's part is loaded already)."""
         where = f"checkpoint: {self.out_dir}/checkpoints (step {self.trainer.version}) data."

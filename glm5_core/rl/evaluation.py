@@ -17,7 +17,7 @@ import math
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Episode
-from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
+from glm5_core.rl.rollout.turn_request import next_turn
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 
 GenerateFn = Callable[[str, Dict], Dict]
@@ -52,17 +52,14 @@ class Evaluator:
         turn = 0
         try:
             while True:
-                context = episode.context_tokens()
-                limits = episode.turn_limits()
-                budget = self.max_len - len(context)
-                if budget < 1:
+                request = next_turn(episode, max_len=self.max_len, temperature=temperature, top_p=self.top_p,
+                                    run_seed=self.seed, trajectory_id=tid, turn=turn)
+                if request is None:
                     break
-                params = turn_sampling_params(temperature, self.top_p, min(limits.max_new_tokens, budget),
-                                              limits.stop_token_ids, self.seed, tid, turn)
                 turn += 1
                 try:
-                    response = self.generate(tid, {"input_ids": context, "return_logprob": False, "rid": tid,
-                                                   "sampling_params": params})
+                    response = self.generate(tid, {"input_ids": request.context, "return_logprob": False, "rid": tid,
+                                                   "sampling_params": request.params})
                 except (EngineUnavailable, EngineRequestError) as exc:
                     if not is_fleet_failure(exc):
                         raise

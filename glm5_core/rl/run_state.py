@@ -1,7 +1,8 @@
 """Resume points of an RL run (``glm5 rl --resume DIR``), written and read by ``glm5 pretrain``'s checkpoint code.
 
 ``<output_dir>/rl_run.json`` (written atomically before anything else of a fresh run) marks the folder as an RL
-run's: its config (``rollout.api_key`` left out) and the ``--checkpoint`` the policy started from. A fresh run
+run's: its config (``rollout.api_key`` left out), the ``--checkpoint`` the policy started from, and what a resume
+rebuilds the policy from without that checkpoint (``policy``, see ``starting_policy``). A fresh run
 refuses a folder that is not empty; ``--resume`` refuses one without this file, or whose config differs from
 this run's in anything but :data:`RESUMABLE_KEYS` (a key added to the config schema since the run started
 matches while it is left at its default).
@@ -123,11 +124,14 @@ def check_output_dir(out_dir: str, resume: bool) -> None:
                          f"pick a new or empty folder")
 
 
-def write_run_file(out_dir: str, cfg, policy_checkpoint: Optional[str]) -> None:
+def write_run_file(out_dir: str, cfg, policy_checkpoint: Optional[str], policy: Optional[Dict] = None) -> None:
+    """``policy``: what a resume rebuilds the policy from (``starting_policy.describe``)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUN_FILE)
     tmp = f"{path}.tmp-{os.getpid()}"
     body = {"format": RUN_FILE_FORMAT, "config": plain_config(cfg), "checkpoint": _abs(policy_checkpoint)}
+    if policy is not None:
+        body["policy"] = policy
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(body, f, indent=1, sort_keys=True)
         f.flush()
@@ -139,15 +143,21 @@ def _abs(path: Optional[str]) -> Optional[str]:
     return None if path is None else os.path.abspath(path)
 
 
-def check_same_run(out_dir: str, cfg, policy_checkpoint: Optional[str]) -> Optional[str]:
-    """Refuse (ValueError, one line) a resume whose config or ``--checkpoint`` differs from the earlier run's;
-    returns the ``--checkpoint`` the run started from (used when this resume names none)."""
+def read_run_file(out_dir: str) -> Dict[str, Any]:
+    """``rl_run.json`` of the run in ``out_dir``, its top-level types checked (ValueError, one line)."""
     path = os.path.join(out_dir, RUN_FILE)
     saved = read_json(path, root=out_dir, max_bytes=MAX_RUN_FILE_BYTES)
     if not isinstance(saved, dict) or saved.get("format") != RUN_FILE_FORMAT or not isinstance(
             saved.get("config"), dict) or not isinstance(saved.get("checkpoint"), (str, type(None))):
         raise ValueError(f"--resume: {path}: expected format {RUN_FILE_FORMAT} with a config and a checkpoint "
                          f"(as glm5 rl writes it), got {str(saved)[:80]}")
+    return saved
+
+
+def check_same_run(out_dir: str, cfg, policy_checkpoint: Optional[str]) -> Optional[str]:
+    """Refuse (ValueError, one line) a resume whose config or ``--checkpoint`` differs from the earlier run's;
+    returns the ``--checkpoint`` the run started from (used when this resume names none)."""
+    saved = read_run_file(out_dir)
     difference = first_difference(saved["config"], plain_config(cfg), defaults=plain_config(type(cfg)()))
     if difference:
         raise ValueError(f"--resume: {out_dir!r} holds a run of another config ({difference}); resume with the "
@@ -230,6 +240,18 @@ def save_resume_point(out_dir: str, trainer, state: RunState, *, keep_last: int,
                          data_state=state.to_json(), world_size=1, device_type=module_device(trainer.model).type,
                          keep_last=keep_last, history=history)
     return folders.read_history(root)
+
+
+def resume_point_weights(out_dir: str, log) -> Optional[Path]:
+    """The newest resume point's ``model.safetensors`` (what a killed writer left is recovered first); None when
+    the run wrote none yet."""
+    from glm5_core.train import checkpoint_folders as folders
+
+    root = checkpoints_root(out_dir)
+    folders.recover(root, log=log)
+    if not os.path.lexists(root / folders.LATEST):
+        return None
+    return folders.resolve_checkpoint(root, log=log) / "model.safetensors"
 
 
 def load_resume_point(out_dir: str, trainer, log) -> Optional[Tuple[RunState, List[str]]]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import warnings
 from pathlib import Path
@@ -44,14 +43,6 @@ from glm5_core.train.fsdp import full_state_dict, full_tensor, is_dtensor, local
 FORMAT_VERSION = 1
 MAX_RNG_BYTES = 16 * 1024 * 1024  # rng.safetensors: a few KB per device
 TensorSpec = Tuple[Tuple[int, ...], torch.dtype]
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -229,6 +220,12 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
     return out
 
 
+def check_model_file(path: Path, model: torch.nn.Module, root: Optional[Path] = None) -> None:
+    """ValueError unless ``model.safetensors``'s header (names, shapes, dtypes) fits ``model`` (a ``meta`` model
+    will do): reads no tensor data. ``root``: the folder the file must stay inside (default its own)."""
+    _check_model_file(Path(path), model, Path(path).parent if root is None else Path(root))
+
+
 def _check_model_file(path: Path, model: torch.nn.Module, root: Path) -> None:
     """Names, shapes and dtypes in ``model.safetensors``'s header against ``model``, before reading its data."""
     expected = model.state_dict()
@@ -401,8 +398,8 @@ def save_checkpoint(root: Path, *, step: int, model: torch.nn.Module, optimizer,
     })
     stage("fsync")
     for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
+        folders.fsync_path(f)
+    folders.fsync_path(tmp)
     return folders.publish(root, tmp, step, keep_last=keep_last, history=history, on_stage=on_stage)
 
 

@@ -70,7 +70,8 @@ def is_complete(folder: Path) -> bool:
     return folder.is_dir() and not folder.is_symlink() and all(os.path.lexists(folder / f) for f in FILES)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder: so a rename or a new entry in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -136,7 +137,7 @@ def _write_latest(root: Path, names: Sequence[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
-    _fsync(root)
+    fsync_path(root)
 
 
 def lineage(root: Path, folder: Path) -> List[str]:
@@ -169,7 +170,7 @@ def publish(root: Path, tmp: Path, step: int, *, keep_last: int, history: Sequen
         os.rename(final, aside)
     stage("rename")
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     names = [final.name] + [n for n in history if n != final.name and (root / n).is_dir()
                             and not (root / n).is_symlink()]
     stage("latest")
@@ -244,7 +245,7 @@ def recover(root: Path, log: Log = _stderr) -> None:
             _remove(entry)
         log(f"checkpoint: removed {len(removed)} folder(s) left by stopped checkpoint writers in {root} "
             f"({size / 1e6:.1f} MB)")
-    _fsync(root)
+    fsync_path(root)
 
 
 # ---------------------------------------------------------------------------------- resume

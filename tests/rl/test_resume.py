@@ -3,6 +3,7 @@
 config, a fresh run refuses a folder that is not empty, and a tampered resume point is refused in one line."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -308,3 +309,52 @@ def test_the_metrics_history_is_cut_back_to_the_resume_point(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: not valid JSON"):
         rows_up_to(str(path), 5)
+
+
+def _save_start(folder: Path, seed: int) -> None:
+    """A bf16 save_pretrained starting checkpoint (architecture and dtype come from its config.json)."""
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.model.checkpoint import save_pretrained
+
+    torch.manual_seed(seed)
+    save_pretrained(GLM5ForCausalLM(GLM5Config.tiny(index_topk=8)).to(torch.bfloat16), folder)
+
+
+def _tensors(model):
+    return {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("resume_point_written", [True, False], ids=["resume_point", "none_yet"])
+def test_a_resume_needs_the_starting_checkpoint_only_before_its_first_resume_point(tmp_path, capsys,
+                                                                                   resume_point_written):
+    """With a resume point the run dir holds everything: the policy is rebuilt from what rl_run.json recorded
+    (config, dtype) and the resume point's weights, the starting checkpoint deleted. Without one the run starts
+    over from the starting checkpoint, so a changed or deleted one is refused in one line naming the file."""
+    start, run_dir = tmp_path / "start", tmp_path / "run"
+    _save_start(start, seed=11)
+    cfg = config_from_dict({**TINY, "output_dir": str(run_dir)})
+    run = RLRun(cfg, checkpoint=str(start), log=lambda m: None)
+    try:
+        if resume_point_written:
+            run.save_resume_point()
+        before = _tensors(run.model)
+    finally:
+        run._teardown()
+    if resume_point_written:
+        shutil.rmtree(start)
+        resumed = RLRun(cfg, log=lambda m: None, resume=True)
+        try:
+            after = _tensors(resumed.model)
+        finally:
+            resumed._teardown()
+        assert before.keys() == after.keys()
+        for name, want in before.items():
+            assert after[name].dtype == want.dtype and torch.equal(after[name], want), name
+        return
+    config = _config_file(tmp_path)
+    _save_start(start, seed=12)  # rewritten with other weights
+    line = _one_line_error(capsys, ["rl", "--config", str(config), "--resume", str(run_dir)])
+    assert "holds no resume point yet" in line and f"but {start / 'config.json'} changed (size" in line, line
+    shutil.rmtree(start)
+    line = _one_line_error(capsys, ["rl", "--config", str(config), "--resume", str(run_dir)])
+    assert f"starting checkpoint {str(start)!r}, which is gone" in line, line

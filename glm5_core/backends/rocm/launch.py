@@ -4,23 +4,34 @@ A wavefront is 64 lanes, so a "warp" here is twice NVIDIA's: ``num_warps`` stays
 ``waves_per_eu`` is the AMD-only occupancy hint (wavefronts per SIMD) passed through to the compiler.
 Tile sizes of the indexer are the same as NVIDIA's key block so both backends select bitwise the same
 keys for the same scores (only the launch shape differs).
+
+Shared memory: gfx942 gives a workgroup 64 KiB of LDS (NVIDIA's Hopper 227 KiB), so the tiles here are smaller
+than NVIDIA's wherever a kernel holds wide fp32 dot operands: every launch at GLM-5's dims fits 64 KiB by
+``glm5_core.backends.triton.shared_memory``'s (upper-bound) estimate, checked by tests/cuda/test_shared_memory.py.
+  indexer        num_stages 1 (the key block is NVIDIA's): q [32, 128] + keys [64, 128] fp32 + the top-k merge
+  sparse_mla     heads 4 x keys 8: the fp32 dkv backward holds q_lat, d_out [4, 512], the keys [8, 512] and
+                 its [8, 512] accumulator (the old 16 x 64 needed 128 KiB: the [64, 512] fp32 key rows alone)
+  grouped_gemm   64 x 64 x 32, num_stages 1 (AMD's advice for loops of several dots): the SwiGLU backward's
+                 five fp32 [64, 32] operands
+  newton_schulz  64 x 64 x 32: the gemm's [64, 32] + [32, 64] fp32 operands, double-buffered, and its accumulator
 """
 from glm5_core.backends.cuda.launch import CUDA_CONFIGS
 from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.shared_memory import SHARED_MEMORY_LIMITS
 
 MAX_NUM_WARPS = 16
 
-ROCM_CONFIGS = KernelConfigs(vendor="rocm", families={
-    "indexer": LaunchConfig(num_warps=4, num_stages=2, blocks=dict(CUDA_CONFIGS["indexer"].blocks),
+ROCM_CONFIGS = KernelConfigs(vendor="rocm", shared_memory_limit=SHARED_MEMORY_LIMITS["rocm"], families={
+    "indexer": LaunchConfig(num_warps=4, num_stages=1, blocks=dict(CUDA_CONFIGS["indexer"].blocks),
                             extra={"waves_per_eu": 2}),
-    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 64},
+    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 4, "keys": 8},
                                extra={"waves_per_eu": 2}),
     "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}, extra={"waves_per_eu": 0}),
     "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 512, "cols": 256},
                                 extra={"waves_per_eu": 0}),
-    "grouped_gemm": LaunchConfig(num_warps=8, num_stages=2, blocks={"m": 64, "n": 128, "k": 64},
+    "grouped_gemm": LaunchConfig(num_warps=8, num_stages=1, blocks={"m": 64, "n": 64, "k": 32},
                                  extra={"waves_per_eu": 2, "matrix_instr_nonkdim": 16}),
-    "newton_schulz": LaunchConfig(num_warps=8, num_stages=2, blocks={"m": 64, "n": 128, "k": 64},
+    "newton_schulz": LaunchConfig(num_warps=8, num_stages=2, blocks={"m": 64, "n": 64, "k": 32},
                                   extra={"waves_per_eu": 2, "matrix_instr_nonkdim": 16}),
 })
 

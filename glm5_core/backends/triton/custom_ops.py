@@ -52,4 +52,4 @@ def register(configs: KernelConfigs) -> Dict[str, Kernel]:
     indexer_topk.__qualname__ = f"indexer_topk (torch.ops.{ns}.indexer_topk)"
     sparse_decode.__qualname__ = f"sparse_decode (torch.ops.{ns}.sparse_decode)"
     return {"dsa_indexer_topk": Kernel(indexer_topk, supports=indexer.supports),
-            "dsa_sparse_decode": Kernel(sparse_decode, supports=sparse_mla.supports)}
+            "dsa_sparse_decode": Kernel(sparse_decode, supports=sparse_mla.fitting(sparse_mla.supports, configs))}

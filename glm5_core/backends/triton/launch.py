@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +42,12 @@ class LaunchConfig:
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one table per vendor, a module constant
 class KernelConfigs:
     """One launch configuration per kernel family (``"indexer"``, ``"sparse_mla"``, ...), plus the vendor's
-    name (namespaces its custom ops). ``configs[family]`` names the vendor and the family it lacks."""
+    name (namespaces its custom ops) and the shared memory one block may use, in bytes (None: unchecked; see
+    ``shared_memory``). ``configs[family]`` names the vendor and the family it lacks."""
 
     vendor: str
     families: Mapping[str, LaunchConfig]
+    shared_memory_limit: Optional[int] = None
 
     def __post_init__(self):
         for family, config in self.families.items():

@@ -31,12 +31,15 @@ The decode path keeps exact fp32 products for every dtype.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from glm5_core.backends.triton import _util
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton import _util, shared_memory
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 from glm5_core.ops.mla import absorb_query, project_output
 
 _SLOT_BUDGET = 1 << 26  # fp32 elements of per-slot key gradients held at once by the backward (256 MiB)
@@ -138,6 +141,20 @@ def _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC:
 
 
 @triton.jit
+def _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row, h0, H, C: tl.constexpr,
+                         DR: tl.constexpr, BH: tl.constexpr, C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    """What the backward reads of heads h0..h0+BH-1 of one query row: q_lat, q_pe, d_out tiles and the
+    log-sum-exp / delta rows (+inf / 0 past H)."""
+    offs_h = h0 + tl.arange(0, BH)
+    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
+    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
+    d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
+    lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
+    delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+    return q_lat, q_pe, d_out, lse, delta
+
+
+@triton.jit
 def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr, lse_ptr, delta_ptr,
                           dqlat_ptr, dqpe_ptr, T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks,
                           stride_ir, C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
@@ -146,11 +163,8 @@ def _sparse_bwd_dq_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_ptr
     h0 = tl.program_id(1) * BH
     b = row // T
     offs_h = h0 + tl.arange(0, BH)
-    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
-    d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-    lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
-    delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+    q_lat, q_pe, d_out, lse, delta = _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row, h0,
+                                                          H, C, DR, BH, C_PAD, DR_PAD)
     dq_lat = tl.zeros([BH, C_PAD], tl.float32)
     dq_pe = tl.zeros([BH, DR_PAD], tl.float32)
     for k0 in range(0, K, BK):
@@ -182,12 +196,8 @@ def _sparse_bwd_dkv_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, dout_pt
     dkv = tl.zeros([BK, C_PAD], tl.float32)
     dkr = tl.zeros([BK, DR_PAD], tl.float32)
     for h0 in range(0, H, BH):  # fixed head order
-        offs_h = h0 + tl.arange(0, BH)
-        q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-        q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
-        d_out = _load_heads(dout_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
-        lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))
-        delta = tl.load(delta_ptr + row * H + offs_h, mask=offs_h < H, other=0.0)
+        q_lat, q_pe, d_out, lse, delta = _load_backward_heads(qlat_ptr, qpe_ptr, dout_ptr, lse_ptr, delta_ptr, row,
+                                                              h0, H, C, DR, BH, C_PAD, DR_PAD)
         p, ds = _probs_and_dscores(q_lat, q_pe, d_out, lse, delta, kv, kr, valid, scale, TC, EMULATE)
         dkv += _mm(tl.trans(p), d_out, TC, EMULATE)
         dkv += _mm(tl.trans(ds), q_lat, TC, EMULATE) * scale
@@ -341,7 +351,10 @@ def dense_decode_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, **kwargs):
     return supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, torch.empty((1, 1, 1)), **kwargs)
 
 
-def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwargs):
+def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, launch: LaunchConfig = None,
+             shared_memory_limit: int = None, **kwargs):
+    """``launch`` / ``shared_memory_limit`` (bound by the kernel table): decline latent / rope widths whose fp32
+    tiles (the widest the kernels hold) would not fit the vendor's shared memory per block."""
     why = _util.float_dtype_verdict("q_nope", q_nope)
     if why:
         return False, why
@@ -349,4 +362,14 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwargs):
         return False, f"latent width C={c_kv.shape[-1]} > 1024 or rope dim {q_pe.shape[-1]} > 256"
     if topk_idx.shape[-1] == 0:
         return False, "no selected keys (K=0)"
+    if launch is not None and shared_memory_limit is not None:
+        dims = dataclasses.replace(shared_memory.GLM5_DIMS, latent=c_kv.shape[-1], rope=q_pe.shape[-1])
+        why = shared_memory.over_limit("sparse_mla", launch, shared_memory_limit, dims)
+        if why:
+            return False, f"latent width C={c_kv.shape[-1]}, rope dim {q_pe.shape[-1]}: {why}"
     return True, ""
+
+
+def fitting(hook, configs: KernelConfigs):
+    """``hook`` (``supports`` / ``dense_decode_supports``) with the vendor's launch and shared-memory limit bound."""
+    return functools.partial(hook, launch=configs["sparse_mla"], shared_memory_limit=configs.shared_memory_limit)

@@ -35,13 +35,14 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
         sparse_mla,
     )
 
+    mla = configs["sparse_mla"]
     table = {
         "dsa_indexer_scores": bind(indexer.indexer_scores, configs["indexer"], indexer.supports),
         "dsa_indexer_topk": bind(indexer.indexer_topk, configs["indexer"], indexer.supports),
-        "dsa_sparse_prefill": bind(sparse_mla.sparse_prefill, configs["sparse_mla"], sparse_mla.supports,
+        "dsa_sparse_prefill": bind(sparse_mla.sparse_prefill, mla, sparse_mla.fitting(sparse_mla.supports, configs),
                                    differentiable=True),  # backward through _SparseLatentAttention
-        "dsa_sparse_decode": bind(sparse_mla.sparse_decode, configs["sparse_mla"], sparse_mla.supports),
-        "mla_decode": bind(sparse_mla.dense_decode, configs["sparse_mla"], sparse_mla.dense_decode_supports),
+        "dsa_sparse_decode": bind(sparse_mla.sparse_decode, mla, sparse_mla.fitting(sparse_mla.supports, configs)),
+        "mla_decode": bind(sparse_mla.dense_decode, mla, sparse_mla.fitting(sparse_mla.dense_decode_supports, configs)),
         "moe_route": bind(moe_route.route, configs["moe_route"], moe_route.supports),
         "moe_dispatch": bind(moe_permute.dispatch, configs["moe_permute"], differentiable=True),
         "moe_combine": bind(moe_permute.combine, configs["moe_permute"], moe_permute.combine_supports,

@@ -269,11 +269,16 @@ def _sampling(body: Dict) -> Dict[str, Any]:
                 user=_str(body, "user", max_chars=MAX_ID_CHARS))
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def _request_fields(body: Any, known) -> Dict[str, Any]:
+    """The fields chat and completion requests share, from a JSON object with no key outside ``known``."""
     if not isinstance(body, dict):
         raise OpenAIError(f"request body: expected a JSON object, got {type(body).__name__}")
-    _unknown(body, _CHAT)
-    shared = _sampling(body)
+    _unknown(body, known)
+    return _sampling(body)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    shared = _request_fields(body, _CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
         raise _fail("messages", f"a list of 1 to {MAX_MESSAGES} messages", type(messages).__name__)
@@ -304,10 +309,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    if not isinstance(body, dict):
-        raise OpenAIError(f"request body: expected a JSON object, got {type(body).__name__}")
-    _unknown(body, _COMPLETION)
-    shared = _sampling(body)
+    shared = _request_fields(body, _COMPLETION)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one

@@ -22,8 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from glm5_core.rl.rollout.envs.base import AgentEpisode, AgentRun, AgentSampling, Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.rollout.rewards import reward_input
-from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
 from glm5_core.rl.rollout.trajectory import Trajectory
+from glm5_core.rl.rollout.turn_request import next_turn
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
@@ -80,25 +80,21 @@ class RolloutRunner:
         turn = 0
         try:
             while True:
-                context = episode.context_tokens()
-                limits = episode.turn_limits()
-                budget = self.max_len - len(context)
-                if budget < 1:
+                request = next_turn(episode, max_len=self.max_len, temperature=self.temperature, top_p=self.top_p,
+                                    run_seed=self.seed, trajectory_id=trajectory_id, turn=turn)
+                if request is None:
                     truncated = True  # context full: the episode ends unfinished (reward as the env scores it)
                     break
-                max_new_tokens = min(limits.max_new_tokens, budget)
-                params = turn_sampling_params(self.temperature, self.top_p, max_new_tokens, limits.stop_token_ids,
-                                              self.seed, trajectory_id, turn)
                 turn += 1
                 try:
-                    response = gateway.generate(context, params)
+                    response = gateway.generate(request.context, request.params)
                 except (EngineUnavailable, EngineRequestError) as exc:
                     if not is_fleet_failure(exc):
                         raise  # the request's own fault (a bug here), the same on any replica
                     rollout_failed = failed = True  # the fleet gave up on it (retries spent): drop, go on
                     break
                 # cut by rollout.max_len (not by the environment's own max_new_tokens): a truncation
-                truncated = max_new_tokens < limits.max_new_tokens and gateway.current.finish_reasons[-1] == "length"
+                truncated = request.cut_by_max_len and gateway.current.finish_reasons[-1] == "length"
                 try:
                     if episode.observe(response["output_ids"]):
                         break
