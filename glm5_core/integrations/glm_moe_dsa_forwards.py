@@ -13,8 +13,9 @@ Attention (MLA + DSA): projections and RoPE are transformers' (its interleaved-p
 layout its cache holds); the latent cache is transformers' ``Cache`` (``update`` / ``update_indexer``),
 never expanded over the keys: queries past index_topk run the absorbed sparse MLA of ``glm5_core.ops.dsa`` over
 the K keys the indexer selected (prefill and decode); a query at a slot below index_topk, for which DSA selects
-every visible key, needs no indexer scores: in a prefill it runs ``mla.prefill``, against a cache the sparse
-kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
+every visible key, needs no indexer scores: in a prefill it runs dense causal attention in the expanded form
+(``dense_causal_attention``: transformers' keys and values, torch's fused causal sdpa), against a cache the
+sparse kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
 head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
 batch's mask goes through the indexer scores, masked, then the contract's top-k (ties to the lower index), for
 every query. Calls with a cache other than transformers' dynamic one (a static cache returns its whole
@@ -27,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from glm5_core.ops import dsa, mla, moe
+from glm5_core.ops import dsa, moe
 from glm5_core.ops.mla import causal_mask
 
 
@@ -88,6 +89,22 @@ def every_visible_key(batch: int, num_queries: int, start: int, topk: int, devic
 
 
 # ---- attention ----------------------------------------------------------------------------------------
+def dense_causal_attention(attn, q_nope: torch.Tensor, q_rot: torch.Tensor, c_kv: torch.Tensor,
+                           k_rot: torch.Tensor) -> torch.Tensor:
+    """Causal MLA of fresh queries over their own keys (slot 0 on), in the expanded form transformers' sdpa
+    attention computes: keys and values through ``kv_b_proj``, then torch's fused causal attention (which
+    skips the future half). q_nope [B, T, H, Dn], q_rot [B, T, H, Dr], c_kv [B, T, C], k_rot [B, T, Dr]
+    -> [B, T, H, Dv]."""
+    B, T, H, Dn = q_nope.shape
+    Dr = q_rot.shape[-1]
+    k_nope, value = torch.split(attn.kv_b_proj(c_kv).view(B, T, H, -1), [Dn, attn.v_head_dim], dim=-1)
+    query = torch.cat((q_nope, q_rot), dim=-1).transpose(1, 2)  # [B, H, T, Dn+Dr]
+    key = torch.cat((k_nope, k_rot.view(B, T, 1, Dr).expand(B, T, H, Dr)), dim=-1).transpose(1, 2)  # same
+    out = F.scaled_dot_product_attention(query, key, value.transpose(1, 2), is_causal=True,
+                                         scale=attn.scaling)  # [B, H, T, Dv]
+    return out.transpose(1, 2)  # [B, T, H, Dv]
+
+
 def _visible_keys(attention_mask: Optional[torch.Tensor], start: int, B: int, T: int, S: int
                   ) -> Optional[torch.Tensor]:
     """None when transformers' mask [B, 1, T, S] is exactly causal from ``start``, else the visible keys
@@ -119,7 +136,7 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
     one: int32 [B, T - n_all, K], what the next "shared" layer reuses).
 
     DSA selects every visible key for the first ``n_all`` queries (slots below index_topk): those run dense
-    MLA (``mla.prefill`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
+    MLA (``dense_causal_attention`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
     scores; the others run the indexer's top-k and the sparse kernel."""
     if not _runs_here(cache if cache is not None else past_key_values, self.layer_idx):
         named = {"cache": cache} if past_key_values is None else {"past_key_values": past_key_values}  # as given
@@ -150,8 +167,8 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
     w_uk, w_uv = w[:, :Dn], w[:, Dn:]
     parts = []
     if n_all and start == 0:
-        parts.append(mla.prefill(q_nope[:, :n_all], q_rot[:, :n_all], c_kv[:, :n_all], k_rot[:, :n_all], w_uk, w_uv,
-                                 scale=self.scaling, backend=self.glm5_backend))  # [B, n_all, H, Dv]
+        parts.append(dense_causal_attention(self, q_nope[:, :n_all], q_rot[:, :n_all], c_kv[:, :n_all],
+                                            k_rot[:, :n_all]))  # [B, n_all, H, Dv]
     elif n_all:
         every = every_visible_key(B, n_all, start, K, c_kv.device)
         parts.append(dsa.sparse_decode(q_nope[:, :n_all], q_rot[:, :n_all], c_kv, k_rot, w_uk, w_uv, every,
