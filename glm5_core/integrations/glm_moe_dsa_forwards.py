@@ -13,12 +13,13 @@ Attention (MLA + DSA): projections and RoPE are transformers' (its interleaved-p
 layout its cache holds); the latent cache is transformers' ``Cache`` (``update`` / ``update_indexer``),
 never expanded over the keys: queries past index_topk run the absorbed sparse MLA of ``glm5_core.ops.dsa`` over
 the K keys the indexer selected (prefill and decode); a query at a slot below index_topk, for which DSA selects
-every visible key, needs no indexer scores: in a prefill it runs ``mla.prefill``, against a cache the sparse
-kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
+every visible key, needs no indexer scores: in a prefill it runs dense causal attention in the expanded form
+(``dense_causal_attention``: transformers' keys and values, torch's fused causal sdpa), against a cache the
+sparse kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
 head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
 batch's mask goes through the indexer scores, masked, then the contract's top-k (ties to the lower index), for
-every query. Calls with a cache other than transformers' dynamic one (a static cache returns its whole
-preallocated buffer) run transformers' own forward.
+the queries past index_topk (the others select every key their mask shows). Calls with a cache other than
+transformers' dynamic one (a static cache returns its whole preallocated buffer) run transformers' own forward.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from glm5_core.ops import dsa, mla, moe
+from glm5_core.ops import dsa, moe
 from glm5_core.ops.mla import causal_mask
 
 
@@ -88,6 +89,35 @@ def every_visible_key(batch: int, num_queries: int, start: int, topk: int, devic
 
 
 # ---- attention ----------------------------------------------------------------------------------------
+def visible_keys_in_order(visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """The selection of queries that see at most ``topk`` keys, under a padded mask visible bool [B, T, S]:
+    their visible keys in index order, then -1: int32 [B, T, topk] (equal scores sort stably)."""
+    no_scores = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)  # [B, T, S]
+    return _topk_of_masked_scores(no_scores.masked_fill(~visible, float("-inf")), topk)
+
+
+def dense_causal_attention(attn, q_nope: torch.Tensor, q_rot: torch.Tensor, c_kv: torch.Tensor,
+                           k_rot: torch.Tensor, visible: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """MLA of fresh queries over their own keys (slot 0 on), in the expanded form transformers' sdpa
+    attention computes: keys and values through ``kv_b_proj``, then torch's fused attention, causal (the
+    future half skipped) or under a padded mask visible bool [B, T, T] (a query that sees no key: zeros, as
+    the sparse kernel gives). q_nope [B, T, H, Dn], q_rot [B, T, H, Dr], c_kv [B, T, C], k_rot [B, T, Dr]
+    -> [B, T, H, Dv]."""
+    B, T, H, Dn = q_nope.shape
+    Dr = q_rot.shape[-1]
+    k_nope, value = torch.split(attn.kv_b_proj(c_kv).view(B, T, H, -1), [Dn, attn.v_head_dim], dim=-1)
+    query = torch.cat((q_nope, q_rot), dim=-1).transpose(1, 2)  # [B, H, T, Dn+Dr]
+    key = torch.cat((k_nope, k_rot.view(B, T, 1, Dr).expand(B, T, H, Dr)), dim=-1).transpose(1, 2)  # same
+    if visible is None:
+        out = F.scaled_dot_product_attention(query, key, value.transpose(1, 2), is_causal=True,
+                                             scale=attn.scaling)  # [B, H, T, Dv]
+        return out.transpose(1, 2)  # [B, T, H, Dv]
+    out = F.scaled_dot_product_attention(query, key, value.transpose(1, 2), attn_mask=visible.unsqueeze(1),
+                                         scale=attn.scaling).transpose(1, 2)  # [B, T, H, Dv]
+    sees_a_key = visible.any(dim=-1).view(B, T, 1, 1)
+    return torch.where(sees_a_key, out, torch.zeros((), dtype=out.dtype))  # [B, T, H, Dv]
+
+
 def _visible_keys(attention_mask: Optional[torch.Tensor], start: int, B: int, T: int, S: int
                   ) -> Optional[torch.Tensor]:
     """None when transformers' mask [B, 1, T, S] is exactly causal from ``start``, else the visible keys
@@ -119,8 +149,9 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
     one: int32 [B, T - n_all, K], what the next "shared" layer reuses).
 
     DSA selects every visible key for the first ``n_all`` queries (slots below index_topk): those run dense
-    MLA (``mla.prefill`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
-    scores; the others run the indexer's top-k and the sparse kernel."""
+    MLA (``dense_causal_attention`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
+    scores (under a padded mask too: its visible keys); the others run the indexer's top-k and the sparse
+    kernel."""
     if not _runs_here(cache if cache is not None else past_key_values, self.layer_idx):
         named = {"cache": cache} if past_key_values is None else {"past_key_values": past_key_values}  # as given
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **named,
@@ -145,15 +176,17 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
     keys = indexer_keys(self.indexer, hidden_states, cos, sin, cache) if self.indexer is not None else None
 
     visible = _visible_keys(attention_mask, start, B, T, S)
-    n_all = max(0, min(T, K - start)) if visible is None else 0  # leading queries that see <= K keys
+    n_all = max(0, min(T, K - start))  # leading queries that see <= K keys (padded or not): DSA selects them all
     w = self.kv_b_proj.weight.view(H, Dn + Dv, C)  # [H, Dn+Dv, C]: absorbed, never expanded over the cache
     w_uk, w_uv = w[:, :Dn], w[:, Dn:]
     parts = []
     if n_all and start == 0:
-        parts.append(mla.prefill(q_nope[:, :n_all], q_rot[:, :n_all], c_kv[:, :n_all], k_rot[:, :n_all], w_uk, w_uv,
-                                 scale=self.scaling, backend=self.glm5_backend))  # [B, n_all, H, Dv]
+        parts.append(dense_causal_attention(self, q_nope[:, :n_all], q_rot[:, :n_all], c_kv[:, :n_all],
+                                            k_rot[:, :n_all], None if visible is None
+                                            else visible[:, :n_all, :n_all]))  # [B, n_all, H, Dv]
     elif n_all:
-        every = every_visible_key(B, n_all, start, K, c_kv.device)
+        every = (every_visible_key(B, n_all, start, K, c_kv.device) if visible is None
+                 else visible_keys_in_order(visible[:, :n_all], K))  # [B, n_all, K]
         parts.append(dsa.sparse_decode(q_nope[:, :n_all], q_rot[:, :n_all], c_kv, k_rot, w_uk, w_uv, every,
                                        scale=self.scaling, backend=self.glm5_backend))
     topk = prev_topk_indices

@@ -58,9 +58,9 @@ def test_kernelized_model_computes_transformers_logits_with_the_same_parameters(
     assert list(after) == list(before) and all(after[k] is before[k] for k in before)  # same tensor objects
     assert not op_calls
     assert rel_err(_logits(hf, ids), want) < FP32_RTOL
-    # slots below index_topk see every key they may select: dense MLA; the others: indexer top-k + sparse MLA
-    assert {op for op, _ in op_calls} == {"mla_prefill", "dsa_indexer_topk", "dsa_sparse_prefill", "moe_route",
-                                          "moe_fused_experts"}
+    # slots below index_topk see every key they may select: dense causal attention (torch's sdpa, no registry
+    # op); the others: indexer top-k + sparse MLA
+    assert {op for op, _ in op_calls} == {"dsa_indexer_topk", "dsa_sparse_prefill", "moe_route", "moe_fused_experts"}
     assert {backend for _, backend in op_calls} == {"cpu"}
 
 
@@ -83,6 +83,43 @@ def test_generate_with_a_left_padded_batch():
     mask[1, :4] = 0
     want = _greedy(hf, prompt, attention_mask=mask)
     assert torch.equal(_greedy(kernelize(hf), prompt, attention_mask=mask), want)
+
+
+def _padded(prompt: torch.Tensor) -> torch.Tensor:
+    """An attention mask with pads inside the rows (as generate infers from a pad_token_id the prompt holds)
+    and at the left of row 1."""
+    mask = torch.ones_like(prompt)
+    mask[0, 3] = mask[0, prompt.shape[1] // 2] = 0
+    mask[1, :2] = 0
+    return mask
+
+
+@pytest.mark.parametrize("layout", sorted(INDEXER_LAYOUTS))
+def test_padded_prefill_computes_transformers_logits(layout):
+    """Under a padded mask the queries below index_topk attend to every key their mask shows (no indexer
+    scores), the later ones to the masked top-k: transformers' logits at every position that is not a pad."""
+    hf = hf_model(hf_config(indexer_types=INDEXER_LAYOUTS[layout]))
+    ids = token_ids(hf.config.vocab_size)
+    mask = _padded(ids)
+    want = _logits(hf, ids, attention_mask=mask)
+    got = _logits(kernelize(hf, backend="cpu"), ids, attention_mask=mask)
+    kept = mask.bool()
+    assert rel_err(got[kept], want[kept]) < FP32_RTOL
+
+
+def test_padded_generate_below_index_topk_computes_transformers_logits():
+    """Decode steps at slots below index_topk under a padded mask select every key the mask shows."""
+    hf = hf_model(hf_config())
+    prompt = token_ids(hf.config.vocab_size, seq_len=hf.config.index_topk - 4)  # steps cross index_topk
+    mask = _padded(prompt)
+
+    def step_logits(model):
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+        return torch.stack(out.logits, dim=1)  # [B, steps, V]
+
+    want = step_logits(hf)
+    assert rel_err(step_logits(kernelize(hf, backend="cpu")), want) < FP32_RTOL
 
 
 def test_bf16_kernelized_is_as_close_to_fp32_as_transformers_bf16(tmp_path):
