@@ -15,6 +15,7 @@ SHAPES = (
     (testing.IndexerShape(B=2, T=7, S=11, H=3, D=5, K=4), 0),  # odd sizes, early rows -1 padded
     (testing.IndexerShape(B=1, T=9, S=9, H=2, D=8, K=20), 0),  # K > S: -1 padding everywhere
     (testing.IndexerShape(B=2, T=33, S=300, H=5, D=19, K=40), 267),  # keys shared by many queries
+    (testing.IndexerShape(B=1, T=6, S=50, H=19, D=16, K=11), 44),  # heads past one vector (fp32 and fp64)
 )
 NAMES = ("q", "k", "w")
 

@@ -6,11 +6,13 @@
 //   a[h,j] = q[h] . k[i_j],  dd[h,j] = g[j] w[h] (a[h,j] > 0)
 //   d w[h] = sum_j g[j] ReLU(a[h,j]),  d q[h] = sum_j dd[h,j] k[i_j],  d k[s] = sum over (t, j) with i_j = s of
 //   sum_h dd[h,j] q[h]
-// The forward keeps nothing; the backward recomputes the H x K dot products of each query row. Query rows go
-// through in blocks whose per-entry key gradients fit kContribBytes (a block size set by the shapes only):
-//   1. per query row (parallel): a, d w, d q and each kept slot's contribution sum_h dd[h,j] q[h] (row-local);
-//   2. the contributions are added to d k, parallel over bands of keys (each band owned by one thread), in
-//      ascending (t, j) order.
+// The forward keeps nothing; the backward recomputes the H x K dot products of each query row (RowLayout: the
+// row's queries transposed, all heads of a key in one pass over its D values). Query rows go
+// through in blocks whose dd fit kSlotGradBytes (a block size set by the shapes only):
+//   1. per query row (parallel): a, d w and each kept slot's dd[:, j] (Hp values, not a D-wide contribution),
+//      then d q from the kept keys and their dd (accumulated in registers, in slot order);
+//   2. sum_h dd[h,j] q[h] (in h order) is added to d k, parallel over bands of keys (each band owned by one
+//      thread), in ascending (t, j) order.
 // Time and memory O(T K H D), never O(T S); every sum runs in a fixed order whatever the thread count, so the
 // gradients are bitwise repeatable. Inputs are fp32 or fp64 (the caller converts bf16 / fp16 to fp32).
 #include <ATen/ATen.h>
@@ -29,49 +31,164 @@
 namespace glm5 {
 namespace {
 
-constexpr int64_t kContribBytes = int64_t(16) << 20;  // key-gradient contributions held at once (a row block)
+constexpr int64_t kSlotGradBytes = int64_t(2) << 20;  // dd of the slots held at once (a row block, cache-sized)
 constexpr int64_t kKeyBand = 16;  // keys per band of pass 2; bands are dealt to threads round-robin
 
 struct Sizes {
   int64_t B, T, H, D, S, K;
 };
 
+// The query row transposed and padded to whole vectors of heads: q_t [D, Hp] (lanes past H zero), so the H dot
+// products of one key are D broadcast-multiply-adds into Hp / W vectors: no horizontal sum per head.
+template <typename acc_t> struct RowLayout {
+  using V = typename Simd<acc_t>::V;
+  static constexpr int W = Simd<acc_t>::width;
+  int64_t H, D, nv, Hp;  // nv vectors of W heads, Hp = nv * W
+  RowLayout(int64_t heads, int64_t dim) : H(heads), D(dim), nv((heads + W - 1) / W), Hp(nv * W) {}
+
+  void transpose(const acc_t* q_row, const acc_t* w_row, acc_t* q_t, acc_t* w_pad) const {
+    std::fill(q_t, q_t + D * Hp, acc_t(0));
+    std::fill(w_pad, w_pad + Hp, acc_t(0));
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < D; ++d) q_t[d * Hp + h] = q_row[h * D + d];
+      w_pad[h] = w_row[h];
+    }
+  }
+
+  // a[g][:] = q . key_g for G keys at once (G independent chains hide the multiply-add latency); each key's
+  // products are summed in d order whatever G is, so a key's value does not depend on its group.
+  template <int G> void dots(const acc_t* q_t, const acc_t* const* key, acc_t* a) const {  // a [G, Hp]
+    for (int64_t v = 0; v < nv; ++v) {
+      V acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = V{};
+      for (int64_t d = 0; d < D; ++d) {
+        const V qv = load<V>(q_t + d * Hp + v * W);
+        for (int g = 0; g < G; ++g) acc[g] = fmadd(splat<V>(key[g][d]), qv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) store(a + g * Hp + v * W, acc[g]);
+    }
+  }
+};
+
+constexpr int kKeyGroup = 8;  // keys whose dot products are computed together
+
+// Calls body(slot j, its key, its dot products a [Hp]) for the kept slots of one query row, in slot order.
+template <typename acc_t, typename index_t, typename Body>
+void for_each_kept_key(const RowLayout<acc_t>& L, const acc_t* q_t, const acc_t* keys_b, const index_t* idx_row,
+                       int64_t K, std::vector<int64_t>& kept, acc_t* a_buf, Body&& body) {
+  kept.clear();
+  for (int64_t j = 0; j < K; ++j)
+    if (idx_row[j] >= 0) kept.push_back(j);
+  const int64_t n = static_cast<int64_t>(kept.size());
+  const acc_t* key[kKeyGroup];
+  int64_t i = 0;
+  for (; i + kKeyGroup <= n; i += kKeyGroup) {
+    for (int g = 0; g < kKeyGroup; ++g) key[g] = keys_b + static_cast<int64_t>(idx_row[kept[i + g]]) * L.D;
+    L.template dots<kKeyGroup>(q_t, key, a_buf);
+    for (int g = 0; g < kKeyGroup; ++g) body(kept[i + g], key[g], a_buf + g * L.Hp);
+  }
+  for (; i < n; ++i) {
+    key[0] = keys_b + static_cast<int64_t>(idx_row[kept[i]]) * L.D;
+    L.template dots<1>(q_t, key, a_buf);
+    body(kept[i], key[0], a_buf);
+  }
+}
+
 template <typename acc_t, typename index_t>
 void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const index_t* idx, const Sizes& n,
                     acc_t* out) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  const RowLayout<acc_t> L(n.H, n.D);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   at::parallel_for(0, n.B * n.T, 8, [&](int64_t row0, int64_t row1) {
+    std::vector<acc_t> q_t(L.D * L.Hp), w_pad(L.Hp), a_buf(kKeyGroup * L.Hp);
+    std::vector<int64_t> kept;
+    kept.reserve(n.K);
     for (int64_t row = row0; row < row1; ++row) {
       const int64_t b = row / n.T;
-      const acc_t* q_row = q + row * n.H * n.D;  // [H, D]
-      const acc_t* w_row = w + row * n.H;  // [H]
-      for (int64_t j = 0; j < n.K; ++j) {
-        const int64_t s = static_cast<int64_t>(idx[row * n.K + j]);
-        if (s < 0) {
-          out[row * n.K + j] = neg_inf;
-          continue;
-        }
-        const acc_t* key = keys + (b * n.S + s) * n.D;
-        acc_t total = 0;
-        for (int64_t h = 0; h < n.H; ++h) {
-          const acc_t a = dot(q_row + h * n.D, key, n.D);
-          if (a > acc_t(0)) total = total + w_row[h] * a;
-        }
-        out[row * n.K + j] = total;
-      }
+      L.transpose(q + row * n.H * n.D, w + row * n.H, q_t.data(), w_pad.data());
+      acc_t* out_row = out + row * n.K;
+      std::fill(out_row, out_row + n.K, neg_inf);
+      for_each_kept_key(L, q_t.data(), keys + b * n.S * n.D, idx + row * n.K, n.K, kept, a_buf.data(),
+                        [&](int64_t j, const acc_t*, const acc_t* a) {
+                          V total{};
+                          for (int64_t v = 0; v < L.nv; ++v)
+                            total = fmadd(relu(load<V>(a + v * W)), load<V>(w_pad.data() + v * W), total);
+                          out_row[j] = hsum<acc_t>(total);
+                        });
     }
   });
+}
+
+// out[d, :] = sum_i key_i[d] * dd_i[:] over the n kept keys, in i order: d q_t [D, Hp]. Groups of kDimGroup
+// consecutive d keep independent accumulators in registers (no load / store of d q_t per key).
+constexpr int kDimGroup = 4;
+
+template <typename acc_t>
+void keys_times_dd(const acc_t* const* __restrict key, const acc_t* __restrict dd, int64_t n, int64_t D, int64_t Hp,
+                   acc_t* __restrict out) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  for (int64_t v = 0; v < Hp; v += W) {
+    int64_t d = 0;
+    for (; d + kDimGroup <= D; d += kDimGroup) {
+      V acc[kDimGroup] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        const V ddv = load<V>(dd + i * Hp + v);
+        const acc_t* k = key[i] + d;
+        for (int g = 0; g < kDimGroup; ++g) acc[g] = fmadd(splat<V>(k[g]), ddv, acc[g]);
+      }
+      for (int g = 0; g < kDimGroup; ++g) store(out + (d + g) * Hp + v, acc[g]);
+    }
+    for (; d < D; ++d) {
+      V acc{};
+      for (int64_t i = 0; i < n; ++i) acc = fmadd(splat<V>(key[i][d]), load<V>(dd + i * Hp + v), acc);
+      store(out + d * Hp + v, acc);
+    }
+  }
+}
+
+// dk[:] += sum_h dd[h] q[h, :] (the sum over h formed first, W values of d at a time, then added once).
+template <typename acc_t>
+void add_heads_times_queries(const acc_t* __restrict dd, const acc_t* __restrict q_row, int64_t H, int64_t D,
+                             acc_t* __restrict dk) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    V acc{};
+    for (int64_t h = 0; h < H; ++h) acc = fmadd(splat<V>(dd[h]), load<V>(q_row + h * D + d), acc);
+    store(dk + d, load<V>(dk + d) + acc);
+  }
+  for (; d < D; ++d) {
+    acc_t acc = 0;
+    for (int64_t h = 0; h < H; ++h) acc = acc + dd[h] * q_row[h * D + d];
+    dk[d] = dk[d] + acc;
+  }
 }
 
 template <typename acc_t, typename index_t>
 void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const acc_t* w, const index_t* idx,
                      const Sizes& n, acc_t* dq, acc_t* dkeys, acc_t* dw) {
-  const int64_t rows = n.B * n.T, H = n.H, D = n.D, K = n.K;
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  const RowLayout<acc_t> L(n.H, n.D);
+  const int64_t rows = n.B * n.T, H = n.H, D = n.D, K = n.K, Hp = L.Hp;
   const int threads = std::max(1, at::get_num_threads());
-  const int64_t row_bytes = K * D * static_cast<int64_t>(sizeof(acc_t));
-  const int64_t block = std::max<int64_t>(1, kContribBytes / std::max<int64_t>(1, row_bytes));
-  std::vector<acc_t> contrib(std::min(rows, block) * K * D);  // [rows of the block, K, D]
-  std::vector<acc_t> dd_all(threads * H);  // per-thread dd[h] of one slot
+  const int64_t row_bytes = K * Hp * static_cast<int64_t>(sizeof(acc_t));
+  const int64_t block = std::max<int64_t>(1, kSlotGradBytes / std::max<int64_t>(1, row_bytes));
+  std::vector<acc_t> slot_dd(std::min(rows, block) * K * Hp);  // dd [rows of the block, K, Hp]
+  // Per-thread scratch, allocated before the regions (nothing that can fail is allocated inside them):
+  // q_t and d q_t [D, Hp], w and d w [Hp], the kept keys' dd [K, Hp], a group's dot products [kKeyGroup, Hp].
+  const int64_t scratch = 2 * D * Hp + 2 * Hp + K * Hp + kKeyGroup * Hp;
+  std::vector<acc_t> scratch_all(threads * scratch);
+  std::vector<std::vector<int64_t>> kept_all(threads);
+  std::vector<std::vector<const acc_t*>> key_all(threads);
+  for (int t = 0; t < threads; ++t) {
+    kept_all[t].reserve(K);
+    key_all[t].reserve(K);
+  }
   std::fill(dkeys, dkeys + n.B * n.S * D, acc_t(0));
   RegionErrors errors;
 
@@ -79,40 +196,49 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
     const int64_t row1 = std::min(rows, row0 + block);
 #pragma omp parallel num_threads(threads)
     {
-      acc_t* dd = dd_all.data() + omp_get_thread_num() * H;
+      const int tid = omp_get_thread_num();
+      acc_t* q_t = scratch_all.data() + tid * scratch;
+      acc_t* dq_t = q_t + D * Hp;
+      acc_t* w_pad = dq_t + D * Hp;
+      acc_t* dw_pad = w_pad + Hp;
+      acc_t* dd_kept = dw_pad + Hp;  // [kept keys, Hp]
+      acc_t* a_buf = dd_kept + K * Hp;
+      std::vector<const acc_t*>& key_ptr = key_all[tid];
 #pragma omp for schedule(dynamic, 4)
       for (int64_t row = row0; row < row1; ++row) {
         errors.run([&] {
           const int64_t b = row / n.T;
-          const acc_t* q_row = q + row * H * D;  // [H, D]
-          const acc_t* w_row = w + row * H;
+          L.transpose(q + row * H * D, w + row * H, q_t, w_pad);
+          std::fill(dw_pad, dw_pad + Hp, acc_t(0));
+          acc_t* dd_slots = slot_dd.data() + (row - row0) * K * Hp;  // [K, Hp]; the -1 slots are never read
+          key_ptr.clear();
+          for_each_kept_key(L, q_t, keys + b * n.S * D, idx + row * K, K, kept_all[tid], a_buf,
+                            [&](int64_t j, const acc_t* key, const acc_t* a) {
+                              const V g = splat<V>(grad[row * K + j]);
+                              acc_t* dd = dd_kept + static_cast<int64_t>(key_ptr.size()) * Hp;
+                              for (int64_t v = 0; v < Hp; v += W) {
+                                const V av = load<V>(a + v);
+                                const V on = av > V{} ? splat<V>(acc_t(1)) : V{};
+                                store(dw_pad + v, fmadd(g, relu(av), load<V>(dw_pad + v)));
+                                const V ddv = g * load<V>(w_pad + v) * on;
+                                store(dd + v, ddv);
+                                store(dd_slots + j * Hp + v, ddv);
+                              }
+                              key_ptr.push_back(key);
+                            });
+          keys_times_dd(key_ptr.data(), dd_kept, static_cast<int64_t>(key_ptr.size()), D, Hp, dq_t);
           acc_t* dq_row = dq + row * H * D;
-          acc_t* dw_row = dw + row * H;
-          std::fill(dq_row, dq_row + H * D, acc_t(0));
-          std::fill(dw_row, dw_row + H, acc_t(0));
-          for (int64_t j = 0; j < K; ++j) {
-            const int64_t s = static_cast<int64_t>(idx[row * K + j]);
-            if (s < 0) continue;
-            const acc_t g = grad[row * K + j];
-            const acc_t* key = keys + (b * n.S + s) * D;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t a = dot(q_row + h * D, key, D);
-              const bool on = a > acc_t(0);
-              dw_row[h] = dw_row[h] + (on ? g * a : acc_t(0));
-              dd[h] = on ? g * w_row[h] : acc_t(0);
-              if (on) axpy(dd[h], key, dq_row + h * D, D);
-            }
-            acc_t* dst = contrib.data() + ((row - row0) * K + j) * D;
-            std::fill(dst, dst + D, acc_t(0));
-            for (int64_t h = 0; h < H; ++h)
-              if (dd[h] != acc_t(0)) axpy(dd[h], q_row + h * D, dst, D);
+          for (int64_t h = 0; h < H; ++h) {
+            for (int64_t d = 0; d < D; ++d) dq_row[h * D + d] = dq_t[d * Hp + h];
+            dw[row * H + h] = dw_pad[h];
           }
         });
       }
     }
     errors.rethrow_if_failed("selected_index_scores_backward");
 
-    // Pass 2: every thread walks the block's entries in (t, j) order and adds those of the key bands it owns.
+    // Pass 2: every thread walks the block's entries in (t, j) order and, for the key bands it owns, adds
+    // sum_h dd[h] q[h] to the key's gradient: only dd [K, Hp] per row was kept, never [K, D].
 #pragma omp parallel num_threads(threads)
     {
       const int64_t tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
@@ -121,9 +247,8 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
         for (int64_t j = 0; j < K; ++j) {
           const int64_t s = static_cast<int64_t>(idx[row * K + j]);
           if (s < 0 || (s / kKeyBand) % nthreads != tid) continue;
-          const acc_t* src = contrib.data() + ((row - row0) * K + j) * D;
-          acc_t* dk = dkeys + (b * n.S + s) * D;
-          for (int64_t d = 0; d < D; ++d) dk[d] = dk[d] + src[d];
+          add_heads_times_queries(slot_dd.data() + ((row - row0) * K + j) * Hp, q + row * H * D, H, D,
+                                  dkeys + (b * n.S + s) * D);
         }
       }
     }
