@@ -145,6 +145,29 @@ def _scores_check(shape: testing.IndexerShape, dtype: torch.dtype) -> CheckFn:
     return fn
 
 
+def _selected_inputs(shape: testing.IndexerShape, dtype: torch.dtype, device: str, seed: int):
+    """(indexer inputs, their top-k [B, T, K] with -1 padding in the early rows and one -1 mid-row)."""
+    x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=seed)
+    idx = dsa.indexer_topk_reference(*(x[n].float() for n in ("q", "k", "w")), topk=shape.K, start_pos=0)
+    idx[0, -1, 0] = -1
+    return x, idx
+
+
+def _selected_scores_check(shape: testing.IndexerShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x, idx = _selected_inputs(shape, dtype, device, seed=4)
+        out = dsa.selected_index_scores(x["q"], x["k"], x["w"], idx, backend=backend)
+        keep = idx >= 0
+        if not torch.equal(torch.isneginf(out).cpu(), (~keep).cpu()):
+            return testing.Comparison(False, float("inf"), 0.0, "-inf slots differ from the -1 slots of topk_idx")
+        x64 = _fp64(x)
+        ref = dsa.selected_index_scores_reference(x["q"], x["k"], x["w"], idx)
+        ref64 = dsa.selected_index_scores_reference(x64["q"], x64["k"], x64["w"], idx)
+        return testing.compare_to_fp64(out[keep], ref[keep], ref64[keep], dtype)
+
+    return fn
+
+
 def _sparse_check(op: str, shape: testing.MLAShape, K: int, dtype: torch.dtype) -> CheckFn:
     entry = dsa.sparse_prefill if op == "dsa_sparse_prefill" else dsa.sparse_decode
 
@@ -169,6 +192,8 @@ def _dsa_checks() -> List[Check]:
                                 ("dsa_indexer_topk",), _topk_check(shape, dtype, None, True)))
             checks.append(Check("dsa", f"dsa_indexer_scores[{DTYPE_NAMES[dtype]}-{shape}]", ("dsa_indexer_scores",),
                                 _scores_check(shape, dtype)))
+            checks.append(Check("dsa", f"dsa_selected_index_scores[{DTYPE_NAMES[dtype]}-{shape}]",
+                                ("dsa_selected_index_scores",), _selected_scores_check(shape, dtype)))
     vendor = testing.VENDOR_INDEXER_SHAPE
     for dtype in (torch.bfloat16, torch.float16):
         for ties in (None, "integer"):
@@ -346,6 +371,17 @@ def _indexer_scores_grad(device: str) -> GradCase:
             lambda **t: finite(dsa.indexer_scores_reference(**t, start_pos=start)), x)
 
 
+def _selected_index_scores_grad(device: str, shape: testing.IndexerShape = testing.INDEXER_SHAPES[1]) -> GradCase:
+    x, idx = _selected_inputs(shape, torch.float32, device, seed=22)
+    keep = idx >= 0
+
+    def finite(scores):  # the -inf slots carry no gradient; compare the selected scores
+        return scores.masked_fill(~keep, 0.0)
+
+    return (lambda be, **t: finite(dsa.selected_index_scores(**t, topk_idx=idx, backend=be)),
+            lambda q, k, w: finite(dsa.selected_index_scores_reference(q, k, w, idx)), x)
+
+
 def _route_grad(device: str) -> GradCase:
     x = testing.make_route_inputs(_GRAD_MOE, device=device, seed=23)
     bias = x.pop("bias")
@@ -396,6 +432,7 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
     "mla_prefill": _mla_prefill_grad,
     "dsa_indexer_scores": _indexer_scores_grad,
     "dsa_sparse_prefill": _sparse_prefill_grad,
+    "dsa_selected_index_scores": _selected_index_scores_grad,
     "moe_route": _route_grad,
     "moe_dispatch": _dispatch_grad,
     "moe_combine": _combine_grad,
@@ -408,14 +445,17 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
 # receive none). Sparse prefill: K = 1, and K past the visible keys (queries at positions 0..T-1: -1 padded rows).
 _GRAD_MOE_SPARSE_ROUTING = testing.MoEShape(N=6, E=9, K=1, G=1, TG=1, D=12, F=10)
 _GRAD_MLA_PADDED = testing.MLAShape(B=2, T=7, S=11, H=3, Dn=8, Dr=4, Dv=6, C=20)
+_GRAD_INDEXER_K1 = testing.IndexerShape(B=2, T=5, S=5, H=3, D=7, K=1)
 GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (  # (op, tag, inputs)
     ("moe_experts", "K1-empty_experts", lambda dev: _experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
     ("moe_fused_experts", "K1-empty_experts", lambda dev: _fused_experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
     ("dsa_sparse_prefill", "K1", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA, K=1)),
     ("dsa_sparse_prefill", "padded", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
+    ("dsa_selected_index_scores", "K1", lambda dev: _selected_index_scores_grad(dev, _GRAD_INDEXER_K1)),
 )
 # Ops whose backward is also checked with bf16 inputs (their kernels have a bf16 path): the rest take fp32 grads.
-BF16_GRAD_OPS = ("dsa_sparse_prefill", "moe_experts", "moe_dispatch", "moe_combine", "moe_fused_experts")
+BF16_GRAD_OPS = ("dsa_sparse_prefill", "dsa_selected_index_scores", "moe_experts", "moe_dispatch", "moe_combine",
+                 "moe_fused_experts")
 
 
 def grad_ops() -> Tuple[str, ...]:

@@ -27,7 +27,6 @@ from glm5_core.model.config import GLM5Config
 from glm5_core.model.indexer import Indexer
 from glm5_core.model.norm import RMSNorm
 from glm5_core.model.rope import apply_rope
-from glm5_core.model.selected_index_scores import selected_index_scores
 from glm5_core.model.state import ForwardState
 from glm5_core.ops import dsa, mla
 
@@ -138,7 +137,7 @@ class MLA(nn.Module):
         if state.attention == "sparse":  # only the selected keys matter: nothing [B, T, S] is kept
             target = indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=self.scale,
                                                             start_pos=attn_start)  # [B, T, K]
-            scores = selected_index_scores(q_i, keys_i, w_i, topk_idx)  # [B, T, K]
+            scores = dsa.selected_index_scores(q_i, keys_i, w_i, topk_idx, backend=self.kernels)  # [B, T, K]
             state.kl_terms.append(indexer_loss.selected_kl(target, scores, topk_idx))
             state.recall_terms.append(indexer_loss.selected_recall(target))
             return

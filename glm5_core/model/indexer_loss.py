@@ -10,7 +10,7 @@ Each is averaged over the B*T queries.
 
 The sparse stage needs p and the indexer scores at the selected keys only: ``selected_attention_target`` goes
 through the queries in blocks (a [B, H, c, S] block of scores at a time, never [B, T, S]), and
-``glm5_core.model.selected_index_scores`` gives the scores at the selected keys with their gradient.
+``glm5_core.ops.dsa.selected_index_scores`` gives the scores at the selected keys with their gradient.
 """
 from __future__ import annotations
 

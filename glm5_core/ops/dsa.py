@@ -30,6 +30,7 @@ import torch
 from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
+from glm5_core.ops.selected_index_scores import selected_index_scores_reference
 from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
@@ -138,6 +139,7 @@ OPS = (
     OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa", gradient_free=True),  # int32 indices
     OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
     OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
+    OpSpec("dsa_selected_index_scores", selected_index_scores_reference, family="dsa", differentiable=True),
 )
 
 
@@ -154,6 +156,26 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *
     sizes = _validate_indexer(q, k, w, start_pos)
     _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
     return registry.call("dsa_indexer_topk", q, k, w, topk=topk, start_pos=start_pos, backend=backend)
+
+
+def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk_idx: torch.Tensor, *,
+                          backend: registry.BackendArg = None) -> torch.Tensor:
+    """The indexer scores at the selected keys only (the sparse stage's indexer KL): [B, T, K] in the compute
+    dtype (fp32, fp64 for fp64 inputs), -inf at the -1 slots of ``topk_idx`` [B, T, K]; differentiable in q, k
+    and w, in O(T K) memory (never [B, T, S])."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("q", q, dims=("B", "T", "H", "D"), sizes=sizes, legend="[B, T, H, D]")
+    _checks.tensor("k", k, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
+    _checks.tensor("w", w, dims=("B", "T", "H"), sizes=sizes, legend="[B, T, H]")
+    _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[B, T, K] int32")
+    _checks.same_dtype(q=q, k=k)
+    _checks.same_device(q=q, k=k, w=w, topk_idx=topk_idx)
+    if sizes["S"] < 1 or sizes["H"] < 1:
+        raise ValueError(f"k / q: expected at least one key and one indexer head, got S={sizes['S']}, "
+                         f"H={sizes['H']}")
+    _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
+    return registry.call("dsa_selected_index_scores", q, k, w, topk_idx, backend=backend)
 
 
 def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> None:

@@ -5,8 +5,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5_core import testing
-from glm5_core.model import indexer_loss, selected_index_scores
-from glm5_core.ops import dsa
+from glm5_core.model import indexer_loss
+from glm5_core.ops import dsa, selected_index_scores
 
 BLOCKS = (1, 3, 1000)  # one query a block, blocks that do not divide T, one block for everything
 
@@ -18,7 +18,7 @@ def test_selected_scores_and_gradients_equal_the_dense_scores_gathered(monkeypat
     x = {n: t.double().requires_grad_(True) for n, t in testing.make_indexer_inputs(shape, seed=1).items()}
     idx = dsa.indexer_topk_reference(x["q"].detach(), x["k"].detach(), x["w"].detach(), topk=shape.K)
     idx[0, 5, 1] = -1  # a -1 slot in the middle of a row
-    got = selected_index_scores.selected_index_scores(x["q"], x["k"], x["w"], idx)
+    got = selected_index_scores.selected_index_scores_reference(x["q"], x["k"], x["w"], idx)
     dense = dsa.indexer_scores_reference(x["q"], x["k"], x["w"])  # [B, T, S]
     keep = idx >= 0
     want = dense.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, float("-inf"))
@@ -37,7 +37,8 @@ def test_selected_scores_pass_gradcheck():
     keep = idx >= 0
     leaves = [x[n].clone().requires_grad_(True) for n in ("q", "k", "w")]
     assert torch.autograd.gradcheck(
-        lambda q, k, w: selected_index_scores.selected_index_scores(q, k, w, idx).masked_fill(~keep, 0.0), leaves)
+        lambda q, k, w: selected_index_scores.selected_index_scores_reference(q, k, w, idx).masked_fill(~keep, 0.0),
+        leaves)
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -6,7 +6,9 @@ over the selected latent rows, any number of queries) and one forward kernel; a 
 (training) goes through the native backward ``sparse_prefill_backward`` (csrc/cpu_sparse_prefill_backward.cpp),
 which touches the selected rows only: O(T K) time and memory, never O(T S). The query absorption and the
 output projection stay torch ops (autograd differentiates them). The indexer top-k returns indices, which
-carry no gradient: it runs natively whatever its inputs require. Legend as in ``glm5_core.ops.dsa``.
+carry no gradient: it runs natively whatever its inputs require. The indexer scores at the selected keys (the
+sparse stage's KL) have a native forward and backward over the selected rows
+(csrc/cpu_selected_index_scores.cpp). Legend as in ``glm5_core.ops.dsa``.
 """
 from __future__ import annotations
 
@@ -86,9 +88,38 @@ def sparse_prefill(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: flo
     return project_output(o_lat, w_uv.to(ct)).to(out_dtype)
 
 
+class _SelectedIndexScores(torch.autograd.Function):
+    """I_sel [B, T, K] from the native forward; the backward recomputes the dot products of the selected keys
+    (nothing [T, K, H]-sized is kept between the passes) and returns d q, d k, d w."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, topk_idx):
+        ctx.save_for_backward(q, k, w, topk_idx)
+        return torch.ops.glm5_cpu.selected_index_scores(q, k, w, topk_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, w, topk_idx = ctx.saved_tensors
+        dq, dk, dw = torch.ops.glm5_cpu.selected_index_scores_backward(grad.to(q.dtype).contiguous(), q, k, w,
+                                                                       topk_idx)
+        return dq, dk, dw, None
+
+
+def selected_index_scores(q, k, w, topk_idx) -> torch.Tensor:
+    """[B, T, K] in the compute dtype, -inf at the -1 slots: the reference's contract, differentiable natively."""
+    ct = _checks.compute_dtype(q.dtype)
+    return _SelectedIndexScores.apply(q.to(ct), k.to(ct), w.to(ct), topk_idx)
+
+
+def _selected_supports(q, k, w, topk_idx):
+    return _on_cpu(q, k, w, topk_idx)
+
+
 KERNELS: Mapping[str, Kernel] = {
     "dsa_indexer_topk": Kernel(indexer_topk, supports=_indexer_supports),
     "dsa_sparse_decode": Kernel(sparse_decode, supports=_sparse_supports),
     # native backward (sparse_prefill_backward) over the selected rows only
     "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports, differentiable=True),
+    # native backward (selected_index_scores_backward) over the selected keys only
+    "dsa_selected_index_scores": Kernel(selected_index_scores, supports=_selected_supports, differentiable=True),
 }

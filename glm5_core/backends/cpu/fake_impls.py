@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "moe_select", "moe_route", "moe_dispatch",
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selected_index_scores",
+              "selected_index_scores_backward", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
@@ -25,6 +26,14 @@ def _sparse_prefill_backward(grad_o_lat, q_lat, q_pe, c_kv, k_pe, topk_idx, scal
     B, S = c_kv.shape[:2]
     return (torch.empty_like(q_lat), torch.empty_like(q_pe), q_lat.new_empty((B, S, c_kv.shape[2])),
             q_lat.new_empty((B, S, k_pe.shape[2])))  # d q_lat, d q_pe, d c_kv [B, S, C], d k_pe [B, S, R]
+
+
+def _selected_index_scores(q, keys, w, topk_idx):
+    return q.new_empty(topk_idx.shape)  # I_sel [B, T, K]
+
+
+def _selected_index_scores_backward(grad, q, keys, w, topk_idx):
+    return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(w)  # d q, d keys, d w
 
 
 def _moe_select(select, top_k, n_group, topk_group):
@@ -77,7 +86,8 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
-             "sparse_prefill_backward": _sparse_prefill_backward, "moe_select": _moe_select,
+             "sparse_prefill_backward": _sparse_prefill_backward, "selected_index_scores": _selected_index_scores,
+             "selected_index_scores_backward": _selected_index_scores_backward, "moe_select": _moe_select,
              "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,

@@ -1,4 +1,5 @@
-"""The lightning-indexer scores at the selected keys only, differentiable, in O(T K) memory.
+"""Reference of ``dsa_selected_index_scores``: the lightning-indexer scores at the selected keys only,
+differentiable, in O(T K) memory (the sparse stage's indexer KL).
 
 Legend: B batch, T queries, S key slots, H indexer heads, D index_head_dim, K selected keys per query, c a block
 of queries.
@@ -57,8 +58,8 @@ class _SelectedScores(torch.autograd.Function):
         return dq, dkeys.view(B, S, D), dw, None
 
 
-def selected_index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
-                          topk_idx: torch.Tensor) -> torch.Tensor:
+def selected_index_scores_reference(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor,
+                                    topk_idx: torch.Tensor) -> torch.Tensor:
     """q [B, T, H, D], keys [B, S, D], w [B, T, H], topk_idx [B, T, K] (-1 = none) -> I_sel [B, T, K] in the
     compute dtype (fp32, fp64 for fp64 inputs), -inf at the -1 slots; differentiable in q, keys and w."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32

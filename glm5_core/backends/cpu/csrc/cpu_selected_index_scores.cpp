@@ -1,0 +1,330 @@
+// The lightning-indexer scores at the selected keys only, and their backward, for CPU (the sparse stage's KL).
+//
+// Legend: B batch, T queries, H indexer heads, D index_head_dim, S key slots, K selected keys per query (-1 = none).
+//   I_sel[b,t,j] = sum_h w[b,t,h] * ReLU(q[b,t,h,:] . k[b, i_j, :])      (-inf where i_j = -1)
+// Backward, given g = d I_sel [B, T, K] (ignored at the -1 slots, whose score is the constant -inf):
+//   a[h,j] = q[h] . k[i_j],  dd[h,j] = g[j] w[h] (a[h,j] > 0)
+//   d w[h] = sum_j g[j] ReLU(a[h,j]),  d q[h] = sum_j dd[h,j] k[i_j],  d k[s] = sum over (t, j) with i_j = s of
+//   sum_h dd[h,j] q[h]
+// The forward keeps nothing; the backward recomputes the H x K dot products of each query row (RowLayout: the
+// row's queries transposed, all heads of a key in one pass over its D values). Query rows go
+// through in blocks whose dd fit kSlotGradBytes (a block size set by the shapes only):
+//   1. per query row (parallel): a, d w and each kept slot's dd[:, j] (Hp values, not a D-wide contribution),
+//      then d q from the kept keys and their dd (accumulated in registers, in slot order);
+//   2. sum_h dd[h,j] q[h] (in h order) is added to d k, parallel over bands of keys (each band owned by one
+//      thread), in ascending (t, j) order.
+// Time and memory O(T K H D), never O(T S); every sum runs in a fixed order whatever the thread count, so the
+// gradients are bitwise repeatable. Inputs are fp32 or fp64 (the caller converts bf16 / fp16 to fp32).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "cpu_simd.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int64_t kSlotGradBytes = int64_t(2) << 20;  // dd of the slots held at once (a row block, cache-sized)
+constexpr int64_t kKeyBand = 16;  // keys per band of pass 2; bands are dealt to threads round-robin
+
+struct Sizes {
+  int64_t B, T, H, D, S, K;
+};
+
+// The query row transposed and padded to whole vectors of heads: q_t [D, Hp] (lanes past H zero), so the H dot
+// products of one key are D broadcast-multiply-adds into Hp / W vectors: no horizontal sum per head.
+template <typename acc_t> struct RowLayout {
+  using V = typename Simd<acc_t>::V;
+  static constexpr int W = Simd<acc_t>::width;
+  int64_t H, D, nv, Hp;  // nv vectors of W heads, Hp = nv * W
+  RowLayout(int64_t heads, int64_t dim) : H(heads), D(dim), nv((heads + W - 1) / W), Hp(nv * W) {}
+
+  void transpose(const acc_t* q_row, const acc_t* w_row, acc_t* q_t, acc_t* w_pad) const {
+    std::fill(q_t, q_t + D * Hp, acc_t(0));
+    std::fill(w_pad, w_pad + Hp, acc_t(0));
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t d = 0; d < D; ++d) q_t[d * Hp + h] = q_row[h * D + d];
+      w_pad[h] = w_row[h];
+    }
+  }
+
+  // a[g][:] = q . key_g for G keys at once (G independent chains hide the multiply-add latency); each key's
+  // products are summed in d order whatever G is, so a key's value does not depend on its group.
+  template <int G> void dots(const acc_t* q_t, const acc_t* const* key, acc_t* a) const {  // a [G, Hp]
+    for (int64_t v = 0; v < nv; ++v) {
+      V acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = V{};
+      for (int64_t d = 0; d < D; ++d) {
+        const V qv = load<V>(q_t + d * Hp + v * W);
+        for (int g = 0; g < G; ++g) acc[g] = fmadd(splat<V>(key[g][d]), qv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) store(a + g * Hp + v * W, acc[g]);
+    }
+  }
+};
+
+constexpr int kKeyGroup = 8;  // keys whose dot products are computed together
+
+// Calls body(slot j, its key, its dot products a [Hp]) for the kept slots of one query row, in slot order.
+template <typename acc_t, typename index_t, typename Body>
+void for_each_kept_key(const RowLayout<acc_t>& L, const acc_t* q_t, const acc_t* keys_b, const index_t* idx_row,
+                       int64_t K, std::vector<int64_t>& kept, acc_t* a_buf, Body&& body) {
+  kept.clear();
+  for (int64_t j = 0; j < K; ++j)
+    if (idx_row[j] >= 0) kept.push_back(j);
+  const int64_t n = static_cast<int64_t>(kept.size());
+  const acc_t* key[kKeyGroup];
+  int64_t i = 0;
+  for (; i + kKeyGroup <= n; i += kKeyGroup) {
+    for (int g = 0; g < kKeyGroup; ++g) key[g] = keys_b + static_cast<int64_t>(idx_row[kept[i + g]]) * L.D;
+    L.template dots<kKeyGroup>(q_t, key, a_buf);
+    for (int g = 0; g < kKeyGroup; ++g) body(kept[i + g], key[g], a_buf + g * L.Hp);
+  }
+  for (; i < n; ++i) {
+    key[0] = keys_b + static_cast<int64_t>(idx_row[kept[i]]) * L.D;
+    L.template dots<1>(q_t, key, a_buf);
+    body(kept[i], key[0], a_buf);
+  }
+}
+
+template <typename acc_t, typename index_t>
+void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const index_t* idx, const Sizes& n,
+                    acc_t* out) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  const RowLayout<acc_t> L(n.H, n.D);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  at::parallel_for(0, n.B * n.T, 8, [&](int64_t row0, int64_t row1) {
+    std::vector<acc_t> q_t(L.D * L.Hp), w_pad(L.Hp), a_buf(kKeyGroup * L.Hp);
+    std::vector<int64_t> kept;
+    kept.reserve(n.K);
+    for (int64_t row = row0; row < row1; ++row) {
+      const int64_t b = row / n.T;
+      L.transpose(q + row * n.H * n.D, w + row * n.H, q_t.data(), w_pad.data());
+      acc_t* out_row = out + row * n.K;
+      std::fill(out_row, out_row + n.K, neg_inf);
+      for_each_kept_key(L, q_t.data(), keys + b * n.S * n.D, idx + row * n.K, n.K, kept, a_buf.data(),
+                        [&](int64_t j, const acc_t*, const acc_t* a) {
+                          V total{};
+                          for (int64_t v = 0; v < L.nv; ++v)
+                            total = fmadd(relu(load<V>(a + v * W)), load<V>(w_pad.data() + v * W), total);
+                          out_row[j] = hsum<acc_t>(total);
+                        });
+    }
+  });
+}
+
+// out[d, :] = sum_i key_i[d] * dd_i[:] over the n kept keys, in i order: d q_t [D, Hp]. Groups of kDimGroup
+// consecutive d keep independent accumulators in registers (no load / store of d q_t per key).
+constexpr int kDimGroup = 4;
+
+template <typename acc_t>
+void keys_times_dd(const acc_t* const* __restrict key, const acc_t* __restrict dd, int64_t n, int64_t D, int64_t Hp,
+                   acc_t* __restrict out) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  for (int64_t v = 0; v < Hp; v += W) {
+    int64_t d = 0;
+    for (; d + kDimGroup <= D; d += kDimGroup) {
+      V acc[kDimGroup] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        const V ddv = load<V>(dd + i * Hp + v);
+        const acc_t* k = key[i] + d;
+        for (int g = 0; g < kDimGroup; ++g) acc[g] = fmadd(splat<V>(k[g]), ddv, acc[g]);
+      }
+      for (int g = 0; g < kDimGroup; ++g) store(out + (d + g) * Hp + v, acc[g]);
+    }
+    for (; d < D; ++d) {
+      V acc{};
+      for (int64_t i = 0; i < n; ++i) acc = fmadd(splat<V>(key[i][d]), load<V>(dd + i * Hp + v), acc);
+      store(out + d * Hp + v, acc);
+    }
+  }
+}
+
+// dk[:] += sum_h dd[h] q[h, :] (the sum over h formed first, W values of d at a time, then added once).
+template <typename acc_t>
+void add_heads_times_queries(const acc_t* __restrict dd, const acc_t* __restrict q_row, int64_t H, int64_t D,
+                             acc_t* __restrict dk) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  int64_t d = 0;
+  for (; d + W <= D; d += W) {
+    V acc{};
+    for (int64_t h = 0; h < H; ++h) acc = fmadd(splat<V>(dd[h]), load<V>(q_row + h * D + d), acc);
+    store(dk + d, load<V>(dk + d) + acc);
+  }
+  for (; d < D; ++d) {
+    acc_t acc = 0;
+    for (int64_t h = 0; h < H; ++h) acc = acc + dd[h] * q_row[h * D + d];
+    dk[d] = dk[d] + acc;
+  }
+}
+
+template <typename acc_t, typename index_t>
+void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const acc_t* w, const index_t* idx,
+                     const Sizes& n, acc_t* dq, acc_t* dkeys, acc_t* dw) {
+  using V = typename Simd<acc_t>::V;
+  constexpr int W = Simd<acc_t>::width;
+  const RowLayout<acc_t> L(n.H, n.D);
+  const int64_t rows = n.B * n.T, H = n.H, D = n.D, K = n.K, Hp = L.Hp;
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t row_bytes = K * Hp * static_cast<int64_t>(sizeof(acc_t));
+  const int64_t block = std::max<int64_t>(1, kSlotGradBytes / std::max<int64_t>(1, row_bytes));
+  std::vector<acc_t> slot_dd(std::min(rows, block) * K * Hp);  // dd [rows of the block, K, Hp]
+  // Per-thread scratch, allocated before the regions (nothing that can fail is allocated inside them):
+  // q_t and d q_t [D, Hp], w and d w [Hp], the kept keys' dd [K, Hp], a group's dot products [kKeyGroup, Hp].
+  const int64_t scratch = 2 * D * Hp + 2 * Hp + K * Hp + kKeyGroup * Hp;
+  std::vector<acc_t> scratch_all(threads * scratch);
+  std::vector<std::vector<int64_t>> kept_all(threads);
+  std::vector<std::vector<const acc_t*>> key_all(threads);
+  for (int t = 0; t < threads; ++t) {
+    kept_all[t].reserve(K);
+    key_all[t].reserve(K);
+  }
+  std::fill(dkeys, dkeys + n.B * n.S * D, acc_t(0));
+  RegionErrors errors;
+
+  for (int64_t row0 = 0; row0 < rows; row0 += block) {
+    const int64_t row1 = std::min(rows, row0 + block);
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num();
+      acc_t* q_t = scratch_all.data() + tid * scratch;
+      acc_t* dq_t = q_t + D * Hp;
+      acc_t* w_pad = dq_t + D * Hp;
+      acc_t* dw_pad = w_pad + Hp;
+      acc_t* dd_kept = dw_pad + Hp;  // [kept keys, Hp]
+      acc_t* a_buf = dd_kept + K * Hp;
+      std::vector<const acc_t*>& key_ptr = key_all[tid];
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t row = row0; row < row1; ++row) {
+        errors.run([&] {
+          const int64_t b = row / n.T;
+          L.transpose(q + row * H * D, w + row * H, q_t, w_pad);
+          std::fill(dw_pad, dw_pad + Hp, acc_t(0));
+          acc_t* dd_slots = slot_dd.data() + (row - row0) * K * Hp;  // [K, Hp]; the -1 slots are never read
+          key_ptr.clear();
+          for_each_kept_key(L, q_t, keys + b * n.S * D, idx + row * K, K, kept_all[tid], a_buf,
+                            [&](int64_t j, const acc_t* key, const acc_t* a) {
+                              const V g = splat<V>(grad[row * K + j]);
+                              acc_t* dd = dd_kept + static_cast<int64_t>(key_ptr.size()) * Hp;
+                              for (int64_t v = 0; v < Hp; v += W) {
+                                const V av = load<V>(a + v);
+                                const V on = av > V{} ? splat<V>(acc_t(1)) : V{};
+                                store(dw_pad + v, fmadd(g, relu(av), load<V>(dw_pad + v)));
+                                const V ddv = g * load<V>(w_pad + v) * on;
+                                store(dd + v, ddv);
+                                store(dd_slots + j * Hp + v, ddv);
+                              }
+                              key_ptr.push_back(key);
+                            });
+          keys_times_dd(key_ptr.data(), dd_kept, static_cast<int64_t>(key_ptr.size()), D, Hp, dq_t);
+          acc_t* dq_row = dq + row * H * D;
+          for (int64_t h = 0; h < H; ++h) {
+            for (int64_t d = 0; d < D; ++d) dq_row[h * D + d] = dq_t[d * Hp + h];
+            dw[row * H + h] = dw_pad[h];
+          }
+        });
+      }
+    }
+    errors.rethrow_if_failed("selected_index_scores_backward");
+
+    // Pass 2: every thread walks the block's entries in (t, j) order and, for the key bands it owns, adds
+    // sum_h dd[h] q[h] to the key's gradient: only dd [K, Hp] per row was kept, never [K, D].
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
+      for (int64_t row = row0; row < row1; ++row) {
+        const int64_t b = row / n.T;
+        for (int64_t j = 0; j < K; ++j) {
+          const int64_t s = static_cast<int64_t>(idx[row * K + j]);
+          if (s < 0 || (s / kKeyBand) % nthreads != tid) continue;
+          add_heads_times_queries(slot_dd.data() + ((row - row0) * K + j) * Hp, q + row * H * D, H, D,
+                                  dkeys + (b * n.S + s) * D);
+        }
+      }
+    }
+  }
+}
+
+Sizes check_inputs(const char* op, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& w,
+                   const at::Tensor& topk_idx) {
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 3 && w.dim() == 3 && topk_idx.dim() == 3, op,
+              ": expected q [B, T, H, D], keys [B, S, D], w [B, T, H], topk_idx [B, T, K]");
+  const Sizes n{q.size(0), q.size(1), q.size(2), q.size(3), keys.size(1), topk_idx.size(2)};
+  TORCH_CHECK(keys.size(0) == n.B && keys.size(2) == n.D && w.size(0) == n.B && w.size(1) == n.T &&
+                  w.size(2) == n.H && topk_idx.size(0) == n.B && topk_idx.size(1) == n.T,
+              op, ": shapes disagree");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && q.scalar_type() == w.scalar_type(), op,
+              ": q, keys and w must share one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op, ": expected fp32 or fp64");
+  TORCH_CHECK(topk_idx.scalar_type() == at::kInt || topk_idx.scalar_type() == at::kLong, op,
+              ": topk_idx must be int32 or int64");
+  return n;
+}
+
+template <typename index_t> void check_rows(const char* op, const index_t* idx, int64_t count, int64_t S) {
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK_INDEX(idx[i] >= -1 && idx[i] < S, op, ": topk_idx entry ", static_cast<int64_t>(idx[i]),
+                      " is outside [-1, ", S, ")");
+}
+
+at::Tensor selected_index_scores(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& w,
+                                 const at::Tensor& topk_idx) {
+  const Sizes n = check_inputs("selected_index_scores", q, keys, w, topk_idx);
+  auto qc = q.contiguous(), kc = keys.contiguous(), wc = w.contiguous(), ic = topk_idx.contiguous();
+  auto out = at::empty({n.B, n.T, n.K}, qc.options());
+  AT_DISPATCH_FLOATING_TYPES(qc.scalar_type(), "selected_index_scores", [&] {
+    using acc_t = scalar_t;
+    AT_DISPATCH_INDEX_TYPES(ic.scalar_type(), "selected_index_scores", [&] {
+      check_rows("selected_index_scores", ic.data_ptr<index_t>(), ic.numel(), n.S);
+      forward_kernel<acc_t, index_t>(qc.data_ptr<acc_t>(), kc.data_ptr<acc_t>(), wc.data_ptr<acc_t>(),
+                                     ic.data_ptr<index_t>(), n, out.data_ptr<acc_t>());
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> selected_index_scores_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& keys, const at::Tensor& w,
+    const at::Tensor& topk_idx) {
+  const Sizes n = check_inputs("selected_index_scores_backward", q, keys, w, topk_idx);
+  TORCH_CHECK(grad.sizes() == topk_idx.sizes() && grad.scalar_type() == q.scalar_type(),
+              "selected_index_scores_backward: grad must have topk_idx's shape and q's dtype");
+  auto gc = grad.contiguous(), qc = q.contiguous(), kc = keys.contiguous(), wc = w.contiguous();
+  auto ic = topk_idx.contiguous();
+  auto dq = at::empty_like(qc), dkeys = at::empty_like(kc), dw = at::empty_like(wc);
+  AT_DISPATCH_FLOATING_TYPES(qc.scalar_type(), "selected_index_scores_backward", [&] {
+    using acc_t = scalar_t;
+    AT_DISPATCH_INDEX_TYPES(ic.scalar_type(), "selected_index_scores_backward", [&] {
+      check_rows("selected_index_scores_backward", ic.data_ptr<index_t>(), ic.numel(), n.S);
+      backward_kernel<acc_t, index_t>(gc.data_ptr<acc_t>(), qc.data_ptr<acc_t>(), kc.data_ptr<acc_t>(),
+                                      wc.data_ptr<acc_t>(), ic.data_ptr<index_t>(), n, dq.data_ptr<acc_t>(),
+                                      dkeys.data_ptr<acc_t>(), dw.data_ptr<acc_t>());
+    });
+  });
+  return {dq, dkeys, dw};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
+  m.def("selected_index_scores(Tensor q, Tensor keys, Tensor w, Tensor topk_idx) -> Tensor");
+  m.def("selected_index_scores_backward(Tensor grad, Tensor q, Tensor keys, Tensor w, Tensor topk_idx) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
+  m.impl("selected_index_scores", &selected_index_scores);
+  m.impl("selected_index_scores_backward", &selected_index_scores_backward);
+}
+
+}  // namespace glm5
