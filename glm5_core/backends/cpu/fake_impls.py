@@ -1,14 +1,15 @@
 """Fake (meta) implementations of the ``torch.ops.glm5_cpu`` custom ops, so ``torch.compile`` and
 FakeTensor tracing see their output shapes without running them. Registered once, by ``extension.load``.
 
-Legend as in the op modules: B batch, T queries, K top-k width, H heads, C latent width, N tokens,
+Legend as in the op modules: B batch, T queries, S keys, K top-k width, H heads, C latent width, N tokens,
 E experts, M = N * K routed rows, D hidden size.
 """
 from __future__ import annotations
 
 import torch
 
-NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "moe_select", "moe_route", "moe_dispatch",
+NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "sparse_expanded_forward",
+              "sparse_expanded_backward", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
@@ -25,6 +26,17 @@ def _sparse_prefill_backward(grad_o_lat, q_lat, q_pe, c_kv, k_pe, topk_idx, scal
     B, S = c_kv.shape[:2]
     return (torch.empty_like(q_lat), torch.empty_like(q_pe), q_lat.new_empty((B, S, c_kv.shape[2])),
             q_lat.new_empty((B, S, k_pe.shape[2])))  # d q_lat, d q_pe, d c_kv [B, S, C], d k_pe [B, S, R]
+
+
+def _sparse_expanded_forward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale):
+    B, T, H = q_nope.shape[:3]
+    return q_nope.new_empty((B, T, H, v.shape[3])), q_nope.new_empty((B, T, H))  # out [B, T, H, Dv], lse [B, T, H]
+
+
+def _sparse_expanded_backward(grad_out, q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse, scale):
+    B, S, H = k_nope.shape[:3]  # d q_nope, d q_pe, d k_nope [B, S, H, Dn], d k_pe [B, S, R], d v [B, S, H, Dv]
+    return (q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_pe.shape), q_nope.new_empty(k_nope.shape),
+            q_nope.new_empty(k_pe.shape), q_nope.new_empty(v.shape))
 
 
 def _moe_select(select, top_k, n_group, topk_group):
@@ -77,7 +89,9 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
-             "sparse_prefill_backward": _sparse_prefill_backward, "moe_select": _moe_select,
+             "sparse_prefill_backward": _sparse_prefill_backward,
+             "sparse_expanded_forward": _sparse_expanded_forward,
+             "sparse_expanded_backward": _sparse_expanded_backward, "moe_select": _moe_select,
              "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,
