@@ -13,6 +13,9 @@
 //           d k_pe[s] = sum sum_h G[h,j] q_pe[h].
 // Per score Dn + R products and per output Dv, against C + R and C in the absorbed form (cpu_sparse_decode.cpp).
 //
+// Layout: the kernels first copy q, k_nope, v (and dO) into head-minor buffers [rows, D, G, 8] (G = ceil(H / 8)
+// groups of 8 heads, zero padded, converted to the accumulation type): a score of 8 heads is then Dn + R lane-wise
+// multiply-adds, with no horizontal sum (what a per-head dot product of 32 or 48 values would spend its time on).
 // Determinism: the forward and pass 1 of the backward work on one query row at a time (rows are independent).
 // Pass 2 groups the block's (t, j) entries by key (a counting sort, ascending (t, j) within each key) and gives
 // each key to one thread, which adds its entries in that order: every key gradient is summed in (t, j) order
@@ -26,7 +29,6 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -36,6 +38,33 @@ namespace glm5 {
 namespace {
 
 constexpr int64_t kBlockBytes = int64_t(64) << 20;  // p and G of a block of query rows
+constexpr int64_t kLanes = 8;  // heads per head vector: the kernels vectorise over heads, never reduce within one
+
+// A vector of kLanes heads. Head-minor copies [X, D, G, kLanes] (G = ceil(H / kLanes) head groups, zero padded)
+// make every per-head dot product a chain of lane-wise multiply-adds: no horizontal sum per score.
+typedef float HeadVecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef double HeadVecD __attribute__((vector_size(kLanes * sizeof(double))));
+template <typename T> struct HeadVec;
+template <> struct HeadVec<float> { using V = HeadVecF; };
+template <> struct HeadVec<double> { using V = HeadVecD; };
+
+inline HeadVecF fma_lanes(HeadVecF a, HeadVecF b, HeadVecF c) {
+#if defined(__FMA__) && defined(__AVX2__)
+  return (HeadVecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline HeadVecD fma_lanes(HeadVecD a, HeadVecD b, HeadVecD c) {
+#if defined(__AVX512F__)
+  return (HeadVecD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <typename V> inline V max_lanes(V a, V b) { return a > b ? a : b; }
 
 // A [B, X, H, D] (or [B, X, D] with h = 0) tensor with a unit last stride, read through its strides.
 template <typename T> struct Rows {
@@ -49,63 +78,119 @@ template <typename T> Rows<T> rows_of(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0), t.stride(1), per_head ? t.stride(2) : 0};
 }
 
-// The n values at src as acc_t: src itself when no conversion is needed, else a converted copy in scratch.
-template <typename acc_t, typename cache_t> const acc_t* as_acc(const cache_t* src, acc_t* scratch, int64_t n) {
-  if constexpr (std::is_same<acc_t, cache_t>::value) {
-    return src;
-  } else {
-    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<acc_t>(src[i]);
-    return scratch;
-  }
-}
-
 struct Sizes {
   int64_t B, T, H, Dn, R, Dv, S, K;
+  int64_t groups() const { return (H + kLanes - 1) / kLanes; }
 };
 
-// Per-thread scratch: the row's kept keys, pointers to their (converted) rows, and per-head scores.
+// dst [B * X, D, G] head vectors (acc_t, heads past H zero) from src [B, X, H, D], in parallel over rows.
+template <typename acc_t, typename src_t>
+std::vector<typename HeadVec<acc_t>::V> head_minor(const Rows<src_t>& src, int64_t B, int64_t X, int64_t H,
+                                                   int64_t D, int64_t G) {
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<V> dst(B * X * D * G);
+  at::parallel_for(0, B * X, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bx = begin; bx < end; ++bx) {
+      acc_t* row = reinterpret_cast<acc_t*>(dst.data() + bx * D * G);  // [D, G * kLanes]
+      for (int64_t i = 0; i < D * G * kLanes; ++i) row[i] = acc_t(0);
+      for (int64_t h = 0; h < H; ++h) {
+        const src_t* x = src.at(bx / X, bx % X, h);
+        for (int64_t d = 0; d < D; ++d) row[d * G * kLanes + h] = static_cast<acc_t>(x[d]);
+      }
+    }
+  });
+  return dst;
+}
+
+// out [B, X, H, D] (standard layout) from head vectors [B * X, D, G], in parallel over rows.
+template <typename acc_t>
+void from_head_minor(const typename HeadVec<acc_t>::V* src, int64_t rows, int64_t H, int64_t D, int64_t G,
+                     acc_t* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const acc_t* row = reinterpret_cast<const acc_t*>(src + r * D * G);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) out[(r * H + h) * D + d] = row[d * G * kLanes + h];
+    }
+  });
+}
+
+// The head-minor inputs both passes read.
+template <typename acc_t> struct HeadMinorInputs {
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<V> q_nope, q_pe, k_nope, v;  // [B*T, Dn, G], [B*T, R, G], [B*S, Dn, G], [B*S, Dv, G]
+};
+
+template <typename cache_t, typename acc_t>
+HeadMinorInputs<acc_t> head_minor_inputs(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe,
+                                         const Rows<cache_t>& k_nope, const Rows<cache_t>& v, const Sizes& z) {
+  const int64_t G = z.groups();
+  return {head_minor<acc_t>(q_nope, z.B, z.T, z.H, z.Dn, G), head_minor<acc_t>(q_pe, z.B, z.T, z.H, z.R, G),
+          head_minor<acc_t>(k_nope, z.B, z.S, z.H, z.Dn, G), head_minor<acc_t>(v, z.B, z.S, z.H, z.Dv, G)};
+}
+
+// Per-thread scratch of one query row: kept slots / keys, and per-key head vectors [n, G].
 template <typename acc_t> struct Scratch {
-  std::vector<int64_t> slot, key;           // kept slot j and its key s
-  std::vector<const acc_t*> kn, kr, vv;    // [n] rows of k_nope (one head), k_pe, v (one head)
-  std::vector<acc_t> kn_buf, kr_buf, v_buf, score;  // conversions [K, Dn], [K, R], [K, Dv]; scores [K]
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<int64_t> slot, key;  // kept slot j and its flat key b * S + s
+  std::vector<V> score, acc;  // [K, G] scores; accumulators [max(Dn, Dv, R) + 2, G]
   void reserve(const Sizes& z) {
-    slot.reserve(z.K), key.reserve(z.K), kn.resize(z.K), kr.resize(z.K), vv.resize(z.K), score.resize(z.K);
-    kn_buf.resize(z.K * z.Dn), kr_buf.resize(z.K * z.R), v_buf.resize(z.K * z.Dv);
+    const int64_t G = z.groups();
+    slot.reserve(z.K), key.reserve(z.K), score.resize(z.K * G);
+    acc.resize((std::max(std::max(z.Dn, z.Dv), z.R) + 2) * G);
   }
 };
 
-// Collects the kept keys of query row `row` and points kr at their k_pe rows.
-template <typename acc_t, typename cache_t>
-void gather_row(Scratch<acc_t>& w, const int64_t* idx, int64_t row, const Rows<cache_t>& k_pe, const Sizes& z) {
+template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx, int64_t row, const Sizes& z) {
   const int64_t b = row / z.T;
   w.slot.clear(), w.key.clear();
   for (int64_t j = 0; j < z.K; ++j) {
     const int64_t s = idx[row * z.K + j];
     if (s < 0) continue;
-    w.kr[w.key.size()] = as_acc(k_pe.at(b, s, 0), w.kr_buf.data() + w.key.size() * z.R, z.R);
-    w.slot.push_back(j), w.key.push_back(s);
+    w.slot.push_back(j), w.key.push_back(b * z.S + s);
   }
 }
 
-// Scores of head h of row `row` against the kept keys: fills w.kn / w.vv for the head, w.score; returns the max.
-template <typename acc_t, typename cache_t>
-acc_t head_scores(Scratch<acc_t>& w, const acc_t* qn, const acc_t* qr, const Rows<cache_t>& k_nope,
-                  const Rows<cache_t>& v, int64_t b, int64_t h, acc_t scale, const Sizes& z) {
-  acc_t m = -std::numeric_limits<acc_t>::infinity();
+// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`; returns via max_G
+// the lane-wise max over the keys.
+template <typename cache_t, typename acc_t>
+void row_scores(Scratch<acc_t>& w, const HeadMinorInputs<acc_t>& in, const Rows<cache_t>& k_pe, int64_t row,
+                acc_t scale, const Sizes& z, typename HeadVec<acc_t>::V* max_G) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups(), S = z.S;
+  const V* qn = in.q_nope.data() + row * z.Dn * G;
+  const V* qr = in.q_pe.data() + row * z.R * G;
+  const V vscale = V{} + scale;
+  for (int64_t g = 0; g < G; ++g) max_G[g] = V{} - std::numeric_limits<acc_t>::infinity();
   for (size_t i = 0; i < w.key.size(); ++i) {
-    const int64_t s = w.key[i];
-    w.kn[i] = as_acc(k_nope.at(b, s, h), w.kn_buf.data() + i * z.Dn, z.Dn);
-    w.vv[i] = as_acc(v.at(b, s, h), w.v_buf.data() + i * z.Dv, z.Dv);
-    w.score[i] = (dot(qn, w.kn[i], z.Dn) + dot(qr, w.kr[i], z.R)) * scale;
-    m = std::max(m, w.score[i]);
+    const int64_t key = w.key[i];
+    const V* kn = in.k_nope.data() + key * z.Dn * G;
+    const cache_t* kr = k_pe.at(key / S, key % S, 0);
+    for (int64_t g = 0; g < G; ++g) {
+      V acc{};
+      for (int64_t d = 0; d < z.Dn; ++d) acc = fma_lanes(qn[d * G + g], kn[d * G + g], acc);
+      for (int64_t r = 0; r < z.R; ++r) acc = fma_lanes(qr[r * G + g], V{} + static_cast<acc_t>(kr[r]), acc);
+      w.score[i * G + g] = acc * vscale;
+      max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
+    }
   }
-  return m;
+}
+
+template <typename V, typename acc_t> inline V exp_lanes(V x) {
+  acc_t lanes[kLanes];
+  __builtin_memcpy(lanes, &x, sizeof(V));
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::exp(lanes[l]);
+  __builtin_memcpy(&x, lanes, sizeof(V));
+  return x;
 }
 
 template <typename cache_t, typename acc_t>
 void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Rows<cache_t>& k_nope,
                     const Rows<cache_t>& k_pe, const Rows<cache_t>& v, const int64_t* idx, acc_t scale,
                     const Sizes& z, acc_t* out, acc_t* lse) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups();
+  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Scratch<acc_t>> scratch(threads);  // allocated before the region
   for (auto& w : scratch) w.reserve(z);
@@ -116,26 +201,35 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
 #pragma omp for schedule(dynamic, 4)
     for (int64_t row = 0; row < z.B * z.T; ++row) {
       errors.run([&] {
-        const int64_t b = row / z.T, t = row % z.T;
-        gather_row(w, idx, row, k_pe, z);
+        gather_row(w, idx, row, z);
         const int64_t n = static_cast<int64_t>(w.key.size());
+        acc_t* o = out + row * z.H * z.Dv;  // [H, Dv]
+        if (n == 0) {  // no selected key: zeros, as the reference
+          for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = acc_t(0);
+          for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
+          return;
+        }
+        V* max_G = w.acc.data() + z.Dv * G;
+        row_scores(w, in, k_pe, row, scale, z, max_G);
+        V* out_DG = w.acc.data();  // [Dv, G]
+        for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
+        V* total = max_G + G;  // [G]
+        for (int64_t g = 0; g < G; ++g) total[g] = V{};
+        for (int64_t i = 0; i < n; ++i) {
+          const V* vv = in.v.data() + w.key[i] * z.Dv * G;
+          for (int64_t g = 0; g < G; ++g) {
+            const V p = exp_lanes<V, acc_t>(w.score[i * G + g] - max_G[g]);
+            total[g] = total[g] + p;
+            for (int64_t d = 0; d < z.Dv; ++d) out_DG[d * G + g] = fma_lanes(p, vv[d * G + g], out_DG[d * G + g]);
+          }
+        }
+        const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kLanes]
+        const acc_t* tot = reinterpret_cast<const acc_t*>(total);
+        const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
         for (int64_t h = 0; h < z.H; ++h) {
-          acc_t* o = out + (row * z.H + h) * z.Dv;
-          for (int64_t d = 0; d < z.Dv; ++d) o[d] = acc_t(0);
-          if (n == 0) {  // no selected key: zeros, as the reference
-            lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
-            continue;
-          }
-          const acc_t m = head_scores(w, q_nope.at(b, t, h), q_pe.at(b, t, h), k_nope, v, b, h, scale, z);
-          acc_t total = 0;
-          for (int64_t i = 0; i < n; ++i) {
-            const acc_t p = std::exp(w.score[i] - m);
-            total = total + p;
-            axpy(p, w.vv[i], o, z.Dv);
-          }
-          const acc_t inv = acc_t(1) / total;
-          for (int64_t d = 0; d < z.Dv; ++d) o[d] = o[d] * inv;
-          lse[row * z.H + h] = m + std::log(total);
+          const acc_t inv = acc_t(1) / tot[h];
+          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kLanes + h] * inv;
+          lse[row * z.H + h] = mx[h] + std::log(tot[h]);
         }
       });
     }
@@ -148,18 +242,21 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
                      const Rows<cache_t>& k_nope, const Rows<cache_t>& k_pe, const Rows<cache_t>& v,
                      const int64_t* idx, const acc_t* lse, acc_t scale, const Sizes& z, acc_t* dq_nope,
                      acc_t* dq_pe, acc_t* dk_nope, acc_t* dk_pe, acc_t* dv) {
-  const int64_t rows = z.B * z.T, HK = z.H * z.K;
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t rows = z.B * z.T, G = z.groups(), KG = z.K * G, keys = z.B * z.S;
+  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
+  const std::vector<V> dO = head_minor<acc_t>(Rows<acc_t>{grad_out, z.T * z.H * z.Dv, z.H * z.Dv, z.Dv}, z.B, z.T,
+                                              z.H, z.Dv, G);  // [B*T, Dv, G]
   const int threads = std::max(1, at::get_num_threads());
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, 2 * HK * int64_t(sizeof(acc_t))));
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, 2 * KG * int64_t(sizeof(V))));
   const int64_t block_rows = std::min(rows, block);
-  std::vector<acc_t> p_all(block_rows * HK), g_all(block_rows * HK);  // [rows of the block, H, K]
-  std::vector<int64_t> start(z.B * z.S + 1), fill(z.B * z.S), entries(block_rows * z.K), touched;
-  touched.reserve(std::min(z.B * z.S, block_rows * z.K));
+  std::vector<V> p_all(block_rows * KG), g_all(block_rows * KG);  // [rows of the block, K, G]
+  std::vector<V> dq_n(rows * z.Dn * G), dq_r(rows * z.R * G);  // head-minor query gradients
+  std::vector<V> dk_n(keys * z.Dn * G), dk_r(keys * z.R * G), dv_h(keys * z.Dv * G);  // head-minor key gradients
+  std::vector<int64_t> start(keys + 1), fill(keys), entries(block_rows * z.K), touched;
+  touched.reserve(std::min(keys, block_rows * z.K));
   std::vector<Scratch<acc_t>> scratch(threads);
   for (auto& w : scratch) w.reserve(z);
-  for (int64_t i = 0; i < z.B * z.S * z.H * z.Dn; ++i) dk_nope[i] = acc_t(0);
-  for (int64_t i = 0; i < z.B * z.S * z.H * z.Dv; ++i) dv[i] = acc_t(0);
-  for (int64_t i = 0; i < z.B * z.S * z.R; ++i) dk_pe[i] = acc_t(0);
   RegionErrors errors;
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
@@ -171,32 +268,43 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
 #pragma omp for schedule(dynamic, 4)
       for (int64_t row = row0; row < row1; ++row) {
         errors.run([&] {
-          const int64_t b = row / z.T, t = row % z.T;
-          gather_row(w, idx, row, k_pe, z);
+          gather_row(w, idx, row, z);
           const int64_t n = static_cast<int64_t>(w.key.size());
-          for (int64_t h = 0; h < z.H; ++h) {
-            acc_t* dqn = dq_nope + (row * z.H + h) * z.Dn;
-            acc_t* dqr = dq_pe + (row * z.H + h) * z.R;
-            for (int64_t d = 0; d < z.Dn; ++d) dqn[d] = acc_t(0);
-            for (int64_t d = 0; d < z.R; ++d) dqr[d] = acc_t(0);
-            if (n == 0) continue;  // the output was zeros: every gradient is zero
-            const acc_t* dO = grad_out + (row * z.H + h) * z.Dv;
-            head_scores(w, q_nope.at(b, t, h), q_pe.at(b, t, h), k_nope, v, b, h, scale, z);
-            acc_t* p = p_all.data() + (row - row0) * HK + h * z.K;  // indexed by slot j
-            acc_t* g = g_all.data() + (row - row0) * HK + h * z.K;
-            const acc_t row_lse = lse[row * z.H + h];
-            acc_t d_sum = 0;  // D = sum_j p dP
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t j = w.slot[i];
-              p[j] = std::exp(w.score[i] - row_lse);
-              g[j] = dot(dO, w.vv[i], z.Dv);  // dP, for now
-              d_sum = d_sum + p[j] * g[j];
+          V* dqn = dq_n.data() + row * z.Dn * G;
+          V* dqr = dq_r.data() + row * z.R * G;
+          if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
+          V* unused_max = w.acc.data();
+          row_scores(w, in, k_pe, row, scale, z, unused_max);
+          V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
+          acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
+          for (int64_t l = 0; l < G * kLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
+          V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
+          for (int64_t g = 0; g < G; ++g) d_sum[g] = V{};
+          const V* dO_row = dO.data() + row * z.Dv * G;
+          V* p = p_all.data() + (row - row0) * KG;  // [K, G], indexed by slot j
+          V* gr = g_all.data() + (row - row0) * KG;
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t j = w.slot[i];
+            const V* vv = in.v.data() + w.key[i] * z.Dv * G;
+            for (int64_t g = 0; g < G; ++g) {
+              p[j * G + g] = exp_lanes<V, acc_t>(w.score[i * G + g] - lse_G[g]);
+              V dP{};
+              for (int64_t d = 0; d < z.Dv; ++d) dP = fma_lanes(dO_row[d * G + g], vv[d * G + g], dP);
+              gr[j * G + g] = dP;  // dP, for now
+              d_sum[g] = fma_lanes(p[j * G + g], dP, d_sum[g]);
             }
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t j = w.slot[i];
-              g[j] = scale * (p[j] * (g[j] - d_sum));
-              axpy(g[j], w.kn[i], dqn, z.Dn);
-              axpy(g[j], w.kr[i], dqr, z.R);
+          }
+          const V vscale = V{} + scale;
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t j = w.slot[i], key = w.key[i];
+            const V* kn = in.k_nope.data() + key * z.Dn * G;
+            const cache_t* kr = k_pe.at(key / z.S, key % z.S, 0);
+            for (int64_t g = 0; g < G; ++g) {
+              const V gv = vscale * (p[j * G + g] * (gr[j * G + g] - d_sum[g]));
+              gr[j * G + g] = gv;
+              for (int64_t d = 0; d < z.Dn; ++d) dqn[d * G + g] = fma_lanes(gv, kn[d * G + g], dqn[d * G + g]);
+              for (int64_t r = 0; r < z.R; ++r)
+                dqr[r * G + g] = fma_lanes(gv, V{} + static_cast<acc_t>(kr[r]), dqr[r * G + g]);
             }
           }
         });
@@ -204,7 +312,7 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
     }
     errors.rethrow_if_failed("sparse_expanded_backward");
 
-    // Group the block's kept entries (row * K + j) by key, ascending within each key (a counting sort).
+    // Group the block's kept entries (local row * K + j) by key, ascending within each key (a counting sort).
     std::fill(start.begin(), start.end(), int64_t(0));
     for (int64_t row = row0; row < row1; ++row)
       for (int64_t j = 0; j < z.K; ++j) {
@@ -212,7 +320,7 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
         if (s >= 0) ++start[(row / z.T) * z.S + s + 1];
       }
     touched.clear();
-    for (int64_t key = 0; key < z.B * z.S; ++key) {
+    for (int64_t key = 0; key < keys; ++key) {
       if (start[key + 1] > 0) touched.push_back(key);
       start[key + 1] += start[key];
       fill[key] = start[key];
@@ -227,19 +335,39 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
     const int64_t n_touched = static_cast<int64_t>(touched.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
     for (int64_t k = 0; k < n_touched; ++k) {
-      const int64_t key = touched[k], b = key / z.S;
-      acc_t* dkr = dk_pe + key * z.R;
+      const int64_t key = touched[k];
+      V* dkn = dk_n.data() + key * z.Dn * G;
+      V* dkr = dk_r.data() + key * z.R * G;
+      V* dvv = dv_h.data() + key * z.Dv * G;
       for (int64_t e = start[key]; e < start[key + 1]; ++e) {
-        const int64_t local = entries[e] / z.K, j = entries[e] % z.K, row = row0 + local, t = row % z.T;
-        for (int64_t h = 0; h < z.H; ++h) {
-          const acc_t p = p_all[local * HK + h * z.K + j], g = g_all[local * HK + h * z.K + j];
-          axpy(g, q_nope.at(b, t, h), dk_nope + (key * z.H + h) * z.Dn, z.Dn);
-          axpy(p, grad_out + (row * z.H + h) * z.Dv, dv + (key * z.H + h) * z.Dv, z.Dv);
-          axpy(g, q_pe.at(b, t, h), dkr, z.R);
+        const int64_t local = entries[e] / z.K, j = entries[e] % z.K, row = row0 + local;
+        const V* qn = in.q_nope.data() + row * z.Dn * G;
+        const V* qr = in.q_pe.data() + row * z.R * G;
+        const V* dO_row = dO.data() + row * z.Dv * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const V p = p_all[local * KG + j * G + g], gv = g_all[local * KG + j * G + g];
+          for (int64_t d = 0; d < z.Dn; ++d) dkn[d * G + g] = fma_lanes(gv, qn[d * G + g], dkn[d * G + g]);
+          for (int64_t d = 0; d < z.Dv; ++d) dvv[d * G + g] = fma_lanes(p, dO_row[d * G + g], dvv[d * G + g]);
+          for (int64_t r = 0; r < z.R; ++r) dkr[r * G + g] = fma_lanes(gv, qr[r * G + g], dkr[r * G + g]);
         }
       }
     }
   }
+  from_head_minor<acc_t>(dq_n.data(), rows, z.H, z.Dn, G, dq_nope);
+  from_head_minor<acc_t>(dq_r.data(), rows, z.H, z.R, G, dq_pe);
+  from_head_minor<acc_t>(dk_n.data(), keys, z.H, z.Dn, G, dk_nope);
+  from_head_minor<acc_t>(dv_h.data(), keys, z.H, z.Dv, G, dv);
+  // d k_pe[s, r] = sum over heads (ascending, a fixed order) of the head-minor rope gradient.
+  at::parallel_for(0, keys, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t key = begin; key < end; ++key) {
+      const acc_t* src = reinterpret_cast<const acc_t*>(dk_r.data() + key * z.R * G);  // [R, G * kLanes]
+      for (int64_t r = 0; r < z.R; ++r) {
+        acc_t sum = 0;
+        for (int64_t h = 0; h < z.H; ++h) sum = sum + src[r * G * kLanes + h];
+        dk_pe[key * z.R + r] = sum;
+      }
+    }
+  });
 }
 
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
