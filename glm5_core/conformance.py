@@ -444,7 +444,8 @@ GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (  # (
      lambda dev: _sparse_expanded_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
 )
 # Ops whose backward is also checked with bf16 inputs (their kernels have a bf16 path): the rest take fp32 grads.
-BF16_GRAD_OPS = ("dsa_sparse_prefill", "dsa_sparse_prefill_expanded", "moe_experts", "moe_dispatch", "moe_combine", "moe_fused_experts")
+BF16_GRAD_OPS = ("dsa_sparse_prefill", "dsa_sparse_prefill_expanded", "moe_experts", "moe_dispatch", "moe_combine",
+                 "moe_fused_experts")
 
 
 def grad_ops() -> Tuple[str, ...]:

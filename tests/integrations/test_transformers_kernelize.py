@@ -59,8 +59,8 @@ def test_kernelized_model_computes_transformers_logits_with_the_same_parameters(
     assert not op_calls
     assert rel_err(_logits(hf, ids), want) < FP32_RTOL
     # slots below index_topk see every key they may select: dense MLA; the others: indexer top-k + sparse MLA
-    assert {op for op, _ in op_calls} == {"mla_prefill", "dsa_indexer_topk", "dsa_sparse_prefill_expanded", "moe_route",
-                                          "moe_fused_experts"}
+    assert {op for op, _ in op_calls} == {"mla_prefill", "dsa_indexer_topk", "dsa_sparse_prefill_expanded",
+                                          "moe_route", "moe_fused_experts"}
     assert {backend for _, backend in op_calls} == {"cpu"}
 
 
