@@ -15,8 +15,8 @@ never expanded over the cache: queries past index_topk run sparse MLA of ``glm5_
 the indexer selected, in the expanded form in a prefill (kv_b_proj over the prompt's rows once: Dn + Dr products
 per score instead of C + Dr) and in the absorbed form against a cache (decode); a query at a slot below
 index_topk, for which DSA selects every visible key, needs no indexer scores: in a prefill it runs
-``mla.prefill``, against a cache the sparse kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
-head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
+``mla.prefill``, against a cache the sparse kernel over all its keys. transformers scores
+``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
 batch's mask goes through the indexer scores, masked, then the contract's top-k (ties to the lower index), for
 every query. Calls with a cache other than transformers' dynamic one (a static cache returns its whole
 preallocated buffer) run transformers' own forward.
