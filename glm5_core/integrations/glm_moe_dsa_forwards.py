@@ -9,17 +9,17 @@ Legend: B batch, T new tokens, S key slots (cache + new), H heads, Dn / Dr / Dv 
 dims, C kv_lora_rank, Hi index_n_heads, Di index_head_dim, K index_topk, N = B*T tokens, E experts,
 F moe_intermediate_size.
 
-Attention (MLA + DSA): projections and RoPE are transformers' (its interleaved-pair rotation, in the output
-layout its cache holds); the latent cache is transformers' ``Cache`` (``update`` / ``update_indexer``),
-never expanded over the cache: queries past index_topk run sparse MLA of ``glm5_core.ops.dsa`` over the K keys
-the indexer selected, in the expanded form in a prefill (kv_b_proj over the prompt's rows once: Dn + Dr products
-per score instead of C + Dr) and in the absorbed form against a cache (decode); a query at a slot below
-index_topk, for which DSA selects every visible key, needs no indexer scores: in a prefill it runs
-``mla.prefill``, against a cache the sparse kernel over all its keys. transformers scores
-``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
-batch's mask goes through the indexer scores, masked, then the contract's top-k (ties to the lower index), for
-every query. Calls with a cache other than transformers' dynamic one (a static cache returns its whole
-preallocated buffer) run transformers' own forward.
+Attention (MLA + DSA): projections and RoPE are transformers' (its interleaved-pair rotation, in the output layout
+its cache holds); the latent cache is transformers' ``Cache`` (``update`` / ``update_indexer``), never expanded over
+the cache: queries past index_topk run sparse MLA of ``glm5_core.ops.dsa`` over the K keys the indexer selected, in
+the expanded form in a prefill (kv_b_proj over the prompt's rows once: Dn + Dr products per score instead of C + Dr)
+and in the absorbed form against a cache (decode); a query at a slot below index_topk, for which DSA selects every
+visible key, needs no indexer scores: in a prefill it runs ``mla.prefill``, against a cache the sparse kernel over
+all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the head weights
+(ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded batch's mask goes
+through the indexer scores, masked, then the contract's top-k (ties to the lower index), for every query. Calls with
+a cache other than transformers' dynamic one (a static cache returns its whole preallocated buffer) run
+transformers' own forward.
 """
 from __future__ import annotations
 
