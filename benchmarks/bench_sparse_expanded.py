@@ -76,9 +76,10 @@ def main() -> None:
               f"{med['absorbed fwd'] * 1e3:.0f} ms, expanded {med['expanded fwd'] * 1e3:.0f} ms "
               f"({row['fwd_speedup']:.2f}x)")
     if args.out:
-        write_json(args.out, {"command": "python benchmarks/bench_sparse_expanded.py " + " ".join(sys.argv[1:]),
-                              "rounds": args.rounds, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-                              "cases": rows}, shown={})
+        result = {"command": "python benchmarks/bench_sparse_expanded.py " + " ".join(sys.argv[1:]),
+                  "rounds": args.rounds, "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+                  "cases": rows}
+        write_json(args.out, result, shown={})
 
 
 if __name__ == "__main__":

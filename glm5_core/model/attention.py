@@ -16,7 +16,8 @@ Which op runs:
           runs too, so a prefill and the decode steps after it compute queries alike) / dsa.sparse_decode.
 Sparse form by cost, in multiply-adds per layer: expanded = S H (Dn+Dv) C (kv_b_proj over the S latent rows)
   + T K H (Dn+Dr+Dv); absorbed = T H (Dn+Dv) C (absorb q, project out) + T K H (2C+Dr). Without a cache S = T,
-  so the expanded form wins whenever Dn + Dv < 2C (GLM-5: 448 < 1024; the training config: 64 < 256).
+  so the expanded form wins whenever Dn + Dv < 2C (GLM-5: 448 < 1024; the training config: 64 < 256). A backend
+  with a native absorbed kernel and none for the expanded form (cuda, rocm, ascend today) keeps the absorbed one.
 The kernels are bound when the layer is built (``registry.bind``): a forward does not resolve them again.
 """
 from __future__ import annotations
@@ -61,6 +62,10 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg) if indexer_type == "full" else None
         # rank of this layer among the main model's full-indexer layers (its row in topk_idx / index replay)
         self.full_index = cfg.layer_indexer_types()[:layer_idx].count("full") if self.indexer is not None else None
+        # the expanded sparse form only where the backend has a kernel for it, or has none for the absorbed one
+        # either (a backend whose absorbed prefill is native must not trade it for a reference)
+        self.expanded_sparse_native = (not self.kernels.resolution("dsa_sparse_prefill_expanded").is_reference
+                                       or self.kernels.resolution("dsa_sparse_prefill").is_reference)
 
     def absorbed_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj: w_uk [H, Dn, C], w_uv [H, Dv, C]."""
@@ -108,7 +113,10 @@ class MLA(nn.Module):
         return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))  # [B, T, D]
 
     def _expanded_is_cheaper(self, queries: int, keys: int, topk: int) -> bool:
-        """The cost rule of the module docstring (multiply-adds per layer; H is common to both and dropped)."""
+        """The cost rule of the module docstring (multiply-adds per layer; H is common to both and dropped), on a
+        backend where the expanded form is not a reference standing in for a native absorbed kernel."""
+        if not self.expanded_sparse_native:
+            return False
         Dn, Dr, Dv, C = self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
         expanded = keys * (Dn + Dv) * C + queries * topk * (Dn + Dr + Dv)
         absorbed = queries * (Dn + Dv) * C + queries * topk * (2 * C + Dr)

@@ -43,3 +43,14 @@ def test_cost_rule_prefers_the_expanded_form_only_when_it_is_cheaper(make_model,
     attn = make_model(make_config()).model.layers[0].self_attn  # Dn 8, Dr 6, Dv 10, C 20: Dn + Dv < 2 C
     assert attn._expanded_is_cheaper(queries=64, keys=64, topk=8)
     assert not attn._expanded_is_cheaper(queries=1, keys=4096, topk=8)  # one query: expanding 4096 keys costs more
+
+
+def test_a_backend_without_an_expanded_kernel_keeps_its_native_absorbed_one(make_model, make_config):
+    from glm5_core.model.attention import MLA
+
+    cfg = make_config()
+    assert MLA(cfg, 0, "full", "cpu").expanded_sparse_native  # both native: the cost rule decides
+    cuda = registry.bind("cuda") if registry.get_backend("cuda").available()[0] else None
+    if cuda is not None and not cuda.resolution("dsa_sparse_prefill").is_reference:
+        layer = MLA(cfg, 0, "full", cuda)
+        assert not layer.expanded_sparse_native and not layer._expanded_is_cheaper(64, 64, 8)
