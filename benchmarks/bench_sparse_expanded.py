@@ -22,8 +22,9 @@ from glm5_core import testing
 from glm5_core.ops import dsa
 
 
-def _timers(B: int, T: int, K: int):
-    shape = testing.MLAShape(B=B, T=T, S=T, H=8, Dn=32, Dr=16, Dv=32, C=128)  # bench_train_vs_transformers' model
+def _timers(B: int, T: int, K: int, heads, forward_only: bool):
+    H, Dn, Dr, Dv, C = heads
+    shape = testing.MLAShape(B=B, T=T, S=T, H=H, Dn=Dn, Dr=Dr, Dv=Dv, C=C)
     latent = testing.make_sparse_inputs(shape, K, seed=1, start_pos=0)
     expanded = testing.make_sparse_expanded_inputs(shape, K, seed=1, start_pos=0)
     idx = latent.pop("topk_idx")
@@ -42,22 +43,28 @@ def _timers(B: int, T: int, K: int):
                 entry(**inputs, topk_idx=idx, scale=scale, backend="cpu")
         return step
 
-    return {"absorbed fwd+bwd": train(dsa.sparse_prefill, latent),
-            "expanded fwd+bwd": train(dsa.sparse_prefill_expanded, expanded),
-            "absorbed fwd": infer(dsa.sparse_prefill, latent),
-            "expanded fwd": infer(dsa.sparse_prefill_expanded, expanded)}
+    timers = {"absorbed fwd": infer(dsa.sparse_prefill, latent),
+              "expanded fwd": infer(dsa.sparse_prefill_expanded, expanded)}
+    if not forward_only:
+        timers.update({"absorbed fwd+bwd": train(dsa.sparse_prefill, latent),
+                       "expanded fwd+bwd": train(dsa.sparse_prefill_expanded, expanded)})
+    return timers
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["2x512x128", "1x4096x256"], help="BATCHxTOKENSxTOPK")
+    parser.add_argument("--heads", default="8,32,16,32,128",
+                        help="H,Dn,Dr,Dv,C (default: bench_train_vs_transformers' model; bench_kernelize's: "
+                             "8,96,32,128,256)")
+    parser.add_argument("--forward-only", action="store_true", help="inference only (kernelize's prefill)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     for case in args.cases:
         B, T, K = (int(v) for v in case.split("x"))
-        timers = _timers(B, T, K)
+        timers = _timers(B, T, K, tuple(int(v) for v in args.heads.split(",")), args.forward_only)
         for fn in timers.values():  # warm-up
             fn()
         times = {name: [] for name in timers}
@@ -67,13 +74,15 @@ def main() -> None:
                 fn()
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(v) for name, v in times.items()}
-        row = {"case": case, "median_s": med, "times_s": times,
-               "fwd_bwd_speedup": med["absorbed fwd+bwd"] / med["expanded fwd+bwd"],
+        row = {"case": case, "heads": args.heads, "median_s": med, "times_s": times,
                "fwd_speedup": med["absorbed fwd"] / med["expanded fwd"]}
+        text = f"{case} (H,Dn,Dr,Dv,C {args.heads}):"
+        if not args.forward_only:
+            row["fwd_bwd_speedup"] = med["absorbed fwd+bwd"] / med["expanded fwd+bwd"]
+            text += (f" fwd+bwd absorbed {med['absorbed fwd+bwd'] * 1e3:.0f} ms, expanded "
+                     f"{med['expanded fwd+bwd'] * 1e3:.0f} ms ({row['fwd_bwd_speedup']:.2f}x);")
         rows.append(row)
-        print(f"{case}: fwd+bwd absorbed {med['absorbed fwd+bwd'] * 1e3:.0f} ms, expanded "
-              f"{med['expanded fwd+bwd'] * 1e3:.0f} ms ({row['fwd_bwd_speedup']:.2f}x); fwd absorbed "
-              f"{med['absorbed fwd'] * 1e3:.0f} ms, expanded {med['expanded fwd'] * 1e3:.0f} ms "
+        print(f"{text} fwd absorbed {med['absorbed fwd'] * 1e3:.0f} ms, expanded {med['expanded fwd'] * 1e3:.0f} ms "
               f"({row['fwd_speedup']:.2f}x)")
     if args.out:
         result = {"command": "python benchmarks/bench_sparse_expanded.py " + " ".join(sys.argv[1:]),

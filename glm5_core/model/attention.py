@@ -14,10 +14,10 @@ Which op runs:
           without a cache (training): dsa.sparse_prefill_expanded (expanded form) when it costs less (below),
           else dsa.sparse_prefill; with a cache: dsa.sparse_prefill on fresh keys (the absorbed kernel decode
           runs too, so a prefill and the decode steps after it compute queries alike) / dsa.sparse_decode.
-Sparse form by cost, in multiply-adds per layer: expanded = S H (Dn+Dv) C (kv_b_proj over the S latent rows)
-  + T K H (Dn+Dr+Dv); absorbed = T H (Dn+Dv) C (absorb q, project out) + T K H (2C+Dr). Without a cache S = T,
-  so the expanded form wins whenever Dn + Dv < 2C (GLM-5: 448 < 1024; the training config: 64 < 256). A backend
-  with a native absorbed kernel and none for the expanded form (cuda, rocm, ascend today) keeps the absorbed one.
+Sparse form by cost (``dsa.prefers_expanded``): fewer multiply-adds, expanding the keys included, and at most 4x
+  the values read per selected key (H (Dn+Dv) + Dr against C + Dr). The training config passes (528 vs 144),
+  GLM-5's heads do not (28736 vs 576). A backend with a native absorbed kernel and none for the expanded form
+  (cuda, rocm, ascend today) keeps the absorbed one.
 The kernels are bound when the layer is built (``registry.bind``): a forward does not resolve them again.
 """
 from __future__ import annotations
@@ -113,14 +113,11 @@ class MLA(nn.Module):
         return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))  # [B, T, D]
 
     def _expanded_is_cheaper(self, queries: int, keys: int, topk: int) -> bool:
-        """The cost rule of the module docstring (multiply-adds per layer; H is common to both and dropped), on a
-        backend where the expanded form is not a reference standing in for a native absorbed kernel."""
-        if not self.expanded_sparse_native:
-            return False
-        Dn, Dr, Dv, C = self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank
-        expanded = keys * (Dn + Dv) * C + queries * topk * (Dn + Dr + Dv)
-        absorbed = queries * (Dn + Dv) * C + queries * topk * (2 * C + Dr)
-        return expanded < absorbed
+        """``dsa.prefers_expanded`` for this layer's sizes, on a backend where the expanded form is not a reference
+        standing in for a native absorbed kernel."""
+        return self.expanded_sparse_native and dsa.prefers_expanded(
+            heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, v_dim=self.v_dim,
+            kv_rank=self.kv_rank, queries=queries, keys=keys, topk=topk)
 
     def _expand_keys(self, c_kv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj over the latent rows, once: views k_nope [B, S, H, Dn] and v [B, S, H, Dv] of one tensor."""

@@ -209,6 +209,25 @@ def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: floa
                          scale=float(scale), backend=backend)
 
 
+EXPANDED_READ_RATIO = 4  # most values read per selected key by the expanded form, relative to the absorbed form
+
+
+def prefers_expanded(*, heads: int, nope_dim: int, rope_dim: int, v_dim: int, kv_rank: int, queries: int, keys: int,
+                     topk: int) -> bool:
+    """Whether ``sparse_prefill_expanded`` costs less than the absorbed ``sparse_prefill`` for these sizes.
+
+    Arithmetic, multiply-adds per layer over H: expanded keys * (Dn + Dv) * C (kv_b_proj over the latent rows)
+    + queries * topk * (Dn + Dr + Dv); absorbed queries * (Dn + Dv) * C (absorb q, project out) + queries * topk *
+    (2 C + Dr). Memory: per (query, selected key) the expanded form reads H (Dn + Dv) + Dr values, the absorbed
+    C + Dr (shared by the heads); past ``EXPANDED_READ_RATIO`` times as many, a per-query kernel is bound by those
+    reads (cpu, measured: 3.7x at the training benchmark's sizes ran 2.2x faster, 6.3x at bench_kernelize's,
+    top-k 2048, 0.53x as fast)."""
+    Dn, Dr, Dv, C = nope_dim, rope_dim, v_dim, kv_rank
+    expanded = keys * (Dn + Dv) * C + queries * topk * (Dn + Dr + Dv)
+    absorbed = queries * (Dn + Dv) * C + queries * topk * (2 * C + Dr)
+    return expanded < absorbed and heads * (Dn + Dv) + Dr <= EXPANDED_READ_RATIO * (C + Dr)
+
+
 def _validate_sparse_expanded(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale) -> None:
     sizes: Dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")

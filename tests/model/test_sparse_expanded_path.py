@@ -4,6 +4,7 @@ the absorbed ``dsa_sparse_prefill``); the cost rule picks the expanded form for 
 import torch
 
 from glm5_core import registry
+from glm5_core.ops import dsa
 
 
 def _sparse_step(model, ids, cache):
@@ -43,6 +44,11 @@ def test_cost_rule_prefers_the_expanded_form_only_when_it_is_cheaper(make_model,
     attn = make_model(make_config()).model.layers[0].self_attn  # Dn 8, Dr 6, Dv 10, C 20: Dn + Dv < 2 C
     assert attn._expanded_is_cheaper(queries=64, keys=64, topk=8)
     assert not attn._expanded_is_cheaper(queries=1, keys=4096, topk=8)  # one query: expanding 4096 keys costs more
+    many_heads = make_model(make_config(num_attention_heads=16)).model.layers[0].self_attn  # reads 294 vs 26 a key
+    assert not many_heads._expanded_is_cheaper(queries=64, keys=64, topk=8)
+    sizes = dict(queries=4096, keys=4096, topk=2048)
+    assert dsa.prefers_expanded(heads=8, nope_dim=32, rope_dim=16, v_dim=32, kv_rank=128, **sizes)  # training bench
+    assert not dsa.prefers_expanded(heads=8, nope_dim=96, rope_dim=32, v_dim=128, kv_rank=256, **sizes)  # kernelize's
 
 
 def test_a_backend_without_an_expanded_kernel_keeps_its_native_absorbed_one(make_model, make_config):
