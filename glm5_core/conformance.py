@@ -181,6 +181,17 @@ def _sparse_check(op: str, shape: testing.MLAShape, K: int, dtype: torch.dtype) 
     return fn
 
 
+def _sparse_expanded_check(shape: testing.MLAShape, K: int, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_sparse_expanded_inputs(shape, K, dtype=dtype, device=device, seed=5)
+        scale = (shape.Dn + shape.Dr) ** -0.5
+        out = dsa.sparse_prefill_expanded(**x, scale=scale, backend=backend)
+        ref = dsa.sparse_prefill_expanded_reference
+        return testing.compare_to_fp64(out, ref(**x, scale=scale), ref(**_fp64(x), scale=scale), dtype)
+
+    return fn
+
+
 def _dsa_checks() -> List[Check]:
     checks = []
     for shape in testing.INDEXER_SHAPES:
@@ -209,6 +220,11 @@ def _dsa_checks() -> List[Check]:
         for shape in testing.VENDOR_MLA_SHAPES:
             checks.append(Check("dsa", f"{op}[vendor-bf16-{shape}-K64]", (op,),
                                 _sparse_check(op, shape, 64, torch.bfloat16)))
+    op = "dsa_sparse_prefill_expanded"
+    for shape, K in zip(testing.MLA_SHAPES, (1, 4, 9)):
+        for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+            checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}]", (op,),
+                                _sparse_expanded_check(shape, K, dtype)))
     return checks
 
 
@@ -359,6 +375,15 @@ def _sparse_prefill_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: in
             lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=scale), x)
 
 
+def _sparse_expanded_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: int = 4,
+                          start_pos=None) -> GradCase:
+    x = testing.make_sparse_expanded_inputs(shape, K, device=device, seed=21, start_pos=start_pos)
+    idx = x.pop("topk_idx")
+    scale = (shape.Dn + shape.Dr) ** -0.5
+    return (lambda be, **t: dsa.sparse_prefill_expanded(**t, topk_idx=idx, scale=scale, backend=be),
+            lambda **t: dsa.sparse_prefill_expanded_reference(**t, topk_idx=idx, scale=scale), x)
+
+
 def _indexer_scores_grad(device: str) -> GradCase:
     shape = testing.INDEXER_SHAPES[1]
     x = testing.make_indexer_inputs(shape, device=device, seed=22)
@@ -433,6 +458,7 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
     "dsa_indexer_scores": _indexer_scores_grad,
     "dsa_sparse_prefill": _sparse_prefill_grad,
     "dsa_selected_index_scores": _selected_index_scores_grad,
+    "dsa_sparse_prefill_expanded": _sparse_expanded_grad,
     "moe_route": _route_grad,
     "moe_dispatch": _dispatch_grad,
     "moe_combine": _combine_grad,
@@ -452,10 +478,13 @@ GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (  # (
     ("dsa_sparse_prefill", "K1", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA, K=1)),
     ("dsa_sparse_prefill", "padded", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
     ("dsa_selected_index_scores", "K1", lambda dev: _selected_index_scores_grad(dev, _GRAD_INDEXER_K1)),
+    ("dsa_sparse_prefill_expanded", "K1", lambda dev: _sparse_expanded_grad(dev, _GRAD_MLA, K=1)),
+    ("dsa_sparse_prefill_expanded", "padded",
+     lambda dev: _sparse_expanded_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
 )
 # Ops whose backward is also checked with bf16 inputs (their kernels have a bf16 path): the rest take fp32 grads.
-BF16_GRAD_OPS = ("dsa_sparse_prefill", "dsa_selected_index_scores", "moe_experts", "moe_dispatch", "moe_combine",
-                 "moe_fused_experts")
+BF16_GRAD_OPS = ("dsa_sparse_prefill", "dsa_sparse_prefill_expanded", "dsa_selected_index_scores", "moe_experts",
+                 "moe_dispatch", "moe_combine", "moe_fused_experts")
 
 
 def grad_ops() -> Tuple[str, ...]:

@@ -134,6 +134,16 @@ def _sparse_prefill_grads(backend: str, device: str, dtype: torch.dtype) -> List
     return [leaves[k].grad for k in sorted(leaves)]
 
 
+def _sparse_expanded_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+    shape = testing.MLAShape(B=2, T=5, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
+    x = testing.make_sparse_expanded_inputs(shape, 4, dtype=dtype, device=device, seed=13)
+    idx = x.pop("topk_idx")
+    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+    out = dsa.sparse_prefill_expanded(**leaves, topk_idx=idx, scale=(shape.Dn + shape.Dr) ** -0.5, backend=backend)
+    out.backward(testing.randn(out.shape, seed=14, dtype=dtype, device=device))
+    return [leaves[k].grad for k in sorted(leaves)]
+
+
 def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
     shape = testing.MoEShape(N=7, E=5, K=2, G=1, TG=1, D=12, F=10)
     x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=15)
@@ -165,6 +175,8 @@ CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
     "route_batch_invariance": route_batch_invariance,
     "sparse_prefill_backward_repeatability": lambda be, dev: backward_repeatability(
         _sparse_prefill_grads, torch.bfloat16, be, dev),
+    "sparse_expanded_backward_repeatability": lambda be, dev: backward_repeatability(
+        _sparse_expanded_grads, torch.bfloat16, be, dev),
     "fused_experts_backward_repeatability": lambda be, dev: backward_repeatability(
         _fused_experts_grads, torch.float32, be, dev),
 }
@@ -173,4 +185,5 @@ CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
 CHECK_OPS: Dict[str, List[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
 CHECK_OPS["route_batch_invariance"] = ["moe_route"]
 CHECK_OPS["sparse_prefill_backward_repeatability"] = ["dsa_sparse_prefill"]
+CHECK_OPS["sparse_expanded_backward_repeatability"] = ["dsa_sparse_prefill_expanded"]
 CHECK_OPS["fused_experts_backward_repeatability"] = ["moe_fused_experts"]

@@ -170,6 +170,18 @@ def make_sparse_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="
     return inputs
 
 
+def make_sparse_expanded_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
+                                start_pos=None) -> Dict[str, torch.Tensor]:
+    """The inputs of ``dsa.sparse_prefill_expanded``: those of ``make_sparse_inputs`` with the latent rows expanded
+    (k_nope [B, S, H, Dn] = c_kv W_UK^T, v [B, S, H, Dv] = c_kv W_UV^T, computed in fp32, rounded to ``dtype``)."""
+    x = make_sparse_inputs(shape, K, dtype=dtype, device=device, seed=seed, start_pos=start_pos)
+    c_kv = x.pop("c_kv").float()
+    k_nope = torch.einsum("bsc,hdc->bshd", c_kv, x.pop("w_uk").float())  # [B, S, H, Dn]
+    v = torch.einsum("bsc,hvc->bshv", c_kv, x.pop("w_uv").float())  # [B, S, H, Dv]
+    return {"q_nope": x["q_nope"], "q_pe": x["q_pe"], "k_nope": k_nope.to(dtype), "k_pe": x["k_pe"],
+            "v": v.to(dtype), "topk_idx": x["topk_idx"]}
+
+
 # --------------------------------------------------------------------------------------------- MoE
 @dataclasses.dataclass(frozen=True)
 class MoEShape:

@@ -11,15 +11,17 @@ F moe_intermediate_size.
 
 Attention (MLA + DSA): projections and RoPE are transformers' (its interleaved-pair rotation, in the output
 layout its cache holds); the latent cache is transformers' ``Cache`` (``update`` / ``update_indexer``),
-never expanded over the keys: queries past index_topk run the absorbed sparse MLA of ``glm5_core.ops.dsa`` over
-the K keys the indexer selected (prefill and decode); a query at a slot below index_topk, for which DSA selects
-every visible key, needs no indexer scores: in a prefill it runs dense causal attention in the expanded form
-(``dense_causal_attention``: transformers' keys and values, torch's fused causal sdpa), against a cache the
-sparse kernel over all its keys. transformers scores ``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the
-head weights (ReLU(a s) = s ReLU(a)). A mask that is only causal (no padding) takes the fused top-k; a padded
-batch's mask goes through the indexer scores, masked, then the contract's top-k (ties to the lower index), for
-the queries past index_topk (the others select every key their mask shows). Calls with a cache other than
-transformers' dynamic one (a static cache returns its whole preallocated buffer) run transformers' own forward.
+never expanded over the cache: queries past index_topk run sparse MLA of ``glm5_core.ops.dsa`` over the K keys the
+indexer selected, in the expanded form in a prefill where ``dsa.prefers_expanded`` (kv_b_proj over the prompt's
+rows once: Dn + Dr products per score instead of C + Dr) and in the absorbed form otherwise and against a cache
+(decode); a query at a slot below index_topk, for which DSA selects every visible key, needs no indexer scores:
+in a prefill it runs dense causal attention in the expanded form (``dense_causal_attention``: transformers' keys
+and values, torch's fused causal sdpa), against a cache the sparse kernel over all its keys. transformers scores
+``ReLU(q . k * Di^-0.5)``: the positive scale is folded into the head weights (ReLU(a s) = s ReLU(a)). A mask
+that is only causal (no padding) takes the fused top-k; a padded batch's mask goes through the indexer scores,
+masked, then the contract's top-k (ties to the lower index), for the queries past index_topk (the others select
+every key their mask shows). Calls with a cache other than transformers' dynamic one (a static cache returns its
+whole preallocated buffer) run transformers' own forward.
 """
 from __future__ import annotations
 
@@ -198,9 +200,15 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tu
                                 None if visible is None else visible[:, tail], self.glm5_backend)
         elif topk is None:
             raise ValueError("prev_topk_indices: a 'shared' DSA layer needs the top-k of an earlier full layer")
-        sparse = dsa.sparse_prefill if start == 0 else dsa.sparse_decode
-        parts.append(sparse(q_nope[:, n_all:], q_rot[:, n_all:], c_kv, k_rot, w_uk, w_uv, topk, scale=self.scaling,
-                            backend=self.glm5_backend))  # [B, T - n_all, H, Dv]
+        if start == 0 and dsa.prefers_expanded(heads=H, nope_dim=Dn, rope_dim=Dr, v_dim=Dv, kv_rank=C, queries=T,
+                                               keys=S, topk=topk.shape[-1]):  # kv_b_proj over the S = T rows once
+            k_nope, v = torch.split(self.kv_b_proj(c_kv).view(B, S, H, Dn + Dv), [Dn, Dv], dim=-1)  # [B, S, H, *]
+            parts.append(dsa.sparse_prefill_expanded(q_nope[:, n_all:], q_rot[:, n_all:], k_nope, k_rot, v, topk,
+                                                     scale=self.scaling, backend=self.glm5_backend))
+        else:
+            sparse = dsa.sparse_prefill if start == 0 else dsa.sparse_decode
+            parts.append(sparse(q_nope[:, n_all:], q_rot[:, n_all:], c_kv, k_rot, w_uk, w_uv, topk,
+                                scale=self.scaling, backend=self.glm5_backend))  # [B, T - n_all, H, Dv]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [B, T, H, Dv]
     return self.o_proj(out.reshape(B, T, H * Dv)), None, topk
 

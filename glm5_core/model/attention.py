@@ -11,7 +11,13 @@ Which op runs:
   dense,  fresh keys (no cache, or a cache filled from slot 0):  mla.prefill  (expanded form)
   dense,  against earlier cache slots:                           mla.decode   (absorbed form)
   sparse: indexer top-k (own "full" indexer, or the previous full layer's for "shared"), then
-          dsa.sparse_prefill on fresh keys / dsa.sparse_decode against the cache.
+          without a cache (training): dsa.sparse_prefill_expanded (expanded form) when it costs less (below),
+          else dsa.sparse_prefill; with a cache: dsa.sparse_prefill on fresh keys (the absorbed kernel decode
+          runs too, so a prefill and the decode steps after it compute queries alike) / dsa.sparse_decode.
+Sparse form by cost (``dsa.prefers_expanded``): fewer multiply-adds, expanding the keys included, and at most 4x
+  the values read per selected key (H (Dn+Dv) + Dr against C + Dr). The training config passes (528 vs 144),
+  GLM-5's heads do not (28736 vs 576). A backend with a native absorbed kernel and none for the expanded form
+  (cuda, rocm, ascend today) keeps the absorbed one.
 The kernels are bound when the layer is built (``registry.bind``): a forward does not resolve them again.
 """
 from __future__ import annotations
@@ -55,6 +61,10 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg) if indexer_type == "full" else None
         # rank of this layer among the main model's full-indexer layers (its row in topk_idx / index replay)
         self.full_index = cfg.layer_indexer_types()[:layer_idx].count("full") if self.indexer is not None else None
+        # the expanded sparse form only where the backend has a kernel for it, or has none for the absorbed one
+        # either (a backend whose absorbed prefill is native must not trade it for a reference)
+        self.expanded_sparse_native = (not self.kernels.resolution("dsa_sparse_prefill_expanded").is_reference
+                                       or self.kernels.resolution("dsa_sparse_prefill").is_reference)
 
     def absorbed_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj: w_uk [H, Dn, C], w_uv [H, Dv, C]."""
@@ -80,7 +90,13 @@ class MLA(nn.Module):
         attn_start = 0 if state.fresh else state.start_pos
 
         topk_idx, index_inputs = self._select_keys(x, q_latent, state)
-        if state.attention == "sparse":
+        k_nope = None  # per-head keys [B, S, H, Dn], when the expanded sparse form runs
+        if state.attention == "sparse" and state.cache is None and self._expanded_is_cheaper(T, keys_c_kv.shape[1],
+                                                                                            topk_idx.shape[-1]):
+            k_nope, v = self._expand_keys(keys_c_kv)
+            out = dsa.sparse_prefill_expanded(q_nope, q_pe, k_nope, keys_k_pe, v, topk_idx, scale=self.scale,
+                                              backend=self.kernels)
+        elif state.attention == "sparse":
             sparse_op = dsa.sparse_prefill if state.fresh else dsa.sparse_decode
             out = sparse_op(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, topk_idx, scale=self.scale,
                             backend=self.kernels)
@@ -91,8 +107,23 @@ class MLA(nn.Module):
             out = mla.decode(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, scale=self.scale,
                              start_pos=attn_start, backend=self.kernels)
         if state.indexer_loss and index_inputs is not None:
-            self._indexer_signals(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, attn_start, topk_idx, index_inputs, state)
+            self._indexer_signals(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, attn_start, topk_idx, index_inputs, state,
+                                  k_nope=k_nope)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))  # [B, T, D]
+
+    def _expanded_is_cheaper(self, queries: int, keys: int, topk: int) -> bool:
+        """``dsa.prefers_expanded`` for this layer's sizes, on a backend where the expanded form is not a reference
+        standing in for a native absorbed kernel."""
+        return self.expanded_sparse_native and dsa.prefers_expanded(
+            heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, v_dim=self.v_dim,
+            kv_rank=self.kv_rank, queries=queries, keys=keys, topk=topk)
+
+    def _expand_keys(self, c_kv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj over the latent rows, once: views k_nope [B, S, H, Dn] and v [B, S, H, Dv] of one tensor."""
+        B, S, _ = c_kv.shape
+        kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.nope_dim + self.v_dim)  # [B, S, H, Dn+Dv]
+        k_nope, v = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
+        return k_nope, v
 
     # ---- DSA -------------------------------------------------------------------------------------------
     def _select_keys(self, x: torch.Tensor, q_latent: torch.Tensor, state: ForwardState
@@ -132,11 +163,11 @@ class MLA(nn.Module):
         return topk_idx, index_inputs
 
     def _indexer_signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs: IndexInputs,
-                         state: ForwardState) -> None:
+                         state: ForwardState, k_nope: Optional[torch.Tensor] = None) -> None:
         q_i, keys_i, w_i, index_start = index_inputs
         if state.attention == "sparse":  # only the selected keys matter: nothing [B, T, S] is kept
             target = indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=self.scale,
-                                                            start_pos=attn_start)  # [B, T, K]
+                                                            start_pos=attn_start, k_nope=k_nope)  # [B, T, K]
             scores = dsa.selected_index_scores(q_i, keys_i, w_i, topk_idx, backend=self.kernels)  # [B, T, K]
             state.kl_terms.append(indexer_loss.selected_kl(target, scores, topk_idx))
             state.recall_terms.append(indexer_loss.selected_recall(target))

@@ -14,7 +14,7 @@ through the queries in blocks (a [B, H, c, S] block of scores at a time, never [
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -45,15 +45,19 @@ QUERY_BLOCK = 256  # queries per block of selected_attention_target: [B, H, QUER
 @torch.no_grad()
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                               w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
-                              start_pos: StartPos) -> torch.Tensor:
+                              start_pos: StartPos, k_nope: Optional[torch.Tensor] = None) -> torch.Tensor:
     """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), one block of queries at a time
     (no [B, T, S] tensor). The scores take MLA's expanded form, q_nope . (c_kv W_UK^T) + q_pe . k_pe: the same
-    values as the absorbed form up to rounding, with Dn + Dr products per score instead of C + Dr."""
+    values as the absorbed form up to rounding, with Dn + Dr products per score instead of C + Dr. ``k_nope``
+    [B, S, H, Dn]: the expanded keys when the caller already has them (else computed from c_kv and w_uk)."""
     compute = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
     q_nope, q_pe, c_kv, k_pe, w_uk = (t.to(compute) for t in (q_nope, q_pe, c_kv, k_pe, w_uk))
     B, T = q_nope.shape[:2]
     S = c_kv.shape[1]
-    k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
+    if k_nope is None:
+        k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
+    else:
+        k_nope = k_nope.detach().to(compute).transpose(1, 2)  # [B, S, H, Dn] -> [B, H, S, Dn]
     last_start = int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else int(start_pos)
     blocks = []
     for t0 in range(0, T, QUERY_BLOCK):

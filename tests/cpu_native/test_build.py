@@ -41,7 +41,8 @@ def test_explain_names_the_native_kernels(native):
 
     rows = {r.op: r for r in registry.explain("cpu")}
     for op in ("dsa_indexer_topk", "dsa_sparse_decode", "moe_route", "moe_dispatch", "moe_combine",
-               "moe_experts", "moe_fused_experts", "dsa_sparse_prefill", "muon_orthogonalize"):
+               "moe_experts", "moe_fused_experts", "dsa_sparse_prefill", "dsa_sparse_prefill_expanded",
+               "muon_orthogonalize"):
         assert rows[op].label.startswith("cpu: glm5_core.backends.cpu."), rows[op]
     assert "native extension built" in rows["mla_prefill"].reason
 

@@ -59,8 +59,9 @@ def test_kernelized_model_computes_transformers_logits_with_the_same_parameters(
     assert not op_calls
     assert rel_err(_logits(hf, ids), want) < FP32_RTOL
     # slots below index_topk see every key they may select: dense causal attention (torch's sdpa, no registry
-    # op); the others: indexer top-k + sparse MLA
-    assert {op for op, _ in op_calls} == {"dsa_indexer_topk", "dsa_sparse_prefill", "moe_route", "moe_fused_experts"}
+    # op); the others: indexer top-k + sparse MLA, in the expanded form at this small geometry (prefers_expanded)
+    assert {op for op, _ in op_calls} == {"dsa_indexer_topk", "dsa_sparse_prefill_expanded", "moe_route",
+                                          "moe_fused_experts"}
     assert {backend for _, backend in op_calls} == {"cpu"}
 
 

@@ -99,3 +99,15 @@ def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_mo
     assert len(seen.shapes) > 50  # the mode saw the KL's ops
     planes = [s for s in seen.shapes if any(s[i:i + 2] == (24, 24) for i in range(len(s) - 1))]
     assert planes == []
+
+
+def test_selected_target_from_the_expanded_keys_equals_the_one_from_the_latent():
+    shape = testing.MLAShape(B=2, T=6, S=6, H=3, Dn=5, Dr=4, Dv=6, C=7)
+    x = {n: t.double() for n, t in testing.make_sparse_inputs(shape, 3, seed=5, start_pos=0).items()}
+    args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"], x["topk_idx"])
+    k_nope = torch.einsum("bsc,hdc->bshd", x["c_kv"], x["w_uk"])  # [B, S, H, Dn], as kv_b_proj gives it
+    from_latent = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0)
+    from_keys = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0, k_nope=k_nope)
+    torch.testing.assert_close(from_keys, from_latent)
+    wrong = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0, k_nope=k_nope.flip(1))
+    assert not torch.allclose(wrong, from_latent)  # the keys given are the ones used

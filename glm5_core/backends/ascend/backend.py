@@ -13,6 +13,8 @@ MISSING = {
                           "the NPU",
     "muon_orthogonalize": "Newton-Schulz is batched matmuls that torch_npu already runs on the cube units: the "
                           "reference (one batched chain over the leading dims) runs on npu tensors; no fused vendor op",
+    "dsa_sparse_prefill_expanded": "no vendor op mapped for the expanded (per-head keys) sparse prefill yet; the "
+                                   "reference runs as torch ops on the NPU (dsa_sparse_prefill is the vendor's)",
 }
 
 

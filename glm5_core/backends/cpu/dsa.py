@@ -4,7 +4,9 @@ Each takes exactly the arguments of its reference (``glm5_core.ops.dsa``), alrea
 the native ``torch.ops.glm5_cpu`` ops. Sparse prefill and sparse decode share one contract (absorbed MLA
 over the selected latent rows, any number of queries) and one forward kernel; a prefill that needs gradients
 (training) goes through the native backward ``sparse_prefill_backward`` (csrc/cpu_sparse_prefill_backward.cpp),
-which touches the selected rows only: O(T K) time and memory, never O(T S). The query absorption and the
+which touches the selected rows only: O(T K) time and memory, never O(T S). The expanded form
+(``dsa_sparse_prefill_expanded``: per-head keys and values, csrc/cpu_sparse_expanded.cpp) has its own native
+forward and backward. The query absorption and the
 output projection stay torch ops (autograd differentiates them). The indexer top-k returns indices, which
 carry no gradient: it runs natively whatever its inputs require. The indexer scores at the selected keys (the
 sparse stage's KL) have a native forward and backward over the selected rows
@@ -115,6 +117,44 @@ def _selected_supports(q, k, w, topk_idx):
     return _on_cpu(q, k, w, topk_idx)
 
 
+class _SparseExpandedAttention(torch.autograd.Function):
+    """out [B, T, Hm, Dv] from the native expanded forward, which also gives the per-head log-sum-exp [B, T, Hm];
+    the backward recomputes p from it over the selected rows (nothing [T, K]-sized kept between the passes) and
+    returns d q_nope, d q_pe, d k_nope, d k_pe, d v (csrc/cpu_sparse_expanded.cpp)."""
+
+    @staticmethod
+    def forward(ctx, q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale):
+        out, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale)
+        ctx.save_for_backward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse = ctx.saved_tensors
+        grads = torch.ops.glm5_cpu.sparse_expanded_backward(grad_out.to(q_nope.dtype).contiguous(), q_nope, q_pe,
+                                                             k_nope, k_pe, v, topk_idx, lse, ctx.scale)
+        d_q_nope, d_q_pe, d_k_nope, d_k_pe, d_v = grads
+        return d_q_nope, d_q_pe, d_k_nope.to(k_nope.dtype), d_k_pe.to(k_pe.dtype), d_v.to(v.dtype), None, None
+
+
+def sparse_prefill_expanded(q_nope, q_pe, k_nope, k_pe, v, topk_idx, *, scale: float) -> torch.Tensor:
+    """[B, T, Hm, Dv]: expanded-form MLA over the selected per-head keys (read in place, through their strides:
+    k_nope and v may be views of one kv_b_proj output); differentiable through the native backward."""
+    out_dtype = q_nope.dtype
+    ct = _checks.compute_dtype(out_dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_pe, k_nope, k_pe, v)):
+        out = _SparseExpandedAttention.apply(q_nope.to(ct), q_pe.to(ct), k_nope, k_pe, v, topk_idx, float(scale))
+    else:
+        out, _ = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope.to(ct), q_pe.to(ct), k_nope, k_pe, v, topk_idx,
+                                                           float(scale))
+    return out.to(out_dtype)
+
+
+def _sparse_expanded_supports(q_nope, q_pe, k_nope, k_pe, v, topk_idx, *, scale: float):
+    return _on_cpu(q_nope, q_pe, k_nope, k_pe, v, topk_idx)
+
+
 KERNELS: Mapping[str, Kernel] = {
     "dsa_indexer_topk": Kernel(indexer_topk, supports=_indexer_supports),
     "dsa_sparse_decode": Kernel(sparse_decode, supports=_sparse_supports),
@@ -122,4 +162,6 @@ KERNELS: Mapping[str, Kernel] = {
     "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports, differentiable=True),
     # native backward (selected_index_scores_backward) over the selected keys only
     "dsa_selected_index_scores": Kernel(selected_index_scores, supports=_selected_supports, differentiable=True),
+    "dsa_sparse_prefill_expanded": Kernel(sparse_prefill_expanded, supports=_sparse_expanded_supports,
+                                          differentiable=True),
 }

@@ -1,7 +1,7 @@
 """Fake (meta) implementations of the ``torch.ops.glm5_cpu`` custom ops, so ``torch.compile`` and
 FakeTensor tracing see their output shapes without running them. Registered once, by ``extension.load``.
 
-Legend as in the op modules: B batch, T queries, K top-k width, H heads, C latent width, N tokens,
+Legend as in the op modules: B batch, T queries, S keys, K top-k width, H heads, C latent width, N tokens,
 E experts, M = N * K routed rows, D hidden size.
 """
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selected_index_scores",
-              "selected_index_scores_backward", "moe_select", "moe_route", "moe_dispatch",
+              "selected_index_scores_backward", "sparse_expanded_forward", "sparse_expanded_backward",
+              "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
@@ -34,6 +35,17 @@ def _selected_index_scores(q, keys, w, topk_idx):
 
 def _selected_index_scores_backward(grad, q, keys, w, topk_idx):
     return torch.empty_like(q), torch.empty_like(keys), torch.empty_like(w)  # d q, d keys, d w
+
+
+def _sparse_expanded_forward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale):
+    B, T, H = q_nope.shape[:3]
+    return q_nope.new_empty((B, T, H, v.shape[3])), q_nope.new_empty((B, T, H))  # out [B, T, H, Dv], lse [B, T, H]
+
+
+def _sparse_expanded_backward(grad_out, q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse, scale):
+    B, S, H = k_nope.shape[:3]  # d q_nope, d q_pe, d k_nope [B, S, H, Dn], d k_pe [B, S, R], d v [B, S, H, Dv]
+    return (q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_pe.shape), q_nope.new_empty(k_nope.shape),
+            q_nope.new_empty(k_pe.shape), q_nope.new_empty(v.shape))
 
 
 def _moe_select(select, top_k, n_group, topk_group):
@@ -87,7 +99,9 @@ def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
              "sparse_prefill_backward": _sparse_prefill_backward, "selected_index_scores": _selected_index_scores,
-             "selected_index_scores_backward": _selected_index_scores_backward, "moe_select": _moe_select,
+             "selected_index_scores_backward": _selected_index_scores_backward,
+             "sparse_expanded_forward": _sparse_expanded_forward,
+             "sparse_expanded_backward": _sparse_expanded_backward, "moe_select": _moe_select,
              "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,

@@ -17,6 +17,8 @@ def kernel_table() -> Dict[str, Kernel]:
 # Ops left to the reference, and why (shown by `glm5 backends`).
 MISSING = {
     "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the cuda kernel",
+    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
+                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
 }
 
 

@@ -28,6 +28,8 @@ def kernel_table() -> Dict[str, Kernel]:
 
 MISSING = {
     "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
+    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
+                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
 }
 
 

@@ -1,0 +1,485 @@
+// Sparse MLA prefill in the EXPANDED form for CPU (training and inference prefill), forward and backward.
+//
+// Legend: B batch, T queries, H heads, Dn nope width, R rope width, Dv value width, S key slots, K selected keys
+// per query (-1 = none), n the selected keys of one query.
+//   q_nope [B, T, H, Dn], q_pe [B, T, H, R] (fp32 / fp64), k_nope [B, S, H, Dn], k_pe [B, S, R] (shared by the
+//   heads), v [B, S, H, Dv] (fp32, fp64, bf16 or fp16, read in place: only the selected rows are touched; any
+//   strides with a unit last one, so k_nope and v may be the two halves of kv_b_proj's output), topk_idx [B, T, K].
+// Forward:  s[h,j] = scale * (q_nope[h] . k_nope[i_j, h] + q_pe[h] . k_pe[i_j]),  p = softmax_j(s),
+//           out[h] = sum_j p[h,j] v[i_j, h],  lse[h] = log sum_j exp s[h,j]  (-inf and zeros for no key).
+// Backward (dO = d out):  p recomputed from lse,  dP[h,j] = dO[h] . v[i_j, h],  D[h] = sum_j p dP,
+//           G = scale * p (dP - D);  d q_nope[h] = sum_j G k_nope[i_j, h],  d q_pe[h] = sum_j G k_pe[i_j],
+//           d k_nope[s, h] = sum_{(t,j): i_j = s} G[h,j] q_nope[h],  d v[s, h] = sum p[h,j] dO[h],
+//           d k_pe[s] = sum sum_h G[h,j] q_pe[h].
+// Per score Dn + R products and per output Dv, against C + R and C in the absorbed form (cpu_sparse_decode.cpp).
+//
+// Layout: the kernels first copy q, k_nope, v (and dO) into head-minor buffers [rows, D, G, 8] (G = ceil(H / 8)
+// groups of 8 heads, zero padded, converted to the accumulation type): a score of 8 heads is then Dn + R lane-wise
+// multiply-adds, with no horizontal sum (what a per-head dot product of 32 or 48 values would spend its time on).
+// Determinism: the forward and pass 1 of the backward work on one query row at a time (rows are independent).
+// Pass 2 groups the block's (t, j) entries by key (a counting sort, ascending (t, j) within each key) and gives
+// each key to one thread, which adds its entries in that order: every key gradient is summed in (t, j) order
+// whatever the thread count, so the gradients are bitwise repeatable. Rows go through in blocks whose p / G
+// ([rows, H, K]) fit kBlockBytes (a size set by the shapes only): time and memory O(T K), never O(T S).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "cpu_parallel.h"
+#include "cpu_simd.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int64_t kBlockBytes = int64_t(64) << 20;  // p and G of a block of query rows
+constexpr int64_t kLanes = 8;  // heads per head vector: the kernels vectorise over heads, never reduce within one
+
+// A vector of kLanes heads. Head-minor copies [X, D, G, kLanes] (G = ceil(H / kLanes) head groups, zero padded)
+// make every per-head dot product a chain of lane-wise multiply-adds: no horizontal sum per score.
+typedef float HeadVecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef double HeadVecD __attribute__((vector_size(kLanes * sizeof(double))));
+template <typename T> struct HeadVec;
+template <> struct HeadVec<float> { using V = HeadVecF; };
+template <> struct HeadVec<double> { using V = HeadVecD; };
+
+inline HeadVecF fma_lanes(HeadVecF a, HeadVecF b, HeadVecF c) {
+#if defined(__FMA__) && defined(__AVX2__)
+  return (HeadVecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline HeadVecD fma_lanes(HeadVecD a, HeadVecD b, HeadVecD c) {
+#if defined(__AVX512F__)
+  return (HeadVecD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <typename V> inline V max_lanes(V a, V b) { return a > b ? a : b; }
+
+// A [B, X, H, D] (or [B, X, D] with h = 0) tensor with a unit last stride, read through its strides.
+template <typename T> struct Rows {
+  const T* base;
+  int64_t sb, sx, sh;
+  const T* at(int64_t b, int64_t x, int64_t h) const { return base + b * sb + x * sx + h * sh; }
+};
+
+template <typename T> Rows<T> rows_of(const at::Tensor& t) {
+  const bool per_head = t.dim() == 4;
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), per_head ? t.stride(2) : 0};
+}
+
+struct Sizes {
+  int64_t B, T, H, Dn, R, Dv, S, K;
+  int64_t groups() const { return (H + kLanes - 1) / kLanes; }
+};
+
+// dst [B * X, D, G] head vectors (acc_t, heads past H zero) from src [B, X, H, D], in parallel over rows.
+template <typename acc_t, typename src_t>
+std::vector<typename HeadVec<acc_t>::V> head_minor(const Rows<src_t>& src, int64_t B, int64_t X, int64_t H,
+                                                   int64_t D, int64_t G) {
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<V> dst(B * X * D * G);
+  at::parallel_for(0, B * X, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bx = begin; bx < end; ++bx) {
+      acc_t* row = reinterpret_cast<acc_t*>(dst.data() + bx * D * G);  // [D, G * kLanes]
+      for (int64_t i = 0; i < D * G * kLanes; ++i) row[i] = acc_t(0);
+      for (int64_t h = 0; h < H; ++h) {
+        const src_t* x = src.at(bx / X, bx % X, h);
+        for (int64_t d = 0; d < D; ++d) row[d * G * kLanes + h] = static_cast<acc_t>(x[d]);
+      }
+    }
+  });
+  return dst;
+}
+
+// out [B, X, H, D] (standard layout) from head vectors [B * X, D, G], in parallel over rows.
+template <typename acc_t>
+void from_head_minor(const typename HeadVec<acc_t>::V* src, int64_t rows, int64_t H, int64_t D, int64_t G,
+                     acc_t* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const acc_t* row = reinterpret_cast<const acc_t*>(src + r * D * G);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) out[(r * H + h) * D + d] = row[d * G * kLanes + h];
+    }
+  });
+}
+
+// The head-minor inputs both passes read.
+template <typename acc_t> struct HeadMinorInputs {
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<V> q_nope, q_pe, k_nope, v;  // [B*T, Dn, G], [B*T, R, G], [B*S, Dn, G], [B*S, Dv, G]
+};
+
+template <typename cache_t, typename acc_t>
+HeadMinorInputs<acc_t> head_minor_inputs(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe,
+                                         const Rows<cache_t>& k_nope, const Rows<cache_t>& v, const Sizes& z) {
+  const int64_t G = z.groups();
+  return {head_minor<acc_t>(q_nope, z.B, z.T, z.H, z.Dn, G), head_minor<acc_t>(q_pe, z.B, z.T, z.H, z.R, G),
+          head_minor<acc_t>(k_nope, z.B, z.S, z.H, z.Dn, G), head_minor<acc_t>(v, z.B, z.S, z.H, z.Dv, G)};
+}
+
+// Per-thread scratch of one query row: kept slots / keys, and per-key head vectors [n, G].
+template <typename acc_t> struct Scratch {
+  using V = typename HeadVec<acc_t>::V;
+  std::vector<int64_t> slot, key;  // kept slot j and its flat key b * S + s
+  std::vector<V> score, acc;  // [K, G] scores; accumulators [max(Dn, Dv, R) + 2, G]
+  void reserve(const Sizes& z) {
+    const int64_t G = z.groups();
+    slot.reserve(z.K), key.reserve(z.K), score.resize(z.K * G);
+    acc.resize((std::max(std::max(z.Dn, z.Dv), z.R) + 2) * G);
+  }
+};
+
+template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx, int64_t row, const Sizes& z) {
+  const int64_t b = row / z.T;
+  w.slot.clear(), w.key.clear();
+  for (int64_t j = 0; j < z.K; ++j) {
+    const int64_t s = idx[row * z.K + j];
+    if (s < 0) continue;
+    w.slot.push_back(j), w.key.push_back(b * z.S + s);
+  }
+}
+
+// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`; returns via max_G
+// the lane-wise max over the keys.
+template <typename cache_t, typename acc_t>
+void row_scores(Scratch<acc_t>& w, const HeadMinorInputs<acc_t>& in, const Rows<cache_t>& k_pe, int64_t row,
+                acc_t scale, const Sizes& z, typename HeadVec<acc_t>::V* max_G) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups(), S = z.S;
+  const V* qn = in.q_nope.data() + row * z.Dn * G;
+  const V* qr = in.q_pe.data() + row * z.R * G;
+  const V vscale = V{} + scale;
+  for (int64_t g = 0; g < G; ++g) max_G[g] = V{} - std::numeric_limits<acc_t>::infinity();
+  for (size_t i = 0; i < w.key.size(); ++i) {
+    const int64_t key = w.key[i];
+    const V* kn = in.k_nope.data() + key * z.Dn * G;
+    const cache_t* kr = k_pe.at(key / S, key % S, 0);
+    for (int64_t g = 0; g < G; ++g) {
+      V acc{};
+      for (int64_t d = 0; d < z.Dn; ++d) acc = fma_lanes(qn[d * G + g], kn[d * G + g], acc);
+      for (int64_t r = 0; r < z.R; ++r) acc = fma_lanes(qr[r * G + g], V{} + static_cast<acc_t>(kr[r]), acc);
+      w.score[i * G + g] = acc * vscale;
+      max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
+    }
+  }
+}
+
+template <typename V, typename acc_t> inline V exp_lanes(V x) {
+  acc_t lanes[kLanes];
+  __builtin_memcpy(lanes, &x, sizeof(V));
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::exp(lanes[l]);
+  __builtin_memcpy(&x, lanes, sizeof(V));
+  return x;
+}
+
+template <typename cache_t, typename acc_t>
+void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Rows<cache_t>& k_nope,
+                    const Rows<cache_t>& k_pe, const Rows<cache_t>& v, const int64_t* idx, acc_t scale,
+                    const Sizes& z, acc_t* out, acc_t* lse) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups();
+  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<Scratch<acc_t>> scratch(threads);  // allocated before the region
+  for (auto& w : scratch) w.reserve(z);
+  RegionErrors errors;
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch<acc_t>& w = scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t row = 0; row < z.B * z.T; ++row) {
+      errors.run([&] {
+        gather_row(w, idx, row, z);
+        const int64_t n = static_cast<int64_t>(w.key.size());
+        acc_t* o = out + row * z.H * z.Dv;  // [H, Dv]
+        if (n == 0) {  // no selected key: zeros, as the reference
+          for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = acc_t(0);
+          for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
+          return;
+        }
+        V* max_G = w.acc.data() + z.Dv * G;
+        row_scores(w, in, k_pe, row, scale, z, max_G);
+        V* out_DG = w.acc.data();  // [Dv, G]
+        for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
+        V* total = max_G + G;  // [G]
+        for (int64_t g = 0; g < G; ++g) total[g] = V{};
+        for (int64_t i = 0; i < n; ++i) {
+          const V* vv = in.v.data() + w.key[i] * z.Dv * G;
+          for (int64_t g = 0; g < G; ++g) {
+            const V p = exp_lanes<V, acc_t>(w.score[i * G + g] - max_G[g]);
+            total[g] = total[g] + p;
+            for (int64_t d = 0; d < z.Dv; ++d) out_DG[d * G + g] = fma_lanes(p, vv[d * G + g], out_DG[d * G + g]);
+          }
+        }
+        const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kLanes]
+        const acc_t* tot = reinterpret_cast<const acc_t*>(total);
+        const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
+        for (int64_t h = 0; h < z.H; ++h) {
+          const acc_t inv = acc_t(1) / tot[h];
+          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kLanes + h] * inv;
+          lse[row * z.H + h] = mx[h] + std::log(tot[h]);
+        }
+      });
+    }
+  }
+  errors.rethrow_if_failed("sparse_expanded_forward");
+}
+
+template <typename cache_t, typename acc_t>
+void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe,
+                     const Rows<cache_t>& k_nope, const Rows<cache_t>& k_pe, const Rows<cache_t>& v,
+                     const int64_t* idx, const acc_t* lse, acc_t scale, const Sizes& z, acc_t* dq_nope,
+                     acc_t* dq_pe, acc_t* dk_nope, acc_t* dk_pe, acc_t* dv) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t rows = z.B * z.T, G = z.groups(), KG = z.K * G, keys = z.B * z.S;
+  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
+  const std::vector<V> dO = head_minor<acc_t>(Rows<acc_t>{grad_out, z.T * z.H * z.Dv, z.H * z.Dv, z.Dv}, z.B, z.T,
+                                              z.H, z.Dv, G);  // [B*T, Dv, G]
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, 2 * KG * int64_t(sizeof(V))));
+  const int64_t block_rows = std::min(rows, block);
+  std::vector<V> p_all(block_rows * KG), g_all(block_rows * KG);  // [rows of the block, K, G]
+  std::vector<V> dq_n(rows * z.Dn * G), dq_r(rows * z.R * G);  // head-minor query gradients
+  std::vector<V> dk_n(keys * z.Dn * G), dk_r(keys * z.R * G), dv_h(keys * z.Dv * G);  // head-minor key gradients
+  std::vector<int64_t> start(keys + 1), fill(keys), entries(block_rows * z.K), touched;
+  touched.reserve(std::min(keys, block_rows * z.K));
+  std::vector<Scratch<acc_t>> scratch(threads);
+  for (auto& w : scratch) w.reserve(z);
+  RegionErrors errors;
+
+  for (int64_t row0 = 0; row0 < rows; row0 += block) {
+    const int64_t row1 = std::min(rows, row0 + block);
+    // Pass 1 (parallel over rows): p and G of every kept entry, d q_nope and d q_pe of the row.
+#pragma omp parallel num_threads(threads)
+    {
+      Scratch<acc_t>& w = scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t row = row0; row < row1; ++row) {
+        errors.run([&] {
+          gather_row(w, idx, row, z);
+          const int64_t n = static_cast<int64_t>(w.key.size());
+          V* dqn = dq_n.data() + row * z.Dn * G;
+          V* dqr = dq_r.data() + row * z.R * G;
+          if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
+          V* unused_max = w.acc.data();
+          row_scores(w, in, k_pe, row, scale, z, unused_max);
+          V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
+          acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
+          for (int64_t l = 0; l < G * kLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
+          V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
+          for (int64_t g = 0; g < G; ++g) d_sum[g] = V{};
+          const V* dO_row = dO.data() + row * z.Dv * G;
+          V* p = p_all.data() + (row - row0) * KG;  // [K, G], indexed by slot j
+          V* gr = g_all.data() + (row - row0) * KG;
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t j = w.slot[i];
+            const V* vv = in.v.data() + w.key[i] * z.Dv * G;
+            for (int64_t g = 0; g < G; ++g) {
+              p[j * G + g] = exp_lanes<V, acc_t>(w.score[i * G + g] - lse_G[g]);
+              V dP{};
+              for (int64_t d = 0; d < z.Dv; ++d) dP = fma_lanes(dO_row[d * G + g], vv[d * G + g], dP);
+              gr[j * G + g] = dP;  // dP, for now
+              d_sum[g] = fma_lanes(p[j * G + g], dP, d_sum[g]);
+            }
+          }
+          const V vscale = V{} + scale;
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t j = w.slot[i], key = w.key[i];
+            const V* kn = in.k_nope.data() + key * z.Dn * G;
+            const cache_t* kr = k_pe.at(key / z.S, key % z.S, 0);
+            for (int64_t g = 0; g < G; ++g) {
+              const V gv = vscale * (p[j * G + g] * (gr[j * G + g] - d_sum[g]));
+              gr[j * G + g] = gv;
+              for (int64_t d = 0; d < z.Dn; ++d) dqn[d * G + g] = fma_lanes(gv, kn[d * G + g], dqn[d * G + g]);
+              for (int64_t r = 0; r < z.R; ++r)
+                dqr[r * G + g] = fma_lanes(gv, V{} + static_cast<acc_t>(kr[r]), dqr[r * G + g]);
+            }
+          }
+        });
+      }
+    }
+    errors.rethrow_if_failed("sparse_expanded_backward");
+
+    // Group the block's kept entries (local row * K + j) by key, ascending within each key (a counting sort).
+    std::fill(start.begin(), start.end(), int64_t(0));
+    for (int64_t row = row0; row < row1; ++row)
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j];
+        if (s >= 0) ++start[(row / z.T) * z.S + s + 1];
+      }
+    touched.clear();
+    for (int64_t key = 0; key < keys; ++key) {
+      if (start[key + 1] > 0) touched.push_back(key);
+      start[key + 1] += start[key];
+      fill[key] = start[key];
+    }
+    for (int64_t row = row0; row < row1; ++row)
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j];
+        if (s >= 0) entries[fill[(row / z.T) * z.S + s]++] = (row - row0) * z.K + j;
+      }
+
+    // Pass 2 (parallel over keys, each key owned by one thread): add its entries in (t, j) order.
+    const int64_t n_touched = static_cast<int64_t>(touched.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (int64_t k = 0; k < n_touched; ++k) {
+      const int64_t key = touched[k];
+      V* dkn = dk_n.data() + key * z.Dn * G;
+      V* dkr = dk_r.data() + key * z.R * G;
+      V* dvv = dv_h.data() + key * z.Dv * G;
+      for (int64_t e = start[key]; e < start[key + 1]; ++e) {
+        const int64_t local = entries[e] / z.K, j = entries[e] % z.K, row = row0 + local;
+        const V* qn = in.q_nope.data() + row * z.Dn * G;
+        const V* qr = in.q_pe.data() + row * z.R * G;
+        const V* dO_row = dO.data() + row * z.Dv * G;
+        for (int64_t g = 0; g < G; ++g) {
+          const V p = p_all[local * KG + j * G + g], gv = g_all[local * KG + j * G + g];
+          for (int64_t d = 0; d < z.Dn; ++d) dkn[d * G + g] = fma_lanes(gv, qn[d * G + g], dkn[d * G + g]);
+          for (int64_t d = 0; d < z.Dv; ++d) dvv[d * G + g] = fma_lanes(p, dO_row[d * G + g], dvv[d * G + g]);
+          for (int64_t r = 0; r < z.R; ++r) dkr[r * G + g] = fma_lanes(gv, qr[r * G + g], dkr[r * G + g]);
+        }
+      }
+    }
+  }
+  from_head_minor<acc_t>(dq_n.data(), rows, z.H, z.Dn, G, dq_nope);
+  from_head_minor<acc_t>(dq_r.data(), rows, z.H, z.R, G, dq_pe);
+  from_head_minor<acc_t>(dk_n.data(), keys, z.H, z.Dn, G, dk_nope);
+  from_head_minor<acc_t>(dv_h.data(), keys, z.H, z.Dv, G, dv);
+  // d k_pe[s, r] = sum over heads (ascending, a fixed order) of the head-minor rope gradient.
+  at::parallel_for(0, keys, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t key = begin; key < end; ++key) {
+      const acc_t* src = reinterpret_cast<const acc_t*>(dk_r.data() + key * z.R * G);  // [R, G * kLanes]
+      for (int64_t r = 0; r < z.R; ++r) {
+        acc_t sum = 0;
+        for (int64_t h = 0; h < z.H; ++h) sum = sum + src[r * G * kLanes + h];
+        dk_pe[key * z.R + r] = sum;
+      }
+    }
+  });
+}
+
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+Sizes check_inputs(const char* op, const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& k_nope,
+                   const at::Tensor& k_pe, const at::Tensor& v, const at::Tensor& topk_idx) {
+  TORCH_CHECK(q_nope.dim() == 4 && q_pe.dim() == 4 && k_nope.dim() == 4 && k_pe.dim() == 3 && v.dim() == 4 &&
+                  topk_idx.dim() == 3,
+              op, ": bad ranks");
+  TORCH_CHECK(q_nope.scalar_type() == q_pe.scalar_type() && k_nope.scalar_type() == k_pe.scalar_type() &&
+                  k_nope.scalar_type() == v.scalar_type(),
+              op, ": dtypes differ");
+  const Sizes z{q_nope.size(0), q_nope.size(1), q_nope.size(2), q_nope.size(3), q_pe.size(3), v.size(3),
+                k_nope.size(1), topk_idx.size(2)};
+  TORCH_CHECK(q_pe.size(0) == z.B && q_pe.size(1) == z.T && q_pe.size(2) == z.H && k_nope.size(0) == z.B &&
+                  k_nope.size(2) == z.H && k_nope.size(3) == z.Dn && k_pe.size(0) == z.B && k_pe.size(1) == z.S &&
+                  k_pe.size(2) == z.R && v.size(0) == z.B && v.size(1) == z.S && v.size(2) == z.H &&
+                  topk_idx.size(0) == z.B && topk_idx.size(1) == z.T,
+              op, ": shapes disagree");
+  return z;
+}
+
+at::Tensor checked_indices(const char* op, const at::Tensor& topk_idx, int64_t S) {
+  // The kernels read the selected rows in place: an index past the keys must not reach them, even when the
+  // public op's value checks are off. Negative entries mean "no key", as in the reference.
+  auto idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t* flat = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
+    TORCH_CHECK_INDEX(flat[i] < S, op, ": topk_idx entry ", flat[i], " is past the keys (S=", S, " slots)");
+  return idx;
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_expanded_forward(const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
+                                                           const at::Tensor& k_nope_in, const at::Tensor& k_pe_in,
+                                                           const at::Tensor& v_in, const at::Tensor& topk_idx,
+                                                           double scale) {
+  const char* op = "sparse_expanded_forward";
+  const Sizes z = check_inputs(op, q_nope_in, q_pe_in, k_nope_in, k_pe_in, v_in, topk_idx);
+  auto qn = unit_last_stride(q_nope_in), qr = unit_last_stride(q_pe_in), kn = unit_last_stride(k_nope_in);
+  auto kr = unit_last_stride(k_pe_in), vv = unit_last_stride(v_in);
+  auto idx = checked_indices(op, topk_idx, z.S);
+  auto out = at::empty({z.B, z.T, z.H, z.Dv}, qn.options());
+  auto lse = at::empty({z.B, z.T, z.H}, qn.options());
+  if (qn.scalar_type() == at::kDouble) {
+    TORCH_CHECK(kn.scalar_type() == at::kDouble, op, ": fp64 queries need fp64 keys");
+    forward_kernel<double, double>(rows_of<double>(qn), rows_of<double>(qr), rows_of<double>(kn),
+                                   rows_of<double>(kr), rows_of<double>(vv), idx.data_ptr<int64_t>(), scale, z,
+                                   out.data_ptr<double>(), lse.data_ptr<double>());
+    return {out, lse};
+  }
+  TORCH_CHECK(qn.scalar_type() == at::kFloat, op, ": expected fp32 or fp64 queries");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kn.scalar_type(), "sparse_expanded_forward", [&] {
+    forward_kernel<scalar_t, float>(rows_of<float>(qn), rows_of<float>(qr), rows_of<scalar_t>(kn),
+                                    rows_of<scalar_t>(kr), rows_of<scalar_t>(vv), idx.data_ptr<int64_t>(),
+                                    static_cast<float>(scale), z, out.data_ptr<float>(), lse.data_ptr<float>());
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_expanded_backward(
+    const at::Tensor& grad_out_in, const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
+    const at::Tensor& k_nope_in, const at::Tensor& k_pe_in, const at::Tensor& v_in, const at::Tensor& topk_idx,
+    const at::Tensor& lse_in, double scale) {
+  const char* op = "sparse_expanded_backward";
+  const Sizes z = check_inputs(op, q_nope_in, q_pe_in, k_nope_in, k_pe_in, v_in, topk_idx);
+  TORCH_CHECK(grad_out_in.dim() == 4 && grad_out_in.size(0) == z.B && grad_out_in.size(1) == z.T &&
+                  grad_out_in.size(2) == z.H && grad_out_in.size(3) == z.Dv,
+              op, ": grad_out must be [B, T, H, Dv]");
+  TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == z.B && lse_in.size(1) == z.T && lse_in.size(2) == z.H, op,
+              ": lse must be [B, T, H]");
+  TORCH_CHECK(grad_out_in.scalar_type() == q_nope_in.scalar_type() && lse_in.scalar_type() == q_nope_in.scalar_type(),
+              op, ": grad_out / lse must have the queries' dtype");
+  auto dO = grad_out_in.contiguous(), lse = lse_in.contiguous();
+  auto qn = unit_last_stride(q_nope_in), qr = unit_last_stride(q_pe_in), kn = unit_last_stride(k_nope_in);
+  auto kr = unit_last_stride(k_pe_in), vv = unit_last_stride(v_in);
+  auto idx = checked_indices(op, topk_idx, z.S);
+  auto opts = qn.options();
+  auto dq_nope = at::empty({z.B, z.T, z.H, z.Dn}, opts), dq_pe = at::empty({z.B, z.T, z.H, z.R}, opts);
+  auto dk_nope = at::empty({z.B, z.S, z.H, z.Dn}, opts), dk_pe = at::empty({z.B, z.S, z.R}, opts);
+  auto dv = at::empty({z.B, z.S, z.H, z.Dv}, opts);
+  if (qn.scalar_type() == at::kDouble) {
+    TORCH_CHECK(kn.scalar_type() == at::kDouble, op, ": fp64 queries need fp64 keys");
+    backward_kernel<double, double>(dO.data_ptr<double>(), rows_of<double>(qn), rows_of<double>(qr),
+                                    rows_of<double>(kn), rows_of<double>(kr), rows_of<double>(vv),
+                                    idx.data_ptr<int64_t>(), lse.data_ptr<double>(), scale, z,
+                                    dq_nope.data_ptr<double>(), dq_pe.data_ptr<double>(), dk_nope.data_ptr<double>(),
+                                    dk_pe.data_ptr<double>(), dv.data_ptr<double>());
+    return {dq_nope, dq_pe, dk_nope, dk_pe, dv};
+  }
+  TORCH_CHECK(qn.scalar_type() == at::kFloat, op, ": expected fp32 or fp64 queries");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kn.scalar_type(), "sparse_expanded_backward", [&] {
+    backward_kernel<scalar_t, float>(dO.data_ptr<float>(), rows_of<float>(qn), rows_of<float>(qr),
+                                     rows_of<scalar_t>(kn), rows_of<scalar_t>(kr), rows_of<scalar_t>(vv),
+                                     idx.data_ptr<int64_t>(), lse.data_ptr<float>(), static_cast<float>(scale), z,
+                                     dq_nope.data_ptr<float>(), dq_pe.data_ptr<float>(), dk_nope.data_ptr<float>(),
+                                     dk_pe.data_ptr<float>(), dv.data_ptr<float>());
+  });
+  return {dq_nope, dq_pe, dk_nope, dk_pe, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
+  m.def("sparse_expanded_forward(Tensor q_nope, Tensor q_pe, Tensor k_nope, Tensor k_pe, Tensor v, "
+        "Tensor topk_idx, float scale) -> (Tensor, Tensor)");
+  m.def("sparse_expanded_backward(Tensor grad_out, Tensor q_nope, Tensor q_pe, Tensor k_nope, Tensor k_pe, "
+        "Tensor v, Tensor topk_idx, Tensor lse, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
+  m.impl("sparse_expanded_forward", &sparse_expanded_forward);
+  m.impl("sparse_expanded_backward", &sparse_expanded_backward);
+}
+
+}  // namespace glm5
