@@ -98,3 +98,45 @@ def test_calculator_env_rejects_bad_settings_at_construction(name, bad):
     # engine as max_new_tokens=0
     with pytest.raises(ValueError, match=name):
         CalculatorEnv(**{name: bad})
+
+
+def test_arithmetic_answer_width_zero_pads_every_sum_and_refuses_a_width_that_pads_nothing():
+    env = ArithmeticEnv(max_operand=9, max_new_tokens=2, answer_width=2)
+    codec = env.codec
+    assert [env.episode("g", a, b).expected for a, b in ((3, 4), (0, 0), (9, 9))] == ["07", "00", "18"]
+    padded, unpadded = env.episode("g", 3, 4), ArithmeticEnv(max_operand=9).episode("g", 3, 4)
+    for ep in (padded, unpadded):
+        ep.observe(codec.encode("07"))
+    assert (padded.reward, unpadded.reward) == (1.0, 0.0)
+    padded.observe(codec.encode("7\n"))
+    assert padded.reward == 0.0
+    for kwargs, message in (({"answer_width": 1}, "answer_width: expected 0 .* or an int >= 2"),
+                            ({"max_operand": 50, "answer_width": 2}, "answer_width: expected 0 .* or an int >= 3"),
+                            ({"answer_width": True}, "answer_width: expected"),
+                            ({"answer_width": 2, "max_new_tokens": 1}, "max_new_tokens: expected >= answer_width=2"),
+                            ({"partial_credit": 1}, "partial_credit: expected true or false")):
+        with pytest.raises(ValueError, match=message):
+            ArithmeticEnv(**{"max_operand": 9, "max_new_tokens": 3, **kwargs})
+
+
+@pytest.mark.parametrize("answer,exact_only,partial", [("07", 1.0, 1.0), ("17", 0.0, 0.5), ("08", 0.0, 0.5),
+                                                       ("70", 0.0, 0.0), ("0", 0.0, 0.5), ("077", 0.0, 2 / 3),
+                                                       ("", 0.0, 0.0), (" 07\nx", 1.0, 1.0)])
+def test_arithmetic_partial_credit_pays_the_digits_right_in_place_and_only_an_exact_answer_in_full(
+        answer, exact_only, partial):
+    rewards = []
+    for partial_credit in (False, True):
+        env = ArithmeticEnv(max_operand=9, max_new_tokens=3, answer_width=2, partial_credit=partial_credit)
+        ep = env.episode("g", 3, 4)
+        ep.observe(env.codec.encode(answer))
+        rewards.append(ep.reward)
+    assert rewards == [exact_only, pytest.approx(partial)]
+
+
+def test_arithmetic_options_are_config_keys_checked_at_config_time():
+    from glm5_core.rl.rollout.envs.registry import env_problems
+
+    assert env_problems({"name": "arithmetic", "max_operand": 9, "max_new_tokens": 2, "answer_width": 2,
+                         "partial_credit": True}) == []
+    problems = env_problems({"name": "arithmetic", "max_operand": 9, "max_new_tokens": 2, "answer_width": 1})
+    assert len(problems) == 1 and "answer_width: expected 0" in problems[0]

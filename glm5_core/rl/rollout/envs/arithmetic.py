@@ -8,6 +8,13 @@ a byte-level model pretrained on source code can reach by sampling, so RL has a 
 Held-out evaluation: a ``held_out`` share of the (a, b) pairs (a fixed split: ``split_seed`` shuffles the
 pairs, the run's seed does not) is the eval set and never drawn for training. ``held_out: 0`` trains on
 every pair and evaluates on every pair (nothing held out; the task as it was before the split existed).
+
+Two options change what is asked and what is paid, both off by default:
+- ``answer_width`` w >= 2: the answer is the sum zero-padded to w digits (``3+4=`` -> ``07``), so every answer
+  is exactly w byte tokens and no answer has to be ended by a newline. 0: the sum as written (``7``).
+- ``partial_credit``: a wrong answer is paid the share of the expected answer's characters it has right, in
+  place (``17`` for ``07``: 0.5; a longer answer divides by its own length). An exact answer is still the only
+  one paid 1.0, so held-out accuracy and pass@k (``eval.correct_reward: 1.0``) count exact answers only.
 """
 from __future__ import annotations
 
@@ -27,10 +34,30 @@ def score_answer(text: str, expected: int) -> float:
     return 1.0 if text.split("\n", 1)[0].strip() == str(expected) else 0.0
 
 
+def expected_answer(total: int, answer_width: int) -> str:
+    """The answer text of a sum: as written (``answer_width`` 0) or zero-padded to ``answer_width`` digits."""
+    return str(total).zfill(answer_width)
+
+
+def score_text(text: str, expected: str, partial_credit: bool) -> float:
+    """1.0 iff the first line of ``text`` (spaces stripped) is ``expected``; else 0.0, or with ``partial_credit``
+    the share of characters right in place, over the longer of the two."""
+    got = text.split("\n", 1)[0].strip()
+    if got == expected:
+        return 1.0
+    if not partial_credit or not got:
+        return 0.0
+    right = sum(g == e for g, e in zip(got, expected))
+    return right / max(len(got), len(expected))
+
+
 class ArithmeticEpisode(Episode):
-    def __init__(self, group_id: str, a: int, b: int, codec: ByteCodec, template: str, max_new_tokens: int):
+    def __init__(self, group_id: str, a: int, b: int, codec: ByteCodec, template: str, max_new_tokens: int,
+                 answer_width: int = 0, partial_credit: bool = False):
         self.group_id = group_id
         self.a, self.b = a, b
+        self.expected = expected_answer(a + b, answer_width)
+        self._partial_credit = partial_credit
         self._codec = codec
         self._prompt = codec.encode(template.format(a=a, b=b))
         self._limits = TurnLimits(max_new_tokens, (codec.token("\n"),))
@@ -50,7 +77,7 @@ class ArithmeticEpisode(Episode):
 
     @property
     def reward(self) -> float:
-        return score_answer(self._codec.decode(self._answer), self.a + self.b)
+        return score_text(self._codec.decode(self._answer), self.expected, self._partial_credit)
 
     @property
     def num_turns(self) -> int:
@@ -62,7 +89,8 @@ class ArithmeticEpisode(Episode):
 
 class ArithmeticEnv(Environment):
     def __init__(self, *, max_operand: int = 4, template: str = "{a}+{b}=", max_new_tokens: int = 3,
-                 held_out: float = 0.2, split_seed: int = 0, codec: ByteCodec = None, seed: int = 0):
+                 held_out: float = 0.2, split_seed: int = 0, answer_width: int = 0, partial_credit: bool = False,
+                 codec: ByteCodec = None, seed: int = 0):
         if not isinstance(max_operand, int) or not 0 <= max_operand <= 10**6:
             raise ValueError(f"max_operand: expected an int in [0, 1e6], got {max_operand!r}")
         if "{a}" not in template or "{b}" not in template:
@@ -84,6 +112,19 @@ class ArithmeticEnv(Environment):
         if held_out > 0 and (max_operand + 1) ** 2 > MAX_SPLIT_PAIRS:
             raise ValueError(f"held_out: expected 0 with max_operand > {math.isqrt(MAX_SPLIT_PAIRS) - 1} (the split "
                              f"lists every pair), got {held_out!r} with max_operand={max_operand}")
+        widest = len(str(2 * max_operand))
+        if isinstance(answer_width, bool) or not isinstance(answer_width, int) or not (
+                answer_width == 0 or answer_width >= max(2, widest)):
+            raise ValueError(f"answer_width: expected 0 (the sum as written) or an int >= {max(2, widest)} (every sum "
+                             f"zero-padded to one width: 1 pads nothing, and the widest sum with "
+                             f"max_operand={max_operand} has {widest} digits), got {answer_width!r}")
+        if answer_width and max_new_tokens < answer_width:
+            raise ValueError(f"max_new_tokens: expected >= answer_width={answer_width} (no answer fits otherwise), "
+                             f"got {max_new_tokens!r}")
+        if not isinstance(partial_credit, bool):
+            raise ValueError(f"partial_credit: expected true or false, got {partial_credit!r}")
+        self.answer_width = answer_width
+        self.partial_credit = partial_credit
         self.max_operand = max_operand
         self.template = template
         self.max_new_tokens = max_new_tokens
@@ -122,7 +163,8 @@ class ArithmeticEnv(Environment):
         return list(self._eval)
 
     def episode(self, group_id: str, a: int, b: int) -> ArithmeticEpisode:
-        return ArithmeticEpisode(group_id, a, b, self.codec, self.template, self.max_new_tokens)
+        return ArithmeticEpisode(group_id, a, b, self.codec, self.template, self.max_new_tokens, self.answer_width,
+                                 self.partial_credit)
 
     def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
         """One episode factory per held-out pair; None when there are too many pairs to list."""
