@@ -14,6 +14,8 @@ Options that change what is asked and what is paid, all off by default:
   max_digit: 4``: 25 two-digit operands whose sums never carry, so each digit of the answer is the sum of the
   operands' digits in its column). A held-out problem is then a new combination of column sums the training
   problems hold.
+- ``max_b`` m < ``max_operand``: the second operand is at most m (``max_operand: 44, max_digit: 4, max_b: 4``:
+  a two-digit number plus a digit; the tens digit of the answer is that of ``a``).
 - ``operand_width`` w >= 2: operands zero-padded to w digits in the prompt (``03+41=``), so digits of one column
   sit at fixed offsets.
 - ``answer_width`` w >= 2: the answer is the sum zero-padded to w digits (``3+4=`` -> ``07``), so every answer
@@ -96,7 +98,8 @@ class ArithmeticEpisode(Episode):
 class ArithmeticEnv(Environment):
     def __init__(self, *, max_operand: int = 4, template: str = "{a}+{b}=", max_new_tokens: int = 3,
                  held_out: float = 0.2, split_seed: int = 0, answer_width: int = 0, partial_credit: bool = False,
-                 max_digit: int = 9, operand_width: int = 0, codec: ByteCodec = None, seed: int = 0):
+                 max_digit: int = 9, max_b: Optional[int] = None, operand_width: int = 0, codec: ByteCodec = None,
+                 seed: int = 0):
         if not isinstance(max_operand, int) or not 0 <= max_operand <= 10**6:
             raise ValueError(f"max_operand: expected an int in [0, 1e6], got {max_operand!r}")
         if "{a}" not in template or "{b}" not in template:
@@ -120,16 +123,25 @@ class ArithmeticEnv(Environment):
         # the operands (None: every int in [0, max_operand]); max_operand 1e6 lists at most 1e6 ints
         self._numbers = None if max_digit == 9 else [n for n in range(max_operand + 1)
                                                      if max(str(n)) <= str(max_digit)]
+        if max_b is not None and (isinstance(max_b, bool) or not isinstance(max_b, int)
+                                  or not 0 <= max_b < max_operand):
+            raise ValueError(f"max_b: expected null (b up to max_operand) or an int in [0, max_operand={max_operand}), "
+                             f"got {max_b!r}")
+        # the second operands (None: the same as the first)
+        self._b_numbers = None if max_b is None else [n for n in (self._numbers or range(max_operand + 1))
+                                                       if n <= max_b]
         n_numbers = max_operand + 1 if self._numbers is None else len(self._numbers)
-        if held_out > 0 and n_numbers < 2:
+        n_pairs = n_numbers * (n_numbers if self._b_numbers is None else len(self._b_numbers))
+        if held_out > 0 and n_pairs < 2:
             raise ValueError(f"held_out: expected 0 with max_operand=0 (one pair: nothing left to train on), "
                              f"got {held_out!r}")
-        if held_out > 0 and n_numbers ** 2 > MAX_SPLIT_PAIRS:
+        if held_out > 0 and n_pairs > MAX_SPLIT_PAIRS:
             raise ValueError(f"held_out: expected 0 with max_operand > {math.isqrt(MAX_SPLIT_PAIRS) - 1} (the split "
                              f"lists every pair), got {held_out!r} with max_operand={max_operand} "
-                             f"({n_numbers} operands)")
+                             f"({n_numbers} operands, {n_pairs} pairs)")
+        self._n_pairs = n_pairs
         largest = max_operand if self._numbers is None else self._numbers[-1]
-        widest = len(str(2 * largest))
+        widest = len(str(largest + (largest if max_b is None else max_b)))
         if isinstance(answer_width, bool) or not isinstance(answer_width, int) or not (
                 answer_width == 0 or answer_width >= max(2, widest)):
             raise ValueError(f"answer_width: expected 0 (the sum as written) or an int >= {max(2, widest)} (every sum "
@@ -165,13 +177,12 @@ class ArithmeticEnv(Environment):
     def problems(self) -> List[Tuple[int, int]]:
         """Every (a, b) of the task."""
         numbers = range(self.max_operand + 1) if self._numbers is None else self._numbers
-        return [(a, b) for a in numbers for b in numbers]
+        return [(a, b) for a in numbers for b in (numbers if self._b_numbers is None else self._b_numbers)]
 
     def _split(self, split_seed: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
         """(training pairs, held-out pairs): at least one of each when ``held_out`` > 0."""
         if self.held_out == 0:  # nothing held out: the eval set is every pair (listed only if it is small)
-            n_numbers = self.max_operand + 1 if self._numbers is None else len(self._numbers)
-            pairs = self.problems() if n_numbers ** 2 <= MAX_SPLIT_PAIRS else []
+            pairs = self.problems() if self._n_pairs <= MAX_SPLIT_PAIRS else []
             return pairs, pairs
         pairs = self.problems()
         shuffled = list(pairs)
@@ -198,8 +209,9 @@ class ArithmeticEnv(Environment):
         return self.episode(group_id, a, b)
 
     def new_group(self, group_id: str, group_size: int) -> List[Episode]:
-        if self.held_out == 0 and self._numbers is not None:  # every pair of the listed operands
-            a, b = self._rng.choice(self._numbers), self._rng.choice(self._numbers)
+        if self.held_out == 0 and (self._numbers is not None or self._b_numbers is not None):  # listed operands
+            a = self._rng.choice(self._numbers) if self._numbers is not None else self._rng.randint(0, self.max_operand)
+            b = self._rng.choice(self._b_numbers if self._b_numbers is not None else self._numbers)
         elif self.held_out == 0:  # every pair: two draws, as before the split existed
             a = self._rng.randint(0, self.max_operand)
             b = self._rng.randint(0, self.max_operand)
