@@ -180,3 +180,18 @@ def test_arithmetic_operand_options_are_checked(kwargs, message):
     kwargs = {"max_operand": 44, **kwargs}
     with pytest.raises(ValueError, match=message):
         ArithmeticEnv(**kwargs)
+
+
+def test_arithmetic_max_b_bounds_the_second_operand_only():
+    env = ArithmeticEnv(max_operand=44, max_digit=4, max_b=4, operand_width=2, answer_width=2, max_new_tokens=2,
+                        held_out=0.2, seed=2)
+    assert env.problems() == [(a, b) for a in (10 * t + u for t in range(5) for u in range(5)) for b in range(5)]
+    assert len(env.eval_problems()) == 25 and not set(env.eval_problems()) & set(env.train_problems())
+    ep = env.episode("g", 23, 4)
+    assert (env.codec.decode(ep.context_tokens()), ep.expected) == ("23+04=", "27")
+    every_pair = ArithmeticEnv(max_operand=9, max_b=2, held_out=0.0, seed=1)
+    drawn = {(e.a, e.b) for i in range(300) for e in every_pair.new_group(f"g{i}", 1)}
+    assert drawn == set(every_pair.problems()) == {(a, b) for a in range(10) for b in range(3)}
+    for max_b in (9, 10, -1, True):
+        with pytest.raises(ValueError, match="max_b: expected null"):
+            ArithmeticEnv(max_operand=9, max_b=max_b)
