@@ -195,3 +195,5 @@ def test_arithmetic_max_b_bounds_the_second_operand_only():
     for max_b in (9, 10, -1, True):
         with pytest.raises(ValueError, match="max_b: expected null"):
             ArithmeticEnv(max_operand=9, max_b=max_b)
+    with pytest.raises(ValueError, match="max_b: expected null or a bound below the largest operand 44"):
+        ArithmeticEnv(max_operand=45, max_digit=4, max_b=44)  # the operands stop at 44 anyway

@@ -128,8 +128,11 @@ class ArithmeticEnv(Environment):
             raise ValueError(f"max_b: expected null (b up to max_operand) or an int in [0, max_operand={max_operand}), "
                              f"got {max_b!r}")
         # the second operands (None: the same as the first)
-        self._b_numbers = None if max_b is None else [n for n in (self._numbers or range(max_operand + 1))
-                                                       if n <= max_b]
+        self._b_numbers = None if max_b is None else (list(range(max_b + 1)) if self._numbers is None
+                                                      else [n for n in self._numbers if n <= max_b])
+        if self._b_numbers is not None and self._numbers is not None and self._b_numbers == self._numbers:
+            raise ValueError(f"max_b: expected null or a bound below the largest operand {self._numbers[-1]} "
+                             f"(with max_digit={max_digit} it bounds nothing), got {max_b!r}")
         n_numbers = max_operand + 1 if self._numbers is None else len(self._numbers)
         n_pairs = n_numbers * (n_numbers if self._b_numbers is None else len(self._b_numbers))
         if held_out > 0 and n_pairs < 2:
