@@ -21,10 +21,23 @@ def _problem(data) -> str:
     return problems[0]
 
 
-@pytest.mark.parametrize("path", ["configs/rl_tiny.yaml", "configs/rl_smoke.yaml", "configs/rl_multiturn.yaml"])
+@pytest.mark.parametrize("path", ["configs/rl_tiny.yaml", "configs/rl_smoke.yaml", "configs/rl_multiturn.yaml",
+                                  "configs/rl_heldout.yaml", "configs/rl_heldout_digits.yaml"])
 def test_the_shipped_configs_parse(path):
     cfg = load_config(path)
     assert cfg.model == {"preset": "tiny", "overrides": {}} and cfg.rollout.max_len <= 512
+
+
+def test_the_held_out_digits_config_holds_out_only_new_combinations_of_what_training_teaches():
+    from glm5_core.rl.rollout.envs.registry import build_env
+
+    env = build_env(load_config("configs/rl_heldout_digits.yaml").env, seed=0)
+    train, held = env.train_problems(), env.eval_problems()
+    assert (len(train), len(held)) == (100, 25) and not set(train) & set(held)
+    units_sums = {(a % 10, b) for a, b in train}
+    tens = {a // 10 for a, _ in train}
+    assert all((a % 10, b) in units_sums and a // 10 in tens for a, b in held)
+    assert all(a % 10 + b <= 9 for a, b in train + held)  # no carry
 
 
 @pytest.mark.parametrize("data, expected", [

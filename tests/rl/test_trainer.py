@@ -153,3 +153,50 @@ def test_distillation_advantage_is_teacher_minus_student_on_sampled_tokens(small
     trainer = Trainer(small_policy, TrainerConfig(lr=1e-2, distill_coef=1.0), temperature=1.0, teacher=teacher)
     stats = trainer.train_step(batch)
     assert stats["distill_adv"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+
+def _equal_reward_batch(model):
+    batch = rollouts(model, 1.0)
+    for t in batch:
+        t.reward = 1.0  # one reward per group: zero advantages, no policy-gradient signal
+    return batch
+
+
+def test_entropy_coef_raises_the_policy_entropy_where_the_loss_alone_gives_no_gradient(small_policy):
+    from glm5_core.rl.algorithm.trainer import pad_samples, sequence_logprobs_and_entropy
+
+    with torch.no_grad():
+        small_policy.lm_head.weight.mul_(3.0)  # sharper than at init: below the uniform entropy
+    batch = _equal_reward_batch(small_policy)
+    padded = pad_samples([s for t in batch for s in t.samples])
+
+    def mean_entropy():
+        with torch.no_grad():
+            _, entropy = sequence_logprobs_and_entropy(small_policy, padded["input_ids"], 1.0)
+        return float((entropy * padded["loss_mask"]).sum() / padded["loss_mask"].sum())
+
+    weights_before = small_policy.lm_head.weight.detach().clone()
+    plain = Trainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
+    assert plain.train_step(batch)["grad_norm"] == 0.0 and "entropy" not in plain.train_step(batch)
+    assert torch.equal(small_policy.lm_head.weight, weights_before)  # zero advantages: nothing moves
+    start = mean_entropy()
+    trainer = Trainer(small_policy, TrainerConfig(lr=1e-3, entropy_coef=0.1), temperature=1.0)
+    stats = trainer.train_step(batch)
+    assert stats["grad_norm"] > 0 and stats["entropy"] == pytest.approx(start, rel=1e-4)
+    for _ in range(4):
+        trainer.train_step(batch)
+    assert mean_entropy() > start
+
+
+def test_entropy_is_that_of_the_softmax_at_the_rollout_temperature(small_policy):
+    from glm5_core.rl.algorithm.trainer import sequence_logprobs, sequence_logprobs_and_entropy
+
+    ids = torch.tensor([[3, 7, 11, 5, 9]])
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs_and_entropy(small_policy, ids, 0.7)
+        plain, _ = sequence_logprobs(small_policy, ids, 0.7)
+        probs = torch.softmax(small_policy(ids, attention="sparse").logits[:, :-1].double() / 0.7, dim=-1)
+    assert torch.equal(logp, plain)
+    assert torch.allclose(entropy.double(), -(probs * probs.log()).sum(-1), atol=1e-4)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        TrainerConfig(entropy_coef=-0.1).validate()

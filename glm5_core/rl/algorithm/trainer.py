@@ -47,6 +47,9 @@ class TrainerConfig:
     grad_clip: float = field(1.0, **non_negative())  # 0: no clipping
     push_every: int = field(1, range=(1, None))
     distill_coef: float = field(0.0, **non_negative())  # > 0 needs a teacher model
+    # > 0: adds entropy_coef * (mean entropy of the policy at the sampled positions) to the objective, against
+    # the policy collapsing onto one answer before it has learnt to read the prompt; 0: the loss alone
+    entropy_coef: float = field(0.0, **non_negative())
 
     # keys that moved elsewhere (the config loader tells where instead of "unknown key")
     MOVED_KEYS: ClassVar[Dict[str, str]] = {
@@ -89,6 +92,19 @@ def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float, *,
     return logp, out.topk_idx
 
 
+def sequence_logprobs_and_entropy(model, input_ids_BT: torch.Tensor, temperature: float, *,
+                                  routing_replay: Optional[torch.Tensor] = None,
+                                  index_replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logprobs``' log-probs [B, T-1] and the entropy of pi(. | tokens <= t) at ``temperature``,
+    [B, T-1], from one forward."""
+    out = model(input_ids_BT, attention="sparse", routing_replay=routing_replay, index_replay=index_replay)
+    logits_BTV = out.logits[:, :-1]
+    logp = token_logprobs(logits_BTV, input_ids_BT[:, 1:], temperature)  # [B, T-1]
+    logp_all = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)  # [B, T-1, V]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
+    return logp, entropy
+
+
 class Trainer:
     """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0. ``routing_replay`` /
     ``index_replay`` (``train.routing_replay`` / ``train.index_replay``): the policy's forward uses the experts /
@@ -129,13 +145,20 @@ class Trainer:
         items = [(s, a) for t, a in zip(trajectories, advantages) for s in t.samples]
         total_tokens = sum(s.num_generated for s, _ in items)
         stats = {"masked_tokens": 0.0, "abs_logprob_diff": 0.0, "ratio": 0.0, "loss": 0.0, "distill_adv": 0.0}
+        if cfg.entropy_coef > 0:
+            stats["entropy"] = 0.0
         untraced = {f"{kind}_replay_untraced_samples": 0.0 for kind, on in self.replay.items() if on}
         self.optimizer.zero_grad(set_to_none=True)
         for start in range(0, len(items), cfg.micro_batch_size):
             chunk = items[start:start + cfg.micro_batch_size]
             batch = pad_samples([s for s, _ in chunk], self.device)
             replay = self._replay_tensors([s for s, _ in chunk], stats)
-            logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature, **replay)
+            entropy = None
+            if cfg.entropy_coef > 0:
+                logp, entropy = sequence_logprobs_and_entropy(self.model, batch["input_ids"], self.temperature,
+                                                              **replay)
+            else:
+                logp, _ = sequence_logprobs(self.model, batch["input_ids"], self.temperature, **replay)
             adv_B = torch.tensor([a for _, a in chunk], dtype=torch.float32, device=self.device)
             adv = adv_B.unsqueeze(1).expand_as(logp).clone()  # [B, T-1]
             if self.teacher is not None and cfg.distill_coef > 0:
@@ -147,7 +170,12 @@ class Trainer:
             result = self.loss_fn(logp, batch["rollout_logprobs"], adv, batch["loss_mask"],
                                           eps_low=cfg.eps_low, eps_high=cfg.eps_high)
             n = result.num_tokens
-            (result.loss * n / max(total_tokens, 1)).backward()  # token mean over the whole batch
+            objective = result.loss * n / max(total_tokens, 1)  # token mean over the whole batch
+            if entropy is not None:
+                entropy_sum = (entropy * batch["loss_mask"]).sum()
+                objective = objective - cfg.entropy_coef * entropy_sum / max(total_tokens, 1)
+                stats["entropy"] += float(entropy_sum.detach())
+            objective.backward()
             stats["loss"] += float(result.loss.detach()) * n
             stats["masked_tokens"] += result.masked_fraction * n
             stats["abs_logprob_diff"] += result.mean_abs_logprob_diff * n
