@@ -9,6 +9,7 @@ import torch
 from glm5_core import registry, testing
 from glm5_core.backends.cpu import dsa as native_dsa
 from glm5_core.ops import dsa
+from tests.cpu_native.sparse_grads import as_fp64, grads
 
 SHAPES = (
     (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1),  # K = 1, the only row has no key
@@ -21,14 +22,7 @@ DIFFERENTIABLE = ("q_nope", "q_pe", "k_nope", "k_pe", "v")
 
 
 def _grads(fn, inputs, grad_out, scale=0.3):
-    leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in DIFFERENTIABLE}
-    out = fn(*(leaves[n] for n in DIFFERENTIABLE), inputs["topk_idx"], scale=scale)
-    out.backward(grad_out.to(out.dtype))
-    return out.detach(), {n: leaves[n].grad for n in DIFFERENTIABLE}
-
-
-def _as64(inputs):
-    return {n: (t.to(torch.float64) if t.is_floating_point() else t) for n, t in inputs.items()}
+    return grads(fn, inputs, grad_out, DIFFERENTIABLE, scale=scale)
 
 
 @pytest.mark.parametrize("shape,K", SHAPES, ids=str)
@@ -38,7 +32,7 @@ def test_forward_and_gradients_match_the_reference(native, shape, K, dtype):
     grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=6)
     out, got = _grads(native_dsa.sparse_prefill_expanded, inputs, grad_out)
     ref_out, same_precision = _grads(dsa.sparse_prefill_expanded_reference, inputs, grad_out)
-    exact_out, exact = _grads(dsa.sparse_prefill_expanded_reference, _as64(inputs), grad_out.double())
+    exact_out, exact = _grads(dsa.sparse_prefill_expanded_reference, as_fp64(inputs), grad_out.double())
     verdict = testing.compare_to_fp64(out, ref_out, exact_out, dtype)
     assert out.dtype == dtype and verdict.passed, f"out: {verdict.detail}"
     for name in DIFFERENTIABLE:
@@ -75,7 +69,7 @@ def test_expanded_and_absorbed_forms_agree(native):
     shape, K = SHAPES[4]
     latent = testing.make_sparse_inputs(shape, K, seed=9)
     expanded = testing.make_sparse_expanded_inputs(shape, K, seed=9)
-    absorbed = dsa.sparse_attention_reference(**_as64(latent), scale=0.3)
+    absorbed = dsa.sparse_attention_reference(**as_fp64(latent), scale=0.3)
     out = native_dsa.sparse_prefill_expanded(**expanded, scale=0.3)
     assert torch.allclose(out.double(), absorbed, atol=1e-5, rtol=1e-4)
 
@@ -93,7 +87,7 @@ def test_keys_never_selected_get_zero_gradient(native):
 def test_gradcheck_fp64(native, threads):
     torch.set_num_threads(1)  # some thousand tiny calls
     shape, K = testing.MLAShape(B=1, T=3, S=4, H=2, Dn=3, Dr=2, Dv=3, C=4), 2
-    inputs = _as64(testing.make_sparse_expanded_inputs(shape, K, seed=9, start_pos=1))
+    inputs = as_fp64(testing.make_sparse_expanded_inputs(shape, K, seed=9, start_pos=1))
     leaves = [inputs[n].detach().clone().requires_grad_(True) for n in DIFFERENTIABLE]
     idx = inputs["topk_idx"]
     assert torch.autograd.gradcheck(lambda *a: native_dsa.sparse_prefill_expanded(*a, idx, scale=0.4), leaves,

@@ -7,6 +7,7 @@ import torch
 from glm5_core import registry, testing
 from glm5_core.backends.cpu import dsa as native_dsa
 from glm5_core.ops import dsa
+from tests.cpu_native.sparse_grads import as_fp64, grads
 
 SHAPES = (
     (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1),  # K = 1, the only row has no key
@@ -19,14 +20,7 @@ DIFFERENTIABLE = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
 
 
 def _grads(fn, inputs, grad_out, scale=0.3):
-    leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in DIFFERENTIABLE}
-    out = fn(*(leaves[n] for n in DIFFERENTIABLE), inputs["topk_idx"], scale=scale)
-    out.backward(grad_out.to(out.dtype))
-    return out.detach(), {n: leaves[n].grad for n in DIFFERENTIABLE}
-
-
-def _as64(inputs):
-    return {n: (t.to(torch.float64) if t.is_floating_point() else t) for n, t in inputs.items()}
+    return grads(fn, inputs, grad_out, DIFFERENTIABLE, scale=scale)
 
 
 @pytest.mark.parametrize("shape,K", SHAPES, ids=str)
@@ -36,7 +30,7 @@ def test_gradients_match_the_reference(native, shape, K, dtype):
     grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=6)
     out, got = _grads(native_dsa.sparse_prefill, inputs, grad_out)
     _, same_precision = _grads(dsa.sparse_attention_reference, inputs, grad_out)
-    _, exact = _grads(dsa.sparse_attention_reference, _as64(inputs), grad_out.double())
+    _, exact = _grads(dsa.sparse_attention_reference, as_fp64(inputs), grad_out.double())
     for name in DIFFERENTIABLE:
         verdict = testing.compare_to_fp64(got[name], same_precision[name], exact[name], dtype)
         assert verdict.passed, f"{name}: {verdict.detail}"
@@ -54,7 +48,7 @@ def test_keys_never_selected_get_zero_gradient(native):
 def test_gradcheck_fp64(native, threads):
     torch.set_num_threads(1)  # some thousand tiny calls
     shape, K = testing.MLAShape(B=1, T=3, S=4, H=2, Dn=3, Dr=2, Dv=3, C=4), 2
-    inputs = _as64(testing.make_sparse_inputs(shape, K, seed=9, start_pos=1))
+    inputs = as_fp64(testing.make_sparse_inputs(shape, K, seed=9, start_pos=1))
     leaves = [inputs[n].detach().clone().requires_grad_(True) for n in DIFFERENTIABLE]
     idx = inputs["topk_idx"]
     assert torch.autograd.gradcheck(lambda *a: native_dsa.sparse_prefill(*a, idx, scale=0.4), leaves,
