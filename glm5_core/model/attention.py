@@ -93,9 +93,10 @@ class MLA(nn.Module):
         k_nope = None  # per-head keys [B, S, H, Dn], when the expanded sparse form runs
         if state.attention == "sparse" and state.cache is None and self._expanded_is_cheaper(T, keys_c_kv.shape[1],
                                                                                             topk_idx.shape[-1]):
-            k_nope, v = self._expand_keys(keys_c_kv)
-            out = dsa.sparse_prefill_expanded(q_nope, q_pe, k_nope, keys_k_pe, v, topk_idx, scale=self.scale,
-                                              backend=self.kernels)
+            k_nope, v = self._expand_keys(keys_c_kv)  # in the compute dtype; the queries and rope keys follow
+            ct = k_nope.dtype
+            out = dsa.sparse_prefill_expanded(q_nope.to(ct), q_pe.to(ct), k_nope, keys_k_pe.to(ct), v, topk_idx,
+                                              scale=self.scale, backend=self.kernels).to(q_nope.dtype)
         elif state.attention == "sparse":
             sparse_op = dsa.sparse_prefill if state.fresh else dsa.sparse_decode
             out = sparse_op(q_nope, q_pe, keys_c_kv, keys_k_pe, w_uk, w_uv, topk_idx, scale=self.scale,
@@ -119,9 +120,13 @@ class MLA(nn.Module):
             kv_rank=self.kv_rank, queries=queries, keys=keys, topk=topk)
 
     def _expand_keys(self, c_kv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj over the latent rows, once: views k_nope [B, S, H, Dn] and v [B, S, H, Dv] of one tensor."""
+        """kv_b_proj over the latent rows, once: views k_nope [B, S, H, Dn] and v [B, S, H, Dv] of one tensor, in the
+        compute dtype (fp32 for bf16 / fp16 layers: the absorbed form also applies w_uk / w_uv in fp32, and a bf16
+        rounding of the expanded keys doubles the bf16 model's error against an fp32 run)."""
         B, S, _ = c_kv.shape
-        kv = self.kv_b_proj(c_kv).view(B, S, self.n_heads, self.nope_dim + self.v_dim)  # [B, S, H, Dn+Dv]
+        ct = torch.float32 if c_kv.dtype in (torch.bfloat16, torch.float16) else c_kv.dtype
+        kv = nn.functional.linear(c_kv.to(ct), self.kv_b_proj.weight.to(ct))
+        kv = kv.view(B, S, self.n_heads, self.nope_dim + self.v_dim)  # [B, S, H, Dn+Dv]
         k_nope, v = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
         return k_nope, v
 

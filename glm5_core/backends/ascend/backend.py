@@ -15,6 +15,8 @@ MISSING = {
                           "reference (one batched chain over the leading dims) runs on npu tensors; no fused vendor op",
     "dsa_sparse_prefill_expanded": "no vendor op mapped for the expanded (per-head keys) sparse prefill yet; the "
                                    "reference runs as torch ops on the NPU (dsa_sparse_prefill is the vendor's)",
+    "dsa_selected_index_scores": "npu_lightning_indexer returns positions, not the scores at given keys; the "
+                                 "reference (gathers over the K selected keys) runs on the NPU",
 }
 
 

@@ -30,6 +30,8 @@ MISSING = {
     "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
     "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
                                    "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
+    "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
+                                 "reference (gathers over the K selected keys, no [T, S] tensor) runs",
 }
 
 
