@@ -124,24 +124,26 @@ def route_batch_invariance(backend: str, device: str) -> testing.Comparison:
     return _ok("per-token routing bitwise identical in chunks of 1 and 5")
 
 
+def _sparse_grads(op: Callable, make_inputs: Callable, shape: testing.MLAShape, k: int, backend: str, device: str,
+                  dtype: torch.dtype) -> List[torch.Tensor]:
+    """The input gradients of one sparse-attention call (``op`` over ``make_inputs(shape, k)``), sorted by name."""
+    x = make_inputs(shape, k, dtype=dtype, device=device, seed=13)
+    idx = x.pop("topk_idx")
+    leaves = {n: v.clone().requires_grad_() for n, v in x.items()}
+    out = op(**leaves, topk_idx=idx, scale=(shape.Dn + shape.Dr) ** -0.5, backend=backend)
+    out.backward(testing.randn(out.shape, seed=14, dtype=dtype, device=device))
+    return [leaves[n].grad for n in sorted(leaves)]
+
+
 def _sparse_prefill_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
     shape = testing.MLAShape(B=1, T=4, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
-    x = testing.make_sparse_inputs(shape, 3, dtype=dtype, device=device, seed=13)
-    idx = x.pop("topk_idx")
-    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
-    out = dsa.sparse_prefill(**leaves, topk_idx=idx, scale=(shape.Dn + shape.Dr) ** -0.5, backend=backend)
-    out.backward(testing.randn(out.shape, seed=14, dtype=dtype, device=device))
-    return [leaves[k].grad for k in sorted(leaves)]
+    return _sparse_grads(dsa.sparse_prefill, testing.make_sparse_inputs, shape, 3, backend, device, dtype)
 
 
 def _sparse_expanded_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
     shape = testing.MLAShape(B=2, T=5, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
-    x = testing.make_sparse_expanded_inputs(shape, 4, dtype=dtype, device=device, seed=13)
-    idx = x.pop("topk_idx")
-    leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
-    out = dsa.sparse_prefill_expanded(**leaves, topk_idx=idx, scale=(shape.Dn + shape.Dr) ** -0.5, backend=backend)
-    out.backward(testing.randn(out.shape, seed=14, dtype=dtype, device=device))
-    return [leaves[k].grad for k in sorted(leaves)]
+    return _sparse_grads(dsa.sparse_prefill_expanded, testing.make_sparse_expanded_inputs, shape, 4, backend, device,
+                         dtype)
 
 
 def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
