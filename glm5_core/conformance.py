@@ -366,22 +366,26 @@ def _mla_prefill_grad(device: str) -> GradCase:
             lambda **t: mla.prefill_reference(**t, scale=_GRAD_SCALE), x)
 
 
-def _sparse_prefill_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: int = 4,
-                         start_pos=None) -> GradCase:
-    x = testing.make_sparse_inputs(shape, K, device=device, seed=21, start_pos=start_pos)
+def _sparse_grad_case(op: Callable, reference: Callable, make_inputs: Callable, device: str,
+                      shape: testing.MLAShape, K: int, start_pos) -> GradCase:
+    """A sparse-attention op and its reference over ``make_inputs(shape, K)``, the selected keys held fixed."""
+    x = make_inputs(shape, K, device=device, seed=21, start_pos=start_pos)
     idx = x.pop("topk_idx")
     scale = (shape.Dn + shape.Dr) ** -0.5
-    return (lambda be, **t: dsa.sparse_prefill(**t, topk_idx=idx, scale=scale, backend=be),
-            lambda **t: dsa.sparse_attention_reference(**t, topk_idx=idx, scale=scale), x)
+    return (lambda be, **t: op(**t, topk_idx=idx, scale=scale, backend=be),
+            lambda **t: reference(**t, topk_idx=idx, scale=scale), x)
+
+
+def _sparse_prefill_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: int = 4,
+                         start_pos=None) -> GradCase:
+    return _sparse_grad_case(dsa.sparse_prefill, dsa.sparse_attention_reference, testing.make_sparse_inputs,
+                             device, shape, K, start_pos)
 
 
 def _sparse_expanded_grad(device: str, shape: testing.MLAShape = _GRAD_MLA, K: int = 4,
                           start_pos=None) -> GradCase:
-    x = testing.make_sparse_expanded_inputs(shape, K, device=device, seed=21, start_pos=start_pos)
-    idx = x.pop("topk_idx")
-    scale = (shape.Dn + shape.Dr) ** -0.5
-    return (lambda be, **t: dsa.sparse_prefill_expanded(**t, topk_idx=idx, scale=scale, backend=be),
-            lambda **t: dsa.sparse_prefill_expanded_reference(**t, topk_idx=idx, scale=scale), x)
+    return _sparse_grad_case(dsa.sparse_prefill_expanded, dsa.sparse_prefill_expanded_reference,
+                             testing.make_sparse_expanded_inputs, device, shape, K, start_pos)
 
 
 def _indexer_scores_grad(device: str) -> GradCase:
