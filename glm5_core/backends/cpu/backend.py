@@ -2,8 +2,9 @@
 
 The C++/OpenMP extension (``csrc/cpu_*.cpp``) is built on first use, i.e. the first time an op resolves
 on this backend (``kernel_table``), never at import. When it cannot be built (``GLM5_SKIP_EXT=1``, no
-compiler, no ninja, a compile error) every op runs the reference, and ``explain()`` / ``glm5 backends``
-give the reason for each op.
+compiler, no ninja, a compile error) every op it backs runs the reference, and ``explain()`` / ``glm5 backends``
+give the reason for each op. The kernels built on torch's own fused CPU ops (``TORCH_KERNEL_MODULES``: dense
+MLA prefill through ``scaled_dot_product_attention``) need no extension and are always in the table.
 """
 import importlib
 from typing import Dict, Iterator, Mapping
@@ -13,19 +14,29 @@ from glm5_core.registry import Backend, Kernel
 # The modules whose ``KERNELS`` map ops to their native kernel records (importing them loads no extension:
 # the ``torch.ops.glm5_cpu`` ops are looked up when a kernel runs).
 KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon")
+# The modules whose kernels call torch's own CPU kernels only: in the table whether or not the extension builds.
+TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla",)
 
 
-def native_kernels() -> Dict[str, Kernel]:
-    """Every native kernel record, by op (whether or not the extension is built)."""
+def _kernels_of(module_names) -> Dict[str, Kernel]:
     table: Dict[str, Kernel] = {}
-    for module_name in KERNEL_MODULES:
+    for module_name in module_names:
         table.update(importlib.import_module(module_name).KERNELS)
     return table
 
 
+def native_kernels() -> Dict[str, Kernel]:
+    """Every extension kernel record, by op (whether or not the extension is built)."""
+    return _kernels_of(KERNEL_MODULES)
+
+
+def torch_kernels() -> Dict[str, Kernel]:
+    """The kernel records that need no extension, by op."""
+    return _kernels_of(TORCH_KERNEL_MODULES)
+
+
 # Why the ops without a native kernel keep the reference even when the extension is built.
 REFERENCE_BY_CHOICE: Mapping[str, str] = {
-    "mla_prefill": "no native kernel: the reference's batched GEMMs (MKL) already bound it",
     "mla_decode": "no native kernel: dense absorbed decode is GEMV-bound in the reference; use DSA sparse decode",
     "dsa_indexer_scores": "no native kernel: the full [B, T, S] score matrix is the output (the fused top-k avoids it)",
 }
@@ -39,7 +50,7 @@ def status():
 
 
 def kernel_table() -> Dict[str, Kernel]:
-    return native_kernels() if status().built else {}
+    return {**torch_kernels(), **(native_kernels() if status().built else {})}
 
 
 class _MissingReasons(Mapping):
