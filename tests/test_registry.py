@@ -70,13 +70,13 @@ def test_strict_mode_turns_a_fallback_into_an_error_naming_the_op(monkeypatch, f
     from glm5_core import testing
     from glm5_core.ops import mla
 
-    if "mla_prefill" not in registry.missing_ops("cpu"):
-        pytest.skip("cpu implements mla_prefill natively")
+    if "mla_decode" not in registry.missing_ops("cpu"):  # a reference by choice on cpu
+        pytest.skip("cpu implements mla_decode natively")
     x = testing.make_mla_inputs(testing.MLA_SHAPES[1])
-    mla.prefill(**x, scale=0.5, backend="cpu")
+    mla.decode(**x, scale=0.5, backend="cpu")
     monkeypatch.setenv("GLM5_STRICT", "1")
-    with pytest.raises(registry.BackendCoverageError, match="mla_prefill"):
-        mla.prefill(**x, scale=0.5, backend="cpu")
+    with pytest.raises(registry.BackendCoverageError, match="mla_decode"):
+        mla.decode(**x, scale=0.5, backend="cpu")
 
 
 def _fake_backend_module(tmp_path, module, supports_line="", kernel="Kernel(orthogonalize)", table=None):
@@ -511,11 +511,11 @@ def test_a_bound_reference_fallback_obeys_strict_mode_at_call_time(monkeypatch):
     from glm5_core import testing
     from glm5_core.ops import mla
 
-    if not registry.runs_reference("mla_prefill", "cpu"):
-        pytest.skip("cpu implements mla_prefill natively")
+    if not registry.runs_reference("mla_decode", "cpu"):
+        pytest.skip("cpu implements mla_decode natively")
     bound = registry.bind("cpu")  # binding is not a call: strict mode does not stop it
     x = testing.make_mla_inputs(testing.MLA_SHAPES[1])
     monkeypatch.setenv("GLM5_STRICT", "1")
     registry.bind("cpu")
-    with pytest.raises(registry.BackendCoverageError, match="mla_prefill"):
-        mla.prefill(**x, scale=0.5, backend=bound)
+    with pytest.raises(registry.BackendCoverageError, match="mla_decode"):
+        mla.decode(**x, scale=0.5, backend=bound)

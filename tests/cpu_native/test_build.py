@@ -18,7 +18,9 @@ assert not status.built and "GLM5_SKIP_EXT=1" in status.reason, status
 rows = {r.op: r for r in registry.explain("cpu")}
 assert rows["dsa_indexer_topk"].is_reference, rows["dsa_indexer_topk"]
 assert "GLM5_SKIP_EXT=1" in rows["dsa_indexer_topk"].reason, rows["dsa_indexer_topk"].reason
-assert "GLM5_SKIP_EXT=1" in rows["mla_prefill"].reason
+assert "GLM5_SKIP_EXT=1" in rows["mla_decode"].reason
+# torch's own fused attention needs no extension
+assert rows["mla_prefill"].label == "cpu: glm5_core.backends.cpu.mla.prefill", rows["mla_prefill"]
 import pytest
 import torch
 from glm5_core.ops import dsa
@@ -42,9 +44,9 @@ def test_explain_names_the_native_kernels(native):
     rows = {r.op: r for r in registry.explain("cpu")}
     for op in ("dsa_indexer_topk", "dsa_sparse_decode", "moe_route", "moe_dispatch", "moe_combine",
                "moe_experts", "moe_fused_experts", "dsa_sparse_prefill", "dsa_sparse_prefill_expanded",
-               "muon_orthogonalize"):
+               "muon_orthogonalize", "mla_prefill"):
         assert rows[op].label.startswith("cpu: glm5_core.backends.cpu."), rows[op]
-    assert "native extension built" in rows["mla_prefill"].reason
+    assert "native extension built" in rows["mla_decode"].reason
 
 
 def test_fake_impls_trace_shapes(native):
