@@ -2,9 +2,10 @@
 
 The graph maps ``input_ids`` int64 [batch, seq] to ``logits`` float32 [batch, seq, vocab], with batch and
 seq dynamic. The model is traced with ``backend="cpu"``, whose dense MLA prefill is torch ops ending in
-``scaled_dot_product_attention`` (which torch.onnx exports itself); the MoE layers do not call the backend's (native) routing kernels while exporting but switch to their export
-form (torch.topk routing, every expert on every token, weighted by the scattered routing weights) because
-dispatch's per-expert row counts are data-dependent.
+``scaled_dot_product_attention`` (which torch.onnx exports itself); the MoE layers do not call the backend's
+(native) routing kernels while exporting but switch to their export form (torch.topk routing, every expert on
+every token, weighted by the scattered routing weights) because dispatch's per-expert row counts are
+data-dependent.
 """
 from __future__ import annotations
 
