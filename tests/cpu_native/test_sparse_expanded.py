@@ -1,8 +1,8 @@
 """Native expanded-form sparse MLA prefill (forward + backward) vs the reference (judged against an fp64 reference
 run): odd shapes, T != S, K = 1, K past the causal keys (-1 padding), a query with no key, H = 1, odd head dims,
-fp32 / bf16 / fp64; strided per-head keys (views of one kv_b_proj output); bitwise repeatable backward across runs
-and thread counts; the custom ops through ``opcheck``; the registry routes training calls to it; the expanded and
-absorbed forms agree."""
+fp32 / bf16 / fp64; a backward over several blocks of rows; strided per-head keys (views of one kv_b_proj output);
+bitwise repeatable backward across runs and thread counts; the custom ops through ``opcheck``; the registry routes
+training calls to it; the expanded and absorbed forms agree."""
 import pytest
 import torch
 
@@ -107,6 +107,24 @@ def test_backward_is_bitwise_repeatable_across_runs_and_thread_counts(native, th
         results.append(grads)
     for other in results[1:]:
         assert all(torch.equal(results[0][n], other[n]) for n in DIFFERENTIABLE)
+
+
+def test_gradients_summed_over_several_row_blocks(native, threads):
+    """K = 1024 selected keys per query: the backward's p / G of a block of rows (4 MiB) holds 64 rows, so the 80 rows
+    go through in two blocks and most keys collect gradient terms from both (one from each batch row's rows)."""
+    shape, K = testing.MLAShape(B=2, T=40, S=1100, H=3, Dn=6, Dr=4, Dv=5, C=8), 1024
+    inputs = testing.make_sparse_expanded_inputs(shape, K, seed=21)
+    grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=22)
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        results.append(_grads(native_dsa.sparse_prefill_expanded, inputs, grad_out)[1])
+    _, same_precision = _grads(dsa.sparse_prefill_expanded_reference, inputs, grad_out)
+    _, exact = _grads(dsa.sparse_prefill_expanded_reference, as_fp64(inputs), grad_out.double())
+    for name in DIFFERENTIABLE:
+        assert torch.equal(results[0][name], results[1][name]), name
+        verdict = testing.compare_to_fp64(results[0][name], same_precision[name], exact[name], torch.float32)
+        assert verdict.passed, f"{name}: {verdict.detail}"
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)

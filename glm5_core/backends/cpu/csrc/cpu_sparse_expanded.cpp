@@ -17,10 +17,14 @@
 // groups of 8 heads, zero padded, converted to the accumulation type): a score of 8 heads is then Dn + R lane-wise
 // multiply-adds, with no horizontal sum (what a per-head dot product of 32 or 48 values would spend its time on).
 // Determinism: the forward and pass 1 of the backward work on one query row at a time (rows are independent).
-// Pass 2 groups the block's (t, j) entries by key (a counting sort, ascending (t, j) within each key) and gives
-// each key to one thread, which adds its entries in that order: every key gradient is summed in (t, j) order
-// whatever the thread count, so the gradients are bitwise repeatable. Rows go through in blocks whose p / G
-// ([rows, H, K]) fit kBlockBytes (a size set by the shapes only): time and memory O(T K), never O(T S).
+// Before pass 1 the block's (t, j) entries are grouped by key (a counting sort, ascending (t, j) within each key);
+// pass 1 stores each entry's p and G at its place in that order, so pass 2 reads them sequentially, and gives each
+// key to one thread, which adds its entries in that order: every key gradient is summed in (t, j) order whatever
+// the thread count, so the gradients are bitwise repeatable. Rows go through in blocks whose p / G ([rows, K, H])
+// fit kBlockBytes (a size set by the shapes only): time and memory O(T K), never O(T S).
+// Speed: the dot products of kKeyBlock keys run as independent chains over one pass of the query, and the weighted
+// sums (dq, dk, dv, the output) keep kChunk accumulators in registers over the keys / entries; each chain adds its
+// terms in the same order as a plain loop, so the results do not depend on these block sizes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -37,7 +42,9 @@
 namespace glm5 {
 namespace {
 
-constexpr int64_t kBlockBytes = int64_t(64) << 20;  // p and G of a block of query rows
+// p and G of a block of query rows, in key order. Small enough that the block's p / G and its query rows stay in
+// cache while pass 2 gathers them (4 MiB measured 1.3-1.5x faster than 64 MiB at 1x4096, top-k 256).
+constexpr int64_t kBlockBytes = int64_t(4) << 20;
 constexpr int64_t kLanes = 8;  // heads per head vector: the kernels vectorise over heads, never reduce within one
 
 // A vector of kLanes heads. Head-minor copies [X, D, G, kLanes] (G = ceil(H / kLanes) head groups, zero padded)
@@ -133,10 +140,11 @@ HeadMinorInputs<acc_t> head_minor_inputs(const Rows<acc_t>& q_nope, const Rows<a
 template <typename acc_t> struct Scratch {
   using V = typename HeadVec<acc_t>::V;
   std::vector<int64_t> slot, key;  // kept slot j and its flat key b * S + s
-  std::vector<V> score, acc;  // [K, G] scores; accumulators [max(Dn, Dv, R) + 2, G]
+  std::vector<V> score, grad;  // [K, G]: scores, then p; backward: dP, then G
+  std::vector<V> acc;  // accumulators [max(Dn, Dv, R) + 2, G]
   void reserve(const Sizes& z) {
     const int64_t G = z.groups();
-    slot.reserve(z.K), key.reserve(z.K), score.resize(z.K * G);
+    slot.reserve(z.K), key.reserve(z.K), score.resize(z.K * G), grad.resize(z.K * G);
     acc.resize((std::max(std::max(z.Dn, z.Dv), z.R) + 2) * G);
   }
 };
@@ -151,29 +159,109 @@ template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx,
   }
 }
 
-// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`; returns via max_G
-// the lane-wise max over the keys.
-template <typename cache_t, typename acc_t>
-void row_scores(Scratch<acc_t>& w, const HeadMinorInputs<acc_t>& in, const Rows<cache_t>& k_pe, int64_t row,
-                acc_t scale, const Sizes& z, typename HeadVec<acc_t>::V* max_G) {
-  using V = typename HeadVec<acc_t>::V;
-  const int64_t G = z.groups(), S = z.S;
-  const V* qn = in.q_nope.data() + row * z.Dn * G;
-  const V* qr = in.q_pe.data() + row * z.R * G;
-  const V vscale = V{} + scale;
-  for (int64_t g = 0; g < G; ++g) max_G[g] = V{} - std::numeric_limits<acc_t>::infinity();
-  for (size_t i = 0; i < w.key.size(); ++i) {
-    const int64_t key = w.key[i];
-    const V* kn = in.k_nope.data() + key * z.Dn * G;
-    const cache_t* kr = k_pe.at(key / S, key % S, 0);
-    for (int64_t g = 0; g < G; ++g) {
-      V acc{};
-      for (int64_t d = 0; d < z.Dn; ++d) acc = fma_lanes(qn[d * G + g], kn[d * G + g], acc);
-      for (int64_t r = 0; r < z.R; ++r) acc = fma_lanes(qr[r * G + g], V{} + static_cast<acc_t>(kr[r]), acc);
-      w.score[i * G + g] = acc * vscale;
-      max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
-    }
+// Blocking. Every sum below is one chain per output element, in the order a plain loop would add its terms
+// (d ascending then r for a score; keys / entries ascending for a weighted sum): the blocking only interleaves
+// independent chains (kKeyBlock keys per pass over a query, kChunk accumulators kept in registers per pass over
+// the keys), so it never changes a bit, whatever the sizes.
+constexpr int kKeyBlock = 4;
+constexpr int kChunk = 8;
+
+// f(block size M as an integral_constant, first index) over [0, n) in blocks of kKeyBlock, then singles.
+template <typename F> inline void in_key_blocks(int64_t n, F&& f) {
+  int64_t i = 0;
+  for (; i + kKeyBlock <= n; i += kKeyBlock) f(std::integral_constant<int, kKeyBlock>{}, i);
+  for (; i < n; ++i) f(std::integral_constant<int, 1>{}, i);
+}
+
+// acc[m] (m < M) continues the chain acc[m] = a[d] * rows[m][d] + acc[m] over d < D (head vectors G apart).
+template <int M, typename V>
+inline void dot_chains(V* acc, const V* a, const V* const* rows, int64_t D, int64_t G) {
+  for (int64_t d = 0; d < D; ++d) {
+    const V x = a[d * G];
+    for (int m = 0; m < M; ++m) acc[m] = fma_lanes(x, rows[m][d * G], acc[m]);
   }
+}
+
+// The same with rows of per-key scalars (k_pe, shared by the heads), broadcast to every head.
+template <int M, typename V, typename acc_t>
+inline void dot_chains_shared(V* acc, const V* a, const acc_t* const* rows, int64_t R, int64_t G) {
+  for (int64_t r = 0; r < R; ++r) {
+    const V x = a[r * G];
+    for (int m = 0; m < M; ++m) acc[m] = fma_lanes(x, V{} + rows[m][r], acc[m]);
+  }
+}
+
+template <typename V> inline V lanes_of(const V& x) { return x; }
+template <typename V> inline V lanes_of(float x) { return V{} + x; }
+template <typename V> inline V lanes_of(double x) { return V{} + x; }
+
+// out[c * G] (c < C) += sum_i coef[i * cs] * rows_i[c * es], i ascending, rows_i = base + ids[i] * row_len.
+template <int C, typename V, typename src_t>
+inline void weighted_chunk(V* out, int64_t G, const V* coef, int64_t cs, const src_t* base, const int64_t* ids,
+                           int64_t row_len, int64_t es, int64_t n) {
+  V acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = out[c * G];
+  for (int64_t i = 0; i < n; ++i) {
+    const V k = coef[i * cs];
+    const src_t* r = base + ids[i] * row_len;
+    for (int c = 0; c < C; ++c) acc[c] = fma_lanes(k, lanes_of<V>(r[c * es]), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) out[c * G] = acc[c];
+}
+
+// out[d * G] (d < D) += sum_i coef[i * cs] * rows_i[d * es]: chunks of kChunk elements (then 4, 2, 1).
+template <typename V, typename src_t>
+void weighted_sum(V* out, int64_t G, const V* coef, int64_t cs, const src_t* base, const int64_t* ids,
+                  int64_t row_len, int64_t es, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + kChunk <= D; d += kChunk)
+    weighted_chunk<kChunk>(out + d * G, G, coef, cs, base + d * es, ids, row_len, es, n);
+  if (d + 4 <= D) weighted_chunk<4>(out + d * G, G, coef, cs, base + d * es, ids, row_len, es, n), d += 4;
+  if (d + 2 <= D) weighted_chunk<2>(out + d * G, G, coef, cs, base + d * es, ids, row_len, es, n), d += 2;
+  if (d < D) weighted_chunk<1>(out + d * G, G, coef, cs, base + d * es, ids, row_len, es, n);
+}
+
+// The inputs both passes read: head-minor q, k_nope, v and k_pe in the accumulation type.
+template <typename acc_t> struct KernelInputs {
+  HeadMinorInputs<acc_t> hm;
+  std::vector<acc_t> k_pe;  // [B*S, R]
+};
+
+template <typename cache_t, typename acc_t>
+KernelInputs<acc_t> kernel_inputs(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Rows<cache_t>& k_nope,
+                                  const Rows<cache_t>& k_pe, const Rows<cache_t>& v, const Sizes& z) {
+  KernelInputs<acc_t> in{head_minor_inputs(q_nope, q_pe, k_nope, v, z), std::vector<acc_t>(z.B * z.S * z.R)};
+  at::parallel_for(0, z.B * z.S, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t key = begin; key < end; ++key) {
+      const cache_t* kr = k_pe.at(key / z.S, key % z.S, 0);
+      for (int64_t r = 0; r < z.R; ++r) in.k_pe[key * z.R + r] = static_cast<acc_t>(kr[r]);
+    }
+  });
+  return in;
+}
+
+// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`.
+template <typename acc_t>
+void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, acc_t scale, const Sizes& z) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups();
+  const V* qn = in.hm.q_nope.data() + row * z.Dn * G;
+  const V* qr = in.hm.q_pe.data() + row * z.R * G;
+  const V vscale = V{} + scale;
+  for (int64_t g = 0; g < G; ++g)
+    in_key_blocks(static_cast<int64_t>(w.key.size()), [&](auto block, int64_t i0) {
+      constexpr int M = decltype(block)::value;
+      const V* kn[M];
+      const acc_t* kr[M];
+      V acc[M];
+      for (int m = 0; m < M; ++m) {
+        const int64_t key = w.key[i0 + m];
+        kn[m] = in.hm.k_nope.data() + key * z.Dn * G + g, kr[m] = in.k_pe.data() + key * z.R, acc[m] = V{};
+      }
+      dot_chains<M>(acc, qn + g, kn, z.Dn, G);
+      dot_chains_shared<M>(acc, qr + g, kr, z.R, G);
+      for (int m = 0; m < M; ++m) w.score[(i0 + m) * G + g] = acc[m] * vscale;
+    });
 }
 
 template <typename V, typename acc_t> inline V exp_lanes(V x) {
@@ -190,7 +278,7 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
                     const Sizes& z, acc_t* out, acc_t* lse) {
   using V = typename HeadVec<acc_t>::V;
   const int64_t G = z.groups();
-  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
+  const KernelInputs<acc_t> in = kernel_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Scratch<acc_t>> scratch(threads);  // allocated before the region
   for (auto& w : scratch) w.reserve(z);
@@ -209,20 +297,23 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
           for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
           return;
         }
-        V* max_G = w.acc.data() + z.Dv * G;
-        row_scores(w, in, k_pe, row, scale, z, max_G);
+        row_scores(w, in, row, scale, z);
         V* out_DG = w.acc.data();  // [Dv, G]
-        for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
+        V* max_G = out_DG + z.Dv * G;  // [G]
         V* total = max_G + G;  // [G]
-        for (int64_t g = 0; g < G; ++g) total[g] = V{};
-        for (int64_t i = 0; i < n; ++i) {
-          const V* vv = in.v.data() + w.key[i] * z.Dv * G;
+        for (int64_t g = 0; g < G; ++g) {
+          max_G[g] = V{} - std::numeric_limits<acc_t>::infinity(), total[g] = V{};
+          for (int64_t i = 0; i < n; ++i) max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
+        }
+        for (int64_t i = 0; i < n; ++i)
           for (int64_t g = 0; g < G; ++g) {
             const V p = exp_lanes<V, acc_t>(w.score[i * G + g] - max_G[g]);
+            w.score[i * G + g] = p;  // p from here on
             total[g] = total[g] + p;
-            for (int64_t d = 0; d < z.Dv; ++d) out_DG[d * G + g] = fma_lanes(p, vv[d * G + g], out_DG[d * G + g]);
           }
-        }
+        for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
+        for (int64_t g = 0; g < G; ++g)
+          weighted_sum(out_DG + g, G, w.score.data() + g, G, in.hm.v.data() + g, w.key.data(), z.Dv * G, G, n, z.Dv);
         const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kLanes]
         const acc_t* tot = reinterpret_cast<const acc_t*>(total);
         const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
@@ -237,31 +328,75 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
   errors.rethrow_if_failed("sparse_expanded_forward");
 }
 
+// The kept entries (row, j) of a block of query rows grouped by key: a counting sort, ascending (row, j) within
+// each key. position[(row - row0) * K + j] is the entry's place in that order (-1 for a -1 slot), entry_row[e]
+// its query row, and the entries of `key` are [start[key], start[key + 1]).
+struct KeyOrder {
+  std::vector<int64_t> start, position, entry_row, touched;
+
+  KeyOrder(int64_t keys, int64_t block_rows, int64_t K)
+      : start(keys + 1), position(block_rows * K), entry_row(block_rows * K) {
+    touched.reserve(std::min(keys, block_rows * K));
+  }
+
+  void build(const int64_t* idx, int64_t row0, int64_t row1, const Sizes& z) {
+    const int64_t keys = z.B * z.S;
+    std::fill(start.begin(), start.end(), int64_t(0));
+    for (int64_t row = row0; row < row1; ++row) {
+      int64_t* count = start.data() + (row / z.T) * z.S + 1;  // of the row's batch
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j];
+        if (s >= 0) ++count[s];
+      }
+    }
+    touched.clear();
+    for (int64_t key = 0; key < keys; ++key) {
+      if (start[key + 1] > 0) touched.push_back(key);
+      start[key + 1] += start[key];
+    }
+    std::vector<int64_t> next(start.begin(), start.end() - 1);  // the next free place of each key
+    for (int64_t row = row0; row < row1; ++row) {
+      int64_t* next_of_batch = next.data() + (row / z.T) * z.S;
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j], local = (row - row0) * z.K + j;
+        if (s < 0) {
+          position[local] = -1;
+          continue;
+        }
+        const int64_t e = next_of_batch[s]++;
+        position[local] = e, entry_row[e] = row;
+      }
+    }
+  }
+};
+
 template <typename cache_t, typename acc_t>
 void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe,
                      const Rows<cache_t>& k_nope, const Rows<cache_t>& k_pe, const Rows<cache_t>& v,
                      const int64_t* idx, const acc_t* lse, acc_t scale, const Sizes& z, acc_t* dq_nope,
                      acc_t* dq_pe, acc_t* dk_nope, acc_t* dk_pe, acc_t* dv) {
   using V = typename HeadVec<acc_t>::V;
-  const int64_t rows = z.B * z.T, G = z.groups(), KG = z.K * G, keys = z.B * z.S;
-  const HeadMinorInputs<acc_t> in = head_minor_inputs(q_nope, q_pe, k_nope, v, z);
+  const int64_t rows = z.B * z.T, G = z.groups(), keys = z.B * z.S;
+  const KernelInputs<acc_t> in = kernel_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
   const std::vector<V> dO = head_minor<acc_t>(Rows<acc_t>{grad_out, z.T * z.H * z.Dv, z.H * z.Dv, z.Dv}, z.B, z.T,
                                               z.H, z.Dv, G);  // [B*T, Dv, G]
   const int threads = std::max(1, at::get_num_threads());
-  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, 2 * KG * int64_t(sizeof(V))));
+  const int64_t entry_bytes = 2 * G * int64_t(sizeof(V));  // p and G of one (row, j)
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, z.K * entry_bytes));
   const int64_t block_rows = std::min(rows, block);
-  std::vector<V> p_all(block_rows * KG), g_all(block_rows * KG);  // [rows of the block, K, G]
+  std::vector<V> pg(block_rows * z.K * 2 * G);  // [entries of the block in key order, 2 (p, G), G]
   std::vector<V> dq_n(rows * z.Dn * G), dq_r(rows * z.R * G);  // head-minor query gradients
   std::vector<V> dk_n(keys * z.Dn * G), dk_r(keys * z.R * G), dv_h(keys * z.Dv * G);  // head-minor key gradients
-  std::vector<int64_t> start(keys + 1), fill(keys), entries(block_rows * z.K), touched;
-  touched.reserve(std::min(keys, block_rows * z.K));
+  KeyOrder order(keys, block_rows, z.K);
   std::vector<Scratch<acc_t>> scratch(threads);
   for (auto& w : scratch) w.reserve(z);
   RegionErrors errors;
+  const V vscale = V{} + scale;
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
     const int64_t row1 = std::min(rows, row0 + block);
-    // Pass 1 (parallel over rows): p and G of every kept entry, d q_nope and d q_pe of the row.
+    order.build(idx, row0, row1, z);
+    // Pass 1 (parallel over rows): p and G of every kept entry (stored in key order), d q_nope and d q_pe.
 #pragma omp parallel num_threads(threads)
     {
       Scratch<acc_t>& w = scratch[omp_get_thread_num()];
@@ -270,86 +405,66 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
         errors.run([&] {
           gather_row(w, idx, row, z);
           const int64_t n = static_cast<int64_t>(w.key.size());
-          V* dqn = dq_n.data() + row * z.Dn * G;
-          V* dqr = dq_r.data() + row * z.R * G;
           if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
-          V* unused_max = w.acc.data();
-          row_scores(w, in, k_pe, row, scale, z, unused_max);
+          row_scores(w, in, row, scale, z);
           V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
           acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
           for (int64_t l = 0; l < G * kLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
           V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
-          for (int64_t g = 0; g < G; ++g) d_sum[g] = V{};
           const V* dO_row = dO.data() + row * z.Dv * G;
-          V* p = p_all.data() + (row - row0) * KG;  // [K, G], indexed by slot j
-          V* gr = g_all.data() + (row - row0) * KG;
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t j = w.slot[i];
-            const V* vv = in.v.data() + w.key[i] * z.Dv * G;
-            for (int64_t g = 0; g < G; ++g) {
-              p[j * G + g] = exp_lanes<V, acc_t>(w.score[i * G + g] - lse_G[g]);
-              V dP{};
-              for (int64_t d = 0; d < z.Dv; ++d) dP = fma_lanes(dO_row[d * G + g], vv[d * G + g], dP);
-              gr[j * G + g] = dP;  // dP, for now
-              d_sum[g] = fma_lanes(p[j * G + g], dP, d_sum[g]);
+          V* p = w.score.data();  // [n, G]
+          V* gr = w.grad.data();  // [n, G]: dP, then G
+          for (int64_t g = 0; g < G; ++g) {
+            d_sum[g] = V{};
+            in_key_blocks(n, [&](auto block_size, int64_t i0) {
+              constexpr int M = decltype(block_size)::value;
+              const V* vv[M];
+              V acc[M];
+              for (int m = 0; m < M; ++m) vv[m] = in.hm.v.data() + w.key[i0 + m] * z.Dv * G + g, acc[m] = V{};
+              dot_chains<M>(acc, dO_row + g, vv, z.Dv, G);
+              for (int m = 0; m < M; ++m) gr[(i0 + m) * G + g] = acc[m];
+            });
+            for (int64_t i = 0; i < n; ++i) {
+              p[i * G + g] = exp_lanes<V, acc_t>(p[i * G + g] - lse_G[g]);
+              d_sum[g] = fma_lanes(p[i * G + g], gr[i * G + g], d_sum[g]);
             }
           }
-          const V vscale = V{} + scale;
+          const int64_t* position = order.position.data() + (row - row0) * z.K;
           for (int64_t i = 0; i < n; ++i) {
-            const int64_t j = w.slot[i], key = w.key[i];
-            const V* kn = in.k_nope.data() + key * z.Dn * G;
-            const cache_t* kr = k_pe.at(key / z.S, key % z.S, 0);
+            V* entry = pg.data() + position[w.slot[i]] * 2 * G;  // [2, G]
             for (int64_t g = 0; g < G; ++g) {
-              const V gv = vscale * (p[j * G + g] * (gr[j * G + g] - d_sum[g]));
-              gr[j * G + g] = gv;
-              for (int64_t d = 0; d < z.Dn; ++d) dqn[d * G + g] = fma_lanes(gv, kn[d * G + g], dqn[d * G + g]);
-              for (int64_t r = 0; r < z.R; ++r)
-                dqr[r * G + g] = fma_lanes(gv, V{} + static_cast<acc_t>(kr[r]), dqr[r * G + g]);
+              const V gv = vscale * (p[i * G + g] * (gr[i * G + g] - d_sum[g]));
+              gr[i * G + g] = gv;
+              entry[g] = p[i * G + g], entry[G + g] = gv;
             }
+          }
+          V* dqn = dq_n.data() + row * z.Dn * G;
+          V* dqr = dq_r.data() + row * z.R * G;
+          for (int64_t g = 0; g < G; ++g) {
+            weighted_sum(dqn + g, G, gr + g, G, in.hm.k_nope.data() + g, w.key.data(), z.Dn * G, G, n, z.Dn);
+            weighted_sum(dqr + g, G, gr + g, G, in.k_pe.data(), w.key.data(), z.R, int64_t(1), n, z.R);
           }
         });
       }
     }
     errors.rethrow_if_failed("sparse_expanded_backward");
 
-    // Group the block's kept entries (local row * K + j) by key, ascending within each key (a counting sort).
-    std::fill(start.begin(), start.end(), int64_t(0));
-    for (int64_t row = row0; row < row1; ++row)
-      for (int64_t j = 0; j < z.K; ++j) {
-        const int64_t s = idx[row * z.K + j];
-        if (s >= 0) ++start[(row / z.T) * z.S + s + 1];
-      }
-    touched.clear();
-    for (int64_t key = 0; key < keys; ++key) {
-      if (start[key + 1] > 0) touched.push_back(key);
-      start[key + 1] += start[key];
-      fill[key] = start[key];
-    }
-    for (int64_t row = row0; row < row1; ++row)
-      for (int64_t j = 0; j < z.K; ++j) {
-        const int64_t s = idx[row * z.K + j];
-        if (s >= 0) entries[fill[(row / z.T) * z.S + s]++] = (row - row0) * z.K + j;
-      }
-
     // Pass 2 (parallel over keys, each key owned by one thread): add its entries in (t, j) order.
-    const int64_t n_touched = static_cast<int64_t>(touched.size());
+    const int64_t n_touched = static_cast<int64_t>(order.touched.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
     for (int64_t k = 0; k < n_touched; ++k) {
-      const int64_t key = touched[k];
+      const int64_t key = order.touched[k], e0 = order.start[key], n = order.start[key + 1] - e0;
+      const int64_t* row_of = order.entry_row.data() + e0;
+      const V* entry = pg.data() + e0 * 2 * G;  // [n, 2, G]
       V* dkn = dk_n.data() + key * z.Dn * G;
       V* dkr = dk_r.data() + key * z.R * G;
       V* dvv = dv_h.data() + key * z.Dv * G;
-      for (int64_t e = start[key]; e < start[key + 1]; ++e) {
-        const int64_t local = entries[e] / z.K, j = entries[e] % z.K, row = row0 + local;
-        const V* qn = in.q_nope.data() + row * z.Dn * G;
-        const V* qr = in.q_pe.data() + row * z.R * G;
-        const V* dO_row = dO.data() + row * z.Dv * G;
-        for (int64_t g = 0; g < G; ++g) {
-          const V p = p_all[local * KG + j * G + g], gv = g_all[local * KG + j * G + g];
-          for (int64_t d = 0; d < z.Dn; ++d) dkn[d * G + g] = fma_lanes(gv, qn[d * G + g], dkn[d * G + g]);
-          for (int64_t d = 0; d < z.Dv; ++d) dvv[d * G + g] = fma_lanes(p, dO_row[d * G + g], dvv[d * G + g]);
-          for (int64_t r = 0; r < z.R; ++r) dkr[r * G + g] = fma_lanes(gv, qr[r * G + g], dkr[r * G + g]);
-        }
+      for (int64_t g = 0; g < G; ++g) {
+        const V* p = entry + g;
+        const V* gv = entry + G + g;
+        weighted_sum(dkn + g, G, gv, 2 * G, in.hm.q_nope.data() + g, row_of, z.Dn * G, G, n, z.Dn);
+        weighted_sum(dvv + g, G, p, 2 * G, dO.data() + g, row_of, z.Dv * G, G, n, z.Dv);
+        weighted_sum(dkr + g, G, gv, 2 * G, in.hm.q_pe.data() + g, row_of, z.R * G, G, n, z.R);
       }
     }
   }
