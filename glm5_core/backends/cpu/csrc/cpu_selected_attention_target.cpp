@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -29,6 +30,7 @@ namespace glm5 {
 namespace {
 
 constexpr int64_t kHeadLanes = 8;  // heads per head vector
+constexpr int64_t kKeyBlock = 4;  // selected keys scored together (independent accumulator chains)
 
 typedef float HeadLanesF __attribute__((vector_size(kHeadLanes * sizeof(float))));
 typedef double HeadLanesD __attribute__((vector_size(kHeadLanes * sizeof(double))));
@@ -94,33 +96,53 @@ void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_
   const T inv_heads = T(1) / static_cast<T>(z.H);
   at::parallel_for(0, z.B * z.T, 1, [&](int64_t begin, int64_t end) {
     std::vector<V> qn(z.Dn * G), qr(z.R * G), row_lse(G);  // this row's queries and lse as head vectors
+    std::vector<int64_t> slot, key;  // the row's kept slots j and their keys s
+    slot.reserve(z.K), key.reserve(z.K);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / z.T, t = row % z.T, last_visible = start[b] + t;
       head_minor_row(q_nope, b, t, z.H, z.Dn, G, qn.data());
       head_minor_row(q_pe, b, t, z.H, z.R, G, qr.data());
       T* lse_flat = reinterpret_cast<T*>(row_lse.data());  // [G * kHeadLanes]; lanes past H unused
       for (int64_t h = 0; h < G * kHeadLanes; ++h) lse_flat[h] = h < z.H ? lse[row * z.H + h] : T(0);
+      T* o = out + row * z.K;  // [K]
+      slot.clear(), key.clear();
       for (int64_t j = 0; j < z.K; ++j) {
         const int64_t s = idx[row * z.K + j];
-        T* o = out + row * z.K + j;
-        if (s < 0 || s > last_visible) {  // no key, or a key the query does not see: probability 0
-          *o = T(0);
-          continue;
+        o[j] = T(0);  // no key, or a key the query does not see: probability 0
+        if (s >= 0 && s <= last_visible) slot.push_back(j), key.push_back(s);
+      }
+      const int64_t n = static_cast<int64_t>(key.size());
+      // kKeyBlock keys at a time: independent multiply-add chains (one per key, each in the same order as a lone
+      // key's), so the FMA latency is hidden and every score rounds as if computed alone.
+      for (int64_t i0 = 0; i0 < n; i0 += kKeyBlock) {
+        const int64_t m = std::min(kKeyBlock, n - i0);
+        const V* kn[kKeyBlock];
+        const T* kr[kKeyBlock];
+        for (int64_t i = 0; i < kKeyBlock; ++i) {  // a short block repeats its last key (results unused)
+          const int64_t s = key[i0 + std::min(i, m - 1)];
+          kn[i] = keys.data() + (b * z.S + s) * z.Dn * G;
+          kr[i] = k_pe.at(b, s, 0);
         }
-        const V* kn = keys.data() + (b * z.S + s) * z.Dn * G;
-        const T* kr = k_pe.at(b, s, 0);
-        T total = T(0);
+        T total[kKeyBlock] = {};
         for (int64_t g = 0; g < G; ++g) {
-          V acc{};
-          for (int64_t d = 0; d < z.Dn; ++d) acc = fma_heads(qn[d * G + g], kn[d * G + g], acc);
-          for (int64_t r = 0; r < z.R; ++r) acc = fma_heads(qr[r * G + g], V{} + kr[r], acc);
-          const V logit = acc * vscale - row_lse[g];
-          T lanes[kHeadLanes];
-          __builtin_memcpy(lanes, &logit, sizeof(V));
+          V acc[kKeyBlock] = {};
+          for (int64_t d = 0; d < z.Dn; ++d) {
+            const V q = qn[d * G + g];
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, kn[i][d * G + g], acc[i]);
+          }
+          for (int64_t r = 0; r < z.R; ++r) {
+            const V q = qr[r * G + g];
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, V{} + kr[i][r], acc[i]);
+          }
           const int64_t heads = std::min(kHeadLanes, z.H - g * kHeadLanes);
-          for (int64_t l = 0; l < heads; ++l) total = total + std::exp(lanes[l]);
+          for (int64_t i = 0; i < m; ++i) {
+            const V logit = acc[i] * vscale - row_lse[g];
+            T lanes[kHeadLanes];
+            __builtin_memcpy(lanes, &logit, sizeof(V));
+            for (int64_t l = 0; l < heads; ++l) total[i] = total[i] + std::exp(lanes[l]);  // head order
+          }
         }
-        *o = total * inv_heads;
+        for (int64_t i = 0; i < m; ++i) o[slot[i0 + i]] = total[i] * inv_heads;
       }
     }
   });
