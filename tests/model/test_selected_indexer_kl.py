@@ -119,3 +119,20 @@ def test_selected_target_from_the_expanded_keys_equals_the_one_from_the_latent()
     torch.testing.assert_close(from_keys, from_latent)
     wrong = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0, k_nope=k_nope.flip(1))
     assert not torch.allclose(wrong, from_latent)  # the keys given are the ones used
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_selected_target_is_zero_at_keys_past_the_query(monkeypatch, block):
+    """A selected key past the query (past every query of its block, too) has probability 0, as in the dense
+    target (the blocked reference used to fail there: it gathered past the keys it had computed)."""
+    monkeypatch.setattr(selected_attention_target, "QUERY_BLOCK", block)
+    shape = testing.MLAShape(B=2, T=6, S=9, H=3, Dn=5, Dr=4, Dv=6, C=7)
+    x = _double(testing.make_sparse_inputs(shape, 3, seed=6, start_pos=0))
+    idx = x["topk_idx"].clone()
+    idx[:, :, -1] = shape.S - 1  # the last key slot: past every query (positions 0..5)
+    args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
+    target = indexer_loss.attention_target(*args, scale=0.4, start_pos=0)  # [B, T, S]
+    want = target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
+    got = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4, start_pos=0)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[..., -1], torch.zeros_like(got[..., -1]))
