@@ -192,6 +192,29 @@ def _sparse_expanded_check(shape: testing.MLAShape, K: int, dtype: torch.dtype) 
     return fn
 
 
+def _selected_target_check(shape: testing.MLAShape, K: int, dtype: torch.dtype, ragged: bool,
+                           expanded: bool) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        start = torch.arange(shape.B, device=device) % (shape.S - shape.T + 1) if ragged else shape.S - shape.T
+        x = testing.make_sparse_inputs(shape, K, dtype=dtype, device=device, seed=6, start_pos=start)
+        x.pop("w_uv")
+        x64 = _fp64(x)
+        kw = dict(scale=(shape.Dn + shape.Dr) ** -0.5, start_pos=start)
+        kw64 = dict(kw)
+        if expanded:  # the model's expanded keys, in the compute dtype
+            ct = torch.float64 if dtype == torch.float64 else torch.float32
+            kw["k_nope"] = torch.einsum("bsc,hdc->bshd", x["c_kv"].to(ct), x["w_uk"].to(ct))  # [B, S, H, Dn]
+            kw64["k_nope"] = kw["k_nope"].double()
+        out = dsa.selected_attention_target(**x, **kw, backend=backend)
+        ref = dsa.selected_attention_target_reference(**x, **kw)
+        ref64 = dsa.selected_attention_target_reference(**x64, **kw64)
+        if bool((out[x["topk_idx"] < 0] != 0).any()):
+            return testing.Comparison(False, float("inf"), 0.0, "the -1 slots of topk_idx are not 0")
+        return testing.compare_to_fp64(out, ref, ref64, dtype)
+
+    return fn
+
+
 def _dsa_checks() -> List[Check]:
     checks = []
     for shape in testing.INDEXER_SHAPES:
@@ -225,6 +248,13 @@ def _dsa_checks() -> List[Check]:
         for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
             checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}]", (op,),
                                 _sparse_expanded_check(shape, K, dtype)))
+    op = "dsa_selected_attention_target"
+    for shape, K in zip(testing.MLA_SHAPES, (1, 4, 9)):
+        for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+            for ragged, expanded in ((False, False), (True, True)):
+                form = ("ragged-" if ragged else "") + ("expanded" if expanded else "latent")
+                checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}-{form}]", (op,),
+                                    _selected_target_check(shape, K, dtype, ragged, expanded)))
     return checks
 
 

@@ -172,7 +172,8 @@ class MLA(nn.Module):
         q_i, keys_i, w_i, index_start = index_inputs
         if state.attention == "sparse":  # only the selected keys matter: nothing [B, T, S] is kept
             target = indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=self.scale,
-                                                            start_pos=attn_start, k_nope=k_nope)  # [B, T, K]
+                                                            start_pos=attn_start, k_nope=k_nope,
+                                                            backend=self.kernels)  # [B, T, K]
             scores = dsa.selected_index_scores(q_i, keys_i, w_i, topk_idx, backend=self.kernels)  # [B, T, K]
             state.kl_terms.append(indexer_loss.selected_kl(target, scores, topk_idx))
             state.recall_terms.append(indexer_loss.selected_recall(target))

@@ -8,8 +8,8 @@ Sparse stage: the same KL restricted to the selected keys (p renormalised over t
 Recall:       the share of p's mass that falls on the selected keys.
 Each is averaged over the B*T queries.
 
-The sparse stage needs p and the indexer scores at the selected keys only: ``selected_attention_target`` goes
-through the queries in blocks (a [B, H, c, S] block of scores at a time, never [B, T, S]), and
+The sparse stage needs p and the indexer scores at the selected keys only: ``selected_attention_target`` (the op
+``dsa_selected_attention_target``) gives p there without a [B, T, S] tensor, and
 ``glm5_core.ops.dsa.selected_index_scores`` gives the scores at the selected keys with their gradient.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Optional, Union
 
 import torch
 
+from glm5_core import registry
+from glm5_core.ops import dsa
 from glm5_core.ops.mla import absorb_query, causal_mask
 
 StartPos = Union[int, torch.Tensor]
@@ -39,40 +41,16 @@ def attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tenso
     return summed / summed.sum(dim=-1, keepdim=True)
 
 
-QUERY_BLOCK = 256  # queries per block of selected_attention_target: [B, H, QUERY_BLOCK, S] scores at a time
-
-
-@torch.no_grad()
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                               w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
-                              start_pos: StartPos, k_nope: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), one block of queries at a time
-    (no [B, T, S] tensor). The scores take MLA's expanded form, q_nope . (c_kv W_UK^T) + q_pe . k_pe: the same
-    values as the absorbed form up to rounding, with Dn + Dr products per score instead of C + Dr. ``k_nope``
+                              start_pos: StartPos, k_nope: Optional[torch.Tensor] = None,
+                              backend: registry.BackendArg = None) -> torch.Tensor:
+    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), detached, with no [B, T, S] tensor:
+    the op ``glm5_core.ops.dsa.selected_attention_target`` (its reference goes through query blocks of dense scores;
+    the cpu kernel needs only each head's log-sum-exp over every key, and the selected keys). ``k_nope``
     [B, S, H, Dn]: the expanded keys when the caller already has them (else computed from c_kv and w_uk)."""
-    compute = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
-    q_nope, q_pe, c_kv, k_pe, w_uk = (t.to(compute) for t in (q_nope, q_pe, c_kv, k_pe, w_uk))
-    B, T = q_nope.shape[:2]
-    S = c_kv.shape[1]
-    if k_nope is None:
-        k_nope = torch.einsum("bsc,hdc->bhsd", c_kv, w_uk)  # [B, H, S, Dn]
-    else:
-        k_nope = k_nope.detach().to(compute).transpose(1, 2)  # [B, S, H, Dn] -> [B, H, S, Dn]
-    last_start = int(start_pos.max()) if isinstance(start_pos, torch.Tensor) else int(start_pos)
-    blocks = []
-    for t0 in range(0, T, QUERY_BLOCK):
-        t1 = min(T, t0 + QUERY_BLOCK)
-        seen = min(S, last_start + t1)  # keys past every query of the block are invisible: not computed
-        q_blk = q_nope[:, t0:t1].transpose(1, 2)  # [B, H, c, Dn]
-        scores = torch.matmul(q_blk, k_nope[:, :, :seen].transpose(2, 3))  # [B, H, c, seen]
-        scores = scores + torch.matmul(q_pe[:, t0:t1].transpose(1, 2), k_pe[:, :seen].unsqueeze(1).transpose(2, 3))
-        visible = causal_mask(start_pos + t0, B, t1 - t0, seen, q_nope.device)  # [B, c, seen]; start: int or [B]
-        probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
-        summed = probs.sum(dim=1)  # [B, c, seen]
-        target = summed / summed.sum(dim=-1, keepdim=True)
-        idx = topk_idx[:, t0:t1]  # [B, c, K]
-        blocks.append(target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0))
-    return torch.cat(blocks, dim=1)  # [B, T, K]
+    return dsa.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=scale, start_pos=start_pos,
+                                         k_nope=k_nope, backend=backend)
 
 
 def _kl(target: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,14 @@ sequence of roundings whatever the batch shape and cache length. ``glm5_core.det
 """
 from __future__ import annotations
 
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
+from glm5_core.ops.selected_attention_target import selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
 from glm5_core.opspec import OpSpec
 
@@ -167,6 +168,8 @@ OPS = (
     OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
     OpSpec("dsa_selected_index_scores", selected_index_scores_reference, family="dsa", differentiable=True),
     OpSpec("dsa_sparse_prefill_expanded", sparse_prefill_expanded_reference, family="dsa", differentiable=True),
+    # the sparse stage's indexer-KL target: detached, so a kernel takes calls whose inputs require grad
+    OpSpec("dsa_selected_attention_target", selected_attention_target_reference, family="dsa", gradient_free=True),
 )
 
 
@@ -203,6 +206,39 @@ def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, top
                          f"H={sizes['H']}")
     _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
     return registry.call("dsa_selected_index_scores", q, k, w, topk_idx, backend=backend)
+
+
+def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                              w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float, start_pos: StartPos,
+                              k_nope: Optional[torch.Tensor] = None,
+                              backend: registry.BackendArg = None) -> torch.Tensor:
+    """The sparse stage's indexer-KL target at the selected keys: the main attention's probabilities (softmax over
+    EVERY causal key, scale * (q_nope . k_nope + q_pe . k_pe) per head) summed over the Hm heads and divided by Hm,
+    at topk_idx [B, T, K] (-1 = none). Returns [B, T, K] in the compute dtype (fp32, fp64 for fp64 inputs), 0 at the
+    -1 slots and at keys past the query. Detached: no gradient flows to any input, whatever they require.
+    ``k_nope`` [B, S, Hm, Dn]: the expanded keys c_kv W_UK^T when the caller has them (else computed here).
+    Memory O(T K) plus O(S Hm Dn): never a [B, T, S] tensor."""
+    sizes: Dict[str, int] = {}
+    _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
+    _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
+    _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
+    _checks.tensor("k_pe", k_pe, dims=("B", "S", "Dr"), sizes=sizes, legend="[B, S, Dr]")
+    _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
+    _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
+                   legend="[B, T, K] int32")
+    if k_nope is not None:
+        _checks.tensor("k_nope", k_nope, dims=("B", "S", "H", "Dn"), sizes=sizes, legend="[B, S, H, Dn]")
+    _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk)
+    device = _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, topk_idx=topk_idx,
+                                 k_nope=k_nope)
+    _checks.positive_float("scale", scale)
+    if sizes["S"] < 1 or sizes["T"] < 1 or sizes["H"] < 1:
+        raise ValueError(f"c_kv / q_nope: expected at least one key, one query and one head, got S={sizes['S']}, "
+                         f"T={sizes['T']}, H={sizes['H']}")
+    _checks.start_positions(start_pos, sizes["B"], sizes["T"], sizes["S"], device)
+    _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
+    return registry.call("dsa_selected_attention_target", q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx,
+                         scale=float(scale), start_pos=start_pos, k_nope=k_nope, backend=backend)
 
 
 def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> None:

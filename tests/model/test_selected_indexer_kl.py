@@ -6,9 +6,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from glm5_core import testing
 from glm5_core.model import indexer_loss
-from glm5_core.ops import dsa, selected_index_scores
+from glm5_core.ops import dsa, selected_attention_target, selected_index_scores
 
 BLOCKS = (1, 3, 1000)  # one query a block, blocks that do not divide T, one block for everything
+
+
+def _double(x):
+    """fp64 copies of the float inputs (the indices keep their int dtype)."""
+    return {n: t.double() if t.is_floating_point() else t for n, t in x.items()}
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -44,16 +49,19 @@ def test_selected_scores_pass_gradcheck():
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("start", ("0", "4", "ragged"))
 def test_selected_target_kl_and_recall_equal_the_dense_ones(monkeypatch, block, start):
-    monkeypatch.setattr(indexer_loss, "QUERY_BLOCK", block)
+    monkeypatch.setattr(selected_attention_target, "QUERY_BLOCK", block)
     start_pos = torch.tensor([1, 4]) if start == "ragged" else int(start)
     shape = testing.MLAShape(B=2, T=6, S=6 + (4 if start == "ragged" else start_pos), H=3, Dn=5, Dr=4, Dv=6, C=7)
-    x = {n: t.double() for n, t in testing.make_sparse_inputs(shape, 3, seed=3, start_pos=start_pos).items()}
+    x = _double(testing.make_sparse_inputs(shape, 3, seed=3, start_pos=start_pos))
     idx = x["topk_idx"]
     args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
     target = indexer_loss.attention_target(*args, scale=0.4, start_pos=start_pos)  # [B, T, S]
     selected = indexer_loss.selected_attention_target(*args, idx, scale=0.4, start_pos=start_pos)  # [B, T, K]
+    blocked = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4,
+                                                                            start_pos=start_pos)  # [B, T, K]
     keep = idx >= 0
     torch.testing.assert_close(selected, target.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, 0.0))
+    torch.testing.assert_close(blocked, target.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, 0.0))
     scores = torch.randn(shape.B, shape.T, shape.S, dtype=torch.float64)
     selected_scores = scores.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, float("-inf"))
     torch.testing.assert_close(indexer_loss.selected_kl(selected, selected_scores, idx),
@@ -81,7 +89,7 @@ def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_mo
     or backward, holds a [T, S] plane (the top-k selection is the kernels' business: tests/cpu_native)."""
     from glm5_core.model import attention
 
-    monkeypatch.setattr(indexer_loss, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(selected_attention_target, "QUERY_BLOCK", 4)
     seen = _Shapes()
     signals = attention.MLA._indexer_signals
 
@@ -103,7 +111,7 @@ def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_mo
 
 def test_selected_target_from_the_expanded_keys_equals_the_one_from_the_latent():
     shape = testing.MLAShape(B=2, T=6, S=6, H=3, Dn=5, Dr=4, Dv=6, C=7)
-    x = {n: t.double() for n, t in testing.make_sparse_inputs(shape, 3, seed=5, start_pos=0).items()}
+    x = _double(testing.make_sparse_inputs(shape, 3, seed=5, start_pos=0))
     args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"], x["topk_idx"])
     k_nope = torch.einsum("bsc,hdc->bshd", x["c_kv"], x["w_uk"])  # [B, S, H, Dn], as kv_b_proj gives it
     from_latent = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0)
@@ -111,3 +119,20 @@ def test_selected_target_from_the_expanded_keys_equals_the_one_from_the_latent()
     torch.testing.assert_close(from_keys, from_latent)
     wrong = indexer_loss.selected_attention_target(*args, scale=0.4, start_pos=0, k_nope=k_nope.flip(1))
     assert not torch.allclose(wrong, from_latent)  # the keys given are the ones used
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_selected_target_is_zero_at_keys_past_the_query(monkeypatch, block):
+    """A selected key past the query (past every query of its block, too) has probability 0, as in the dense
+    target (the blocked reference used to fail there: it gathered past the keys it had computed)."""
+    monkeypatch.setattr(selected_attention_target, "QUERY_BLOCK", block)
+    shape = testing.MLAShape(B=2, T=6, S=9, H=3, Dn=5, Dr=4, Dv=6, C=7)
+    x = _double(testing.make_sparse_inputs(shape, 3, seed=6, start_pos=0))
+    idx = x["topk_idx"].clone()
+    idx[:, :, -1] = shape.S - 1  # the last key slot: past every query (positions 0..5)
+    args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
+    target = indexer_loss.attention_target(*args, scale=0.4, start_pos=0)  # [B, T, S]
+    want = target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
+    got = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4, start_pos=0)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[..., -1], torch.zeros_like(got[..., -1]))

@@ -17,6 +17,8 @@ MISSING = {
                                    "reference runs as torch ops on the NPU (dsa_sparse_prefill is the vendor's)",
     "dsa_selected_index_scores": "npu_lightning_indexer returns positions, not the scores at given keys; the "
                                  "reference (gathers over the K selected keys) runs on the NPU",
+    "dsa_selected_attention_target": "no vendor op returns attention probabilities at given keys; the reference "
+                                     "(query blocks of dense scores, no [T, S] tensor) runs on the NPU",
 }
 
 

@@ -10,7 +10,7 @@ import torch
 
 NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selected_index_scores",
               "selected_index_scores_backward", "sparse_expanded_forward", "sparse_expanded_backward",
-              "moe_select", "moe_route", "moe_dispatch",
+              "selected_attention_target", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
@@ -46,6 +46,10 @@ def _sparse_expanded_backward(grad_out, q_nope, q_pe, k_nope, k_pe, v, topk_idx,
     B, S, H = k_nope.shape[:3]  # d q_nope, d q_pe, d k_nope [B, S, H, Dn], d k_pe [B, S, R], d v [B, S, H, Dv]
     return (q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_pe.shape), q_nope.new_empty(k_nope.shape),
             q_nope.new_empty(k_pe.shape), q_nope.new_empty(v.shape))
+
+
+def _selected_attention_target(q_nope, q_pe, k_nope, k_pe, lse, topk_idx, start, scale):
+    return q_nope.new_empty(topk_idx.shape)  # p [B, T, K]
 
 
 def _moe_select(select, top_k, n_group, topk_group):
@@ -101,7 +105,8 @@ def register() -> None:
              "sparse_prefill_backward": _sparse_prefill_backward, "selected_index_scores": _selected_index_scores,
              "selected_index_scores_backward": _selected_index_scores_backward,
              "sparse_expanded_forward": _sparse_expanded_forward,
-             "sparse_expanded_backward": _sparse_expanded_backward, "moe_select": _moe_select,
+             "sparse_expanded_backward": _sparse_expanded_backward,
+             "selected_attention_target": _selected_attention_target, "moe_select": _moe_select,
              "moe_route": _moe_route, "moe_dispatch": _moe_dispatch, "moe_combine": _moe_combine,
              "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,

@@ -1,0 +1,239 @@
+// The sparse stage's indexer-KL target at the selected keys, for CPU. No gradient: the target is detached.
+//
+// Legend: B batch, T queries, H heads, Dn nope width, R rope width, S key slots, K selected keys per query (-1 =
+// none), G = ceil(H / 8) groups of 8 heads.
+//   q_nope [B, T, H, Dn], q_pe [B, T, H, R] (fp32 or fp64), k_nope [B, S, H, Dn] (any strides with a unit last one:
+//   it may be a view of kv_b_proj's output), k_pe [B, S, R] (shared by the heads), lse [B, T, H]: each head's DENSE
+//   causal log-sum-exp of scale * score over every visible key (computed by the caller), topk_idx [B, T, K],
+//   start [B] int64 (query t of row b sits at position start[b] + t and sees the keys s <= start[b] + t).
+//
+//   p[b,t,j] = (1/H) sum_h exp(scale * (q_nope[h] . k_nope[i_j, h] + q_pe[h] . k_pe[i_j]) - lse[h])
+//   (0 where i_j = -1 or where key i_j is past the query).
+//
+// Each head's softmax sums to 1 over the visible keys, so the head sum sums to H: p is the head-summed,
+// L1-normalised main attention (indexer_loss.attention_target) gathered at the selected keys, and only lse needs
+// every key. Cost O(T K H (Dn + R)) multiply-adds and T K H exponentials; memory O(S H Dn) (the keys' copy below).
+// Layout: k_nope is first copied into head-minor vectors [B*S, Dn, G, 8] (heads past H zero), so a score of 8 heads
+// is Dn + R lane-wise multiply-adds with no horizontal sum. Determinism: one thread computes each query row, in a
+// fixed order (keys in slot order, heads summed in head order): bitwise repeatable, whatever the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace glm5 {
+namespace {
+
+constexpr int64_t kHeadLanes = 8;  // heads per head vector
+constexpr int64_t kKeyBlock = 4;  // selected keys scored together (independent accumulator chains)
+
+typedef float HeadLanesF __attribute__((vector_size(kHeadLanes * sizeof(float))));
+typedef double HeadLanesD __attribute__((vector_size(kHeadLanes * sizeof(double))));
+template <typename T> struct HeadLanes;
+template <> struct HeadLanes<float> { using V = HeadLanesF; };
+template <> struct HeadLanes<double> { using V = HeadLanesD; };
+
+inline HeadLanesF fma_heads(HeadLanesF a, HeadLanesF b, HeadLanesF c) {
+#if defined(__FMA__) && defined(__AVX2__)
+  return (HeadLanesF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline HeadLanesD fma_heads(HeadLanesD a, HeadLanesD b, HeadLanesD c) {
+#if defined(__AVX512F__)
+  return (HeadLanesD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#else
+  return a * b + c;
+#endif
+}
+
+// exp of 8 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), within
+// ~2 ulp of std::exp over [-87.3, 88.3]; below -87.3 it gives 0 (std::exp: a denormal under 1.2e-38). The exponentials
+// were the kernel's cost (one library call per head and key): this keeps them in vector registers.
+inline HeadLanesF exp_heads(HeadLanesF x) {
+  typedef int32_t Ints __attribute__((vector_size(kHeadLanes * sizeof(int32_t))));
+  const HeadLanesF lo = HeadLanesF{} - 87.3f, hi = HeadLanesF{} + 88.3f;
+  const HeadLanesF xc = x < lo ? lo : (x > hi ? hi : x);
+  const HeadLanesF t = xc * 1.44269504088896341f + 0.5f;
+  Ints n = __builtin_convertvector(t, Ints);  // truncation; then floor:
+  HeadLanesF nf = __builtin_convertvector(n, HeadLanesF);
+  const Ints above = nf > t;  // -1 where truncation rounded up (negative t)
+  n = n + above;
+  nf = nf + __builtin_convertvector(above, HeadLanesF);
+  const HeadLanesF r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  HeadLanesF p = HeadLanesF{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const HeadLanesF y = (p * (r * r) + r) + 1.0f;
+  const Ints bits = (n + 127) << 23;
+  HeadLanesF scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  const HeadLanesF e = y * scale;
+  return x < lo ? HeadLanesF{} : e;
+}
+
+inline HeadLanesD exp_heads(HeadLanesD x) {  // fp64: the library's exp, lane by lane
+  double lanes[kHeadLanes];
+  __builtin_memcpy(lanes, &x, sizeof(x));
+  for (int64_t l = 0; l < kHeadLanes; ++l) lanes[l] = std::exp(lanes[l]);
+  __builtin_memcpy(&x, lanes, sizeof(x));
+  return x;
+}
+
+struct Sizes {
+  int64_t B, T, H, Dn, R, S, K;
+  int64_t groups() const { return (H + kHeadLanes - 1) / kHeadLanes; }
+};
+
+// A [B, X, H, D] (or [B, X, D], h ignored) tensor with a unit last stride, read through its strides.
+template <typename T> struct Rows {
+  const T* base;
+  int64_t sb, sx, sh;
+  const T* at(int64_t b, int64_t x, int64_t h) const { return base + b * sb + x * sx + h * sh; }
+};
+
+template <typename T> Rows<T> rows_of(const at::Tensor& t) {
+  return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.dim() == 4 ? t.stride(2) : 0};
+}
+
+// dst [D, G] head vectors of row (b, x) of src [B, X, H, D] (heads past H zero).
+template <typename T>
+void head_minor_row(const Rows<T>& src, int64_t b, int64_t x, int64_t H, int64_t D, int64_t G,
+                    typename HeadLanes<T>::V* dst) {
+  T* flat = reinterpret_cast<T*>(dst);  // [D, G * kHeadLanes]
+  for (int64_t i = 0; i < D * G * kHeadLanes; ++i) flat[i] = T(0);
+  for (int64_t h = 0; h < H; ++h) {
+    const T* row = src.at(b, x, h);
+    for (int64_t d = 0; d < D; ++d) flat[d * G * kHeadLanes + h] = row[d];
+  }
+}
+
+template <typename T>
+void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_nope, const Rows<T>& k_pe,
+                   const T* lse, const int64_t* idx, const int64_t* start, T scale, const Sizes& z, T* out) {
+  using V = typename HeadLanes<T>::V;
+  const int64_t G = z.groups();
+  std::vector<V> keys(z.B * z.S * z.Dn * G);  // [B*S, Dn, G]
+  at::parallel_for(0, z.B * z.S, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bs = begin; bs < end; ++bs)
+      head_minor_row(k_nope, bs / z.S, bs % z.S, z.H, z.Dn, G, keys.data() + bs * z.Dn * G);
+  });
+  const V vscale = V{} + scale;
+  const T inv_heads = T(1) / static_cast<T>(z.H);
+  at::parallel_for(0, z.B * z.T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<V> qn(z.Dn * G), qr(z.R * G), row_lse(G);  // this row's queries and lse as head vectors
+    std::vector<int64_t> slot, key;  // the row's kept slots j and their keys s
+    slot.reserve(z.K), key.reserve(z.K);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / z.T, t = row % z.T, last_visible = start[b] + t;
+      head_minor_row(q_nope, b, t, z.H, z.Dn, G, qn.data());
+      head_minor_row(q_pe, b, t, z.H, z.R, G, qr.data());
+      T* lse_flat = reinterpret_cast<T*>(row_lse.data());  // [G * kHeadLanes]; lanes past H unused
+      for (int64_t h = 0; h < G * kHeadLanes; ++h) lse_flat[h] = h < z.H ? lse[row * z.H + h] : T(0);
+      T* o = out + row * z.K;  // [K]
+      slot.clear(), key.clear();
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j];
+        o[j] = T(0);  // no key, or a key the query does not see: probability 0
+        if (s >= 0 && s <= last_visible) slot.push_back(j), key.push_back(s);
+      }
+      const int64_t n = static_cast<int64_t>(key.size());
+      // kKeyBlock keys at a time: independent multiply-add chains (one per key, each in the same order as a lone
+      // key's), so the FMA latency is hidden and every score rounds as if computed alone.
+      for (int64_t i0 = 0; i0 < n; i0 += kKeyBlock) {
+        const int64_t m = std::min(kKeyBlock, n - i0);
+        const V* kn[kKeyBlock];
+        const T* kr[kKeyBlock];
+        for (int64_t i = 0; i < kKeyBlock; ++i) {  // a short block repeats its last key (results unused)
+          const int64_t s = key[i0 + std::min(i, m - 1)];
+          kn[i] = keys.data() + (b * z.S + s) * z.Dn * G;
+          kr[i] = k_pe.at(b, s, 0);
+        }
+        T total[kKeyBlock] = {};
+        for (int64_t g = 0; g < G; ++g) {
+          V acc[kKeyBlock] = {};
+          for (int64_t d = 0; d < z.Dn; ++d) {
+            const V q = qn[d * G + g];
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, kn[i][d * G + g], acc[i]);
+          }
+          for (int64_t r = 0; r < z.R; ++r) {
+            const V q = qr[r * G + g];
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, V{} + kr[i][r], acc[i]);
+          }
+          const int64_t heads = std::min(kHeadLanes, z.H - g * kHeadLanes);
+          for (int64_t i = 0; i < m; ++i) {
+            const V prob = exp_heads(acc[i] * vscale - row_lse[g]);
+            T lanes[kHeadLanes];
+            __builtin_memcpy(lanes, &prob, sizeof(V));
+            for (int64_t l = 0; l < heads; ++l) total[i] = total[i] + lanes[l];  // head order
+          }
+        }
+        for (int64_t i = 0; i < m; ++i) o[slot[i0 + i]] = total[i] * inv_heads;
+      }
+    }
+  });
+}
+
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
+                                     const at::Tensor& k_nope_in, const at::Tensor& k_pe_in, const at::Tensor& lse_in,
+                                     const at::Tensor& topk_idx, const at::Tensor& start_in, double scale) {
+  const char* op = "selected_attention_target";
+  TORCH_CHECK(q_nope_in.dim() == 4 && q_pe_in.dim() == 4 && k_nope_in.dim() == 4 && k_pe_in.dim() == 3 &&
+                  lse_in.dim() == 3 && topk_idx.dim() == 3 && start_in.dim() == 1,
+              op, ": bad ranks");
+  const auto dtype = q_nope_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op, ": expected fp32 or fp64 inputs");
+  TORCH_CHECK(q_pe_in.scalar_type() == dtype && k_nope_in.scalar_type() == dtype && k_pe_in.scalar_type() == dtype &&
+                  lse_in.scalar_type() == dtype,
+              op, ": q_nope, q_pe, k_nope, k_pe and lse must share one dtype");
+  const Sizes z{q_nope_in.size(0), q_nope_in.size(1), q_nope_in.size(2), q_nope_in.size(3), q_pe_in.size(3),
+                k_nope_in.size(1), topk_idx.size(2)};
+  TORCH_CHECK(q_pe_in.size(0) == z.B && q_pe_in.size(1) == z.T && q_pe_in.size(2) == z.H && k_nope_in.size(0) == z.B &&
+                  k_nope_in.size(2) == z.H && k_nope_in.size(3) == z.Dn && k_pe_in.size(0) == z.B &&
+                  k_pe_in.size(1) == z.S && k_pe_in.size(2) == z.R && lse_in.size(0) == z.B && lse_in.size(1) == z.T &&
+                  lse_in.size(2) == z.H && topk_idx.size(0) == z.B && topk_idx.size(1) == z.T &&
+                  start_in.size(0) == z.B,
+              op, ": shapes disagree");
+  TORCH_CHECK(z.H >= 1, op, ": expected at least one head");
+  // The kernel reads the selected keys in place: an index past them must not reach it, even when the public op's
+  // value checks are off. Negative entries mean "no key".
+  auto idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t* flat = idx.data_ptr<int64_t>();
+  for (int64_t i = 0, n = idx.numel(); i < n; ++i)
+    TORCH_CHECK_INDEX(flat[i] < z.S, op, ": topk_idx entry ", flat[i], " is past the keys (S=", z.S, " slots)");
+  auto start = start_in.to(at::kLong).contiguous();
+  auto lse = lse_in.contiguous();
+  auto qn = unit_last_stride(q_nope_in), qr = unit_last_stride(q_pe_in), kn = unit_last_stride(k_nope_in);
+  auto kr = unit_last_stride(k_pe_in);
+  auto out = at::empty({z.B, z.T, z.K}, qn.options());
+  AT_DISPATCH_FLOATING_TYPES(dtype, "selected_attention_target", [&] {
+    target_kernel<scalar_t>(rows_of<scalar_t>(qn), rows_of<scalar_t>(qr), rows_of<scalar_t>(kn),
+                            rows_of<scalar_t>(kr), lse.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(),
+                            start.data_ptr<int64_t>(), static_cast<scalar_t>(scale), z, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
+  m.def("selected_attention_target(Tensor q_nope, Tensor q_pe, Tensor k_nope, Tensor k_pe, Tensor lse, "
+        "Tensor topk_idx, Tensor start, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) { m.impl("selected_attention_target", &selected_attention_target); }
+
+}  // namespace glm5
