@@ -16,7 +16,8 @@ ops on the same operands; only the passes that merely copy or broadcast are left
   dweight = sum_R(g * n)            [D]
 
 About half the full-size passes of autograd's version (which broadcasts the mean's gradient to a full
-tensor, copies x for ``x.pow(1)`` and doubles it in a pass of its own). No double backward.
+tensor, copies x for ``x.pow(1)`` and doubles it in a pass of its own). No double backward (create_graph=True
+raises); under torch.compile the composition itself is traced.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class _RMSNormFunction(torch.autograd.Function):
         return weight * normed
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: these ops would miss the saved r's own dependence on x
+            raise RuntimeError("RMSNorm: a double backward (create_graph=True) is not supported")
         xc, r, normed, weight = ctx.saved_tensors
         grad_times_r = grad_squared = grad_weight = None
         if ctx.needs_input_grad[2]:
@@ -75,6 +77,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        # torch.compile traces the composition (it fuses it itself; dynamo breaks the graph on a Function given
+        # one tensor twice)
+        training = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if training and not torch.compiler.is_compiling():
             return _RMSNormFunction.apply(x, x, self.weight, self.eps)
         return self.weight * _normalise(x, self.eps)[2]

@@ -93,3 +93,12 @@ def test_rope_forward_and_gradient_are_bitwise_the_slice_formula(dtype, interlea
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][0].signbit(), results[1][0].signbit())
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_rms_norm_refuses_a_double_backward():
+    """Its backward's ops do not carry the saved rsqrt's dependence on x: second derivatives would be wrong."""
+    x = _randn(3, 8, dtype=torch.float32, seed=10).requires_grad_()
+    (grad,) = torch.autograd.grad(RMSNorm(8, 1e-5)(x).pow(2).sum(), x, create_graph=False)
+    assert grad.shape == x.shape
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(RMSNorm(8, 1e-5)(x).pow(2).sum(), x, create_graph=True)
