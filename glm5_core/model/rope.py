@@ -54,13 +54,24 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleave: bool) -> torch.Tensor:
-    """Rotate x [B, T, R] or [B, T, H, R] by the angles whose cos / sin are [B, T, R/2]."""
+    """Rotate x [B, T, R] or [B, T, H, R] by the angles whose cos / sin are [B, T, R/2].
+
+    Written on whole rows: ``x * cos_R + partner(x) * signed_sin_R``, where partner swaps each rotated pair
+    (x[2i] <-> x[2i+1], or the two halves) and signed_sin_R is -sin at a pair's first member and +sin at its
+    second. Every output element is then the same two rounded products and one rounded sum as the textbook
+    ``first * cos - second * sin`` / ``first * sin + second * cos`` (negation is exact and a + (-b) is a - b),
+    bitwise, in every dtype; and so are the gradients autograd derives (two-term sums, order-free). No strided
+    half-width slices and no interleaving stack: a few contiguous passes, forward and backward."""
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, R/2]
     if interleave:
-        even, odd = x[..., 0::2], x[..., 1::2]  # [..., R/2] each
-        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)  # [..., R/2, 2]
-        return rotated.flatten(-2)  # [..., R]
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
-    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+        cos_r = torch.stack((cos, cos), dim=-1).flatten(-2)  # [..., R]: c0 c0 c1 c1 ...
+        signed_sin = torch.stack((-sin, sin), dim=-1).flatten(-2)  # [..., R]: -s0 s0 -s1 s1 ...
+        pairs = x.view(*x.shape[:-1], x.shape[-1] // 2, 2)  # [..., R/2, 2]
+        partner = pairs.flip(-1).flatten(-2)  # [..., R]: x1 x0 x3 x2 ...
+    else:
+        cos_r = torch.cat((cos, cos), dim=-1)  # [..., R]
+        signed_sin = torch.cat((-sin, sin), dim=-1)  # [..., R]
+        half = x.shape[-1] // 2
+        partner = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [..., R]: second half, then first
+    return x * cos_r + partner * signed_sin
