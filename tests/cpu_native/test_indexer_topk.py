@@ -137,3 +137,17 @@ def test_empty_batch_returns_empty(native):
 
     done = subprocess.run([sys.executable, "-c", EMPTY_BATCH_SCRIPT], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "empty batch ok" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("sign", ("negative", "mixed"))
+@pytest.mark.parametrize("shape", SHAPES[1:4] + (testing.IndexerShape(B=2, T=40, S=300, H=8, D=64, K=1),), ids=str)
+def test_negative_and_mixed_scores_exact(native, shape, sign):
+    """Negative head weights give scores <= 0 (the selection's integer keys order negative floats in reverse
+    bit order); integer inputs keep the scores exact, so the indices must equal the reference's, ties included."""
+    inputs = testing.make_indexer_inputs(shape, seed=7, ties="integer")
+    w = inputs["w"]
+    inputs["w"] = -w if sign == "negative" else w - 1  # weights in {-2, -1, 0} or {-1, 0, 1}
+    start_pos = testing.start_positions_for(shape.B, shape.T, shape.S, "ragged")
+    got = _topk(inputs, shape.K, start_pos)
+    want = dsa.indexer_topk_reference(inputs["q"], inputs["k"], inputs["w"], topk=shape.K, start_pos=start_pos)
+    assert torch.equal(got, want)

@@ -4,9 +4,11 @@
 //   q [B, T, H, D], k [B, S, D], w [B, T, H] (fp32 or fp64), start [B] int64 -> idx [B, T, K] int32.
 //
 // I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) is never materialised beyond one key block:
-// keys are packed block by block (kKeyBlock keys, zero-padded panels of NR keys), a register tile of
-// MR heads x NR keys runs the dot products, the ReLU-weighted head sum is folded in as the tile leaves
-// the registers, and each query keeps a running top-k of its visible keys.
+// the keys of each batch row are packed once (zero-padded panels of NR keys, [D][NR] each), a register
+// tile of MR heads x NR keys runs the dot products, the ReLU-weighted head sum is folded in as the tile
+// leaves the registers, and each query keeps a running top-k of its visible keys. The selection compares
+// one integer per candidate (rank_key: the score's bits made orderable, then the index), and a key block's
+// scores are screened against the running threshold a vector at a time before any of them is pushed.
 //
 // Determinism by construction: every score is computed by the same instruction sequence whatever T, B,
 // the query grouping, the key segmentation or the thread count -- one vector lane per key, dot products
@@ -21,6 +23,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -34,28 +38,53 @@ constexpr int64_t kQueryGroup = 8;    // queries sharing one packed key block
 constexpr int kTileVecs = 2;          // NR = kTileVecs vectors of keys per register tile
 constexpr int kMaxTileHeads = kVecBytes == 64 ? 8 : 4;  // MR (register budget: MR*NV + NV accumulators)
 
-template <typename T> struct Candidate {
-  T score;
-  int32_t index;
+// A candidate as one unsigned integer that orders like the contract (score descending, then index ascending):
+// a larger key ranks first. High part: the score's bits made orderable (-0 counted as +0, which it equals);
+// low 32 bits: UINT32_MAX - index. fp64 scores need 96 bits: unsigned __int128.
+template <typename T> struct RankKey;
+template <> struct RankKey<float> {
+  using type = uint64_t;
+  static type make(float score, int32_t index) {
+    uint32_t bits;
+    const float canonical = score + 0.0f;  // -0 -> +0
+    std::memcpy(&bits, &canonical, sizeof(bits));
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return (static_cast<type>(bits) << 32) | (UINT32_MAX - static_cast<uint32_t>(index));
+  }
+};
+template <> struct RankKey<double> {
+  using type = unsigned __int128;
+  static type make(double score, int32_t index) {
+    uint64_t bits;
+    const double canonical = score + 0.0;  // -0 -> +0
+    std::memcpy(&bits, &canonical, sizeof(bits));
+    bits = (bits >> 63) ? ~bits : (bits | (uint64_t(1) << 63));
+    return (static_cast<type>(bits) << 32) | (UINT32_MAX - static_cast<uint32_t>(index));
+  }
 };
 
-template <typename T> inline bool ranks_before(const Candidate<T>& a, const Candidate<T>& b) {
-  return a.score > b.score || (a.score == b.score && a.index < b.index);
+template <typename Key> inline int32_t index_of(Key key) {
+  return static_cast<int32_t>(UINT32_MAX - static_cast<uint32_t>(key));
 }
 
 // Running top-k of one query over keys that arrive in increasing index order.
 template <typename T> class RunningTopK {
  public:
+  using Key = typename RankKey<T>::type;
   RunningTopK(int64_t k, int64_t slack) : k_(k), capacity_(k + slack) { kept_.reserve(capacity_); }
 
+  // Scores below this one cannot enter (a later key that only ties the k-th best loses to it: ties go to the
+  // lower index); -inf lets every score through until k are kept (the screen also needs > itself, below).
+  T threshold() const { return full_ ? threshold_ : -std::numeric_limits<T>::infinity(); }
+  bool full() const { return full_; }
+
   void push(T score, int32_t index) {
-    // A later key that only ties the current k-th best loses to it (ties go to the lower index).
     if (full_ && !(score > threshold_)) return;
-    kept_.push_back({score, index});
+    kept_.push_back(RankKey<T>::make(score, index));
     if (static_cast<int64_t>(kept_.size()) >= capacity_) shrink();
   }
 
-  std::vector<Candidate<T>>& finish() {
+  std::vector<Key>& finish() {
     shrink();
     return kept_;
   }
@@ -63,17 +92,59 @@ template <typename T> class RunningTopK {
  private:
   void shrink() {
     if (static_cast<int64_t>(kept_.size()) < k_) return;
-    std::nth_element(kept_.begin(), kept_.begin() + (k_ - 1), kept_.end(), ranks_before<T>);
+    std::nth_element(kept_.begin(), kept_.begin() + (k_ - 1), kept_.end(), std::greater<Key>());
     kept_.resize(k_);
-    threshold_ = kept_[k_ - 1].score;  // the k-th best: every kept score is >= it
+    const Key kth = kept_[k_ - 1];  // the k-th best: every kept score is >= its score
+    kth_score_from_key(kth);
     full_ = true;
   }
 
+  void kth_score_from_key(Key kth) {
+    // Undo RankKey's bit map for the score part.
+    if constexpr (sizeof(T) == 4) {
+      uint32_t bits = static_cast<uint32_t>(kth >> 32);
+      bits = (bits & 0x80000000u) ? (bits & 0x7fffffffu) : ~bits;
+      std::memcpy(&threshold_, &bits, sizeof(bits));
+    } else {
+      uint64_t bits = static_cast<uint64_t>(kth >> 32);
+      bits = (bits >> 63) ? (bits & ~(uint64_t(1) << 63)) : ~bits;
+      std::memcpy(&threshold_, &bits, sizeof(bits));
+    }
+  }
+
   int64_t k_, capacity_;
-  std::vector<Candidate<T>> kept_;
+  std::vector<Key> kept_;
   T threshold_ = T(0);
   bool full_ = false;
 };
+
+// Pushes the visible scores [0, n) of one block (key indices first + i) into top, screening a vector at a time:
+// only lanes above the running threshold are pushed one by one (push re-checks against the threshold it has
+// then). Returns whether a score was NaN.
+template <typename T> bool push_block(RunningTopK<T>& top, const T* scores, int64_t n, int64_t first) {
+  using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::width;
+  bool nan = false;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const V v = load<V>(scores + i);
+    const auto is_nan = v != v;
+    const auto above = v > broadcast<V>(top.threshold());
+    bool any_nan = false, any_above = false;
+    for (int l = 0; l < W; ++l) {
+      any_nan |= is_nan[l] != 0;
+      any_above |= above[l] != 0;
+    }
+    nan |= any_nan;
+    if (!any_above && top.full()) continue;
+    for (int l = 0; l < W; ++l) top.push(scores[i + l], static_cast<int32_t>(first + i + l));
+  }
+  for (; i < n; ++i) {
+    nan |= scores[i] != scores[i];
+    top.push(scores[i], static_cast<int32_t>(first + i));
+  }
+  return nan;
+}
 
 // Dot products of MR query heads with the NR keys of one packed panel, folded into the scores.
 //   q_MD: MR head rows (stride D); panel_DN: [D][NR]; w_M: the heads' weights; score_N: NV vectors.
@@ -89,12 +160,12 @@ inline void score_tile(const T* q_MD, int64_t D, const T* panel_DN, const T* w_M
     V keys[kTileVecs];
     for (int v = 0; v < kTileVecs; ++v) keys[v] = load<V>(panel_DN + d * (kTileVecs * W) + v * W);
     for (int h = 0; h < MR; ++h) {
-      const V qd = splat<V>(q_MD[h * D + d]);
+      const V qd = broadcast<V>(q_MD[h * D + d]);
       for (int v = 0; v < kTileVecs; ++v) acc[h][v] = fmadd(qd, keys[v], acc[h][v]);
     }
   }
   for (int h = 0; h < MR; ++h) {
-    const V wh = splat<V>(w_M[h]);
+    const V wh = broadcast<V>(w_M[h]);
     for (int v = 0; v < kTileVecs; ++v) score_N[v] = score_N[v] + wh * relu(acc[h][v]);
   }
 }
@@ -120,20 +191,16 @@ inline void score_heads(const T* q_HD, int64_t H, int64_t D, const T* panel_DN, 
   }
 }
 
-// keys [s0, s1) of k_SD -> panels [P][D][NR], zero-padded past s1.
-template <typename T> void pack_keys(const T* k_SD, int64_t D, int64_t s0, int64_t s1, T* packed) {
+// keys [0, S) of k_SD -> panels [P][D][NR], zero-padded past S.
+template <typename T> void pack_key_panel(const T* k_SD, int64_t S, int64_t D, int64_t p, T* panel) {
   constexpr int64_t NR = kTileVecs * Simd<T>::width;
-  const int64_t panels = (s1 - s0 + NR - 1) / NR;
-  for (int64_t p = 0; p < panels; ++p) {
-    T* panel = packed + p * D * NR;
-    for (int64_t r = 0; r < NR; ++r) {
-      const int64_t s = s0 + p * NR + r;
-      if (s < s1) {
-        const T* key = k_SD + s * D;
-        for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = key[d];
-      } else {
-        for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = T(0);
-      }
+  for (int64_t r = 0; r < NR; ++r) {
+    const int64_t s = p * NR + r;
+    if (s < S) {
+      const T* key = k_SD + s * D;
+      for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = key[d];
+    } else {
+      for (int64_t d = 0; d < D; ++d) panel[d * NR + r] = T(0);
     }
   }
 }
@@ -147,6 +214,7 @@ template <typename T>
 void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* start, int64_t B, int64_t T_,
                          int64_t S, int64_t H, int64_t D, int64_t K, int32_t* out) {
   using V = typename Simd<T>::V;
+  using Key = typename RankKey<T>::type;
   constexpr int64_t NR = kTileVecs * Simd<T>::width;
   static_assert(kKeyBlock % NR == 0, "key block must hold whole panels");
   const int threads = std::max(1, at::get_num_threads());
@@ -157,10 +225,12 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
   const int64_t segments_wanted = std::max<int64_t>(1, (4 * threads + groups - 1) / groups);
   std::vector<WorkItem> items;
   std::vector<int64_t> first_item(groups + 1, 0);
+  int64_t key_panels = 0;  // panels each batch row needs packed: up to the last key any of its queries sees
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < groups_per_row; ++g) {
       const int64_t t0 = g * kQueryGroup, t1 = std::min(T_, t0 + kQueryGroup);
       const int64_t key_end = std::min(S, start[b] + t1);  // the last query sees keys <= start + t1 - 1
+      key_panels = std::max(key_panels, (key_end + NR - 1) / NR);
       const int64_t blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
       const int64_t segs = std::min(segments_wanted, blocks);
       first_item[b * groups_per_row + g] = static_cast<int64_t>(items.size());
@@ -173,17 +243,24 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
   }
   first_item[groups] = static_cast<int64_t>(items.size());
 
+  // The keys, packed once for every query group: [B][key_panels][D][NR].
+  const int64_t panel_size = D * NR;
+  std::vector<T> packed(B * key_panels * panel_size);
+  at::parallel_for(0, B * key_panels, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      pack_key_panel(k + (i / key_panels) * S * D, S, D, i % key_panels, packed.data() + i * panel_size);
+  });
+
   // partial[item][query in group]: that segment's top-k candidates.
-  std::vector<std::vector<std::vector<Candidate<T>>>> partial(items.size());
+  std::vector<std::vector<std::vector<Key>>> partial(items.size());
   // Per-thread scratch, allocated here: nothing that can fail is allocated when the region starts.
-  const int64_t packed_size = kKeyBlock * D, scores_size = kQueryGroup * kKeyBlock;
-  std::vector<T> packed_all(threads * packed_size), scores_all(threads * scores_size);
+  const int64_t scores_size = kQueryGroup * kKeyBlock;
+  std::vector<T> scores_all(threads * scores_size);
   RegionErrors errors;
   bool saw_nan = false;
 
 #pragma omp parallel num_threads(threads) reduction(|| : saw_nan)
   {
-    T* packed = packed_all.data() + omp_get_thread_num() * packed_size;
     T* scores = scores_all.data() + omp_get_thread_num() * scores_size;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
@@ -196,11 +273,11 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
         std::vector<RunningTopK<T>> tops;
         tops.reserve(nq);
         for (int64_t tl = 0; tl < nq; ++tl) tops.emplace_back(keep, kKeyBlock);
-        const T* k_SD = k + it.b * S * D;
+        const T* panels_b = packed.data() + it.b * key_panels * panel_size;
         for (int64_t s0 = it.key_begin; s0 < it.key_end; s0 += kKeyBlock) {
           const int64_t s1 = std::min(it.key_end, s0 + kKeyBlock);
-          pack_keys(k_SD, D, s0, s1, packed);
           const int64_t panels = (s1 - s0 + NR - 1) / NR;
+          const T* block = panels_b + (s0 / NR) * panel_size;
           for (int64_t p = 0; p < panels; ++p) {
             for (int64_t tl = 0; tl < nq; ++tl) {
               const int64_t t = it.t0 + tl;
@@ -208,19 +285,15 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
               V score_N[kTileVecs];
               for (int v = 0; v < kTileVecs; ++v) score_N[v] = V{};
               const int64_t row = it.b * T_ + t;
-              score_heads<T>(q + row * H * D, H, D, packed + p * D * NR, w + row * H, score_N);
+              score_heads<T>(q + row * H * D, H, D, block + p * panel_size, w + row * H, score_N);
               for (int v = 0; v < kTileVecs; ++v)
                 store(scores + tl * kKeyBlock + p * NR + v * Simd<T>::width, score_N[v]);
             }
           }
           for (int64_t tl = 0; tl < nq; ++tl) {
             const int64_t visible_end = std::min(s1, start[it.b] + it.t0 + tl + 1);
-            const T* row_scores = scores + tl * kKeyBlock;
-            for (int64_t s = s0; s < visible_end; ++s) {
-              const T value = row_scores[s - s0];
-              saw_nan = saw_nan || (value != value);
-              tops[tl].push(value, static_cast<int32_t>(s));
-            }
+            if (visible_end > s0)
+              saw_nan = push_block(tops[tl], scores + tl * kKeyBlock, visible_end - s0, s0) || saw_nan;
           }
         }
         partial[i].resize(nq);
@@ -233,17 +306,28 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
 
   // Merge the segments of each query and write the contract's layout (sorted, -1 padded).
   at::parallel_for(0, B * T_, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Candidate<T>> merged;
+    std::vector<Key> merged;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / T_, t = row % T_;
       const int64_t g = b * groups_per_row + t / kQueryGroup, tl = t % kQueryGroup;
+      const int64_t segments = first_item[g + 1] - first_item[g];  // 0 only without keys (S = 0)
+      std::vector<Key>* ranked = &merged;
       merged.clear();
-      for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
-        merged.insert(merged.end(), partial[i][tl].begin(), partial[i][tl].end());
-      const int64_t n = std::min<int64_t>(K, static_cast<int64_t>(merged.size()));
-      std::partial_sort(merged.begin(), merged.begin() + n, merged.end(), ranks_before<T>);
+      if (segments == 1) {
+        ranked = &partial[first_item[g]][tl];
+      } else if (segments > 1) {  // several segments: their union, cut to the k best
+        for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
+          merged.insert(merged.end(), partial[i][tl].begin(), partial[i][tl].end());
+        if (static_cast<int64_t>(merged.size()) > K) {
+          std::nth_element(merged.begin(), merged.begin() + (K - 1), merged.end(), std::greater<Key>());
+          merged.resize(K);
+        }
+        ranked = &merged;
+      }
+      std::sort(ranked->begin(), ranked->end(), std::greater<Key>());
+      const int64_t n = std::min<int64_t>(K, static_cast<int64_t>(ranked->size()));
       int32_t* dst = out + row * K;
-      for (int64_t j = 0; j < n; ++j) dst[j] = merged[j].index;
+      for (int64_t j = 0; j < n; ++j) dst[j] = index_of((*ranked)[j]);
       for (int64_t j = n; j < K; ++j) dst[j] = -1;
     }
   });

@@ -56,16 +56,24 @@ template <typename acc_t> struct RowLayout {
   }
 
   // a[g][:] = q . key_g for G keys at once (G independent chains hide the multiply-add latency); each key's
-  // products are summed in d order whatever G is, so a key's value does not depend on its group.
+  // products are summed in d order whatever G is, so a key's value does not depend on its group. Narrow
+  // vectors (8 fp32 heads: GLM-5's indexer fills one) with the key value broadcast from memory; lanes of heads
+  // past H are 0 (their q is 0), written without being computed.
   template <int G> void dots(const acc_t* q_t, const acc_t* const* key, acc_t* a) const {  // a [G, Hp]
-    for (int64_t v = 0; v < nv; ++v) {
-      V acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = V{};
-      for (int64_t d = 0; d < D; ++d) {
-        const V qv = load<V>(q_t + d * Hp + v * W);
-        for (int g = 0; g < G; ++g) acc[g] = fmadd(splat<V>(key[g][d]), qv, acc[g]);
+    using N = typename Narrow<acc_t>::V;
+    constexpr int NW = Narrow<acc_t>::width;
+    for (int64_t v = 0; v < Hp; v += NW) {
+      if (v >= H) {
+        for (int g = 0; g < G; ++g) store(a + g * Hp + v, N{});
+        continue;
       }
-      for (int g = 0; g < G; ++g) store(a + g * Hp + v * W, acc[g]);
+      N acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = N{};
+      for (int64_t d = 0; d < D; ++d) {
+        const N qv = load<N>(q_t + d * Hp + v);
+        for (int g = 0; g < G; ++g) acc[g] = fmadd(broadcast<N>(key[g][d]), qv, acc[g]);
+      }
+      for (int g = 0; g < G; ++g) store(a + g * Hp + v, acc[g]);
     }
   }
 };
@@ -126,24 +134,24 @@ void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const ind
 constexpr int kDimGroup = 4;
 
 template <typename acc_t>
-void keys_times_dd(const acc_t* const* __restrict key, const acc_t* __restrict dd, int64_t n, int64_t D, int64_t Hp,
-                   acc_t* __restrict out) {
-  using V = typename Simd<acc_t>::V;
-  constexpr int W = Simd<acc_t>::width;
-  for (int64_t v = 0; v < Hp; v += W) {
+void keys_times_dd(const acc_t* const* __restrict key, const acc_t* __restrict dd, int64_t n, int64_t D, int64_t H,
+                   int64_t Hp, acc_t* __restrict out) {
+  using N = typename Narrow<acc_t>::V;  // narrow vectors, as in RowLayout::dots; head lanes past H are not read
+  constexpr int NW = Narrow<acc_t>::width;
+  for (int64_t v = 0; v < H; v += NW) {
     int64_t d = 0;
     for (; d + kDimGroup <= D; d += kDimGroup) {
-      V acc[kDimGroup] = {};
+      N acc[kDimGroup] = {};
       for (int64_t i = 0; i < n; ++i) {
-        const V ddv = load<V>(dd + i * Hp + v);
+        const N ddv = load<N>(dd + i * Hp + v);
         const acc_t* k = key[i] + d;
-        for (int g = 0; g < kDimGroup; ++g) acc[g] = fmadd(splat<V>(k[g]), ddv, acc[g]);
+        for (int g = 0; g < kDimGroup; ++g) acc[g] = fmadd(broadcast<N>(k[g]), ddv, acc[g]);
       }
       for (int g = 0; g < kDimGroup; ++g) store(out + (d + g) * Hp + v, acc[g]);
     }
     for (; d < D; ++d) {
-      V acc{};
-      for (int64_t i = 0; i < n; ++i) acc = fmadd(splat<V>(key[i][d]), load<V>(dd + i * Hp + v), acc);
+      N acc{};
+      for (int64_t i = 0; i < n; ++i) acc = fmadd(broadcast<N>(key[i][d]), load<N>(dd + i * Hp + v), acc);
       store(out + d * Hp + v, acc);
     }
   }
@@ -158,7 +166,7 @@ void add_heads_times_queries(const acc_t* __restrict dd, const acc_t* __restrict
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     V acc{};
-    for (int64_t h = 0; h < H; ++h) acc = fmadd(splat<V>(dd[h]), load<V>(q_row + h * D + d), acc);
+    for (int64_t h = 0; h < H; ++h) acc = fmadd(broadcast<V>(dd[h]), load<V>(q_row + h * D + d), acc);
     store(dk + d, load<V>(dk + d) + acc);
   }
   for (; d < D; ++d) {
@@ -214,7 +222,7 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
           key_ptr.clear();
           for_each_kept_key(L, q_t, keys + b * n.S * D, idx + row * K, K, kept_all[tid], a_buf,
                             [&](int64_t j, const acc_t* key, const acc_t* a) {
-                              const V g = splat<V>(grad[row * K + j]);
+                              const V g = broadcast<V>(grad[row * K + j]);
                               acc_t* dd = dd_kept + static_cast<int64_t>(key_ptr.size()) * Hp;
                               for (int64_t v = 0; v < Hp; v += W) {
                                 const V av = load<V>(a + v);
@@ -226,7 +234,7 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
                               }
                               key_ptr.push_back(key);
                             });
-          keys_times_dd(key_ptr.data(), dd_kept, static_cast<int64_t>(key_ptr.size()), D, Hp, dq_t);
+          keys_times_dd(key_ptr.data(), dd_kept, static_cast<int64_t>(key_ptr.size()), D, H, Hp, dq_t);
           acc_t* dq_row = dq + row * H * D;
           for (int64_t h = 0; h < H; ++h) {
             for (int64_t d = 0; d < D; ++d) dq_row[h * D + d] = dq_t[d * Hp + h];

@@ -94,4 +94,40 @@ template <typename T> inline void axpy(T alpha, const T* x, T* y, int64_t n) {
   for (; i < n; ++i) y[i] = y[i] + alpha * x[i];
 }
 
+// ---- Indexer kernels' helpers (cpu_indexer_topk.cpp, cpu_selected_index_scores.cpp) ----
+//
+// broadcast<V>(x): every lane holds x exactly, as one broadcast the compiler folds into an FMA's memory
+// operand (splat adds +0 instead: one more instruction, and -0 becomes +0). Where the lanes enter an FMA chain
+// that starts at +0 -- every use in the indexer kernels -- the two give the same bits: a zero operand's sign
+// can only show in a sum of zeros, and such a chain never holds -0 (in round-to-nearest a sum is -0 only when
+// both addends are).
+template <typename V> inline V broadcast(decltype(V{}[0]) x) {
+  using Mask = decltype(V{} == V{});
+  return (Mask{} == Mask{}) ? x : x;  // an all-true select: the scalar goes to every lane, every bit kept
+}
+
+// Narrow vectors of 32 bytes (8 floats, 4 doubles) where the build has AVX2, else the build's own width: the
+// indexer's 8 heads fill one, and two 32-byte FMAs per cycle run as fast as one 64-byte FMA on AMD Zen 4.
+// fmadd rounds as the build's wide fmadd does (one rounding with FMA, two without), so a lane's bits do not
+// depend on which of the two widths computed it.
+#if defined(__AVX512F__) || defined(__AVX2__)
+constexpr int kNarrowBytes = 32;
+#else
+constexpr int kNarrowBytes = kVecBytes;
+#endif
+typedef float NarrowF __attribute__((vector_size(kNarrowBytes)));
+typedef double NarrowD __attribute__((vector_size(kNarrowBytes)));
+template <typename T> struct Narrow;
+template <> struct Narrow<float> { using V = NarrowF; static constexpr int width = kNarrowBytes / 4; };
+template <> struct Narrow<double> { using V = NarrowD; static constexpr int width = kNarrowBytes / 8; };
+
+#if defined(__AVX512F__)
+inline NarrowF fmadd(NarrowF a, NarrowF b, NarrowF c) {
+  return (NarrowF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+inline NarrowD fmadd(NarrowD a, NarrowD b, NarrowD c) {
+  return (NarrowD)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+}
+#endif  // elsewhere NarrowF is VecF and the fmadd above serves both
+
 }  // namespace glm5
