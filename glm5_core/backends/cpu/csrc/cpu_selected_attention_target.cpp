@@ -30,60 +30,37 @@
 namespace glm5 {
 namespace {
 
-constexpr int64_t kHeadLanes = 8;  // heads per head vector
 constexpr int64_t kKeyBlock = 4;  // selected keys scored together (independent accumulator chains)
-
-typedef float HeadLanesF __attribute__((vector_size(kHeadLanes * sizeof(float))));
-typedef double HeadLanesD __attribute__((vector_size(kHeadLanes * sizeof(double))));
-template <typename T> struct HeadLanes;
-template <> struct HeadLanes<float> { using V = HeadLanesF; };
-template <> struct HeadLanes<double> { using V = HeadLanesD; };
-
-inline HeadLanesF fma_heads(HeadLanesF a, HeadLanesF b, HeadLanesF c) {
-#if defined(__FMA__) && defined(__AVX2__)
-  return (HeadLanesF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline HeadLanesD fma_heads(HeadLanesD a, HeadLanesD b, HeadLanesD c) {
-#if defined(__AVX512F__)
-  return (HeadLanesD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
-#else
-  return a * b + c;
-#endif
-}
 
 // exp of 8 floats at once (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), within
 // ~2 ulp of std::exp over [-87.3, 88.3]; below -87.3 it gives 0 (std::exp: a denormal under 1.2e-38). The exponentials
 // were the kernel's cost (one library call per head and key): this keeps them in vector registers.
-inline HeadLanesF exp_heads(HeadLanesF x) {
+inline HeadVecF exp_heads(HeadVecF x) {
   typedef int32_t Ints __attribute__((vector_size(kHeadLanes * sizeof(int32_t))));
-  const HeadLanesF lo = HeadLanesF{} - 87.3f, hi = HeadLanesF{} + 88.3f;
-  const HeadLanesF xc = x < lo ? lo : (x > hi ? hi : x);
-  const HeadLanesF t = xc * 1.44269504088896341f + 0.5f;
+  const HeadVecF lo = HeadVecF{} - 87.3f, hi = HeadVecF{} + 88.3f;
+  const HeadVecF xc = x < lo ? lo : (x > hi ? hi : x);
+  const HeadVecF t = xc * 1.44269504088896341f + 0.5f;
   Ints n = __builtin_convertvector(t, Ints);  // truncation; then floor:
-  HeadLanesF nf = __builtin_convertvector(n, HeadLanesF);
+  HeadVecF nf = __builtin_convertvector(n, HeadVecF);
   const Ints above = nf > t;  // -1 where truncation rounded up (negative t)
   n = n + above;
-  nf = nf + __builtin_convertvector(above, HeadLanesF);
-  const HeadLanesF r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  HeadLanesF p = HeadLanesF{} + 1.9875691500e-4f;
+  nf = nf + __builtin_convertvector(above, HeadVecF);
+  const HeadVecF r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  HeadVecF p = HeadVecF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const HeadLanesF y = (p * (r * r) + r) + 1.0f;
+  const HeadVecF y = (p * (r * r) + r) + 1.0f;
   const Ints bits = (n + 127) << 23;
-  HeadLanesF scale;
+  HeadVecF scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  const HeadLanesF e = y * scale;
-  return x < lo ? HeadLanesF{} : e;
+  const HeadVecF e = y * scale;
+  return x < lo ? HeadVecF{} : e;
 }
 
-inline HeadLanesD exp_heads(HeadLanesD x) {  // fp64: the library's exp, lane by lane
+inline HeadVecD exp_heads(HeadVecD x) {  // fp64: the library's exp, lane by lane
   double lanes[kHeadLanes];
   __builtin_memcpy(lanes, &x, sizeof(x));
   for (int64_t l = 0; l < kHeadLanes; ++l) lanes[l] = std::exp(lanes[l]);
@@ -110,7 +87,7 @@ template <typename T> Rows<T> rows_of(const at::Tensor& t) {
 // dst [D, G] head vectors of row (b, x) of src [B, X, H, D] (heads past H zero).
 template <typename T>
 void head_minor_row(const Rows<T>& src, int64_t b, int64_t x, int64_t H, int64_t D, int64_t G,
-                    typename HeadLanes<T>::V* dst) {
+                    typename HeadVec<T>::V* dst) {
   T* flat = reinterpret_cast<T*>(dst);  // [D, G * kHeadLanes]
   for (int64_t i = 0; i < D * G * kHeadLanes; ++i) flat[i] = T(0);
   for (int64_t h = 0; h < H; ++h) {
@@ -122,7 +99,7 @@ void head_minor_row(const Rows<T>& src, int64_t b, int64_t x, int64_t H, int64_t
 template <typename T>
 void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_nope, const Rows<T>& k_pe,
                    const T* lse, const int64_t* idx, const int64_t* start, T scale, const Sizes& z, T* out) {
-  using V = typename HeadLanes<T>::V;
+  using V = typename HeadVec<T>::V;
   const int64_t G = z.groups();
   std::vector<V> keys(z.B * z.S * z.Dn * G);  // [B*S, Dn, G]
   at::parallel_for(0, z.B * z.S, 16, [&](int64_t begin, int64_t end) {
@@ -165,11 +142,11 @@ void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_
           V acc[kKeyBlock] = {};
           for (int64_t d = 0; d < z.Dn; ++d) {
             const V q = qn[d * G + g];
-            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, kn[i][d * G + g], acc[i]);
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, kn[i][d * G + g], acc[i]);
           }
           for (int64_t r = 0; r < z.R; ++r) {
             const V q = qr[r * G + g];
-            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_heads(q, V{} + kr[i][r], acc[i]);
+            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, V{} + kr[i][r], acc[i]);
           }
           const int64_t heads = std::min(kHeadLanes, z.H - g * kHeadLanes);
           for (int64_t i = 0; i < m; ++i) {

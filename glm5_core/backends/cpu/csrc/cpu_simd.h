@@ -94,6 +94,35 @@ template <typename T> inline void axpy(T alpha, const T* x, T* y, int64_t n) {
   for (; i < n; ++i) y[i] = y[i] + alpha * x[i];
 }
 
+// ---- 8-head vectors (cpu_sparse_expanded.cpp, cpu_selected_attention_target.cpp) ----
+//
+// A vector of kHeadLanes heads, whatever the build's width: kernels that vectorise over attention heads (head-minor
+// copies [X, D, G, kHeadLanes], G = ceil(H / kHeadLanes) zero-padded head groups) make every per-head dot product a
+// chain of lane-wise multiply-adds, with no horizontal sum per score. fma_lanes: one rounding where the ISA has an
+// FMA of that width, two otherwise (fixed per build).
+constexpr int64_t kHeadLanes = 8;
+typedef float HeadVecF __attribute__((vector_size(kHeadLanes * sizeof(float))));
+typedef double HeadVecD __attribute__((vector_size(kHeadLanes * sizeof(double))));
+template <typename T> struct HeadVec;
+template <> struct HeadVec<float> { using V = HeadVecF; };
+template <> struct HeadVec<double> { using V = HeadVecD; };
+
+inline HeadVecF fma_lanes(HeadVecF a, HeadVecF b, HeadVecF c) {
+#if defined(__FMA__) && defined(__AVX2__)
+  return (HeadVecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+inline HeadVecD fma_lanes(HeadVecD a, HeadVecD b, HeadVecD c) {
+#if defined(__AVX512F__)
+  return (HeadVecD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#else
+  return a * b + c;
+#endif
+}
+
 // ---- Indexer kernels' helpers (cpu_indexer_topk.cpp, cpu_selected_index_scores.cpp) ----
 //
 // broadcast<V>(x): every lane holds x exactly, as one broadcast the compiler folds into an FMA's memory

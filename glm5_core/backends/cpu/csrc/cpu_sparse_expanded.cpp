@@ -45,31 +45,6 @@ namespace {
 // p and G of a block of query rows, in key order. Small enough that the block's p / G and its query rows stay in
 // cache while pass 2 gathers them (4 MiB measured 1.3-1.5x faster than 64 MiB at 1x4096, top-k 256).
 constexpr int64_t kBlockBytes = int64_t(4) << 20;
-constexpr int64_t kLanes = 8;  // heads per head vector: the kernels vectorise over heads, never reduce within one
-
-// A vector of kLanes heads. Head-minor copies [X, D, G, kLanes] (G = ceil(H / kLanes) head groups, zero padded)
-// make every per-head dot product a chain of lane-wise multiply-adds: no horizontal sum per score.
-typedef float HeadVecF __attribute__((vector_size(kLanes * sizeof(float))));
-typedef double HeadVecD __attribute__((vector_size(kLanes * sizeof(double))));
-template <typename T> struct HeadVec;
-template <> struct HeadVec<float> { using V = HeadVecF; };
-template <> struct HeadVec<double> { using V = HeadVecD; };
-
-inline HeadVecF fma_lanes(HeadVecF a, HeadVecF b, HeadVecF c) {
-#if defined(__FMA__) && defined(__AVX2__)
-  return (HeadVecF)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-
-inline HeadVecD fma_lanes(HeadVecD a, HeadVecD b, HeadVecD c) {
-#if defined(__AVX512F__)
-  return (HeadVecD)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
-#else
-  return a * b + c;
-#endif
-}
 
 template <typename V> inline V max_lanes(V a, V b) { return a > b ? a : b; }
 
@@ -87,7 +62,7 @@ template <typename T> Rows<T> rows_of(const at::Tensor& t) {
 
 struct Sizes {
   int64_t B, T, H, Dn, R, Dv, S, K;
-  int64_t groups() const { return (H + kLanes - 1) / kLanes; }
+  int64_t groups() const { return (H + kHeadLanes - 1) / kHeadLanes; }
 };
 
 // dst [B * X, D, G] head vectors (acc_t, heads past H zero) from src [B, X, H, D], in parallel over rows.
@@ -98,11 +73,11 @@ std::vector<typename HeadVec<acc_t>::V> head_minor(const Rows<src_t>& src, int64
   std::vector<V> dst(B * X * D * G);
   at::parallel_for(0, B * X, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bx = begin; bx < end; ++bx) {
-      acc_t* row = reinterpret_cast<acc_t*>(dst.data() + bx * D * G);  // [D, G * kLanes]
-      for (int64_t i = 0; i < D * G * kLanes; ++i) row[i] = acc_t(0);
+      acc_t* row = reinterpret_cast<acc_t*>(dst.data() + bx * D * G);  // [D, G * kHeadLanes]
+      for (int64_t i = 0; i < D * G * kHeadLanes; ++i) row[i] = acc_t(0);
       for (int64_t h = 0; h < H; ++h) {
         const src_t* x = src.at(bx / X, bx % X, h);
-        for (int64_t d = 0; d < D; ++d) row[d * G * kLanes + h] = static_cast<acc_t>(x[d]);
+        for (int64_t d = 0; d < D; ++d) row[d * G * kHeadLanes + h] = static_cast<acc_t>(x[d]);
       }
     }
   });
@@ -117,7 +92,7 @@ void from_head_minor(const typename HeadVec<acc_t>::V* src, int64_t rows, int64_
     for (int64_t r = begin; r < end; ++r) {
       const acc_t* row = reinterpret_cast<const acc_t*>(src + r * D * G);
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) out[(r * H + h) * D + d] = row[d * G * kLanes + h];
+        for (int64_t d = 0; d < D; ++d) out[(r * H + h) * D + d] = row[d * G * kHeadLanes + h];
     }
   });
 }
@@ -265,9 +240,9 @@ void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, a
 }
 
 template <typename V, typename acc_t> inline V exp_lanes(V x) {
-  acc_t lanes[kLanes];
+  acc_t lanes[kHeadLanes];
   __builtin_memcpy(lanes, &x, sizeof(V));
-  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::exp(lanes[l]);
+  for (int64_t l = 0; l < kHeadLanes; ++l) lanes[l] = std::exp(lanes[l]);
   __builtin_memcpy(&x, lanes, sizeof(V));
   return x;
 }
@@ -314,12 +289,12 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
         for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
         for (int64_t g = 0; g < G; ++g)
           weighted_sum(out_DG + g, G, w.score.data() + g, G, in.hm.v.data() + g, w.key.data(), z.Dv * G, G, n, z.Dv);
-        const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kLanes]
+        const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kHeadLanes]
         const acc_t* tot = reinterpret_cast<const acc_t*>(total);
         const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
         for (int64_t h = 0; h < z.H; ++h) {
           const acc_t inv = acc_t(1) / tot[h];
-          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kLanes + h] * inv;
+          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kHeadLanes + h] * inv;
           lse[row * z.H + h] = mx[h] + std::log(tot[h]);
         }
       });
@@ -409,7 +384,7 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
           row_scores(w, in, row, scale, z);
           V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
           acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
-          for (int64_t l = 0; l < G * kLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
+          for (int64_t l = 0; l < G * kHeadLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
           V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
           const V* dO_row = dO.data() + row * z.Dv * G;
           V* p = w.score.data();  // [n, G]
@@ -475,10 +450,10 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
   // d k_pe[s, r] = sum over heads (ascending, a fixed order) of the head-minor rope gradient.
   at::parallel_for(0, keys, 64, [&](int64_t begin, int64_t end) {
     for (int64_t key = begin; key < end; ++key) {
-      const acc_t* src = reinterpret_cast<const acc_t*>(dk_r.data() + key * z.R * G);  // [R, G * kLanes]
+      const acc_t* src = reinterpret_cast<const acc_t*>(dk_r.data() + key * z.R * G);  // [R, G * kHeadLanes]
       for (int64_t r = 0; r < z.R; ++r) {
         acc_t sum = 0;
-        for (int64_t h = 0; h < z.H; ++h) sum = sum + src[r * G * kLanes + h];
+        for (int64_t h = 0; h < z.H; ++h) sum = sum + src[r * G * kHeadLanes + h];
         dk_pe[key * z.R + r] = sum;
       }
     }
