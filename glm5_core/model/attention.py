@@ -171,12 +171,17 @@ class MLA(nn.Module):
                          state: ForwardState, k_nope: Optional[torch.Tensor] = None) -> None:
         q_i, keys_i, w_i, index_start = index_inputs
         if state.attention == "sparse":  # only the selected keys matter: nothing [B, T, S] is kept
-            target = indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=self.scale,
-                                                            start_pos=attn_start, k_nope=k_nope,
-                                                            backend=self.kernels)  # [B, T, K]
+            def target_at_selected(normaliser: str) -> torch.Tensor:  # [B, T, K]
+                return indexer_loss.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx,
+                                                              scale=self.scale, start_pos=attn_start, k_nope=k_nope,
+                                                              normaliser=normaliser, backend=self.kernels)
+
+            target = target_at_selected(state.indexer_kl_target)
             scores = dsa.selected_index_scores(q_i, keys_i, w_i, topk_idx, backend=self.kernels)  # [B, T, K]
             state.kl_terms.append(indexer_loss.selected_kl(target, scores, topk_idx))
-            state.recall_terms.append(indexer_loss.selected_recall(target))
+            if state.measure_recall:  # the DENSE target's mass on the selected keys
+                dense = target if state.indexer_kl_target == "causal" else target_at_selected("causal")
+                state.recall_terms.append(indexer_loss.selected_recall(dense))
             return
         target = indexer_loss.attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, scale=self.scale,
                                                start_pos=attn_start)  # [B, T, S]

@@ -4,8 +4,15 @@ Legend: B batch, T queries, S key slots, H attention heads, K top-k width, C kv_
 
 Target ``p[b,t,:]``: the main attention probabilities summed over heads and L1-normalised (detached).
 Dense stage:  KL(p || softmax(I)) over every causal key.
-Sparse stage: the same KL restricted to the selected keys (p renormalised over them).
-Recall:       the share of p's mass that falls on the selected keys.
+Sparse stage: KL(p_S || softmax(I_S)) over the selected keys S. Its target p_S (``loss.indexer_kl_target``):
+  "selected" (default): each head's softmax over the selected keys only (the sparse attention the stage runs),
+      summed over heads and L1-normalised, as NVIDIA Megatron-LM's DSA trains it (``compute_dsa_indexer_loss`` with
+      ``sparse_loss=True`` in megatron/core/transformer/experimental_attention_variant/dsa.py: the non-selected keys
+      are masked to -inf before the per-head softmax). O(T K H D): no pass over the other keys.
+  "causal": the dense p (each head's softmax over every causal key) at the selected keys, renormalised over them
+      (what glm5-core trained with before; its normaliser needs a pass over all T x S scores of every head).
+Recall:       the share of the DENSE p's mass that falls on the selected keys (needs the "causal" normaliser: in
+              the sparse stage with the "selected" target it costs an extra pass, so it runs only when asked).
 Each is averaged over the B*T queries.
 
 The sparse stage needs p and the indexer scores at the selected keys only: ``selected_attention_target`` (the op
@@ -21,8 +28,10 @@ import torch
 from glm5_core import registry
 from glm5_core.ops import dsa
 from glm5_core.ops.mla import absorb_query, causal_mask
+from glm5_core.ops.selected_attention_target import NORMALISERS
 
 StartPos = Union[int, torch.Tensor]
+KL_TARGETS = NORMALISERS  # the sparse stage's KL target: "selected" | "causal" (the op's normaliser)
 
 
 @torch.no_grad()
@@ -44,13 +53,15 @@ def attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tenso
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                               w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float,
                               start_pos: StartPos, k_nope: Optional[torch.Tensor] = None,
-                              backend: registry.BackendArg = None) -> torch.Tensor:
-    """attention_target(...) gathered at topk_idx [B, T, K] (0 at the -1 slots), detached, with no [B, T, S] tensor:
-    the op ``glm5_core.ops.dsa.selected_attention_target`` (its reference goes through query blocks of dense scores;
-    the cpu kernel needs only each head's log-sum-exp over every key, and the selected keys). ``k_nope``
-    [B, S, H, Dn]: the expanded keys when the caller already has them (else computed from c_kv and w_uk)."""
+                              normaliser: str = "selected", backend: registry.BackendArg = None) -> torch.Tensor:
+    """The target at topk_idx [B, T, K] (0 at the -1 slots), detached, with no [B, T, S] tensor: the op
+    ``glm5_core.ops.dsa.selected_attention_target``. ``normaliser`` "selected": each head's softmax over the
+    selected keys, head-summed and L1-normalised (the cpu kernel needs the selected keys only); "causal":
+    attention_target(...) gathered at topk_idx (the cpu kernel needs each head's log-sum-exp over every key too).
+    ``k_nope`` [B, S, H, Dn]: the expanded keys when the caller already has them (else computed from c_kv and
+    w_uk)."""
     return dsa.selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, scale=scale, start_pos=start_pos,
-                                         k_nope=k_nope, backend=backend)
+                                         k_nope=k_nope, normaliser=normaliser, backend=backend)
 
 
 def _kl(target: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from glm5_core.model import replay
 from glm5_core.model.block import DecoderLayer
 from glm5_core.model.cache import KVCache
 from glm5_core.model.config import GLM5Config
+from glm5_core.model.indexer_loss import KL_TARGETS
 from glm5_core.model.moe import MoE
 from glm5_core.model.mtp import MTPLayer
 from glm5_core.model.norm import RMSNorm
@@ -37,7 +38,7 @@ class GLM5Output:
     indexer_kl: Optional[torch.Tensor]  # scalar, mean over the layers that ran an indexer
     expert_counts: torch.Tensor  # int64 [num_moe_layers, E] (rows as model.router_biases())
     topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
-    topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True
+    topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True and measure_recall=True
     hidden: Optional[torch.Tensor] = None  # [B, T, D] last main layer's output (before model.norm): the MTP input
     expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
 
@@ -233,21 +234,32 @@ class GLM5ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention: str = "sparse", indexer_loss: bool = False,
                 mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0,
                 routing_replay: Optional[torch.Tensor] = None,
-                index_replay: Optional[torch.Tensor] = None) -> GLM5Output:
+                index_replay: Optional[torch.Tensor] = None, indexer_kl_target: str = "selected",
+                measure_recall: bool = True) -> GLM5Output:
         """``attention="sparse"`` (the default) is DSA as the checkpoint defines it (each query attends to the
         top ``index_topk`` keys of its "full" indexer layer, reused by "shared" layers), what transformers'
         glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage).
 
         ``routing_replay`` int [B, T, M, K] / ``index_replay`` int [B, T, F, Ki]: use these experts per main MoE
         layer / these keys per full-indexer layer instead of selecting them (rows of -1: select as usual);
-        see ``glm5_core.model.replay``. The chosen experts come back in ``expert_ids``."""
+        see ``glm5_core.model.replay``. The chosen experts come back in ``expert_ids``.
+
+        With ``indexer_loss``: ``indexer_kl_target`` ("selected" | "causal") is the sparse attention's KL target
+        (``glm5_core.model.indexer_loss``: each head's softmax over the selected keys, or over every causal key);
+        ``measure_recall`` reports ``topk_recall`` (the dense target's mass on the selected keys: in sparse
+        attention with the "selected" target it costs one more pass over every key, so pass False on steps
+        that do not log it)."""
         self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
+        if indexer_kl_target not in KL_TARGETS:
+            raise ValueError(f"indexer_kl_target: expected one of {', '.join(map(repr, KL_TARGETS))}, "
+                             f"got {indexer_kl_target!r}")
         self._check_replay(input_ids, attention, start_pos, routing_replay, index_replay)
         B, T = input_ids.shape
         embeds = self.model.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = self.model.rotary(positions_of(start_pos, B, T, input_ids.device), embeds.dtype)  # [B, T, Dr/2]
         state = ForwardState(attention=attention, start_pos=start_pos, cache=cache, indexer_loss=bool(indexer_loss),
-                             cos=cos, sin=sin, expert_counts=[None] * self.num_moe_layers,
+                             indexer_kl_target=indexer_kl_target, measure_recall=bool(measure_recall), cos=cos, sin=sin,
+                             expert_counts=[None] * self.num_moe_layers,
                              routing_replay=list(routing_replay.unbind(2)) if routing_replay is not None else None,
                              index_replay=list(index_replay.unbind(2)) if index_replay is not None else None)
         hidden = embeds

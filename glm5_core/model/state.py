@@ -19,6 +19,10 @@ class ForwardState:
     indexer_loss: bool
     cos: torch.Tensor  # [B, T, Dr/2] for the current tokens' positions
     sin: torch.Tensor
+    # with indexer_loss, sparse attention: the KL target's normaliser (indexer_loss.KL_TARGETS), and whether the
+    # top-k recall is measured (it needs the dense normaliser: an extra pass with the "selected" target)
+    indexer_kl_target: str = "selected"
+    measure_recall: bool = True
     record_topk: bool = True  # False while the MTP module runs (no recording, no replay there)
     # replay (RL): per main MoE layer int [B, T, K] expert ids / per full-indexer layer int32 [B, T, K] top-k;
     # a row of -1 is not replayed (checked by glm5_core.model.replay before the forward)

@@ -30,7 +30,7 @@ import torch
 from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
-from glm5_core.ops.selected_attention_target import selected_attention_target_reference
+from glm5_core.ops.selected_attention_target import NORMALISERS, selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
 from glm5_core.opspec import OpSpec
 
@@ -210,14 +210,23 @@ def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, top
 
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                               w_uk: torch.Tensor, topk_idx: torch.Tensor, *, scale: float, start_pos: StartPos,
-                              k_nope: Optional[torch.Tensor] = None,
+                              k_nope: Optional[torch.Tensor] = None, normaliser: str = "selected",
                               backend: registry.BackendArg = None) -> torch.Tensor:
-    """The sparse stage's indexer-KL target at the selected keys: the main attention's probabilities (softmax over
-    EVERY causal key, scale * (q_nope . k_nope + q_pe . k_pe) per head) summed over the Hm heads and divided by Hm,
-    at topk_idx [B, T, K] (-1 = none). Returns [B, T, K] in the compute dtype (fp32, fp64 for fp64 inputs), 0 at the
-    -1 slots and at keys past the query. Detached: no gradient flows to any input, whatever they require.
-    ``k_nope`` [B, S, Hm, Dn]: the expanded keys c_kv W_UK^T when the caller has them (else computed here).
-    Memory O(T K) plus O(S Hm Dn): never a [B, T, S] tensor."""
+    """The sparse stage's indexer-KL target at the selected keys topk_idx [B, T, K] (-1 = none): the main
+    attention's probabilities (scale * (q_nope . k_nope + q_pe . k_pe) per head) summed over the Hm heads and
+    divided by Hm. ``normaliser`` says which keys each head's softmax runs over:
+      "selected" (default): the row's valid selected keys only, the sparse attention's own probabilities, as
+        NVIDIA Megatron-LM's DSA indexer loss with ``sparse_loss=True`` (experimental_attention_variant/dsa.py);
+        each row sums to 1 (0 for a row with no valid key); O(T K Hm D).
+      "causal": EVERY causal key (the dense attention gathered at the selected keys; its row sums are the top-k
+        recall); the normaliser needs a pass over all T x S scores.
+    Returns [B, T, K] in the compute dtype (fp32, fp64 for fp64 inputs), 0 at the -1 slots and at keys past the
+    query. The indices of a row are distinct (the indexer's top-k). Detached: no gradient flows to any input,
+    whatever they require. ``k_nope`` [B, S, Hm, Dn]: the expanded keys c_kv W_UK^T when the caller has them (else
+    computed here). Memory O(T K) plus O(S Hm Dn): never a [B, T, S] tensor."""
+    if normaliser not in NORMALISERS:
+        raise ValueError(f"normaliser: expected one of {', '.join(repr(n) for n in NORMALISERS)}, "
+                         f"got {normaliser!r}")
     sizes: Dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
     _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
@@ -238,7 +247,8 @@ def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: to
     _checks.start_positions(start_pos, sizes["B"], sizes["T"], sizes["S"], device)
     _checks.index_range("topk_idx", topk_idx, -1, sizes["S"] - 1)  # -1 = no key
     return registry.call("dsa_selected_attention_target", q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx,
-                         scale=float(scale), start_pos=start_pos, k_nope=k_nope, backend=backend)
+                         scale=float(scale), start_pos=start_pos, k_nope=k_nope, normaliser=normaliser,
+                         backend=backend)
 
 
 def _validate_sparse(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale) -> None:

@@ -6,7 +6,9 @@ overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``route
 Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 report):
 ``dense`` (dense attention, LM + MTP loss, indexer idle),
 ``indexer_warmup`` (main model frozen, only the indexer trains on the KL to the dense attention),
-``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer).
+``sparse`` (top-k attention; LM + MTP loss for the model, KL on the selected keys for the indexer; its target is
+``loss.indexer_kl_target``: "selected", each head's softmax over the selected keys as Megatron-LM's DSA
+``sparse_loss``, or "causal", the dense attention over every causal key renormalised on them).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from glm5_core import config_paths
 from glm5_core.config_schema import ConfigError, build, convert_fields, field, non_negative, positive
 from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.ops.selected_attention_target import NORMALISERS as INDEXER_KL_TARGETS
 from glm5_core.optim import OptimizerConfig
 
 STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
@@ -72,6 +75,9 @@ class LossConfig:
     mtp_depths: int = field(1, **non_negative())  # recursive MTP depths in training (GLM-5: 3)
     mtp_weight: float = field(0.3, **non_negative())
     indexer_kl_weight: float = field(1.0, **positive())
+    # the sparse stage's KL target: "selected" (each head's softmax over the selected keys, no pass over the others)
+    # or "causal" (each head's softmax over every causal key, then renormalised on the selected ones)
+    indexer_kl_target: str = field("selected", choices=INDEXER_KL_TARGETS)
 
 
 @dataclasses.dataclass
@@ -90,7 +96,7 @@ class LoggingConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     plot: bool = True
-    recall_every_steps: int = field(10, **positive())  # dense stage: measure top-k recall every N steps
+    recall_every_steps: int = field(10, **positive())  # dense and sparse stages: measure top-k recall every N steps
 
 
 @dataclasses.dataclass

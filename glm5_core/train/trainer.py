@@ -6,7 +6,9 @@ Per stage (``StageConfig.kind``):
   indexer_warmup  trains only the indexers (the MTP layer's included, over the loss.mtp_depths depths) on
                   KL(p || softmax(I)) against the dense attention; main model frozen
   sparse          top-k attention; LM + MTP loss for the model, indexer_kl_weight * KL on the selected keys for
-                  the indexer (the model detaches the indexer's input, so each learns only from its own loss)
+                  the indexer (the model detaches the indexer's input, so each learns only from its own loss),
+                  against loss.indexer_kl_target; the top-k recall (the dense target's mass on the selected keys,
+                  one more pass over every key) only every ``recall_every_steps``
 Router biases move by the aux-loss-free rule after every step that trains the main model, from expert counts
 summed over the ranks. Everything that decides a step's numbers (the stage, the learning rates, the batch)
 is a function of the step and the restored state, so a resumed run repeats an uninterrupted one bitwise.
@@ -180,7 +182,10 @@ class Trainer:
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
         if stage.kind == "indexer_warmup":  # the MTP layer's indexer warms up too (its sparse stage uses it)
             return dict(attention="dense", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths)
-        measure = stage.kind == "sparse" or step % self.cfg.logging.recall_every_steps == 0
+        measure = step % self.cfg.logging.recall_every_steps == 0
+        if stage.kind == "sparse":  # the KL trains the indexer every step; the recall is logged on measure steps
+            return dict(attention="sparse", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths,
+                        indexer_kl_target=self.cfg.loss.indexer_kl_target, measure_recall=measure)
         return dict(attention=stage.kind, indexer_loss=measure, mtp_depths=self.cfg.loss.mtp_depths)
 
     def _step(self, wrapped: torch.nn.Module, stage: StageConfig, step: int) -> dict:

@@ -1,5 +1,6 @@
-"""The sparse stage's indexer KL from the selected keys only: the same values and gradients as the dense
-formulas gathered at the selected keys, computed in query blocks, with no [B, T, S] tensor."""
+"""The sparse stage's indexer KL from the selected keys only: with the "causal" target, the same values and
+gradients as the dense formulas gathered at the selected keys, computed in query blocks; with no [B, T, S] tensor
+(either target)."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,9 +57,11 @@ def test_selected_target_kl_and_recall_equal_the_dense_ones(monkeypatch, block, 
     idx = x["topk_idx"]
     args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
     target = indexer_loss.attention_target(*args, scale=0.4, start_pos=start_pos)  # [B, T, S]
-    selected = indexer_loss.selected_attention_target(*args, idx, scale=0.4, start_pos=start_pos)  # [B, T, K]
+    selected = indexer_loss.selected_attention_target(*args, idx, scale=0.4, start_pos=start_pos,
+                                                      normaliser="causal")  # [B, T, K]
     blocked = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4,
-                                                                            start_pos=start_pos)  # [B, T, K]
+                                                                            start_pos=start_pos,
+                                                                            normaliser="causal")  # [B, T, K]
     keep = idx >= 0
     torch.testing.assert_close(selected, target.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, 0.0))
     torch.testing.assert_close(blocked, target.gather(-1, idx.clamp(min=0).long()).masked_fill(~keep, 0.0))
@@ -84,7 +87,8 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_model, make_config):
+@pytest.mark.parametrize("target", ("selected", "causal"))
+def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_model, make_config, target):
     """T = S = 24 (no other size of the model is 24): no tensor made for the sparse stage's indexer KL, forward
     or backward, holds a [T, S] plane (the top-k selection is the kernels' business: tests/cpu_native)."""
     from glm5_core.model import attention
@@ -100,7 +104,7 @@ def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_mo
     monkeypatch.setattr(attention.MLA, "_indexer_signals", watched)
     model = make_model(make_config(max_position_embeddings=32), dtype=torch.float32).train()
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
-    out = model(ids, attention="sparse", indexer_loss=True)
+    out = model(ids, attention="sparse", indexer_loss=True, indexer_kl_target=target)
     with seen:
         grads = torch.autograd.grad(out.indexer_kl, list(model.indexer_parameters()), allow_unused=True)
     assert out.indexer_kl.item() > 0 and any(g is not None and g.any() for g in grads)
@@ -133,6 +137,7 @@ def test_selected_target_is_zero_at_keys_past_the_query(monkeypatch, block):
     args = (x["q_nope"], x["q_pe"], x["c_kv"], x["k_pe"], x["w_uk"])
     target = indexer_loss.attention_target(*args, scale=0.4, start_pos=0)  # [B, T, S]
     want = target.gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
-    got = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4, start_pos=0)
+    got = selected_attention_target.selected_attention_target_reference(*args, idx, scale=0.4, start_pos=0,
+                                                                        normaliser="causal")
     torch.testing.assert_close(got, want)
     assert torch.equal(got[..., -1], torch.zeros_like(got[..., -1]))

@@ -1,17 +1,21 @@
-"""cpu backend kernel for ``dsa_selected_attention_target``: the sparse stage's indexer-KL target, in two passes.
+"""cpu backend kernel for ``dsa_selected_attention_target``: the sparse stage's indexer-KL target.
 
 Legend as in ``glm5_core.ops.selected_attention_target`` (Hm written H here); D = Dn + Dr.
 
-The target p[b,t,j] = (1/H) sum_h exp(scale * score_h[t, i_j] - lse_h[t]), with lse_h the DENSE causal
-log-sum-exp of head h (each head's probabilities sum to 1, so the head sum sums to H): only lse [B, T, H] needs
-every key, the rest needs the K selected ones.
+The target p[b,t,j] = (1/H) sum_h exp(scale * score_h[t, i_j] - lse_h[t]), lse_h the log-sum-exp of head h over
+the keys its softmax normalises over (``normaliser``):
+  "selected": the row's valid selected keys. One pass: the native kernel (csrc/cpu_selected_attention_target.cpp,
+     given an empty lse) scores the K selected keys of every head, takes each head's max and sum of exponentials
+     over them, and sums the heads' probabilities: O(T K H D), nothing over the other keys.
+  "causal": every causal key (each head's probabilities sum to 1, so the head sum sums to H): only lse [B, T, H]
+     needs every key, the rest needs the K selected ones. Two passes:
   1. lse from torch's fused CPU flash-attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: it
      returns the log-sum-exp, natural log, scale applied), with q = [q_nope, q_pe] and k = [k_nope, k_pe] per head
      (one score per head is q . k). It never holds probabilities beyond its own tiles. Query t of row b sees the
      keys s <= start[b] + t: the flash kernel's causal mask over the keys [start, start + T), plus (start > 0) an
      unmasked pass over the keys [0, start) merged with logaddexp; rows with different starts go one at a time.
      Its value output is a by-product (the keys stand in for the values).
-  2. the native kernel (csrc/cpu_selected_attention_target.cpp) at the selected keys: O(T K H D).
+  2. the native kernel at the selected keys: O(T K H D).
 Both are deterministic: the result is bitwise repeatable whatever the thread count.
 """
 from __future__ import annotations
@@ -60,27 +64,31 @@ def dense_lse(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_
 
 @torch.no_grad()
 def selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, scale: float, start_pos,
-                              k_nope: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[B, T, K] in the compute dtype: the reference's contract (detached), in O(T S H D) time and O(T K) memory."""
+                              k_nope: Optional[torch.Tensor] = None, normaliser: str = "selected") -> torch.Tensor:
+    """[B, T, K] in the compute dtype: the reference's contract (detached), in O(T K H D) time ("selected"; "causal":
+    O(T S H D)) and O(T K) memory."""
     ct = _checks.compute_dtype(q_nope.dtype)
     q_nope, q_pe, k_pe = (t.detach().to(ct) for t in (q_nope, q_pe, k_pe))
     if k_nope is None:
         k_nope = expanded_keys(c_kv.detach().to(ct), w_uk.detach().to(ct))  # [B, S, H, Dn]
     else:
         k_nope = k_nope.detach().to(ct)
-    lse = dense_lse(q_nope, q_pe, k_nope, k_pe, scale=scale, start_pos=start_pos)  # [B, T, H]
+    if normaliser == "causal":
+        lse = dense_lse(q_nope, q_pe, k_nope, k_pe, scale=scale, start_pos=start_pos)  # [B, T, H]
+    else:
+        lse = q_nope.new_empty(0)  # the kernel normalises each head over the selected keys
     start = torch.tensor(_starts(start_pos, q_nope.shape[0]), dtype=torch.int64)  # [B]
     return torch.ops.glm5_cpu.selected_attention_target(q_nope, q_pe, k_nope, k_pe, lse, topk_idx, start,
                                                         float(scale))
 
 
 def _supports(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, scale: float, start_pos,
-              k_nope: Optional[torch.Tensor] = None) -> Tuple[bool, str]:
+              k_nope: Optional[torch.Tensor] = None, normaliser: str = "selected") -> Tuple[bool, str]:
     devices = {t.device.type for t in (q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, k_nope, start_pos)
                if isinstance(t, torch.Tensor)}
     if devices != {"cpu"}:
         return False, f"native CPU kernels need CPU tensors, got {sorted(devices)}"
-    if not hasattr(torch.ops.aten, FLASH_OP):
+    if normaliser == "causal" and not hasattr(torch.ops.aten, FLASH_OP):
         return False, f"this torch ({torch.__version__}) has no aten::{FLASH_OP} (the dense log-sum-exp pass)"
     return True, ""
 

@@ -3,16 +3,22 @@
 // Legend: B batch, T queries, H heads, Dn nope width, R rope width, S key slots, K selected keys per query (-1 =
 // none), G = ceil(H / 8) groups of 8 heads.
 //   q_nope [B, T, H, Dn], q_pe [B, T, H, R] (fp32 or fp64), k_nope [B, S, H, Dn] (any strides with a unit last one:
-//   it may be a view of kv_b_proj's output), k_pe [B, S, R] (shared by the heads), lse [B, T, H]: each head's DENSE
-//   causal log-sum-exp of scale * score over every visible key (computed by the caller), topk_idx [B, T, K],
-//   start [B] int64 (query t of row b sits at position start[b] + t and sees the keys s <= start[b] + t).
+//   it may be a view of kv_b_proj's output), k_pe [B, S, R] (shared by the heads), lse: the normaliser (below),
+//   topk_idx [B, T, K], start [B] int64 (query t of row b sits at position start[b] + t and sees the keys
+//   s <= start[b] + t).
 //
 //   p[b,t,j] = (1/H) sum_h exp(scale * (q_nope[h] . k_nope[i_j, h] + q_pe[h] . k_pe[i_j]) - lse[h])
 //   (0 where i_j = -1 or where key i_j is past the query).
 //
-// Each head's softmax sums to 1 over the visible keys, so the head sum sums to H: p is the head-summed,
-// L1-normalised main attention (indexer_loss.attention_target) gathered at the selected keys, and only lse needs
-// every key. Cost O(T K H (Dn + R)) multiply-adds and T K H exponentials; memory O(S H Dn) (the keys' copy below).
+// Two normalisers, chosen by lse:
+//   lse [B, T, H] ("causal"): each head's DENSE causal log-sum-exp of scale * score over every visible key,
+//     computed by the caller. Each head's softmax sums to 1 over the visible keys, so the head sum sums to H: p is
+//     the head-summed, L1-normalised main attention (indexer_loss.attention_target) gathered at the selected keys.
+//   lse empty, shape [0] ("selected"): the kernel computes each head's log-sum-exp over the row's valid selected
+//     keys itself (max, then the sum of exp(score - max)): p is each head's softmax over the selected keys, summed
+//     over heads / H (NVIDIA Megatron-LM's DSA indexer loss with sparse_loss=True). A row with no valid key is 0.
+// Cost O(T K H (Dn + R)) multiply-adds and T K H exponentials; memory O(S H Dn) (the keys' copy below), plus
+// ("selected") K scores of every head per thread.
 // Layout: k_nope is first copied into head-minor vectors [B*S, Dn, G, 8] (heads past H zero), so a score of 8 heads
 // is Dn + R lane-wise multiply-adds with no horizontal sum. Determinism: one thread computes each query row, in a
 // fixed order (keys in slot order, heads summed in head order): bitwise repeatable, whatever the thread count.
@@ -96,6 +102,23 @@ void head_minor_row(const Rows<T>& src, int64_t b, int64_t x, int64_t H, int64_t
   }
 }
 
+// scores (unscaled) of the row's queries (qn [Dn, G], qr [R, G]) against kKeyBlock keys (kn[i] [Dn, G], kr[i] [R]),
+// group g of heads, into acc[i]. kKeyBlock independent multiply-add chains (one per key, each in the
+// same order as a lone key's), so the FMA latency is hidden and every score rounds as if computed alone.
+template <typename T, typename V>
+inline void score_keys(const V* qn, const V* qr, const V* const* kn, const T* const* kr, int64_t Dn, int64_t R,
+                       int64_t G, int64_t g, V* acc) {
+  for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = V{};
+  for (int64_t d = 0; d < Dn; ++d) {
+    const V q = qn[d * G + g];
+    for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, kn[i][d * G + g], acc[i]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const V q = qr[r * G + g];
+    for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, V{} + kr[i][r], acc[i]);
+  }
+}
+
 template <typename T>
 void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_nope, const Rows<T>& k_pe,
                    const T* lse, const int64_t* idx, const int64_t* start, T scale, const Sizes& z, T* out) {
@@ -108,16 +131,17 @@ void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_
   });
   const V vscale = V{} + scale;
   const T inv_heads = T(1) / static_cast<T>(z.H);
+  const bool selected = lse == nullptr;  // normalise each head over the row's selected keys
   at::parallel_for(0, z.B * z.T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<V> qn(z.Dn * G), qr(z.R * G), row_lse(G);  // this row's queries and lse as head vectors
+    std::vector<V> qn(z.Dn * G), qr(z.R * G), row_lse(G), inv_total(G);  // the row's queries and lse, head vectors
+    std::vector<V> scores;  // "selected": [n, G] the kept keys' scaled scores, then exp(score - the head's max)
+    if (selected) scores.resize((z.K + kKeyBlock) * G);
     std::vector<int64_t> slot, key;  // the row's kept slots j and their keys s
     slot.reserve(z.K), key.reserve(z.K);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / z.T, t = row % z.T, last_visible = start[b] + t;
       head_minor_row(q_nope, b, t, z.H, z.Dn, G, qn.data());
       head_minor_row(q_pe, b, t, z.H, z.R, G, qr.data());
-      T* lse_flat = reinterpret_cast<T*>(row_lse.data());  // [G * kHeadLanes]; lanes past H unused
-      for (int64_t h = 0; h < G * kHeadLanes; ++h) lse_flat[h] = h < z.H ? lse[row * z.H + h] : T(0);
       T* o = out + row * z.K;  // [K]
       slot.clear(), key.clear();
       for (int64_t j = 0; j < z.K; ++j) {
@@ -126,28 +150,58 @@ void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_
         if (s >= 0 && s <= last_visible) slot.push_back(j), key.push_back(s);
       }
       const int64_t n = static_cast<int64_t>(key.size());
-      // kKeyBlock keys at a time: independent multiply-add chains (one per key, each in the same order as a lone
-      // key's), so the FMA latency is hidden and every score rounds as if computed alone.
-      for (int64_t i0 = 0; i0 < n; i0 += kKeyBlock) {
-        const int64_t m = std::min(kKeyBlock, n - i0);
-        const V* kn[kKeyBlock];
-        const T* kr[kKeyBlock];
-        for (int64_t i = 0; i < kKeyBlock; ++i) {  // a short block repeats its last key (results unused)
+      if (selected && n == 0) continue;  // no valid key: the row stays 0
+      const V* kn[kKeyBlock];
+      const T* kr[kKeyBlock];
+      auto point_at = [&](int64_t i0, int64_t m) {  // a short block repeats its last key (results unused)
+        for (int64_t i = 0; i < kKeyBlock; ++i) {
           const int64_t s = key[i0 + std::min(i, m - 1)];
           kn[i] = keys.data() + (b * z.S + s) * z.Dn * G;
           kr[i] = k_pe.at(b, s, 0);
         }
+      };
+      if (selected) {
+        // pass 1: every kept key's scores, and each head's max over them
+        for (int64_t i0 = 0; i0 < n; i0 += kKeyBlock) {
+          point_at(i0, std::min(kKeyBlock, n - i0));
+          for (int64_t g = 0; g < G; ++g) {
+            V acc[kKeyBlock];
+            score_keys<T, V>(qn.data(), qr.data(), kn, kr, z.Dn, z.R, G, g, acc);
+            for (int64_t i = 0; i < kKeyBlock; ++i) scores[(i0 + i) * G + g] = acc[i] * vscale;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          V top = scores[g], total = V{};
+          for (int64_t i = 1; i < n; ++i) top = scores[i * G + g] > top ? scores[i * G + g] : top;
+          for (int64_t i = 0; i < n; ++i) {  // key order; the max key's term is exactly 1, so total >= 1
+            scores[i * G + g] = exp_heads(scores[i * G + g] - top);
+            total = total + scores[i * G + g];
+          }
+          inv_total[g] = T(1) / total;
+        }
+        // pass 2: each head's probabilities, summed over the heads in head order
+        for (int64_t i = 0; i < n; ++i) {
+          T total = T(0);
+          for (int64_t g = 0; g < G; ++g) {
+            const V prob = scores[i * G + g] * inv_total[g];
+            T lanes[kHeadLanes];
+            __builtin_memcpy(lanes, &prob, sizeof(V));
+            const int64_t heads = std::min(kHeadLanes, z.H - g * kHeadLanes);
+            for (int64_t l = 0; l < heads; ++l) total = total + lanes[l];
+          }
+          o[slot[i]] = total * inv_heads;
+        }
+        continue;
+      }
+      T* lse_flat = reinterpret_cast<T*>(row_lse.data());  // [G * kHeadLanes]; lanes past H unused
+      for (int64_t h = 0; h < G * kHeadLanes; ++h) lse_flat[h] = h < z.H ? lse[row * z.H + h] : T(0);
+      for (int64_t i0 = 0; i0 < n; i0 += kKeyBlock) {
+        const int64_t m = std::min(kKeyBlock, n - i0);
+        point_at(i0, m);
         T total[kKeyBlock] = {};
         for (int64_t g = 0; g < G; ++g) {
-          V acc[kKeyBlock] = {};
-          for (int64_t d = 0; d < z.Dn; ++d) {
-            const V q = qn[d * G + g];
-            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, kn[i][d * G + g], acc[i]);
-          }
-          for (int64_t r = 0; r < z.R; ++r) {
-            const V q = qr[r * G + g];
-            for (int64_t i = 0; i < kKeyBlock; ++i) acc[i] = fma_lanes(q, V{} + kr[i][r], acc[i]);
-          }
+          V acc[kKeyBlock];
+          score_keys<T, V>(qn.data(), qr.data(), kn, kr, z.Dn, z.R, G, g, acc);
           const int64_t heads = std::min(kHeadLanes, z.H - g * kHeadLanes);
           for (int64_t i = 0; i < m; ++i) {
             const V prob = exp_heads(acc[i] * vscale - row_lse[g]);
@@ -168,9 +222,10 @@ at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tens
                                      const at::Tensor& k_nope_in, const at::Tensor& k_pe_in, const at::Tensor& lse_in,
                                      const at::Tensor& topk_idx, const at::Tensor& start_in, double scale) {
   const char* op = "selected_attention_target";
+  const bool selected = lse_in.dim() == 1 && lse_in.size(0) == 0;  // empty lse: normalise over the selected keys
   TORCH_CHECK(q_nope_in.dim() == 4 && q_pe_in.dim() == 4 && k_nope_in.dim() == 4 && k_pe_in.dim() == 3 &&
-                  lse_in.dim() == 3 && topk_idx.dim() == 3 && start_in.dim() == 1,
-              op, ": bad ranks");
+                  (lse_in.dim() == 3 || selected) && topk_idx.dim() == 3 && start_in.dim() == 1,
+              op, ": bad ranks (lse: [B, T, H], or [0] for the selected keys' normaliser)");
   const auto dtype = q_nope_in.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op, ": expected fp32 or fp64 inputs");
   TORCH_CHECK(q_pe_in.scalar_type() == dtype && k_nope_in.scalar_type() == dtype && k_pe_in.scalar_type() == dtype &&
@@ -180,8 +235,9 @@ at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tens
                 k_nope_in.size(1), topk_idx.size(2)};
   TORCH_CHECK(q_pe_in.size(0) == z.B && q_pe_in.size(1) == z.T && q_pe_in.size(2) == z.H && k_nope_in.size(0) == z.B &&
                   k_nope_in.size(2) == z.H && k_nope_in.size(3) == z.Dn && k_pe_in.size(0) == z.B &&
-                  k_pe_in.size(1) == z.S && k_pe_in.size(2) == z.R && lse_in.size(0) == z.B && lse_in.size(1) == z.T &&
-                  lse_in.size(2) == z.H && topk_idx.size(0) == z.B && topk_idx.size(1) == z.T &&
+                  k_pe_in.size(1) == z.S && k_pe_in.size(2) == z.R &&
+                  (selected || (lse_in.size(0) == z.B && lse_in.size(1) == z.T && lse_in.size(2) == z.H)) &&
+                  topk_idx.size(0) == z.B && topk_idx.size(1) == z.T &&
                   start_in.size(0) == z.B,
               op, ": shapes disagree");
   TORCH_CHECK(z.H >= 1, op, ": expected at least one head");
@@ -198,8 +254,9 @@ at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tens
   auto out = at::empty({z.B, z.T, z.K}, qn.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "selected_attention_target", [&] {
     target_kernel<scalar_t>(rows_of<scalar_t>(qn), rows_of<scalar_t>(qr), rows_of<scalar_t>(kn),
-                            rows_of<scalar_t>(kr), lse.data_ptr<scalar_t>(), idx.data_ptr<int64_t>(),
-                            start.data_ptr<int64_t>(), static_cast<scalar_t>(scale), z, out.data_ptr<scalar_t>());
+                            rows_of<scalar_t>(kr), selected ? nullptr : lse.data_ptr<scalar_t>(),
+                            idx.data_ptr<int64_t>(), start.data_ptr<int64_t>(), static_cast<scalar_t>(scale), z,
+                            out.data_ptr<scalar_t>());
   });
   return out;
 }
