@@ -1,9 +1,12 @@
-"""The sparse stage's indexer-KL target at the selected keys: reference vs the cpu kernel.
+"""The sparse stage's indexer-KL target at the selected keys: reference vs the cpu kernel, both normalisers.
 
 ``dsa_selected_attention_target`` at the training benchmark's attention shape (8 heads, nope 32 + rope 16, expanded
 keys given as the model gives them, keys from the native indexer top-k), fp32, for each ``--cases`` entry
-BATCHxTOKENS (one top-k width each, ``--topk``). Each round times both implementations in an order that rotates
-every round; medians. The cpu kernel's two passes (the dense log-sum-exp, the selected keys) are timed too.
+BATCHxTOKENS (one top-k width each, ``--topk``). Timed, in an order that rotates every round; medians:
+  ``reference`` / ``cpu``: ``normaliser="causal"`` (each head's softmax over every causal key), and the cpu
+    kernel's two passes: ``cpu_lse_pass`` (the dense log-sum-exp), ``cpu_selected_pass`` (the selected keys);
+  ``reference_selected`` / ``cpu_selected``: ``normaliser="selected"`` (each head's softmax over the selected keys,
+    the sparse stage's default: one pass over the selected keys, no dense one).
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_selected_attention_target.py --cases 2x512 1x4096 \\
         --topk 128 256 --rounds 7 --out benchmarks/results/selected_attention_target.json
@@ -88,14 +91,19 @@ def main(argv=None) -> int:
         kw = dict(scale=scale, start_pos=0, k_nope=k_nope)
         lse = native.dense_lse(x["q_nope"], x["q_pe"], k_nope, x["k_pe"], scale=scale, start_pos=0)
         start = torch.zeros(batch, dtype=torch.int64)
-        impls = {"reference": lambda: selected_attention_target_reference(**x, **kw),
-                 "cpu": lambda: native.selected_attention_target(**x, **kw),
+        causal = dict(kw, normaliser="causal")
+        selected = dict(kw, normaliser="selected")
+        impls = {"reference": lambda: selected_attention_target_reference(**x, **causal),
+                 "cpu": lambda: native.selected_attention_target(**x, **causal),
                  "cpu_lse_pass": lambda: native.dense_lse(x["q_nope"], x["q_pe"], k_nope, x["k_pe"], scale=scale,
                                                           start_pos=0),
                  "cpu_selected_pass": lambda: torch.ops.glm5_cpu.selected_attention_target(
-                     x["q_nope"], x["q_pe"], k_nope, x["k_pe"], lse, x["topk_idx"], start, scale)}
+                     x["q_nope"], x["q_pe"], k_nope, x["k_pe"], lse, x["topk_idx"], start, scale),
+                 "reference_selected": lambda: selected_attention_target_reference(**x, **selected),
+                 "cpu_selected": lambda: native.selected_attention_target(**x, **selected)}
         ref, got = impls["reference"](), impls["cpu"]()
         max_abs = float((got - ref).abs().max())
+        max_abs_selected = float((impls["cpu_selected"]() - impls["reference_selected"]()).abs().max())
         names = list(impls)
         for name in names:
             impls[name]()  # warm-up
@@ -106,10 +114,16 @@ def main(argv=None) -> int:
         med = {n: statistics.median(v) for n, v in times.items()}
         key = f"{batch}x{tokens}-K{topk}"
         results[key] = {"median_s": med, "times_s": times, "speedup": med["reference"] / med["cpu"],
-                        "max_abs_diff_vs_reference": max_abs}
-        print(f"{key}: reference {1e3 * med['reference']:.1f} ms, cpu {1e3 * med['cpu']:.1f} ms "
+                        "max_abs_diff_vs_reference": max_abs,
+                        "selected_speedup": med["reference_selected"] / med["cpu_selected"],
+                        "selected_vs_causal_cpu": med["cpu"] / med["cpu_selected"],
+                        "max_abs_diff_vs_reference_selected": max_abs_selected}
+        print(f"{key}: causal: reference {1e3 * med['reference']:.1f} ms, cpu {1e3 * med['cpu']:.1f} ms "
               f"({results[key]['speedup']:.1f}x; lse pass {1e3 * med['cpu_lse_pass']:.1f} ms, selected pass "
-              f"{1e3 * med['cpu_selected_pass']:.1f} ms); max |cpu - reference| {max_abs:.2e}")
+              f"{1e3 * med['cpu_selected_pass']:.1f} ms); max |cpu - reference| {max_abs:.2e}; selected: reference "
+              f"{1e3 * med['reference_selected']:.1f} ms, cpu {1e3 * med['cpu_selected']:.1f} ms "
+              f"({results[key]['selected_speedup']:.1f}x; {results[key]['selected_vs_causal_cpu']:.1f}x the causal "
+              f"cpu kernel); max |cpu - reference| {max_abs_selected:.2e}")
     write_json(args.out, {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                           "threads": args.threads, "rounds": args.rounds, "load_average": os.getloadavg(),
                           "cases": results})

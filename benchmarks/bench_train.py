@@ -1,7 +1,9 @@
 """Training throughput (tokens/s) of configs/tiny.yaml, per stage kind, on every backend available here.
 
 One benchmark round = one optimizer step of the tiny config (forward, backward, clip, Muon + AdamW, router
-bias update) on ``batch_size * seq_len`` tokens; ``extra_info["tokens_per_s"]`` is those tokens over the
+bias update) on ``batch_size * seq_len`` tokens: the stage's first common step, one that does not measure the
+top-k recall (the dense and sparse stages measure it every ``logging.recall_every_steps`` only, at the cost of an
+indexer pass / a dense attention-target pass); ``extra_info["tokens_per_s"]`` is those tokens over the
 median round time, with the config's ``torch_threads`` (1) and, on cpu, with 2 threads for contrast.
 Backends that cannot run here are skipped with the registry's reason, so the same file reports cuda / rocm /
 ascend numbers on machines that have them.
@@ -19,11 +21,15 @@ CONFIG = "configs/tiny.yaml"
 KINDS = ("dense", "indexer_warmup", "sparse")
 
 
-def _first_step_of(cfg, kind: str) -> int:
+def _first_common_step_of(cfg, kind: str) -> int:
+    """The first step of the stage that is not a recall step (the indexer warm-up has none: its first step)."""
     start = 0
     for stage in cfg.stages:
         if stage.kind == kind:
-            return start
+            recall = kind != "indexer_warmup" and start % cfg.logging.recall_every_steps == 0
+            if recall and (stage.steps == 1 or cfg.logging.recall_every_steps == 1):
+                raise AssertionError(f"{CONFIG}: every step of the {kind} stage measures the recall")
+            return start + 1 if recall else start
         start += stage.steps
     raise AssertionError(f"{CONFIG} has no {kind} stage")
 
@@ -48,7 +54,7 @@ def test_train_step_throughput(benchmark, backend, kind, threads, tmp_path, rest
             pytest.skip("the thread count only matters on cpu")
         cfg.torch_threads = threads
     trainer = Trainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
-    step = _first_step_of(cfg, kind)
+    step = _first_common_step_of(cfg, kind)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len})"
     benchmark.extra_info.update(backend=backend, stage=kind, tokens_per_step=tokens,

@@ -5,8 +5,11 @@ transformers builds the model with random weights and saves it; glm5-core loads 
 times, in an order that rotates every round so machine load hits all alike:
   * ``transformers``: its forward (its DSA: the indexer's top-k masks the attention), next-token cross entropy,
     backward, ``torch.optim.AdamW.step``; experts as ``grouped_mm`` (its fastest on CPU);
-  * ``glm5_sparse``: ``attention="sparse"`` with the sparse stage's indexer KL (loss = LM + KL), what
-    ``glm5 pretrain`` runs in its sparse stage; backward; AdamW;
+  * ``glm5_sparse``: ``attention="sparse"`` with the sparse stage's indexer KL (loss = LM + KL) against its
+    default target ("selected": each head's softmax over the selected keys; ``--kl-target causal``: over every
+    causal key), what ``glm5 pretrain`` runs in its sparse stage on the common step: no top-k recall
+    (``measure_recall=False``: the trainer measures it every ``logging.recall_every_steps`` only); backward; AdamW;
+  * ``glm5_sparse_causal`` (with ``--compare-causal``): the same step with the "causal" KL target;
   * ``glm5_dense``: ``attention="dense"`` (the first pretraining stage, no indexer KL); backward; AdamW.
 Medians over the rounds; ratios are transformers' (or glm5 dense's) median over glm5's.
 
@@ -73,7 +76,8 @@ def _build(topk: int, folder: str):
     return hf, ours
 
 
-def _steps(hf, ours, ids: torch.Tensor) -> Dict[str, Callable[[], List[Tuple[str, str]]]]:
+def _steps(hf, ours, ids: torch.Tensor, kl_target: str,
+           compare_causal: bool) -> Dict[str, Callable[[], List[Tuple[str, str]]]]:
     from glm5_core import registry
 
     optimizers = {"transformers": torch.optim.AdamW(hf.parameters(), lr=1e-4),
@@ -86,9 +90,10 @@ def _steps(hf, ours, ids: torch.Tensor) -> Dict[str, Callable[[], List[Tuple[str
         optimizers["transformers"].zero_grad(set_to_none=True)
         return []
 
-    def glm5_step(attention: str):
+    def glm5_step(attention: str, target: str = kl_target):
         with registry.record_reference_runs() as ran:
-            out = ours(ids, attention=attention, indexer_loss=attention == "sparse")
+            out = ours(ids, attention=attention, indexer_loss=attention == "sparse", indexer_kl_target=target,
+                       measure_recall=False)
             loss = _lm_loss(out.logits, ids)
             if attention == "sparse":
                 loss = loss + out.indexer_kl
@@ -97,8 +102,11 @@ def _steps(hf, ours, ids: torch.Tensor) -> Dict[str, Callable[[], List[Tuple[str
             optimizers["glm5"].zero_grad(set_to_none=True)
         return ran
 
-    return {"transformers": transformers_step, "glm5_sparse": lambda: glm5_step("sparse"),
-            "glm5_dense": lambda: glm5_step("dense")}
+    steps = {"transformers": transformers_step, "glm5_sparse": lambda: glm5_step("sparse"),
+             "glm5_dense": lambda: glm5_step("dense")}
+    if compare_causal:
+        steps["glm5_sparse_causal"] = lambda: glm5_step("sparse", "causal")
+    return steps
 
 
 def _check_path(name: str, ran: List[Tuple[str, str]]) -> None:
@@ -111,9 +119,9 @@ def _check_path(name: str, ran: List[Tuple[str, str]]) -> None:
         sys.exit(1)
 
 
-def _time_case(hf, ours, batch: int, tokens: int, rounds: int) -> dict:
+def _time_case(hf, ours, batch: int, tokens: int, rounds: int, kl_target: str, compare_causal: bool) -> dict:
     ids = torch.randint(0, MODEL["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(1))
-    steps = _steps(hf, ours, ids)
+    steps = _steps(hf, ours, ids, kl_target, compare_causal)
     names = list(steps)
     for name in names:  # warm-up, and the path check
         _check_path(name, steps[name]())
@@ -127,10 +135,13 @@ def _time_case(hf, ours, batch: int, tokens: int, rounds: int) -> dict:
         print(f"  {batch}x{tokens} round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.2f}s" for n in names),
               file=sys.stderr)
     med = {n: statistics.median(v) for n, v in times.items()}
-    return {"batch": batch, "tokens": tokens, "median_s": med, "times_s": times,
-            "sparse_vs_transformers": med["transformers"] / med["glm5_sparse"],
-            "dense_vs_transformers": med["transformers"] / med["glm5_dense"],
-            "sparse_vs_glm5_dense": med["glm5_dense"] / med["glm5_sparse"]}
+    row = {"batch": batch, "tokens": tokens, "kl_target": kl_target, "median_s": med, "times_s": times,
+           "sparse_vs_transformers": med["transformers"] / med["glm5_sparse"],
+           "dense_vs_transformers": med["transformers"] / med["glm5_dense"],
+           "sparse_vs_glm5_dense": med["glm5_dense"] / med["glm5_sparse"]}
+    if compare_causal:
+        row["sparse_causal_vs_glm5_dense"] = med["glm5_dense"] / med["glm5_sparse_causal"]
+    return row
 
 
 def main(argv=None) -> int:
@@ -139,6 +150,10 @@ def main(argv=None) -> int:
     parser.add_argument("--topk", type=int, default=MODEL["index_topk"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--kl-target", choices=("selected", "causal"), default="selected",
+                        help="the sparse step's indexer-KL target (loss.indexer_kl_target)")
+    parser.add_argument("--compare-causal", action="store_true",
+                        help="also time the sparse step with the causal KL target (glm5_sparse_causal)")
     parser.add_argument("--out", default="benchmarks/results/train_vs_transformers.json")
     args = parser.parse_args(argv)
     if args.topk < 1:
@@ -147,7 +162,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         hf, ours = _build(args.topk, folder)
-        rows = [_time_case(hf, ours, b, t, args.rounds) for b, t in args.cases]
+        rows = [_time_case(hf, ours, b, t, args.rounds, args.kl_target, args.compare_causal) for b, t in args.cases]
     import transformers
 
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -160,7 +175,9 @@ def main(argv=None) -> int:
         med = row["median_s"]
         print(f"{row['batch']}x{row['tokens']}: transformers {med['transformers']:.2f}s, glm5 sparse "
               f"{med['glm5_sparse']:.2f}s ({row['sparse_vs_transformers']:.2f}x), glm5 dense {med['glm5_dense']:.2f}s "
-              f"({row['dense_vs_transformers']:.2f}x); sparse vs glm5 dense {row['sparse_vs_glm5_dense']:.2f}x")
+              f"({row['dense_vs_transformers']:.2f}x); sparse vs glm5 dense {row['sparse_vs_glm5_dense']:.2f}x"
+              + (f"; sparse (causal KL target) {med['glm5_sparse_causal']:.2f}s, vs glm5 dense "
+                 f"{row['sparse_causal_vs_glm5_dense']:.2f}x" if "glm5_sparse_causal" in med else ""))
     return 0
 
 

@@ -48,5 +48,6 @@ def test_a_tiny_run_writes_both_medians(bench, tmp_path, monkeypatch):
     cases = json.loads(out.read_text())["cases"]
     assert set(cases) == {"1x16-K4", "2x9-K1"}
     for case in cases.values():
-        assert {"reference", "cpu"} <= set(case["median_s"]) and case["speedup"] > 0
-        assert case["max_abs_diff_vs_reference"] < 1e-5
+        assert {"reference", "cpu", "reference_selected", "cpu_selected"} <= set(case["median_s"])
+        assert case["speedup"] > 0 and case["selected_speedup"] > 0
+        assert case["max_abs_diff_vs_reference"] < 1e-5 and case["max_abs_diff_vs_reference_selected"] < 1e-5

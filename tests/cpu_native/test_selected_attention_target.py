@@ -1,8 +1,9 @@
-"""Native indexer-KL target at the selected keys (dense log-sum-exp pass + selected-keys kernel) vs the reference,
-judged against an fp64 reference run: odd shapes, K = 1, -1-padded rows, K past the keys, int and ragged start
-positions, keys past the query, heads past one vector, fp32 / bf16 / fp64, with and without the expanded keys;
-bitwise repeatable across runs and thread counts; the custom op through ``opcheck``; the registry routes calls
-whose inputs require grad to the kernel (the target is detached)."""
+"""Native indexer-KL target at the selected keys vs the reference, both normalisers ("selected": the kernel's own
+per-head normaliser over the selected keys; "causal": dense log-sum-exp pass + selected-keys kernel), judged
+against an fp64 reference run: odd shapes, K = 1, -1-padded rows, K past the keys, int and ragged start positions,
+keys past the query, heads past one vector, fp32 / bf16 / fp64, with and without the expanded keys; bitwise
+repeatable across runs and thread counts; the custom op through ``opcheck``; the registry routes calls whose inputs
+require grad to the kernel (the target is detached)."""
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from glm5_core.ops import dsa
 from glm5_core.ops.mla import causal_mask
 from glm5_core.ops.selected_attention_target import expanded_keys, selected_attention_target_reference
 
+NORMALISERS = ("selected", "causal")
 RAGGED = "ragged"
 CASES = (  # (shape, K, start position: int, or RAGGED for a [B] tensor)
     (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1, 0),  # one key, K = 1
@@ -31,8 +33,10 @@ def _inputs(shape, K, start, dtype, seed, past_the_query=False):
     start_pos = _start(shape, start)
     x = testing.make_sparse_inputs(shape, K, dtype=dtype, seed=seed, start_pos=start_pos)
     args = {n: x[n] for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "topk_idx")}
-    if past_the_query:  # the last slot of every row: the last key slot, past every query but the last one
-        args["topk_idx"][:, :, -1] = shape.S - 1
+    if past_the_query:  # the last slot of every row: the last key slot, past every query but the last one (rows
+        idx = args["topk_idx"]  # holding that key already keep their last slot: the indices of a row stay distinct)
+        holds_last = (idx[..., :-1] == shape.S - 1).any(-1)  # [B, T]
+        idx[..., -1] = torch.where(holds_last, idx[..., -1], torch.full_like(idx[..., -1], shape.S - 1))
     return args, start_pos
 
 
@@ -47,9 +51,10 @@ def _scale(shape):
 @pytest.mark.parametrize("shape,K,start", CASES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
 @pytest.mark.parametrize("with_keys", (False, True), ids=("latent", "expanded"))
-def test_target_matches_the_reference(native, shape, K, start, dtype, with_keys):
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_target_matches_the_reference(native, shape, K, start, dtype, with_keys, normaliser):
     args, start_pos = _inputs(shape, K, start, dtype, seed=3)
-    kw = dict(scale=_scale(shape), start_pos=start_pos)
+    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
     if with_keys:  # as the model gives them: in the compute dtype
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         kw["k_nope"] = expanded_keys(args["c_kv"].to(compute), args["w_uk"].to(compute))  # [B, S, H, Dn]
@@ -64,9 +69,10 @@ def test_target_matches_the_reference(native, shape, K, start, dtype, with_keys)
 
 
 @pytest.mark.parametrize("shape,K,start", CASES[2:], ids=str)
-def test_keys_past_the_query_get_no_mass(native, shape, K, start):
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_keys_past_the_query_get_no_mass(native, shape, K, start, normaliser):
     args, start_pos = _inputs(shape, K, start, torch.float64, seed=4, past_the_query=True)
-    kw = dict(scale=_scale(shape), start_pos=start_pos)
+    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
     out = native_target.selected_attention_target(**args, **kw)
     ref = selected_attention_target_reference(**args, **kw)
     first = start_pos.view(-1, 1) if isinstance(start_pos, torch.Tensor) else torch.full((shape.B, 1), start_pos)
@@ -76,19 +82,21 @@ def test_keys_past_the_query_get_no_mass(native, shape, K, start):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-15)
 
 
-def test_int64_indices_give_the_int32_result(native):
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_int64_indices_give_the_int32_result(native, normaliser):
     shape, K, start = CASES[4]
     args, start_pos = _inputs(shape, K, start, torch.float32, seed=5)
-    kw = dict(scale=_scale(shape), start_pos=start_pos)
+    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
     out32 = native_target.selected_attention_target(**args, **kw)
     out64 = native_target.selected_attention_target(**dict(args, topk_idx=args["topk_idx"].long()), **kw)
     assert torch.equal(out32, out64)
 
 
-def test_bitwise_repeatable_across_runs_and_thread_counts(native, threads):
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_bitwise_repeatable_across_runs_and_thread_counts(native, threads, normaliser):
     shape, K, start = CASES[5]
     args, start_pos = _inputs(shape, K, start, torch.float32, seed=6)
-    kw = dict(scale=_scale(shape), start_pos=start_pos)
+    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
     results = []
     for n in (1, 2, 3, 2):
         torch.set_num_threads(n)
@@ -98,11 +106,16 @@ def test_bitwise_repeatable_across_runs_and_thread_counts(native, threads):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=str)
-def test_custom_op_passes_opcheck(native, dtype):
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_custom_op_passes_opcheck(native, dtype, normaliser):
     shape, K, start = CASES[4]
     args, start_pos = _inputs(shape, K, start, dtype, seed=7)
     k_nope = expanded_keys(args["c_kv"], args["w_uk"])  # [B, S, H, Dn]
-    lse = native_target.dense_lse(args["q_nope"], args["q_pe"], k_nope, args["k_pe"], scale=0.3, start_pos=start_pos)
+    if normaliser == "causal":
+        lse = native_target.dense_lse(args["q_nope"], args["q_pe"], k_nope, args["k_pe"], scale=0.3,
+                                      start_pos=start_pos)  # [B, T, H]
+    else:
+        lse = args["q_nope"].new_empty(0)  # the kernel's own normaliser over the selected keys
     torch.library.opcheck(torch.ops.glm5_cpu.selected_attention_target,
                           (args["q_nope"], args["q_pe"], k_nope, args["k_pe"], lse, args["topk_idx"],
                            start_pos.long(), 0.3))
@@ -153,3 +166,31 @@ def test_calls_whose_inputs_require_grad_take_the_native_kernel(native):
     with registry.record_reference_runs() as ran:
         out = dsa.selected_attention_target(**leaves, scale=0.3, start_pos=0, backend="cpu")
     assert ran == [] and not out.requires_grad
+
+
+def test_the_selected_kernel_needs_no_dense_pass(native, monkeypatch):
+    """"selected" never asks torch's flash kernel for the dense log-sum-exp ("causal" does)."""
+    shape, K, start = CASES[5]
+    args, start_pos = _inputs(shape, K, start, torch.float32, seed=12)
+    calls, lse = [], native_target._lse
+
+    def counted(*a, **k):
+        calls.append(1)
+        return lse(*a, **k)
+
+    monkeypatch.setattr(native_target, "_lse", counted)
+    native_target.selected_attention_target(**args, scale=0.3, start_pos=start_pos, normaliser="selected")
+    assert calls == []
+    native_target.selected_attention_target(**args, scale=0.3, start_pos=start_pos, normaliser="causal")
+    assert calls != []
+
+
+def test_selected_kernel_rows_sum_to_one(native):
+    shape, K, start = CASES[5]
+    args, start_pos = _inputs(shape, K, start, torch.float32, seed=13, past_the_query=True)
+    out = native_target.selected_attention_target(**args, scale=_scale(shape), start_pos=start_pos,
+                                                  normaliser="selected")
+    sums = out.double().sum(-1)  # [B, T]
+    empty = sums == 0
+    assert empty[0, 0] and empty.sum() == 1  # make_sparse_inputs' one row with no key
+    torch.testing.assert_close(sums[~empty], torch.ones_like(sums[~empty]), rtol=0, atol=1e-6)
