@@ -141,3 +141,57 @@ def test_selected_target_is_zero_at_keys_past_the_query(monkeypatch, block):
                                                                         normaliser="causal")
     torch.testing.assert_close(got, want)
     assert torch.equal(got[..., -1], torch.zeros_like(got[..., -1]))
+
+
+def test_the_model_trains_the_kl_on_the_target_asked_for_and_measures_recall_only_when_asked(make_model,
+                                                                                            make_config):
+    """indexer_kl_target picks the sparse KL's target; the recall is the dense target's mass whatever the KL's
+    target, and absent with measure_recall=False (which leaves the KL bitwise as it was)."""
+    model = make_model(make_config(max_position_embeddings=32), dtype=torch.float64).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        selected = model(ids, attention="sparse", indexer_loss=True)  # the default target
+        causal = model(ids, attention="sparse", indexer_loss=True, indexer_kl_target="causal")
+        quiet = model(ids, attention="sparse", indexer_loss=True, measure_recall=False)
+        dense = model(ids, attention="dense", indexer_loss=True)
+    assert torch.equal(selected.logits, causal.logits) and torch.equal(selected.logits, quiet.logits)
+    assert not torch.allclose(selected.indexer_kl, causal.indexer_kl)
+    torch.testing.assert_close(selected.topk_recall, causal.topk_recall, rtol=1e-12, atol=0)
+    assert 0 < selected.topk_recall.item() < 1
+    assert quiet.topk_recall is None and torch.equal(quiet.indexer_kl, selected.indexer_kl)
+    assert dense.topk_recall is not None  # the dense attention's recall comes with its target
+    with pytest.raises(ValueError, match="indexer_kl_target: expected one of 'selected', 'causal', got 'dense'"):
+        model(ids, attention="sparse", indexer_loss=True, indexer_kl_target="dense")
+
+
+def test_the_selected_kl_is_the_kl_to_the_per_head_selected_softmax(monkeypatch, make_model, make_config):
+    """The model's sparse KL with the "selected" target equals selected_kl of the target computed from the layer's
+    own queries and keys by the independent dense formula: masked per-head softmax over the selected keys."""
+    from glm5_core.model import attention
+
+    model = make_model(make_config(max_position_embeddings=32), dtype=torch.float64).train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    seen = []
+    signals = attention.MLA._indexer_signals
+
+    def watched(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs, state, k_nope=None):
+        seen.append((q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, index_inputs, self.scale))
+        return signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs, state,
+                       k_nope=k_nope)
+
+    monkeypatch.setattr(attention.MLA, "_indexer_signals", watched)
+    with torch.no_grad():
+        out = model(ids, attention="sparse", indexer_loss=True, measure_recall=False)
+    kls = []
+    for q_nope, q_pe, c_kv, k_pe, w_uk, idx, (q_i, k_i, w_i, _), scale in seen:
+        S = c_kv.shape[1]
+        scores = torch.einsum("bthd,bshd->bhts", q_nope, torch.einsum("bsc,hdc->bshd", c_kv, w_uk))
+        scores = (scores + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)) * scale  # [B, H, T, S]
+        chosen = torch.zeros(*idx.shape[:2], S + 1, dtype=torch.bool)
+        chosen.scatter_(-1, torch.where(idx < 0, S, idx.long()), True)
+        keep = chosen[..., :S] & torch.ones(idx.shape[1], S, dtype=torch.bool).tril()  # [B, T, S]
+        probs = torch.softmax(scores.masked_fill(~keep.unsqueeze(1), float("-inf")), -1).nan_to_num(0.0)
+        target = (probs.sum(1) / probs.shape[1]).gather(-1, idx.clamp(min=0).long()).masked_fill(idx < 0, 0.0)
+        kls.append(indexer_loss.selected_kl(target, dsa.selected_index_scores(q_i, k_i, w_i, idx), idx))
+    assert len(kls) >= 2
+    torch.testing.assert_close(out.indexer_kl, torch.stack(kls).mean(), rtol=1e-10, atol=1e-12)
