@@ -193,13 +193,13 @@ def _sparse_expanded_check(shape: testing.MLAShape, K: int, dtype: torch.dtype) 
 
 
 def _selected_target_check(shape: testing.MLAShape, K: int, dtype: torch.dtype, ragged: bool,
-                           expanded: bool) -> CheckFn:
+                           expanded: bool, normaliser: str = "selected") -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         start = torch.arange(shape.B, device=device) % (shape.S - shape.T + 1) if ragged else shape.S - shape.T
         x = testing.make_sparse_inputs(shape, K, dtype=dtype, device=device, seed=6, start_pos=start)
         x.pop("w_uv")
         x64 = _fp64(x)
-        kw = dict(scale=(shape.Dn + shape.Dr) ** -0.5, start_pos=start)
+        kw = dict(scale=(shape.Dn + shape.Dr) ** -0.5, start_pos=start, normaliser=normaliser)
         kw64 = dict(kw)
         if expanded:  # the model's expanded keys, in the compute dtype
             ct = torch.float64 if dtype == torch.float64 else torch.float32
@@ -253,8 +253,9 @@ def _dsa_checks() -> List[Check]:
         for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
             for ragged, expanded in ((False, False), (True, True)):
                 form = ("ragged-" if ragged else "") + ("expanded" if expanded else "latent")
-                checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}-{form}]", (op,),
-                                    _selected_target_check(shape, K, dtype, ragged, expanded)))
+                for normaliser, tag in (("selected", ""), ("causal", "-causal")):  # the default keeps its names
+                    checks.append(Check("dsa", f"{op}[{DTYPE_NAMES[dtype]}-{shape}-K{K}-{form}{tag}]", (op,),
+                                        _selected_target_check(shape, K, dtype, ragged, expanded, normaliser)))
     return checks
 
 
