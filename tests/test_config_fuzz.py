@@ -2,9 +2,17 @@
 
 Each mutation sets a value (of any YAML type, sizes included), renames or deletes a key, or adds one (a
 GLM5Config field or a made-up name). Whatever comes, the command returns 0 (a valid config) or 2 with exactly
-one line naming a key, and never a traceback."""
+one line naming a key, and never a traceback.
+
+A check that allocates from a config number (it once listed one entry per ``rollout.num_engines``: 24 GB for a
+drawn 3e9) must fail its example, not take the machine down: each check runs under a soft address-space limit
+a little above what the process maps (an allocation past it is a MemoryError here) and an alarm."""
+import contextlib
 import copy
 import re
+import resource
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +37,46 @@ VALUES = st.one_of(
 )
 NEW_KEYS = st.one_of(st.sampled_from(list(GLM5Config.field_names()) + ["preset", "overrides", "name"]),
                      st.from_regex(r"[a-z_]{1,10}", fullmatch=True))
+
+
+EXAMPLE_HEADROOM_BYTES = 2 << 30  # what one check may map beyond the process (a check needs a few MB)
+EXAMPLE_SECONDS = 60  # a check takes well under a second
+
+
+class ExampleTimedOut(BaseException):
+    """Raised by the alarm: not an Exception, so no ``except Exception`` / ``OSError`` of the code under test
+    turns it into a clean error."""
+
+
+def _mapped_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+
+
+def _alarm(signum, frame):
+    raise ExampleTimedOut(f"a config check ran past {EXAMPLE_SECONDS} s")
+
+
+@contextlib.contextmanager
+def bounded_example(headroom_bytes: int = EXAMPLE_HEADROOM_BYTES, seconds: float = EXAMPLE_SECONDS):
+    """Run the body with RLIMIT_AS (soft: raised back after) at the mapped size plus ``headroom_bytes``, and a
+    SIGALRM after ``seconds``; Linux only (elsewhere the body runs unbounded)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _mapped_bytes() + headroom_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _paths(node, prefix=()):
@@ -79,7 +127,8 @@ def _mutate(raw, data) -> str:
 def _check_one(command, raw, must_name, tmp_path, capsys):
     path = tmp_path / "fuzzed.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    rc = main([command, "--config", str(path), "--check-config"])
+    with bounded_example():
+        rc = main([command, "--config", str(path), "--check-config"])
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     if rc == 0:
@@ -109,3 +158,16 @@ def test_a_mutated_config_is_valid_or_one_line_naming_a_key(command, data, tmp_p
 def test_the_unmutated_configs_pass(command, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
     _check_one(command, yaml.safe_load(CONFIGS[command].read_text()), "", tmp_path, capsys)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/status")
+def test_an_example_that_maps_too_much_or_hangs_fails_without_harm():
+    import mmap
+    import time
+
+    with pytest.raises(OSError), bounded_example(headroom_bytes=64 << 20):
+        mmap.mmap(-1, 256 << 20)  # address space only: never touched, so harmless where the limit did not bite
+    with pytest.raises(ExampleTimedOut), bounded_example(seconds=0.2):
+        time.sleep(30)
+    with mmap.mmap(-1, 256 << 20):  # both bounds are lifted after the example
+        time.sleep(0.3)
