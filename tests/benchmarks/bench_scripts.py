@@ -1,5 +1,5 @@
 """The benchmark scripts under test, each loaded as a fresh module, and the checks every kernel benchmark
-(a kernel timed against its reference) must pass."""
+(a kernel timed against its reference) must pass. Not collected itself (not test_*.py)."""
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -27,11 +27,12 @@ def exits_2_naming(bench: ModuleType, capsys, flags, named: str) -> None:
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
-def exits_1_without_the_kernel(bench: ModuleType, monkeypatch, capsys, tmp_path, op: str) -> None:
-    """It refuses to time the reference against itself."""
+def test_without_the_kernel_it_exits_1(bench: ModuleType, monkeypatch, capsys, tmp_path, request) -> None:
+    """It refuses to time the reference against itself. A test of every kernel benchmark: its test module imports
+    it and names the op it times in ``OP``."""
     monkeypatch.setattr(registry, "runs_reference", lambda op, backend: True)
     assert bench.main(["--out", str(tmp_path / "r.json")]) == 1
-    assert f"runs the reference for {op}" in capsys.readouterr().err
+    assert f"runs the reference for {request.module.OP}" in capsys.readouterr().err
 
 
 def prepare_a_tiny_run(monkeypatch, op: str) -> None:

@@ -5,18 +5,13 @@ import json
 import pytest
 
 from tests.benchmarks.bench_scripts import (
-    exits_1_without_the_kernel,
     exits_2_naming,
-    load_benchmark,
     prepare_a_tiny_run,
+    test_without_the_kernel_it_exits_1,  # noqa: F401 (collected here)
 )
 
-OP = "dsa_selected_attention_target"
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    return load_benchmark(monkeypatch, "bench_selected_attention_target")
+SCRIPT = "bench_selected_attention_target"  # what the bench fixture loads
+OP = "dsa_selected_attention_target"  # the op it times
 
 
 @pytest.mark.parametrize("flags, named", [(["--rounds", "0"], "--rounds"),
@@ -25,10 +20,6 @@ def bench(monkeypatch):
                                           (["--cases", "8"], "--cases")])
 def test_a_bad_flag_exits_2_naming_it(bench, capsys, flags, named):
     exits_2_naming(bench, capsys, flags, named)
-
-
-def test_without_the_kernel_it_exits_1(bench, monkeypatch, capsys, tmp_path):
-    exits_1_without_the_kernel(bench, monkeypatch, capsys, tmp_path, OP)
 
 
 def test_a_tiny_run_writes_both_medians(bench, tmp_path, monkeypatch):

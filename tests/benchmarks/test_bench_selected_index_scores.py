@@ -5,28 +5,19 @@ import json
 import pytest
 
 from tests.benchmarks.bench_scripts import (
-    exits_1_without_the_kernel,
     exits_2_naming,
-    load_benchmark,
     prepare_a_tiny_run,
+    test_without_the_kernel_it_exits_1,  # noqa: F401 (collected here)
 )
 
-OP = "dsa_selected_index_scores"
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    return load_benchmark(monkeypatch, "bench_selected_index_scores")
+SCRIPT = "bench_selected_index_scores"  # what the bench fixture loads
+OP = "dsa_selected_index_scores"  # the op it times
 
 
 @pytest.mark.parametrize("flags, named", [(["--rounds", "0"], "--rounds"),
                                           (["--topk", "9", "--tokens", "8"], "--topk")])
 def test_a_bad_flag_exits_2_naming_it(bench, capsys, flags, named):
     exits_2_naming(bench, capsys, flags, named)
-
-
-def test_without_the_kernel_it_exits_1(bench, monkeypatch, capsys, tmp_path):
-    exits_1_without_the_kernel(bench, monkeypatch, capsys, tmp_path, OP)
 
 
 def test_a_tiny_run_writes_both_medians(bench, tmp_path, monkeypatch):

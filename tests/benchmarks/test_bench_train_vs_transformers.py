@@ -1,12 +1,7 @@
 """benchmarks/bench_train_vs_transformers.py stops loudly when a step did not run the kernels it names."""
 import pytest
 
-from tests.benchmarks.bench_scripts import load_benchmark
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    return load_benchmark(monkeypatch, "bench_train_vs_transformers")
+SCRIPT = "bench_train_vs_transformers"  # what the bench fixture loads
 
 
 def test_a_sparse_step_that_ran_the_reference_stops_the_benchmark(bench, capsys):
