@@ -16,9 +16,16 @@ def _kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def _stat(path: str, key: str, expected: str) -> os.stat_result:
+def _path_text(path: str, key: str, expected: str) -> None:
+    """A non-empty string without NUL (the OS cannot name such a file: os.stat raises a bare ValueError)."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"{key}: expected {expected}, got {path!r}")
+    if "\0" in path:
+        raise ValueError(f"{key}: expected {expected}, got {path!r:.80} (a path cannot hold a NUL character)")
+
+
+def _stat(path: str, key: str, expected: str) -> os.stat_result:
+    _path_text(path, key, expected)
     try:
         return os.stat(path)  # follows links: a link to /dev/zero is a device
     except FileNotFoundError:
@@ -51,8 +58,7 @@ def input_dir(path: str, key: str) -> None:
 
 def output_dir(path: str, key: str) -> None:
     """A folder that exists, or whose nearest existing ancestor is a folder (so that it can be created)."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{key}: expected a folder to write into, got {path!r}")
+    _path_text(path, key, "a folder to write into")
     current = os.path.abspath(path)
     while not os.path.lexists(current):
         parent = os.path.dirname(current)

@@ -154,8 +154,8 @@ class GLM5Config:
         problems = [message for ok, message in rules if not ok]
         types = self.layer_indexer_types()
         if len(types) != self.num_hidden_layers:
-            problems.append(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
-                            f"got {shown(self.indexer_types)}")
+            problems.append(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer: "
+                            f"num_hidden_layers={self.num_hidden_layers}), got {shown(self.indexer_types)}")
         problems += [f"indexer_types[{i}]: expected one of {INDEXER_TYPES}, got {shown(kind)}"
                      for i, kind in enumerate(types) if kind not in INDEXER_TYPES]
         if types and types[0] != "full":

@@ -227,20 +227,13 @@ def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: to
     if normaliser not in NORMALISERS:
         raise ValueError(f"normaliser: expected one of {', '.join(repr(n) for n in NORMALISERS)}, "
                          f"got {normaliser!r}")
-    sizes: Dict[str, int] = {}
-    _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
-    _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
-    _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
-    _checks.tensor("k_pe", k_pe, dims=("B", "S", "Dr"), sizes=sizes, legend="[B, S, Dr]")
-    _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
+    sizes = validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, None, scale)  # w_uv None: no values here
     _checks.tensor("topk_idx", topk_idx, dims=("B", "T", None), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                    legend="[B, T, K] int32")
     if k_nope is not None:
         _checks.tensor("k_nope", k_nope, dims=("B", "S", "H", "Dn"), sizes=sizes, legend="[B, S, H, Dn]")
-    _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk)
     device = _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, topk_idx=topk_idx,
                                  k_nope=k_nope)
-    _checks.positive_float("scale", scale)
     if sizes["S"] < 1 or sizes["T"] < 1 or sizes["H"] < 1:
         raise ValueError(f"c_kv / q_nope: expected at least one key, one query and one head, got S={sizes['S']}, "
                          f"T={sizes['T']}, H={sizes['H']}")

@@ -45,16 +45,20 @@ def causal_mask(start_pos: StartPos, batch: int, num_queries: int, num_keys: int
 
 
 def validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale) -> Dict[str, int]:
-    """Shapes, dtypes, devices and scale of the six MLA inputs (shared with DSA's sparse attention)."""
+    """Shapes, dtypes, devices and scale of the six MLA inputs (shared with DSA's sparse attention, and with its
+    indexer-KL target, which has no values: ``w_uv`` None)."""
     sizes: Dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
     _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
     _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
     _checks.tensor("k_pe", k_pe, dims=("B", "S", "Dr"), sizes=sizes, legend="[B, S, Dr]")
     _checks.tensor("w_uk", w_uk, dims=("H", "Dn", "C"), sizes=sizes, legend="[H, Dn, C]")
-    _checks.tensor("w_uv", w_uv, dims=("H", None, "C"), sizes=sizes, legend="[H, Dv, C]")
-    _checks.same_dtype(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
-    _checks.same_device(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk, w_uv=w_uv)
+    floating = dict(q_nope=q_nope, q_pe=q_pe, c_kv=c_kv, k_pe=k_pe, w_uk=w_uk)
+    if w_uv is not None:
+        _checks.tensor("w_uv", w_uv, dims=("H", None, "C"), sizes=sizes, legend="[H, Dv, C]")
+        floating["w_uv"] = w_uv
+    _checks.same_dtype(**floating)
+    _checks.same_device(**floating)
     _checks.positive_float("scale", scale)
     return sizes
 

@@ -33,6 +33,7 @@ EXECUTORS = ("local", "ray")
 ROUTINGS = ("dp_aware", "round_robin")
 MAX_SEED = 2 ** 53  # engine seeds are seed * 1000 + engine + 7919 * version: within torch's 64-bit seeds
 MAX_THREADS = 4096
+MAX_ENGINES = 1 << 20  # far above any fleet; the driver lists one entry per engine
 
 
 TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
@@ -113,7 +114,7 @@ def _check_pass_k(values, key: str) -> None:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    num_engines: int = field(1, range=(1, None))
+    num_engines: int = field(1, range=(1, MAX_ENGINES))
     max_batch: int = field(16, range=(1, None))
     max_len: int = field(128, range=(2, None))  # <= the model's max_position_embeddings
     group_size: int = field(8, range=(1, None))
@@ -272,14 +273,14 @@ def _plugin_problems(cfg: "RLConfig") -> List[str]:
 
 def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
     """External engines, placement, and pushes the staleness bound can keep up with."""
-    from glm5_core.rl.fleet.placement import engine_devices
+    from glm5_core.rl.fleet.placement import check_engine_devices
 
     problems = []
     if r.engine_urls is not None and r.devices is not None:
         problems.append("rollout.devices: engines at rollout.engine_urls run where they were started; "
                         "remove rollout.devices")
     try:
-        engine_devices(r.devices, r.num_engines)
+        check_engine_devices(r.devices, r.num_engines)  # builds nothing of num_engines' size
     except ValueError as exc:
         problems.append(str(exc))
     for key, on in (("routing_replay", t.routing_replay), ("index_replay", t.index_replay)):

@@ -160,7 +160,8 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
         problems.append("stages: expected at least one stage, got an empty list")
     for i, stage in enumerate(cfg.stages):
         if stage.kind == "dense" and (stage.indexer_lr is not None or stage.indexer_final_lr is not None):
-            problems.append(f"stages[{i}].indexer_lr: a dense stage does not train the indexer; remove it")
+            problems.append(f"stages[{i}].indexer_lr: a dense stage does not train the indexer; remove it "
+                            f"(or set stages[{i}].kind to indexer_warmup or sparse)")
         if (stage.indexer_lr is None) != (stage.indexer_final_lr is None):
             problems.append(f"stages[{i}]: expected both indexer_lr and indexer_final_lr, or neither")
         elif stage.kind == "indexer_warmup" and stage.indexer_lr is None:

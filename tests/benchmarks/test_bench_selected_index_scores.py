@@ -1,45 +1,27 @@
 """benchmarks/bench_selected_index_scores.py: bad flags exit 2 naming the flag; it refuses to time the reference
 against itself when the cpu kernel is not there; a tiny run writes both implementations' medians."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
-from glm5_core import registry
+from tests.benchmarks.bench_scripts import (
+    exits_2_naming,
+    prepare_a_tiny_run,
+    test_without_the_kernel_it_exits_1,  # noqa: F401 (collected here)
+)
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its folder's _results
-    spec = importlib.util.spec_from_file_location("bench_selected_index_scores_under_test",
-                                                  BENCHMARKS / "bench_selected_index_scores.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = "bench_selected_index_scores"  # what the bench fixture loads
+OP = "dsa_selected_index_scores"  # the op it times
 
 
 @pytest.mark.parametrize("flags, named", [(["--rounds", "0"], "--rounds"),
                                           (["--topk", "9", "--tokens", "8"], "--topk")])
 def test_a_bad_flag_exits_2_naming_it(bench, capsys, flags, named):
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(flags)
-    assert exit_info.value.code == 2 and named in capsys.readouterr().err
-
-
-def test_without_the_kernel_it_exits_1(bench, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(registry, "runs_reference", lambda op, backend: True)
-    assert bench.main(["--out", str(tmp_path / "r.json")]) == 1
-    assert "runs the reference for dsa_selected_index_scores" in capsys.readouterr().err
+    exits_2_naming(bench, capsys, flags, named)
 
 
 def test_a_tiny_run_writes_both_medians(bench, tmp_path, monkeypatch):
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # leave this process's thread count alone
-    if registry.runs_reference("dsa_selected_index_scores", "cpu"):
-        pytest.skip("the cpu extension is not built here")
+    prepare_a_tiny_run(monkeypatch, OP)
     out = tmp_path / "r.json"
     assert bench.main(["--tokens", "16", "--topk", "4", "--rounds", "2", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -1,20 +1,7 @@
 """benchmarks/bench_train_vs_transformers.py stops loudly when a step did not run the kernels it names."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-@pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its folder's _results
-    spec = importlib.util.spec_from_file_location("bench_train_vs_transformers_under_test",
-                                                  BENCHMARKS / "bench_train_vs_transformers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = "bench_train_vs_transformers"  # what the bench fixture loads
 
 
 def test_a_sparse_step_that_ran_the_reference_stops_the_benchmark(bench, capsys):

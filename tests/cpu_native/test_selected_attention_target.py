@@ -157,6 +157,10 @@ def test_entry_point_names_a_bad_argument():
         dsa.selected_attention_target(**args, scale=0.3, start_pos=0, k_nope=torch.zeros(shape.B, shape.S, 1, 1))
     with pytest.raises(ValueError, match="scale"):
         dsa.selected_attention_target(**args, scale=-1.0, start_pos=0)
+    with pytest.raises(TypeError, match=r"share one dtype, got q_nope: torch.float32, .*, w_uk: torch.float64$"):
+        dsa.selected_attention_target(**dict(args, w_uk=args["w_uk"].double()), scale=0.3, start_pos=0)
+    with pytest.raises(ValueError, match=r"^c_kv: expected .*\[B, S, C\]"):
+        dsa.selected_attention_target(**dict(args, c_kv=args["c_kv"][0]), scale=0.3, start_pos=0)
 
 
 def test_calls_whose_inputs_require_grad_take_the_native_kernel(native):

@@ -136,3 +136,10 @@ def test_index_topk_is_bounded_by_the_positions():
                                          r"more keys\), got 16777216$"):
         GLM5Config.tiny(index_topk=2 ** 24)
     assert GLM5Config.tiny(index_topk=512).index_topk == 512
+
+
+def test_a_layer_count_the_indexer_types_do_not_fit_names_num_hidden_layers():
+    """The config fuzz set num_hidden_layers: 1 on the tiny preset (4 indexer_types): the line must name that key."""
+    with pytest.raises(ValueError, match=r"^indexer_types: expected a list of 1 entries \(one per layer: "
+                                         r"num_hidden_layers=1\), got \['full', 'full', 'shared', 'full'\]$"):
+        GLM5Config.tiny(num_hidden_layers=1)

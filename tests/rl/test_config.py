@@ -53,6 +53,8 @@ def test_the_held_out_digits_config_holds_out_only_new_combinations_of_what_trai
     ({"rollout": {"max_len": "1e9"}}, "rollout.max_len: expected an integer in [2, inf), got '1e9'"),
     ({"rollout": {"max_batch": 10 ** 8}}, "rollout.max_batch: the run needs at least "),
     ({"rollout": {"num_engines": 10 ** 6}}, "rollout.num_engines: the run needs at least "),
+    ({"rollout": {"num_engines": 2 ** 40}},
+     "rollout.num_engines: expected an integer in [1, 1048576], got 1099511627776"),
     ({"model": {"overrides": {"hidden_size": 2 ** 24}}}, "model.overrides.hidden_size: the run needs at least "),
     ({"model": {"overrides": {"hiden_size": 64}}},
      "model.overrides.hiden_size: unknown key; did you mean 'hidden_size'?"),

@@ -1,4 +1,5 @@
 import random
+import re
 
 import pytest
 
@@ -89,6 +90,14 @@ def test_arithmetic_env_rejects_a_template_it_cannot_format_at_construction(temp
     with pytest.raises(ValueError, match="template"):
         ArithmeticEnv(template=template)
     assert ArithmeticEnv(template="{{{a}}}+{b}=").episode("g", 1, 2).context_tokens() == ByteCodec().encode("{1}+2=")
+
+
+@pytest.mark.parametrize("template, field", [("{a}+{b}={b:>20}", "{b:>20}"), ("{a}+{b}={a!r}", "{a!r}"),
+                                             ("{a}+{b}={a.upper}", "{a.upper}"), ("{a}+{b}={b[0]}", "{b[0]}")])
+def test_arithmetic_env_refuses_a_field_with_a_format_spec_conversion_or_lookup(template, field):
+    """A width is a size in the config text: {a:900000000} made `glm5 rl --check-config` build a 900 MB prompt."""
+    with pytest.raises(ValueError, match=re.escape(f"(a field {field}")):
+        ArithmeticEnv(template=template)
 
 
 @pytest.mark.parametrize("name, bad", [("max_value", -1), ("max_new_tokens", 0), ("keep_recent", 0),

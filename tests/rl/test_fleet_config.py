@@ -1,9 +1,12 @@
 """Placement of trainer and engines, the fleet keys of the RL config, SGLang weight versions in the gateway,
 and the starving-trainer guard."""
+import tracemalloc
+
 import pytest
 
 from glm5_core.rl.config import config_from_dict
 from glm5_core.rl.fleet.placement import (
+    check_engine_devices,
     check_visible,
     engine_devices,
     in_worker_device,
@@ -43,6 +46,32 @@ def test_devices_the_probe_does_not_see_are_refused_naming_the_key():
         check_visible(["npu:0"], "train.device", probe)
     with pytest.raises(ValueError, match="one device per engine"):
         engine_devices("cuda:0,cuda:1,cuda:2", 2)
+    with pytest.raises(ValueError, match=r"one device per engine \(rollout.num_engines=2\)"):
+        check_engine_devices("cuda:0,cuda:1,cuda:2", 2)
+
+
+def test_checking_the_devices_builds_nothing_per_engine():
+    check_engine_devices(None, 10 ** 15)  # a list of 10**15 entries would not fit anywhere
+    check_engine_devices("cuda:0", 10 ** 15)
+
+
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_checking_a_config_allocates_nothing_of_num_engines_size(executor):
+    """The config check once listed one device per engine: a fuzzed rollout.num_engines of 3e9 held 24 GB before
+    the memory check (which counts engines without allocating them) could refuse it."""
+    def peak_bytes(num_engines):
+        tracemalloc.start()
+        try:
+            config_from_dict({"executor": executor, "rollout": {"num_engines": num_engines}})
+        except ValueError as exc:  # local: 10**6 engines do not fit
+            assert str(exc).startswith("config: rollout.num_engines: the run needs at least "), exc
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        return peak
+
+    peak_bytes(1)  # the lazy imports of the check
+    assert peak_bytes(10 ** 6) < 1 << 20  # a list of 10**6 entries: 8 MB
 
 
 def base(**overrides):

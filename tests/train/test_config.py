@@ -61,6 +61,14 @@ def test_each_bad_value_is_one_clear_line(patch, expected):
     assert problems[0].startswith(expected), problems[0]
 
 
+def test_an_indexer_lr_in_a_dense_stage_names_the_kind_too():
+    """The config fuzz turned configs/tiny.yaml's indexer_warmup stage dense: the line must name the key it changed."""
+    stage = {"kind": "dense", "steps": 2, "indexer_lr": 1e-3, "indexer_final_lr": 1e-4}
+    assert _problems({"stages": [{"kind": "dense", "steps": 1}, stage]}) == [
+        "stages[1].indexer_lr: a dense stage does not train the indexer; remove it (or set stages[1].kind to "
+        "indexer_warmup or sparse)"]
+
+
 def test_several_problems_are_all_reported_one_per_line():
     problems = _problems({"data": {"seq_len": -4, "batch_size": 0, "colour": "red"}})
     assert len(problems) == 3

@@ -86,6 +86,16 @@ def test_a_link_to_a_device_and_a_fifo_are_refused_as_data(tmp_path):
     assert "no such file or folder" in _problem({"data": {"source": "path", "path": str(tmp_path / "nope")}})
 
 
+@pytest.mark.parametrize("key", ["data.tokenizer", "data.path", "output_dir"])
+def test_a_path_with_a_nul_character_is_one_line_naming_its_key(key):
+    """os.stat raises a bare ValueError ("embedded null byte") for such a path, and os.path.lexists says False."""
+    section, _, name = key.rpartition(".")
+    patch = {name: "runs/a\0b"}
+    if section:
+        patch = {section: dict(patch, source="path") if name == "path" else patch}
+    assert _problem(patch).startswith(f"{key}: expected ") and "(a path cannot hold a NUL character)" in _problem(patch)
+
+
 def test_a_tokenizer_path_must_be_a_regular_file(tmp_path):
     assert _problem({"data": {"tokenizer": str(tmp_path)}}) == (
         f"data.tokenizer: expected a regular file, got {str(tmp_path)!r} (a folder)")

@@ -68,17 +68,24 @@ def check_visible(devices: List[str], where: str, probe: Probe) -> None:
                              f"device{'s' if seen != 1 else ''}" + (f" ({kind}:0..{kind}:{seen - 1})" if seen else ""))
 
 
+def check_engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> None:
+    """ValueError naming ``where`` unless ``devices`` gives one device per engine, one for all, or None; nothing
+    of ``num_engines``' size is built (a config is checked with this before its sizes are)."""
+    if devices is None:
+        return
+    parsed = parse_devices(devices, where)
+    if len(parsed) not in (1, num_engines):
+        raise ValueError(f"{where}: expected one device per engine (rollout.num_engines={num_engines}) or one for "
+                         f"all, got {len(parsed)}: {','.join(parsed)}")
+
+
 def engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> List[Optional[str]]:
     """One device (or None: the backend's default) per engine."""
+    check_engine_devices(devices, num_engines, where)
     if devices is None:
         return [None] * num_engines
     parsed = parse_devices(devices, where)
-    if len(parsed) == 1:
-        return parsed * num_engines
-    if len(parsed) != num_engines:
-        raise ValueError(f"{where}: expected one device per engine (rollout.num_engines={num_engines}) or one for "
-                         f"all, got {len(parsed)}: {','.join(parsed)}")
-    return parsed
+    return parsed * num_engines if len(parsed) == 1 else parsed
 
 
 def worker_environment(device: Optional[str]) -> Dict[str, str]:

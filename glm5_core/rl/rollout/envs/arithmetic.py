@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import string
 from typing import Callable, Dict, List, Optional, Tuple
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
@@ -58,6 +59,22 @@ def score_text(text: str, expected: str, partial_credit: bool) -> float:
         return 0.0
     right = sum(g == e for g, e in zip(got, expected))
     return right / max(len(got), len(expected))
+
+
+def _check_template(template: str) -> None:
+    """Only plain ``{a}`` and ``{b}`` fields: a format spec (``{a:900000000}`` pads to 900 MB), a conversion or an
+    attribute / index lookup is refused (``operand_width`` pads the operands)."""
+    expected = f"template: expected no placeholder but {{a}} and {{b}} (literal braces doubled), got {template!r:.120}"
+    try:
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(template)
+                  if name is not None]
+    except ValueError as exc:  # an unmatched brace
+        raise ValueError(f"{expected} (ValueError: {exc})") from None
+    for name, spec, conversion in fields:
+        if name not in ("a", "b") or spec or conversion is not None:
+            text = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            padding = " (operand_width pads the operands)" if name in ("a", "b") else ""
+            raise ValueError(f"{expected} (a field {text[:40]}{padding})")
 
 
 class ArithmeticEpisode(Episode):
@@ -106,11 +123,7 @@ class ArithmeticEnv(Environment):
             raise ValueError(f"max_operand: expected an int in [0, 1e6], got {max_operand!r}")
         if "{a}" not in template or "{b}" not in template:
             raise ValueError(f"template: expected placeholders {{a}} and {{b}}, got {template!r}")
-        try:
-            template.format(a=0, b=0)
-        except (KeyError, IndexError, ValueError) as exc:  # '{c}', '{}', an unmatched brace
-            raise ValueError(f"template: expected no placeholder but {{a}} and {{b}} (literal braces doubled), "
-                             f"got {template!r} ({type(exc).__name__}: {exc})") from None
+        _check_template(template)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
         if isinstance(held_out, bool) or not isinstance(held_out, (int, float)) or not 0.0 <= held_out < 1.0:
