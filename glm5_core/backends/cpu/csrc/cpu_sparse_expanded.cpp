@@ -138,7 +138,7 @@ template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx,
 // (d ascending then r for a score; keys / entries ascending for a weighted sum): the blocking only interleaves
 // independent chains (kKeyBlock keys per pass over a query, kChunk accumulators kept in registers per pass over
 // the keys), so it never changes a bit, whatever the sizes.
-constexpr int kKeyBlock = 4;
+constexpr int kKeyBlock = 8;
 constexpr int kChunk = 8;
 
 // f(block size M as an integral_constant, first index) over [0, n) in blocks of kKeyBlock, then singles.
@@ -215,16 +215,18 @@ KernelInputs<acc_t> kernel_inputs(const Rows<acc_t>& q_nope, const Rows<acc_t>& 
   return in;
 }
 
-// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`.
+// w.score [n, G] = scale * (q_nope . k_nope + q_pe . k_pe) per head, for the kept keys of `row`; with dO_row
+// [Dv, G] (the backward) also w.grad [n, G] = dP = dO . v in the same pass over the keys (one gather of the rows).
 template <typename acc_t>
-void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, acc_t scale, const Sizes& z) {
+void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, acc_t scale, const Sizes& z,
+                const typename HeadVec<acc_t>::V* dO_row = nullptr) {
   using V = typename HeadVec<acc_t>::V;
-  const int64_t G = z.groups();
+  const int64_t G = z.groups(), n = static_cast<int64_t>(w.key.size());
   const V* qn = in.hm.q_nope.data() + row * z.Dn * G;
   const V* qr = in.hm.q_pe.data() + row * z.R * G;
   const V vscale = V{} + scale;
   for (int64_t g = 0; g < G; ++g)
-    in_key_blocks(static_cast<int64_t>(w.key.size()), [&](auto block, int64_t i0) {
+    in_key_blocks(n, [&](auto block, int64_t i0) {
       constexpr int M = decltype(block)::value;
       const V* kn[M];
       const acc_t* kr[M];
@@ -236,15 +238,51 @@ void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, a
       dot_chains<M>(acc, qn + g, kn, z.Dn, G);
       dot_chains_shared<M>(acc, qr + g, kr, z.R, G);
       for (int m = 0; m < M; ++m) w.score[(i0 + m) * G + g] = acc[m] * vscale;
+      if (!dO_row) return;
+      const V* vv[M];
+      for (int m = 0; m < M; ++m) vv[m] = in.hm.v.data() + w.key[i0 + m] * z.Dv * G + g, acc[m] = V{};
+      dot_chains<M>(acc, dO_row + g, vv, z.Dv, G);
+      for (int m = 0; m < M; ++m) w.grad[(i0 + m) * G + g] = acc[m];
     });
 }
 
+// exp of every lane. fp64: std::exp per lane. fp32: one vector evaluation (scalar std::exp was about half the
+// forward's time): e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, so r is exact to
+// a few ulp), e^r by a degree-6 polynomial (Cephes' expf coefficients, relative error ~1 ulp on |r| <= ln 2 / 2),
+// 2^n put into the exponent bits. Fixed operations (fma_lanes), so the bits depend only on x. x below -87.3
+// gives 0 (e^x is subnormal there), above 88.3 +inf (near overflow; the kernels only take e^x of x <= 0: a score
+// minus the row's max or log-sum-exp); NaN stays NaN.
 template <typename V, typename acc_t> inline V exp_lanes(V x) {
   acc_t lanes[kHeadLanes];
   __builtin_memcpy(lanes, &x, sizeof(V));
   for (int64_t l = 0; l < kHeadLanes; ++l) lanes[l] = std::exp(lanes[l]);
   __builtin_memcpy(&x, lanes, sizeof(V));
   return x;
+}
+
+template <> inline HeadVecF exp_lanes<HeadVecF, float>(HeadVecF x) {
+  using V = HeadVecF;
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V n = (xc * (V{} + 1.44269504088896341f) + magic) - magic;
+  V r = fma_lanes(n, V{} - 0.693359375f, xc);  // ln 2 = 0.693359375 - 2.12194440e-4 (the first part exact)
+  r = fma_lanes(n, V{} + 2.12194440e-4f, r);
+  V poly = V{} + 1.9875691500e-4f;
+  poly = fma_lanes(poly, r, V{} + 1.3981999507e-3f);
+  poly = fma_lanes(poly, r, V{} + 8.3334519073e-3f);
+  poly = fma_lanes(poly, r, V{} + 4.1665795894e-2f);
+  poly = fma_lanes(poly, r, V{} + 1.6666665459e-1f);
+  poly = fma_lanes(poly, r, V{} + 5.0000001201e-1f);
+  poly = fma_lanes(poly, r * r, r + (V{} + 1.0f));  // 1 + r + r^2 (1/2 + r / 6 + ...)
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // 2^n, n in [-126, 127]
+  V two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(V));
+  V e = poly * two_n;
+  e = x < lo ? V{} : e;
+  return x > hi ? V{} + std::numeric_limits<float>::infinity() : e;
 }
 
 template <typename cache_t, typename acc_t>
@@ -381,24 +419,16 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
           gather_row(w, idx, row, z);
           const int64_t n = static_cast<int64_t>(w.key.size());
           if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
-          row_scores(w, in, row, scale, z);
+          const V* dO_row = dO.data() + row * z.Dv * G;
+          row_scores(w, in, row, scale, z, dO_row);  // scores and dP
           V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
           acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
           for (int64_t l = 0; l < G * kHeadLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
           V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
-          const V* dO_row = dO.data() + row * z.Dv * G;
           V* p = w.score.data();  // [n, G]
           V* gr = w.grad.data();  // [n, G]: dP, then G
           for (int64_t g = 0; g < G; ++g) {
             d_sum[g] = V{};
-            in_key_blocks(n, [&](auto block_size, int64_t i0) {
-              constexpr int M = decltype(block_size)::value;
-              const V* vv[M];
-              V acc[M];
-              for (int m = 0; m < M; ++m) vv[m] = in.hm.v.data() + w.key[i0 + m] * z.Dv * G + g, acc[m] = V{};
-              dot_chains<M>(acc, dO_row + g, vv, z.Dv, G);
-              for (int m = 0; m < M; ++m) gr[(i0 + m) * G + g] = acc[m];
-            });
             for (int64_t i = 0; i < n; ++i) {
               p[i * G + g] = exp_lanes<V, acc_t>(p[i * G + g] - lse_G[g]);
               d_sum[g] = fma_lanes(p[i * G + g], gr[i * G + g], d_sum[g]);
