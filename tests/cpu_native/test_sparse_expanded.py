@@ -134,9 +134,10 @@ def test_custom_ops_pass_opcheck(native, dtype):
     q_nope, q_pe = x["q_nope"].float(), x["q_pe"].float()
     keys = (x["k_nope"], x["k_pe"], x["v"], x["topk_idx"])
     torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_forward, (q_nope, q_pe, *keys, 0.3))
-    _, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, *keys, 0.3)
+    out, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, *keys, 0.3)
     grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=16)
-    torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_backward, (grad_out, q_nope, q_pe, *keys, lse, 0.3))
+    torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_backward,
+                          (grad_out, q_nope, q_pe, *keys, out, lse, 0.3))
 
 
 def test_kernels_reject_an_index_past_the_keys(native):
@@ -147,10 +148,10 @@ def test_kernels_reject_an_index_past_the_keys(native):
     args = (x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], bad, 0.3)
     with pytest.raises(IndexError, match="past the keys"):
         torch.ops.glm5_cpu.sparse_expanded_forward(*args)
-    lse = torch.zeros(shape.B, shape.T, shape.H)
+    lse, out = torch.zeros(shape.B, shape.T, shape.H), torch.zeros(shape.B, shape.T, shape.H, shape.Dv)
     with pytest.raises(IndexError, match="past the keys"):
-        torch.ops.glm5_cpu.sparse_expanded_backward(torch.ones(shape.B, shape.T, shape.H, shape.Dv), *args[:6], lse,
-                                                    0.3)
+        torch.ops.glm5_cpu.sparse_expanded_backward(torch.ones(shape.B, shape.T, shape.H, shape.Dv), *args[:6], out,
+                                                    lse, 0.3)
 
 
 def test_training_calls_take_the_native_kernel(native):
