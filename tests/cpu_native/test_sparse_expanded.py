@@ -42,6 +42,22 @@ def test_forward_and_gradients_match_the_reference(native, shape, K, dtype):
     assert not out[0, 0].any() and not got["q_nope"][0, 0].any()  # the query with no key: zeros, no gradient
 
 
+@pytest.mark.parametrize("scale", (4.0, 40.0), ids=str)
+def test_peaked_softmax_matches_the_reference(native, scale):
+    """Scores spread over hundreds: most p underflow to 0 (the fp32 exp's range ends) and a few keys carry the
+    softmax; the output and the gradients (D = dO . out in the backward) still match the reference."""
+    shape, K = SHAPES[4]
+    inputs = testing.make_sparse_expanded_inputs(shape, K, seed=23)
+    grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=24)
+    out, got = _grads(native_dsa.sparse_prefill_expanded, inputs, grad_out, scale=scale)
+    ref_out, same_precision = _grads(dsa.sparse_prefill_expanded_reference, inputs, grad_out, scale=scale)
+    exact_out, exact = _grads(dsa.sparse_prefill_expanded_reference, as_fp64(inputs), grad_out.double(), scale=scale)
+    assert testing.compare_to_fp64(out, ref_out, exact_out, torch.float32).passed
+    for name in DIFFERENTIABLE:
+        verdict = testing.compare_to_fp64(got[name], same_precision[name], exact[name], torch.float32)
+        assert verdict.passed, f"{name}: {verdict.detail}"
+
+
 def test_inference_forward_matches_the_training_forward(native):
     shape, K = SHAPES[4]
     inputs = testing.make_sparse_expanded_inputs(shape, K, seed=3)
