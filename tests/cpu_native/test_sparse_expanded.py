@@ -42,6 +42,22 @@ def test_forward_and_gradients_match_the_reference(native, shape, K, dtype):
     assert not out[0, 0].any() and not got["q_nope"][0, 0].any()  # the query with no key: zeros, no gradient
 
 
+@pytest.mark.parametrize("scale", (4.0, 40.0), ids=str)
+def test_peaked_softmax_matches_the_reference(native, scale):
+    """Scores spread over hundreds: most p underflow to 0 (the fp32 exp's range ends) and a few keys carry the
+    softmax; the output and the gradients (D = dO . out in the backward) still match the reference."""
+    shape, K = SHAPES[4]
+    inputs = testing.make_sparse_expanded_inputs(shape, K, seed=23)
+    grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=24)
+    out, got = _grads(native_dsa.sparse_prefill_expanded, inputs, grad_out, scale=scale)
+    ref_out, same_precision = _grads(dsa.sparse_prefill_expanded_reference, inputs, grad_out, scale=scale)
+    exact_out, exact = _grads(dsa.sparse_prefill_expanded_reference, as_fp64(inputs), grad_out.double(), scale=scale)
+    assert testing.compare_to_fp64(out, ref_out, exact_out, torch.float32).passed
+    for name in DIFFERENTIABLE:
+        verdict = testing.compare_to_fp64(got[name], same_precision[name], exact[name], torch.float32)
+        assert verdict.passed, f"{name}: {verdict.detail}"
+
+
 def test_inference_forward_matches_the_training_forward(native):
     shape, K = SHAPES[4]
     inputs = testing.make_sparse_expanded_inputs(shape, K, seed=3)
@@ -134,9 +150,10 @@ def test_custom_ops_pass_opcheck(native, dtype):
     q_nope, q_pe = x["q_nope"].float(), x["q_pe"].float()
     keys = (x["k_nope"], x["k_pe"], x["v"], x["topk_idx"])
     torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_forward, (q_nope, q_pe, *keys, 0.3))
-    _, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, *keys, 0.3)
+    out, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, *keys, 0.3)
     grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=16)
-    torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_backward, (grad_out, q_nope, q_pe, *keys, lse, 0.3))
+    torch.library.opcheck(torch.ops.glm5_cpu.sparse_expanded_backward,
+                          (grad_out, q_nope, q_pe, *keys, out, lse, 0.3))
 
 
 def test_kernels_reject_an_index_past_the_keys(native):
@@ -147,10 +164,10 @@ def test_kernels_reject_an_index_past_the_keys(native):
     args = (x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], bad, 0.3)
     with pytest.raises(IndexError, match="past the keys"):
         torch.ops.glm5_cpu.sparse_expanded_forward(*args)
-    lse = torch.zeros(shape.B, shape.T, shape.H)
+    lse, out = torch.zeros(shape.B, shape.T, shape.H), torch.zeros(shape.B, shape.T, shape.H, shape.Dv)
     with pytest.raises(IndexError, match="past the keys"):
-        torch.ops.glm5_cpu.sparse_expanded_backward(torch.ones(shape.B, shape.T, shape.H, shape.Dv), *args[:6], lse,
-                                                    0.3)
+        torch.ops.glm5_cpu.sparse_expanded_backward(torch.ones(shape.B, shape.T, shape.H, shape.Dv), *args[:6], out,
+                                                    lse, 0.3)
 
 
 def test_training_calls_take_the_native_kernel(native):

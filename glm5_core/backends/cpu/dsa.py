@@ -119,21 +119,22 @@ def _selected_supports(q, k, w, topk_idx):
 
 class _SparseExpandedAttention(torch.autograd.Function):
     """out [B, T, Hm, Dv] from the native expanded forward, which also gives the per-head log-sum-exp [B, T, Hm];
-    the backward recomputes p from it over the selected rows (nothing [T, K]-sized kept between the passes) and
-    returns d q_nope, d q_pe, d k_nope, d k_pe, d v (csrc/cpu_sparse_expanded.cpp)."""
+    the backward recomputes p from it over the selected rows (nothing [T, K]-sized kept between the passes), takes
+    D = dO . out per head from the saved output (so one pass over a query's keys gives its gradients) and returns
+    d q_nope, d q_pe, d k_nope, d k_pe, d v (csrc/cpu_sparse_expanded.cpp)."""
 
     @staticmethod
     def forward(ctx, q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale):
         out, lse = torch.ops.glm5_cpu.sparse_expanded_forward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale)
-        ctx.save_for_backward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse)
+        ctx.save_for_backward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, out, lse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse = ctx.saved_tensors
+        q_nope, q_pe, k_nope, k_pe, v, topk_idx, out, lse = ctx.saved_tensors
         grads = torch.ops.glm5_cpu.sparse_expanded_backward(grad_out.to(q_nope.dtype).contiguous(), q_nope, q_pe,
-                                                             k_nope, k_pe, v, topk_idx, lse, ctx.scale)
+                                                             k_nope, k_pe, v, topk_idx, out, lse, ctx.scale)
         d_q_nope, d_q_pe, d_k_nope, d_k_pe, d_v = grads
         return d_q_nope, d_q_pe, d_k_nope.to(k_nope.dtype), d_k_pe.to(k_pe.dtype), d_v.to(v.dtype), None, None
 

@@ -42,7 +42,7 @@ def _sparse_expanded_forward(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale):
     return q_nope.new_empty((B, T, H, v.shape[3])), q_nope.new_empty((B, T, H))  # out [B, T, H, Dv], lse [B, T, H]
 
 
-def _sparse_expanded_backward(grad_out, q_nope, q_pe, k_nope, k_pe, v, topk_idx, lse, scale):
+def _sparse_expanded_backward(grad_out, q_nope, q_pe, k_nope, k_pe, v, topk_idx, out, lse, scale):
     B, S, H = k_nope.shape[:3]  # d q_nope, d q_pe, d k_nope [B, S, H, Dn], d k_pe [B, S, R], d v [B, S, H, Dv]
     return (q_nope.new_empty(q_nope.shape), q_nope.new_empty(q_pe.shape), q_nope.new_empty(k_nope.shape),
             q_nope.new_empty(k_pe.shape), q_nope.new_empty(v.shape))

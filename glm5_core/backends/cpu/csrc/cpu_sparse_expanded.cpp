@@ -7,7 +7,7 @@
 //   strides with a unit last one, so k_nope and v may be the two halves of kv_b_proj's output), topk_idx [B, T, K].
 // Forward:  s[h,j] = scale * (q_nope[h] . k_nope[i_j, h] + q_pe[h] . k_pe[i_j]),  p = softmax_j(s),
 //           out[h] = sum_j p[h,j] v[i_j, h],  lse[h] = log sum_j exp s[h,j]  (-inf and zeros for no key).
-// Backward (dO = d out):  p recomputed from lse,  dP[h,j] = dO[h] . v[i_j, h],  D[h] = sum_j p dP,
+// Backward (dO = d out):  p recomputed from lse,  dP[h,j] = dO[h] . v[i_j, h],  D[h] = sum_j p dP = dO[h] . out[h],
 //           G = scale * p (dP - D);  d q_nope[h] = sum_j G k_nope[i_j, h],  d q_pe[h] = sum_j G k_pe[i_j],
 //           d k_nope[s, h] = sum_{(t,j): i_j = s} G[h,j] q_nope[h],  d v[s, h] = sum p[h,j] dO[h],
 //           d k_pe[s] = sum sum_h G[h,j] q_pe[h].
@@ -23,8 +23,11 @@
 // the thread count, so the gradients are bitwise repeatable. Rows go through in blocks whose p / G ([rows, K, H])
 // fit kBlockBytes (a size set by the shapes only): time and memory O(T K), never O(T S).
 // Speed: the dot products of kKeyBlock keys run as independent chains over one pass of the query, and the weighted
-// sums (dq, dk, dv, the output) keep kChunk accumulators in registers over the keys / entries; each chain adds its
-// terms in the same order as a plain loop, so the results do not depend on these block sizes.
+// sums (dk, dv, the output) keep kChunk accumulators in registers over the keys / entries; each chain adds its
+// terms in the same order as a plain loop, so the results do not depend on these block sizes. Pass 1 takes D from
+// the forward's output (dO . out), so it is one pass over a query's keys: scores, dP, G and the dq terms of a block
+// of keys while their rows are in L1 (three passes before, two of them re-reading the rows from L2 / L3). The fp32
+// exp is one 8-lane polynomial evaluation (exp_lanes).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -138,7 +141,7 @@ template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx,
 // (d ascending then r for a score; keys / entries ascending for a weighted sum): the blocking only interleaves
 // independent chains (kKeyBlock keys per pass over a query, kChunk accumulators kept in registers per pass over
 // the keys), so it never changes a bit, whatever the sizes.
-constexpr int kKeyBlock = 4;
+constexpr int kKeyBlock = 8;
 constexpr int kChunk = 8;
 
 // f(block size M as an integral_constant, first index) over [0, n) in blocks of kKeyBlock, then singles.
@@ -219,12 +222,12 @@ KernelInputs<acc_t> kernel_inputs(const Rows<acc_t>& q_nope, const Rows<acc_t>& 
 template <typename acc_t>
 void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, acc_t scale, const Sizes& z) {
   using V = typename HeadVec<acc_t>::V;
-  const int64_t G = z.groups();
+  const int64_t G = z.groups(), n = static_cast<int64_t>(w.key.size());
   const V* qn = in.hm.q_nope.data() + row * z.Dn * G;
   const V* qr = in.hm.q_pe.data() + row * z.R * G;
   const V vscale = V{} + scale;
   for (int64_t g = 0; g < G; ++g)
-    in_key_blocks(static_cast<int64_t>(w.key.size()), [&](auto block, int64_t i0) {
+    in_key_blocks(n, [&](auto block, int64_t i0) {
       constexpr int M = decltype(block)::value;
       const V* kn[M];
       const acc_t* kr[M];
@@ -239,12 +242,43 @@ void row_scores(Scratch<acc_t>& w, const KernelInputs<acc_t>& in, int64_t row, a
     });
 }
 
+// exp of every lane. fp64: std::exp per lane. fp32: one vector evaluation (std::exp per lane cost ~30% of the
+// forward at 1x4096): e^x = 2^n e^r with n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, so r is exact to
+// a few ulp), e^r by a degree-6 polynomial (Cephes' expf coefficients, relative error ~1 ulp on |r| <= ln 2 / 2),
+// 2^n put into the exponent bits. Fixed operations (fma_lanes), so the bits depend only on x. x below -87.3
+// gives 0 (e^x is subnormal there), above 88.3 +inf (near overflow; the kernels only take e^x of x <= 0: a score
+// minus the row's max or log-sum-exp); NaN stays NaN.
 template <typename V, typename acc_t> inline V exp_lanes(V x) {
   acc_t lanes[kHeadLanes];
   __builtin_memcpy(lanes, &x, sizeof(V));
   for (int64_t l = 0; l < kHeadLanes; ++l) lanes[l] = std::exp(lanes[l]);
   __builtin_memcpy(&x, lanes, sizeof(V));
   return x;
+}
+
+template <> inline HeadVecF exp_lanes<HeadVecF, float>(HeadVecF x) {
+  using V = HeadVecF;
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
+  V xc = x < lo ? lo : x;
+  xc = xc > hi ? hi : xc;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V n = (xc * (V{} + 1.44269504088896341f) + magic) - magic;
+  V r = fma_lanes(n, V{} - 0.693359375f, xc);  // ln 2 = 0.693359375 - 2.12194440e-4 (the first part exact)
+  r = fma_lanes(n, V{} + 2.12194440e-4f, r);
+  V poly = V{} + 1.9875691500e-4f;
+  poly = fma_lanes(poly, r, V{} + 1.3981999507e-3f);
+  poly = fma_lanes(poly, r, V{} + 8.3334519073e-3f);
+  poly = fma_lanes(poly, r, V{} + 4.1665795894e-2f);
+  poly = fma_lanes(poly, r, V{} + 1.6666665459e-1f);
+  poly = fma_lanes(poly, r, V{} + 5.0000001201e-1f);
+  poly = fma_lanes(poly, r * r, r + (V{} + 1.0f));  // 1 + r + r^2 (1/2 + r / 6 + ...)
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;  // 2^n, n in [-126, 127]
+  V two_n;
+  __builtin_memcpy(&two_n, &bits, sizeof(V));
+  V e = poly * two_n;
+  e = x < lo ? V{} : e;
+  return x > hi ? V{} + std::numeric_limits<float>::infinity() : e;
 }
 
 template <typename cache_t, typename acc_t>
@@ -303,6 +337,63 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
   errors.rethrow_if_failed("sparse_expanded_forward");
 }
 
+// What pass 1 of the backward reads for one query row: head vectors dO [Dv, G], lse [G], D = dO . out [G].
+template <typename acc_t> struct RowGrad {
+  using V = typename HeadVec<acc_t>::V;
+  const V* dO;
+  const V* lse;
+  const V* D;
+};
+
+// Pass 1 of the backward for one query row, in ONE pass over its kept keys (ascending): per key and head
+// s = scale (q_nope . k_nope + q_pe . k_pe), p = exp(s - lse), dP = dO . v, G = scale p (dP - D), p and G stored at
+// the entry's place in key order (pg + position[j] * 2 G), and d q_nope += G k_nope, d q_pe += G k_pe while the key's
+// rows are still in L1. D = sum_j p dP = dO . out (the forward's output), so no pass over the keys has to finish
+// before G is known. Every sum is one chain in a fixed order (a score: d then r ascending; dq: keys ascending).
+template <typename acc_t>
+void backward_row(const Scratch<acc_t>& w, const KernelInputs<acc_t>& in, const RowGrad<acc_t>& rg, int64_t row,
+                  acc_t scale, const Sizes& z, const int64_t* position, typename HeadVec<acc_t>::V* pg,
+                  typename HeadVec<acc_t>::V* dqn, typename HeadVec<acc_t>::V* dqr) {
+  using V = typename HeadVec<acc_t>::V;
+  const int64_t G = z.groups(), n = static_cast<int64_t>(w.key.size());
+  const V* qn = in.hm.q_nope.data() + row * z.Dn * G;
+  const V* qr = in.hm.q_pe.data() + row * z.R * G;
+  const V vscale = V{} + scale;
+  for (int64_t g = 0; g < G; ++g)
+    in_key_blocks(n, [&](auto block, int64_t i0) {
+      constexpr int M = decltype(block)::value;
+      const V* kn[M];
+      const acc_t* kr[M];
+      const V* vv[M];
+      V s[M], dp[M];
+      for (int m = 0; m < M; ++m) {
+        const int64_t key = w.key[i0 + m];
+        kn[m] = in.hm.k_nope.data() + key * z.Dn * G + g, kr[m] = in.k_pe.data() + key * z.R;
+        vv[m] = in.hm.v.data() + key * z.Dv * G + g, s[m] = V{}, dp[m] = V{};
+      }
+      dot_chains<M>(s, qn + g, kn, z.Dn, G);
+      dot_chains_shared<M>(s, qr + g, kr, z.R, G);
+      dot_chains<M>(dp, rg.dO + g, vv, z.Dv, G);
+      V gv[M];
+      for (int m = 0; m < M; ++m) {
+        const V p = exp_lanes<V, acc_t>(s[m] * vscale - rg.lse[g]);
+        gv[m] = vscale * (p * (dp[m] - rg.D[g]));
+        V* entry = pg + position[w.slot[i0 + m]] * 2 * G;  // [2, G]
+        entry[g] = p, entry[G + g] = gv[m];
+      }
+      for (int64_t d = 0; d < z.Dn; ++d) {
+        V acc = dqn[d * G + g];
+        for (int m = 0; m < M; ++m) acc = fma_lanes(gv[m], kn[m][d * G], acc);
+        dqn[d * G + g] = acc;
+      }
+      for (int64_t r = 0; r < z.R; ++r) {
+        V acc = dqr[r * G + g];
+        for (int m = 0; m < M; ++m) acc = fma_lanes(gv[m], V{} + kr[m][r], acc);
+        dqr[r * G + g] = acc;
+      }
+    });
+}
+
 // The kept entries (row, j) of a block of query rows grouped by key: a counting sort, ascending (row, j) within
 // each key. position[(row - row0) * K + j] is the entry's place in that order (-1 for a -1 slot), entry_row[e]
 // its query row, and the entries of `key` are [start[key], start[key + 1]).
@@ -348,7 +439,8 @@ struct KeyOrder {
 template <typename cache_t, typename acc_t>
 void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe,
                      const Rows<cache_t>& k_nope, const Rows<cache_t>& k_pe, const Rows<cache_t>& v,
-                     const int64_t* idx, const acc_t* lse, acc_t scale, const Sizes& z, acc_t* dq_nope,
+                     const int64_t* idx, const acc_t* out, const acc_t* lse, acc_t scale, const Sizes& z,
+                     acc_t* dq_nope,
                      acc_t* dq_pe, acc_t* dk_nope, acc_t* dk_pe, acc_t* dv) {
   using V = typename HeadVec<acc_t>::V;
   const int64_t rows = z.B * z.T, G = z.groups(), keys = z.B * z.S;
@@ -366,7 +458,6 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
   std::vector<Scratch<acc_t>> scratch(threads);
   for (auto& w : scratch) w.reserve(z);
   RegionErrors errors;
-  const V vscale = V{} + scale;
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
     const int64_t row1 = std::min(rows, row0 + block);
@@ -381,44 +472,24 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
           gather_row(w, idx, row, z);
           const int64_t n = static_cast<int64_t>(w.key.size());
           if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
-          row_scores(w, in, row, scale, z);
-          V* lse_G = w.acc.data();  // [G]; heads past H: 0 (their p and G come out finite and unused)
+          // lse and D = dO . out per head (a chain over d ascending); heads past H: 0 (their p and G come out
+          // finite and unused)
+          V* lse_G = w.acc.data();  // [G]
+          V* d_G = lse_G + G;  // [G]
           acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
-          for (int64_t l = 0; l < G * kHeadLanes; ++l) lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
-          V* d_sum = lse_G + G;  // [G]: D = sum_j p dP
-          const V* dO_row = dO.data() + row * z.Dv * G;
-          V* p = w.score.data();  // [n, G]
-          V* gr = w.grad.data();  // [n, G]: dP, then G
-          for (int64_t g = 0; g < G; ++g) {
-            d_sum[g] = V{};
-            in_key_blocks(n, [&](auto block_size, int64_t i0) {
-              constexpr int M = decltype(block_size)::value;
-              const V* vv[M];
-              V acc[M];
-              for (int m = 0; m < M; ++m) vv[m] = in.hm.v.data() + w.key[i0 + m] * z.Dv * G + g, acc[m] = V{};
-              dot_chains<M>(acc, dO_row + g, vv, z.Dv, G);
-              for (int m = 0; m < M; ++m) gr[(i0 + m) * G + g] = acc[m];
-            });
-            for (int64_t i = 0; i < n; ++i) {
-              p[i * G + g] = exp_lanes<V, acc_t>(p[i * G + g] - lse_G[g]);
-              d_sum[g] = fma_lanes(p[i * G + g], gr[i * G + g], d_sum[g]);
+          acc_t* d_lanes = reinterpret_cast<acc_t*>(d_G);
+          for (int64_t l = 0; l < G * kHeadLanes; ++l) {
+            lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
+            acc_t sum = 0;
+            for (int64_t d = 0; l < z.H && d < z.Dv; ++d) {
+              const int64_t e = (row * z.H + l) * z.Dv + d;
+              sum = sum + grad_out[e] * out[e];
             }
+            d_lanes[l] = sum;
           }
-          const int64_t* position = order.position.data() + (row - row0) * z.K;
-          for (int64_t i = 0; i < n; ++i) {
-            V* entry = pg.data() + position[w.slot[i]] * 2 * G;  // [2, G]
-            for (int64_t g = 0; g < G; ++g) {
-              const V gv = vscale * (p[i * G + g] * (gr[i * G + g] - d_sum[g]));
-              gr[i * G + g] = gv;
-              entry[g] = p[i * G + g], entry[G + g] = gv;
-            }
-          }
-          V* dqn = dq_n.data() + row * z.Dn * G;
-          V* dqr = dq_r.data() + row * z.R * G;
-          for (int64_t g = 0; g < G; ++g) {
-            weighted_sum(dqn + g, G, gr + g, G, in.hm.k_nope.data() + g, w.key.data(), z.Dn * G, G, n, z.Dn);
-            weighted_sum(dqr + g, G, gr + g, G, in.k_pe.data(), w.key.data(), z.R, int64_t(1), n, z.R);
-          }
+          const RowGrad<acc_t> rg{dO.data() + row * z.Dv * G, lse_G, d_G};
+          backward_row(w, in, rg, row, scale, z, order.position.data() + (row - row0) * z.K, pg.data(),
+                       dq_n.data() + row * z.Dn * G, dq_r.data() + row * z.R * G);
         });
       }
     }
@@ -520,17 +591,21 @@ std::tuple<at::Tensor, at::Tensor> sparse_expanded_forward(const at::Tensor& q_n
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_expanded_backward(
     const at::Tensor& grad_out_in, const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
     const at::Tensor& k_nope_in, const at::Tensor& k_pe_in, const at::Tensor& v_in, const at::Tensor& topk_idx,
-    const at::Tensor& lse_in, double scale) {
+    const at::Tensor& out_in, const at::Tensor& lse_in, double scale) {
   const char* op = "sparse_expanded_backward";
   const Sizes z = check_inputs(op, q_nope_in, q_pe_in, k_nope_in, k_pe_in, v_in, topk_idx);
   TORCH_CHECK(grad_out_in.dim() == 4 && grad_out_in.size(0) == z.B && grad_out_in.size(1) == z.T &&
                   grad_out_in.size(2) == z.H && grad_out_in.size(3) == z.Dv,
               op, ": grad_out must be [B, T, H, Dv]");
+  TORCH_CHECK(out_in.dim() == 4 && out_in.size(0) == z.B && out_in.size(1) == z.T && out_in.size(2) == z.H &&
+                  out_in.size(3) == z.Dv,
+              op, ": out (the forward's output) must be [B, T, H, Dv]");
   TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == z.B && lse_in.size(1) == z.T && lse_in.size(2) == z.H, op,
               ": lse must be [B, T, H]");
-  TORCH_CHECK(grad_out_in.scalar_type() == q_nope_in.scalar_type() && lse_in.scalar_type() == q_nope_in.scalar_type(),
-              op, ": grad_out / lse must have the queries' dtype");
-  auto dO = grad_out_in.contiguous(), lse = lse_in.contiguous();
+  TORCH_CHECK(grad_out_in.scalar_type() == q_nope_in.scalar_type() && out_in.scalar_type() == q_nope_in.scalar_type() &&
+                  lse_in.scalar_type() == q_nope_in.scalar_type(),
+              op, ": grad_out / out / lse must have the queries' dtype");
+  auto dO = grad_out_in.contiguous(), out = out_in.contiguous(), lse = lse_in.contiguous();
   auto qn = unit_last_stride(q_nope_in), qr = unit_last_stride(q_pe_in), kn = unit_last_stride(k_nope_in);
   auto kr = unit_last_stride(k_pe_in), vv = unit_last_stride(v_in);
   auto idx = checked_indices(op, topk_idx, z.S);
@@ -542,7 +617,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_ex
     TORCH_CHECK(kn.scalar_type() == at::kDouble, op, ": fp64 queries need fp64 keys");
     backward_kernel<double, double>(dO.data_ptr<double>(), rows_of<double>(qn), rows_of<double>(qr),
                                     rows_of<double>(kn), rows_of<double>(kr), rows_of<double>(vv),
-                                    idx.data_ptr<int64_t>(), lse.data_ptr<double>(), scale, z,
+                                    idx.data_ptr<int64_t>(), out.data_ptr<double>(), lse.data_ptr<double>(), scale, z,
                                     dq_nope.data_ptr<double>(), dq_pe.data_ptr<double>(), dk_nope.data_ptr<double>(),
                                     dk_pe.data_ptr<double>(), dv.data_ptr<double>());
     return {dq_nope, dq_pe, dk_nope, dk_pe, dv};
@@ -551,7 +626,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_ex
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kn.scalar_type(), "sparse_expanded_backward", [&] {
     backward_kernel<scalar_t, float>(dO.data_ptr<float>(), rows_of<float>(qn), rows_of<float>(qr),
                                      rows_of<scalar_t>(kn), rows_of<scalar_t>(kr), rows_of<scalar_t>(vv),
-                                     idx.data_ptr<int64_t>(), lse.data_ptr<float>(), static_cast<float>(scale), z,
+                                     idx.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(),
+                                     static_cast<float>(scale), z,
                                      dq_nope.data_ptr<float>(), dq_pe.data_ptr<float>(), dk_nope.data_ptr<float>(),
                                      dk_pe.data_ptr<float>(), dv.data_ptr<float>());
   });
@@ -564,7 +640,7 @@ TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
   m.def("sparse_expanded_forward(Tensor q_nope, Tensor q_pe, Tensor k_nope, Tensor k_pe, Tensor v, "
         "Tensor topk_idx, float scale) -> (Tensor, Tensor)");
   m.def("sparse_expanded_backward(Tensor grad_out, Tensor q_nope, Tensor q_pe, Tensor k_nope, Tensor k_pe, "
-        "Tensor v, Tensor topk_idx, Tensor lse, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor v, Tensor topk_idx, Tensor out, Tensor lse, float scale) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
