@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kSlotGradBytes = int64_t(2) << 20;  // dd of the slots held at once (a row block, cache-sized)
 constexpr int64_t kKeyBand = 16;  // keys per band of pass 2; bands are dealt to threads round-robin
+constexpr int64_t kPrefetchAhead = 8;  // pass 2 prefetches the key gradient row of the slot this far ahead
 
 struct Sizes {
   int64_t B, T, H, D, S, K;
@@ -235,10 +236,10 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
   const int threads = std::max(1, at::get_num_threads());
   const int64_t row_bytes = K * D * static_cast<int64_t>(sizeof(acc_t));
   const int64_t block = std::max<int64_t>(1, kSlotGradBytes / std::max<int64_t>(1, row_bytes));
-  std::vector<acc_t> slot_u(std::min(rows, block) * K * D);  // u [rows of the block, K, D]; -1 slots never read
+  std::vector<acc_t> slot_u(std::min(rows, block) * K * D);  // u [rows of the block, kept slots of the row, D]
   // Per-thread scratch, allocated before the regions (nothing that can fail is allocated inside them):
-  // q_t [D, Hp], w and d w [Hp], the kept keys' dd [K, Hp], a group's dot products [kKeyGroup, Hp], u [K, D].
-  const int64_t scratch = D * Hp + 2 * Hp + K * Hp + kKeyGroup * Hp + K * D;
+  // q_t [D, Hp], w and d w [Hp], the kept keys' dd [K, Hp], a group's dot products [kKeyGroup, Hp].
+  const int64_t scratch = D * Hp + 2 * Hp + K * Hp + kKeyGroup * Hp;
   std::vector<acc_t> scratch_all(threads * scratch);
   std::vector<std::vector<int64_t>> kept_all(threads);
   std::vector<std::vector<const acc_t*>> key_all(threads), q_heads_all(threads, std::vector<const acc_t*>(H));
@@ -259,7 +260,6 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
       acc_t* dw_pad = w_pad + Hp;
       acc_t* dd_kept = dw_pad + Hp;  // [kept keys, Hp]
       acc_t* a_buf = dd_kept + K * Hp;
-      acc_t* u_kept = a_buf + kKeyGroup * Hp;  // [kept keys, D]
       std::vector<const acc_t*>& key_ptr = key_all[tid];
       const acc_t** q_heads = q_heads_all[tid].data();  // the row's head vectors q[h, :]
 #pragma omp for schedule(dynamic, 4)
@@ -289,30 +289,35 @@ void backward_kernel(const acc_t* grad, const acc_t* q, const acc_t* keys, const
             dw[row * H + h] = dw_pad[h];
             q_heads[h] = q_row + h * D;
           }
-          heads_times_queries(dd_kept, q_heads, kept_n, H, D, Hp, u_kept);
-          acc_t* u_slots = slot_u.data() + (row - row0) * K * D;
-          for (int64_t i = 0; i < kept_n; ++i)
-            std::copy(u_kept + i * D, u_kept + (i + 1) * D, u_slots + kept[i] * D);
+          // the kept slots' u, packed in slot order: [kept keys, D]
+          heads_times_queries(dd_kept, q_heads, kept_n, H, D, Hp, slot_u.data() + (row - row0) * K * D);
         });
       }
     }
     errors.rethrow_if_failed("selected_index_scores_backward");
 
     // Pass 2: every thread walks the block's entries in (t, j) order and, for the key bands it owns, adds
-    // the slot's u = sum_h dd[h] q[h] to the key's gradient.
+    // the slot's u = sum_h dd[h] q[h] to the key's gradient (the row's i-th kept slot holds u row i).
 #pragma omp parallel num_threads(threads)
     {
       const int64_t tid = omp_get_thread_num(), nthreads = omp_get_num_threads();
       for (int64_t row = row0; row < row1; ++row) {
         const int64_t b = row / n.T;
+        const acc_t* u = slot_u.data() + (row - row0) * K * D;
+        const index_t* idx_row = idx + row * K;
+        acc_t* dk_b = dkeys + b * n.S * D;
         for (int64_t j = 0; j < K; ++j) {
-          const int64_t s = static_cast<int64_t>(idx[row * K + j]);
-          if (s < 0 || (s / kKeyBand) % nthreads != tid) continue;
-          const acc_t* u = slot_u.data() + ((row - row0) * K + j) * D;
-          acc_t* dk = dkeys + (b * n.S + s) * D;
-          int64_t d = 0;
-          for (; d + W <= D; d += W) store(dk + d, load<V>(dk + d) + load<V>(u + d));
-          for (; d < D; ++d) dk[d] = dk[d] + u[d];
+          const int64_t s = static_cast<int64_t>(idx_row[j]);
+          if (s < 0) continue;
+          if ((s / kKeyBand) % nthreads == tid) {
+            if (j + kPrefetchAhead < K && idx_row[j + kPrefetchAhead] >= 0)
+              __builtin_prefetch(dk_b + static_cast<int64_t>(idx_row[j + kPrefetchAhead]) * D, 1);
+            acc_t* dk = dk_b + s * D;
+            int64_t d = 0;
+            for (; d + W <= D; d += W) store(dk + d, load<V>(dk + d) + load<V>(u + d));
+            for (; d < D; ++d) dk[d] = dk[d] + u[d];
+          }
+          u += D;
         }
       }
     }
