@@ -8,11 +8,13 @@
 //   sum_h dd[h,j] q[h]
 // The forward keeps nothing; the backward recomputes the H x K dot products of each query row (RowLayout: the
 // row's queries transposed, all heads of a key in one pass over its D values). Query rows go
-// through in blocks whose dd fit kSlotGradBytes (a block size set by the shapes only):
-//   1. per query row (parallel): a, d w and each kept slot's dd[:, j] (Hp values, not a D-wide contribution),
-//      then d q from the kept keys and their dd (accumulated in registers, in slot order);
-//   2. sum_h dd[h,j] q[h] (in h order) is added to d k, parallel over bands of keys (each band owned by one
-//      thread), in ascending (t, j) order.
+// through in blocks whose per-slot key contributions u [K, D] fit kSlotGradBytes (a block size set by the shapes
+// only):
+//   1. per query row (parallel): a, d w and each kept slot's dd[:, j]; then d q [H, D] and the kept slots'
+//      u_j = sum_h dd[h,j] q[h] (in h order), both register-tiled products (broadcast_gemm), every element one
+//      multiply-add chain in the order the per-element loops used;
+//   2. u_j is added to d k[i_j], parallel over bands of keys (each band owned by one thread), in ascending
+//      (t, j) order.
 // Time and memory O(T K H D), never O(T S); every sum runs in a fixed order whatever the thread count, so the
 // gradients are bitwise repeatable. Inputs are fp32 or fp64 (the caller converts bf16 / fp16 to fp32).
 #include <ATen/ATen.h>
@@ -31,7 +33,7 @@
 namespace glm5 {
 namespace {
 
-constexpr int64_t kSlotGradBytes = int64_t(2) << 20;  // dd of the slots held at once (a row block, cache-sized)
+constexpr int64_t kSlotGradBytes = int64_t(2) << 20;  // u of the slots held at once (a row block, cache-sized)
 constexpr int64_t kKeyBand = 16;  // keys per band of pass 2; bands are dealt to threads round-robin
 constexpr int64_t kPrefetchAhead = 8;  // pass 2 prefetches the key gradient row of the slot this far ahead
 
