@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -105,6 +106,22 @@ void for_each_kept_key(const RowLayout<acc_t>& L, const acc_t* q_t, const acc_t*
   }
 }
 
+// hsum of a score vector whose upper W / 2 lanes are +0 and whose lanes are never -0 (each lane is one fmadd onto
+// +0): hsum's first step (lane i + lane i + W / 2) then returns the lower lanes unchanged, so its remaining pairwise
+// steps on the lower half, done with vector shuffles for AVX-512 fp32 (the 8-head indexer), give its exact bits.
+template <typename V> inline auto hsum_low_half(V v) {
+  using T = std::remove_reference_t<decltype(v[0])>;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64 && sizeof(T) == 4) {
+    const __m256 lo = _mm512_castps512_ps256((__m512)v);
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));  // lane i + lane i + 4
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));                                     // lane i + lane i + 2
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));                           // lane 0 + lane 1
+  }
+#endif
+  return hsum<T>(v);
+}
+
 template <typename acc_t, typename index_t>
 void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const index_t* idx, const Sizes& n,
                     acc_t* out) {
@@ -112,6 +129,7 @@ void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const ind
   constexpr int W = Simd<acc_t>::width;
   const RowLayout<acc_t> L(n.H, n.D);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const bool low_half = L.nv == 1 && n.H <= W / 2;  // the upper half of the head lanes is +0 (see hsum_low_half)
   at::parallel_for(0, n.B * n.T, 8, [&](int64_t row0, int64_t row1) {
     std::vector<acc_t> q_t(L.D * L.Hp), w_pad(L.Hp), a_buf(kKeyGroup * L.Hp);
     std::vector<int64_t> kept;
@@ -126,7 +144,7 @@ void forward_kernel(const acc_t* q, const acc_t* keys, const acc_t* w, const ind
                           V total{};
                           for (int64_t v = 0; v < L.nv; ++v)
                             total = fmadd(relu(load<V>(a + v * W)), load<V>(w_pad.data() + v * W), total);
-                          out_row[j] = hsum<acc_t>(total);
+                          out_row[j] = low_half ? hsum_low_half(total) : hsum<acc_t>(total);
                         });
     }
   });
