@@ -16,6 +16,8 @@ SHAPES = (
     (testing.IndexerShape(B=1, T=9, S=9, H=2, D=8, K=20), 0),  # K > S: -1 padding everywhere
     (testing.IndexerShape(B=2, T=33, S=300, H=5, D=19, K=40), 267),  # keys shared by many queries
     (testing.IndexerShape(B=1, T=6, S=50, H=19, D=16, K=11), 44),  # heads past one vector (fp32 and fp64)
+    (testing.IndexerShape(B=2, T=20, S=60, H=8, D=64, K=24), 40),  # the training config's heads: whole 8-row tiles
+    (testing.IndexerShape(B=1, T=9, S=30, H=11, D=40, K=7), 21),  # tile rows + remainder, 2 vectors of d + a tail
 )
 NAMES = ("q", "k", "w")
 

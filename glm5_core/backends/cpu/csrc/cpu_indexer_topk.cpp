@@ -118,26 +118,49 @@ template <typename T> class RunningTopK {
   bool full_ = false;
 };
 
-// Pushes the visible scores [0, n) of one block (key indices first + i) into top, screening a vector at a time:
-// only lanes above the running threshold are pushed one by one (push re-checks against the threshold it has
-// then). Returns whether a score was NaN.
-template <typename T> bool push_block(RunningTopK<T>& top, const T* scores, int64_t n, int64_t first) {
+// Bit l set where lane l of scores[0, W) is above the threshold (or NaN: nan_bits), W <= 64.
+template <typename T> inline uint64_t lanes_above(const T* scores, T threshold, uint64_t& nan_bits) {
   using V = typename Simd<T>::V;
+  constexpr int W = Simd<T>::width;
+  const V v = load<V>(scores);
+#if defined(__AVX512F__)
+  if constexpr (sizeof(T) == 4) {
+    nan_bits = _mm512_cmp_ps_mask((__m512)v, (__m512)v, _CMP_UNORD_Q);
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(threshold), _CMP_GT_OQ);
+  } else {
+    nan_bits = _mm512_cmp_pd_mask((__m512d)v, (__m512d)v, _CMP_UNORD_Q);
+    return _mm512_cmp_pd_mask((__m512d)v, _mm512_set1_pd(threshold), _CMP_GT_OQ);
+  }
+#else
+  const auto is_nan = v != v;
+  const auto above = v > broadcast<V>(threshold);
+  uint64_t bits = 0, nans = 0;
+  for (int l = 0; l < W; ++l) {
+    bits |= static_cast<uint64_t>(above[l] != 0) << l;
+    nans |= static_cast<uint64_t>(is_nan[l] != 0) << l;
+  }
+  nan_bits = nans;
+  return bits;
+#endif
+}
+
+// Pushes the visible scores [0, n) of one block (key indices first + i) into top, screening a vector at a time:
+// only lanes above the running threshold are pushed, in index order (push re-checks against the threshold it has
+// then; until k are kept every lane goes in). Returns whether a score was NaN.
+template <typename T> bool push_block(RunningTopK<T>& top, const T* scores, int64_t n, int64_t first) {
   constexpr int W = Simd<T>::width;
   bool nan = false;
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const V v = load<V>(scores + i);
-    const auto is_nan = v != v;
-    const auto above = v > broadcast<V>(top.threshold());
-    bool any_nan = false, any_above = false;
-    for (int l = 0; l < W; ++l) {
-      any_nan |= is_nan[l] != 0;
-      any_above |= above[l] != 0;
+    uint64_t nan_bits = 0;
+    uint64_t push = lanes_above<T>(scores + i, top.threshold(), nan_bits);
+    nan |= nan_bits != 0;
+    if (!top.full()) push = W == 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+    while (push) {
+      const int l = __builtin_ctzll(push);
+      push &= push - 1;
+      top.push(scores[i + l], static_cast<int32_t>(first + i + l));
     }
-    nan |= any_nan;
-    if (!any_above && top.full()) continue;
-    for (int l = 0; l < W; ++l) top.push(scores[i + l], static_cast<int32_t>(first + i + l));
   }
   for (; i < n; ++i) {
     nan |= scores[i] != scores[i];
