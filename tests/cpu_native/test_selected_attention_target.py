@@ -12,25 +12,16 @@ from glm5_core.backends.cpu import attention_target as native_target
 from glm5_core.ops import dsa
 from glm5_core.ops.mla import causal_mask
 from glm5_core.ops.selected_attention_target import expanded_keys, selected_attention_target_reference
+from tests.reference.selected_target_cases import SMALL_CASES, start_of
 
 NORMALISERS = ("selected", "causal")
-RAGGED = "ragged"
-CASES = (  # (shape, K, start position: int, or RAGGED for a [B] tensor)
-    (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1, 0),  # one key, K = 1
-    (testing.MLAShape(B=2, T=5, S=13, H=3, Dn=12, Dr=6, Dv=10, C=24), 1, 8),  # K = 1, keys before the queries
-    (testing.MLAShape(B=2, T=7, S=7, H=3, Dn=5, Dr=3, Dv=6, C=7), 4, 0),  # odd sizes, early rows -1 padded
-    (testing.MLAShape(B=1, T=9, S=9, H=2, Dn=8, Dr=4, Dv=8, C=16), 20, 0),  # K > S: -1 padding everywhere
-    (testing.MLAShape(B=3, T=6, S=17, H=5, Dn=7, Dr=5, Dv=4, C=11), 5, RAGGED),  # rows with their own start
+CASES = SMALL_CASES + (
     (testing.MLAShape(B=2, T=33, S=300, H=19, Dn=16, Dr=8, Dv=8, C=24), 40, 267),  # heads past one vector
 )
 
 
-def _start(shape, start):
-    return torch.tensor([0, 7, 11][:shape.B]) if start == RAGGED else start
-
-
 def _inputs(shape, K, start, dtype, seed, past_the_query=False):
-    start_pos = _start(shape, start)
+    start_pos = start_of(shape, start)
     x = testing.make_sparse_inputs(shape, K, dtype=dtype, seed=seed, start_pos=start_pos)
     args = {n: x[n] for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "topk_idx")}
     if past_the_query:  # the last slot of every row: the last key slot, past every query but the last one (rows

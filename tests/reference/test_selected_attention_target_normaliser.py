@@ -9,14 +9,9 @@ import torch
 from glm5_core import testing
 from glm5_core.ops import dsa, selected_attention_target
 from glm5_core.ops.mla import causal_mask
+from tests.reference.selected_target_cases import SMALL_CASES, start_of
 
-RAGGED = "ragged"
-CASES = (  # (shape, K, start position: int, or RAGGED for a [B] tensor)
-    (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1, 0),  # one key, K = 1
-    (testing.MLAShape(B=2, T=5, S=13, H=3, Dn=12, Dr=6, Dv=10, C=24), 1, 8),  # K = 1, keys before the queries
-    (testing.MLAShape(B=2, T=7, S=7, H=3, Dn=5, Dr=3, Dv=6, C=7), 4, 0),  # odd sizes, early rows -1 padded
-    (testing.MLAShape(B=1, T=9, S=9, H=2, Dn=8, Dr=4, Dv=8, C=16), 20, 0),  # K > S: -1 padding everywhere
-    (testing.MLAShape(B=3, T=6, S=17, H=5, Dn=7, Dr=5, Dv=4, C=11), 5, RAGGED),  # rows with their own start
+CASES = SMALL_CASES + (
     (testing.MLAShape(B=2, T=11, S=40, H=9, Dn=6, Dr=4, Dv=4, C=10), 7, 29),  # heads past one vector
 )
 
@@ -24,7 +19,7 @@ CASES = (  # (shape, K, start position: int, or RAGGED for a [B] tensor)
 def _inputs(shape, K, start, dtype, seed):
     """The op's inputs, the last slot of every row pointing at the last key slot (past every query but the last,
     and never a duplicate: rows that hold that key already keep their last slot)."""
-    start_pos = torch.tensor([0, 7, 11][:shape.B]) if start == RAGGED else start
+    start_pos = start_of(shape, start)
     x = testing.make_sparse_inputs(shape, K, dtype=dtype, seed=seed, start_pos=start_pos)
     args = {n: x[n] for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "topk_idx")}
     idx = args["topk_idx"]
