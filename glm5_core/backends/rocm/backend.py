@@ -32,8 +32,6 @@ MISSING = {
                                    "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
     "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
                                  "reference (gathers over the K selected keys, no [T, S] tensor) runs",
-    "dsa_selected_attention_target": "no Triton kernel for the indexer-KL target at the selected keys yet: the "
-                                     "reference (query blocks of dense scores, no [T, S] tensor) runs",
 }
 
 

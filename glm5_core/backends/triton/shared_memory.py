@@ -111,6 +111,23 @@ def _sparse_mla(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]
     }
 
 
+def _attention_target(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    """Every operand is widened to fp32 before its dot, whatever the input dtype."""
+    BH, BK, BM, BS = blocks["heads"], blocks["keys"], blocks["rows"], blocks["cols"]
+    C, DR = next_pow2(dims.latent, 16), next_pow2(dims.rope, 16)
+    heads = [Tile("q_lat", (BH, C), 4), Tile("q_pe", (BH, DR), 4)]
+    keys = [Tile("kv", (BK, C), 4, pipelined=True), Tile("kr", (BK, DR), 4, pipelined=True)]
+    scores = Tile("scores", (BH, BK), 4, scratch=True)  # max / sum over keys (lse), over heads (target)
+    return {
+        "selected_lse": heads + keys + [scores],
+        # the target kernel's keys are loop-invariant; its head tiles are loaded in its loop over heads
+        "target": [dataclasses.replace(t, pipelined=True) for t in heads]
+                  + [dataclasses.replace(t, pipelined=False) for t in keys] + [scores],
+        "causal_lse": [Tile("q_lat", (BM, C), 4), Tile("q_pe", (BM, DR), 4), Tile("kv", (BS, C), 4, pipelined=True),
+                       Tile("kr", (BS, DR), 4, pipelined=True), Tile("scores", (BM, BS), 4, scratch=True)],
+    }
+
+
 def _grouped_gemm(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     """The experts widen every tile to fp32 before its dot, whatever the input dtype."""
     BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
@@ -155,6 +172,7 @@ def _moe_permute(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]
 FAMILY_TILES: Dict[str, Callable[..., Dict[str, List[Tile]]]] = {
     "indexer": _indexer,
     "sparse_mla": _sparse_mla,
+    "attention_target": _attention_target,
     "grouped_gemm": _grouped_gemm,
     "newton_schulz": _newton_schulz,
     "moe_route": _moe_route,
@@ -163,6 +181,7 @@ FAMILY_TILES: Dict[str, Callable[..., Dict[str, List[Tile]]]] = {
 ITEMSIZES = {  # the input dtypes each family is launched with, as bytes per element
     "indexer": (4, 2),
     "sparse_mla": (4, 2),
+    "attention_target": (4,),
     "grouped_gemm": (4,),
     "newton_schulz": (4,),
     "moe_route": (4,),

@@ -26,6 +26,7 @@ def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None
 
 def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
     from glm5_core.backends.triton import (
+        attention_target,
         custom_ops,
         indexer,
         moe_experts,
@@ -42,6 +43,8 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
         "dsa_sparse_prefill": bind(sparse_mla.sparse_prefill, mla, sparse_mla.fitting(sparse_mla.supports, configs),
                                    differentiable=True),  # backward through _SparseLatentAttention
         "dsa_sparse_decode": bind(sparse_mla.sparse_decode, mla, sparse_mla.fitting(sparse_mla.supports, configs)),
+        "dsa_selected_attention_target": bind(attention_target.selected_attention_target,
+                                              configs[attention_target.FAMILY], attention_target.fitting(configs)),
         "mla_decode": bind(sparse_mla.dense_decode, mla, sparse_mla.fitting(sparse_mla.dense_decode_supports, configs)),
         "moe_route": bind(moe_route.route, configs["moe_route"], moe_route.supports),
         "moe_dispatch": bind(moe_permute.dispatch, configs["moe_permute"], differentiable=True),
