@@ -12,7 +12,7 @@ from glm5_core.backends.cpu import attention_target as native_target
 from glm5_core.ops import dsa
 from glm5_core.ops.mla import causal_mask
 from glm5_core.ops.selected_attention_target import expanded_keys, selected_attention_target_reference
-from tests.reference.selected_target_cases import SMALL_CASES, start_of
+from tests.reference.selected_target_cases import SMALL_CASES, as64, case_inputs, scale_of
 
 NORMALISERS = ("selected", "causal")
 CASES = SMALL_CASES + (
@@ -20,39 +20,20 @@ CASES = SMALL_CASES + (
 )
 
 
-def _inputs(shape, K, start, dtype, seed, past_the_query=False):
-    start_pos = start_of(shape, start)
-    x = testing.make_sparse_inputs(shape, K, dtype=dtype, seed=seed, start_pos=start_pos)
-    args = {n: x[n] for n in ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "topk_idx")}
-    if past_the_query:  # the last slot of every row: the last key slot, past every query but the last one (rows
-        idx = args["topk_idx"]  # holding that key already keep their last slot: the indices of a row stay distinct)
-        holds_last = (idx[..., :-1] == shape.S - 1).any(-1)  # [B, T]
-        idx[..., -1] = torch.where(holds_last, idx[..., -1], torch.full_like(idx[..., -1], shape.S - 1))
-    return args, start_pos
-
-
-def _as64(args):
-    return {n: t.double() if t.is_floating_point() else t for n, t in args.items()}
-
-
-def _scale(shape):
-    return (shape.Dn + shape.Dr) ** -0.5
-
-
 @pytest.mark.parametrize("shape,K,start", CASES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
 @pytest.mark.parametrize("with_keys", (False, True), ids=("latent", "expanded"))
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_target_matches_the_reference(native, shape, K, start, dtype, with_keys, normaliser):
-    args, start_pos = _inputs(shape, K, start, dtype, seed=3)
-    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
+    args, start_pos = case_inputs(shape, K, start, dtype, seed=3)
+    kw = dict(scale=scale_of(shape), start_pos=start_pos, normaliser=normaliser)
     if with_keys:  # as the model gives them: in the compute dtype
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         kw["k_nope"] = expanded_keys(args["c_kv"].to(compute), args["w_uk"].to(compute))  # [B, S, H, Dn]
     out = native_target.selected_attention_target(**args, **kw)
     ref = selected_attention_target_reference(**args, **kw)
     kw64 = dict(kw, k_nope=kw["k_nope"].double()) if with_keys else kw
-    exact = selected_attention_target_reference(**_as64(args), **kw64)
+    exact = selected_attention_target_reference(**as64(args), **kw64)
     keep = args["topk_idx"] >= 0
     assert out.dtype == ref.dtype and torch.equal(out[~keep], torch.zeros_like(out[~keep]))
     verdict = testing.compare_to_fp64(out, ref, exact, dtype)
@@ -62,8 +43,8 @@ def test_target_matches_the_reference(native, shape, K, start, dtype, with_keys,
 @pytest.mark.parametrize("shape,K,start", CASES[2:], ids=str)
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_keys_past_the_query_get_no_mass(native, shape, K, start, normaliser):
-    args, start_pos = _inputs(shape, K, start, torch.float64, seed=4, past_the_query=True)
-    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
+    args, start_pos = case_inputs(shape, K, start, torch.float64, seed=4, past_the_query=True)
+    kw = dict(scale=scale_of(shape), start_pos=start_pos, normaliser=normaliser)
     out = native_target.selected_attention_target(**args, **kw)
     ref = selected_attention_target_reference(**args, **kw)
     first = start_pos.view(-1, 1) if isinstance(start_pos, torch.Tensor) else torch.full((shape.B, 1), start_pos)
@@ -76,8 +57,8 @@ def test_keys_past_the_query_get_no_mass(native, shape, K, start, normaliser):
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_int64_indices_give_the_int32_result(native, normaliser):
     shape, K, start = CASES[4]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=5)
-    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=5)
+    kw = dict(scale=scale_of(shape), start_pos=start_pos, normaliser=normaliser)
     out32 = native_target.selected_attention_target(**args, **kw)
     out64 = native_target.selected_attention_target(**dict(args, topk_idx=args["topk_idx"].long()), **kw)
     assert torch.equal(out32, out64)
@@ -86,8 +67,8 @@ def test_int64_indices_give_the_int32_result(native, normaliser):
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_bitwise_repeatable_across_runs_and_thread_counts(native, threads, normaliser):
     shape, K, start = CASES[5]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=6)
-    kw = dict(scale=_scale(shape), start_pos=start_pos, normaliser=normaliser)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=6)
+    kw = dict(scale=scale_of(shape), start_pos=start_pos, normaliser=normaliser)
     results = []
     for n in (1, 2, 3, 2):
         torch.set_num_threads(n)
@@ -100,7 +81,7 @@ def test_bitwise_repeatable_across_runs_and_thread_counts(native, threads, norma
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_custom_op_passes_opcheck(native, dtype, normaliser):
     shape, K, start = CASES[4]
-    args, start_pos = _inputs(shape, K, start, dtype, seed=7)
+    args, start_pos = case_inputs(shape, K, start, dtype, seed=7)
     k_nope = expanded_keys(args["c_kv"], args["w_uk"])  # [B, S, H, Dn]
     if normaliser == "causal":
         lse = native_target.dense_lse(args["q_nope"], args["q_pe"], k_nope, args["k_pe"], scale=0.3,
@@ -114,7 +95,7 @@ def test_custom_op_passes_opcheck(native, dtype, normaliser):
 
 def test_dense_lse_is_each_heads_causal_log_sum_exp(native):
     shape, K, start = CASES[4]
-    args, start_pos = _inputs(shape, K, start, torch.float64, seed=8)
+    args, start_pos = case_inputs(shape, K, start, torch.float64, seed=8)
     k_nope = expanded_keys(args["c_kv"], args["w_uk"])  # [B, S, H, Dn]
     lse = native_target.dense_lse(args["q_nope"], args["q_pe"], k_nope, args["k_pe"], scale=0.3, start_pos=start_pos)
     scores = torch.einsum("bthd,bshd->bths", args["q_nope"], k_nope)
@@ -126,7 +107,7 @@ def test_dense_lse_is_each_heads_causal_log_sum_exp(native):
 
 def test_kernel_rejects_an_index_past_the_keys(native):
     shape, K, start = CASES[2]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=9)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=9)
     k_nope = expanded_keys(args["c_kv"], args["w_uk"])
     lse = torch.zeros(shape.B, shape.T, shape.H)
     bad = args["topk_idx"].clone()
@@ -138,7 +119,7 @@ def test_kernel_rejects_an_index_past_the_keys(native):
 
 def test_entry_point_names_a_bad_argument():
     shape, K, start = CASES[2]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=10)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=10)
     with pytest.raises(ValueError, match="topk_idx: expected entries in"):
         dsa.selected_attention_target(**dict(args, topk_idx=args["topk_idx"].clamp(min=0) + shape.S), scale=0.3,
                                       start_pos=0)
@@ -156,7 +137,7 @@ def test_entry_point_names_a_bad_argument():
 
 def test_calls_whose_inputs_require_grad_take_the_native_kernel(native):
     shape, K, start = CASES[2]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=11)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=11)
     leaves = {n: t.clone().requires_grad_(True) if t.is_floating_point() else t for n, t in args.items()}
     with registry.record_reference_runs() as ran:
         out = dsa.selected_attention_target(**leaves, scale=0.3, start_pos=0, backend="cpu")
@@ -166,7 +147,7 @@ def test_calls_whose_inputs_require_grad_take_the_native_kernel(native):
 def test_the_selected_kernel_needs_no_dense_pass(native, monkeypatch):
     """"selected" never asks torch's flash kernel for the dense log-sum-exp ("causal" does)."""
     shape, K, start = CASES[5]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=12)
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=12)
     calls, lse = [], native_target._lse
 
     def counted(*a, **k):
@@ -182,8 +163,8 @@ def test_the_selected_kernel_needs_no_dense_pass(native, monkeypatch):
 
 def test_selected_kernel_rows_sum_to_one(native):
     shape, K, start = CASES[5]
-    args, start_pos = _inputs(shape, K, start, torch.float32, seed=13, past_the_query=True)
-    out = native_target.selected_attention_target(**args, scale=_scale(shape), start_pos=start_pos,
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=13, past_the_query=True)
+    out = native_target.selected_attention_target(**args, scale=scale_of(shape), start_pos=start_pos,
                                                   normaliser="selected")
     sums = out.double().sum(-1)  # [B, T]
     empty = sums == 0
