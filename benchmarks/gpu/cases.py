@@ -144,6 +144,39 @@ def sparse_prefill_case(device, tiny: bool) -> Case:
                 sparse_prefill_flops(B, T, H, Dn, Dr, Dv, C, K, backward=True), B * T * K * (C + Dr) * 2 * 3, impls)
 
 
+def attention_target_flops(B, T, S, H, Dn, Dr, C, K, start: int, normaliser: str) -> float:
+    """FLOPs the Triton indexer-KL target executes (multiply-adds as 2): per query row r and head h, the absorbed
+    query q_nope w_uk (2 Dn C), then per selected key the scores twice, once for the log-sum-exp and once for the
+    target (2 x (2C + 2Dr)); "causal" scores every causal key once more for its log-sum-exp instead of the first
+    pass (query t of a row starting at ``start`` sees min(S, start + t + 1) keys)."""
+    per_key = 2 * C + 2 * Dr
+    causal_keys = sum(min(S, start + t + 1) for t in range(T))  # per batch row and head
+    lse_keys = causal_keys if normaliser == "causal" else T * K
+    return float(B * H * (T * 2 * Dn * C + (lse_keys + T * K) * per_key))
+
+
+def _target_case(device, tiny: bool, normaliser: str) -> Case:
+    """The sparse stage's target at the training prefill's shape (bf16 activations; exact fp32 products)."""
+    B, T, S, H, Dn, Dr, Dv, C, K = _PREFILL_TINY if tiny else _PREFILL_H200
+    x, idx, scale = _prefill_inputs(device, tiny, torch.bfloat16)
+    x.pop("w_uv")
+    start = S - T
+    kw = dict(scale=scale, start_pos=start, normaliser=normaliser)
+    impls = {f"cuda target ({normaliser})": lambda: _cuda("dsa_selected_attention_target")(**x, topk_idx=idx, **kw),
+             "reference": lambda: dsa.selected_attention_target_reference(**x, topk_idx=idx, **kw)}
+    return Case(f"dsa_selected_attention_target {normaliser}", f"B{B} T{T} S{S} H{H} C{C}+{Dr} K{K} bf16",
+                attention_target_flops(B, T, S, H, Dn, Dr, C, K, start, normaliser), B * T * K * (C + Dr) * 2, impls,
+                compute_dtype="fp32")
+
+
+def attention_target_case(device, tiny: bool) -> Case:
+    return _target_case(device, tiny, "selected")
+
+
+def attention_target_causal_case(device, tiny: bool) -> Case:
+    return _target_case(device, tiny, "causal")
+
+
 def route_case(device, tiny: bool) -> Case:
     N, E, K, G, TG = (40, 16, 4, 4, 2) if tiny else (65536, 256, 8, 8, 4)
     logits = _randn(N, E, dtype=torch.float32, device=device)
@@ -227,6 +260,8 @@ def muon_case(device, tiny: bool) -> Case:
 
 ALL_CASES: List[Callable[[str, bool], Case]] = [indexer_case, sparse_decode_case, sparse_prefill_forward_case,
                                                 sparse_prefill_case, route_case, permute_case, experts_case,
-                                                experts_backward_case, muon_case]
-# The kernels training runs (forward + backward), benchmarked first by run_h200.sh.
-TRAINING_CASES = ("sparse_prefill_forward_case", "sparse_prefill_case", "experts_backward_case")
+                                                experts_backward_case, attention_target_case,
+                                                attention_target_causal_case, muon_case]
+# The kernels training runs (forward + backward; the sparse stage's KL target), benchmarked first by run_h200.sh.
+TRAINING_CASES = ("sparse_prefill_forward_case", "sparse_prefill_case", "experts_backward_case",
+                  "attention_target_case")

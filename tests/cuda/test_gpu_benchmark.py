@@ -63,6 +63,22 @@ def test_training_case_flop_counts_follow_the_formulas():
     assert cases.experts_backward_case("cpu", tiny=True).flops == (3 + 8) * 2 * M * D * F
 
 
+def test_the_target_cases_count_their_flops_and_run_tiny(tmp_path):
+    cases, bench = _load("cases"), _load("bench_kernels")
+    B, T, H, Dn, Dr, C, K = 1, 8, 4, 16, 8, 32, 8  # the tiny prefill shape (S 32, start S - T = 24)
+    per_key = 2 * C + 2 * Dr
+    assert cases.attention_target_case("cpu", tiny=True).flops == B * H * (T * 2 * Dn * C + 2 * T * K * per_key)
+    causal_keys = sum(25 + t for t in range(T))
+    assert cases.attention_target_causal_case("cpu", tiny=True).flops == B * H * (
+        T * 2 * Dn * C + (causal_keys + T * K) * per_key)
+    code = bench.main(["--tiny", "--reps", "1", "--out", str(tmp_path), "--only", "attention_target_case",
+                       "attention_target_causal_case"])
+    rows = json.loads(next(tmp_path.glob("cuda_kernels_*.json")).read_text())["rows"]
+    assert code == 0 and [r["case"] for r in rows] == ["dsa_selected_attention_target selected",
+                                                       "dsa_selected_attention_target causal"], rows
+    assert all("error" not in e for r in rows for e in r["impls"].values()), rows
+
+
 def test_run_h200_benchmarks_the_training_kernels_first():
     cases = _load("cases")
     names = {build.__name__ for build in cases.ALL_CASES}
