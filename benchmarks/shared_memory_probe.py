@@ -22,6 +22,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
 from glm5_core.backends.triton import (
+    attention_target,
+    causal_lse,
     indexer,
     moe_experts,
     moe_experts_bwd,
@@ -86,6 +88,13 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
         yield "sparse_fwd", sparse_mla._sparse_fwd_kernel, meta, ptrs
         yield "sparse_bwd_dq", sparse_mla._sparse_bwd_dq_kernel, meta, ptrs
         yield "sparse_bwd_dkv", sparse_mla._sparse_bwd_dkv_kernel, meta, ptrs
+    elif family == "attention_target":
+        pads = dict(C=dims.latent, DR=dims.rope, C_PAD=next_pow2(dims.latent, 16), DR_PAD=next_pow2(dims.rope, 16))
+        meta = dict(pads, BH=blocks["heads"], BK=blocks["keys"])
+        ptrs = dict(ckv_ptr="*bf16", kpe_ptr="*bf16", idx_ptr="*i32", start_ptr="*i32")  # the keys as given
+        yield "selected_lse", attention_target._selected_lse_kernel, meta, ptrs
+        yield "target", attention_target._target_kernel, meta, ptrs
+        yield "causal_lse", causal_lse._causal_lse_kernel, dict(pads, BM=blocks["rows"], BS=blocks["cols"]), ptrs
     elif family == "grouped_gemm":
         mnk = dict(BM=blocks["m"], BN=blocks["n"], BK=blocks["k"])
         tiles = dict(tile_expert_ptr="*i32", tile_row0_ptr="*i32", tile_row1_ptr="*i32")

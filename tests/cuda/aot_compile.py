@@ -28,6 +28,8 @@ def _sig(pointers, scalars, constexprs):
 def kernels():
     """(name, jit function, signature, constexpr values), at small but representative sizes."""
     from glm5_core.backends.triton import (
+        attention_target,
+        causal_lse,
         indexer,
         moe_experts,
         moe_experts_bwd,
@@ -64,6 +66,19 @@ def kernels():
                _sig(dict(bwd_ptrs, dkv_slots_ptr="*fp32", dkr_slots_ptr="*fp32"),
                     [("row0", I32), ("T", I32), ("H", I32), ("K", I32), ("scale", "fp32")] + key_strides,
                     list(mla_meta)), mla_meta)
+    target_meta = dict(C=24, DR=8, BH=16, BK=32, C_PAD=32, DR_PAD=16)
+    target_ptrs = {"qlat_ptr": "*fp32", "qpe_ptr": "*fp32", "ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "idx_ptr": "*i32",
+                   "lse_ptr": "*fp32"}
+    target_scalars = [("T", I32), ("H", I32), ("K", I32), ("scale", "fp32")] + key_strides
+    yield ("target_selected_lse", attention_target._selected_lse_kernel,
+           _sig(target_ptrs, target_scalars, list(target_meta)), target_meta)
+    yield ("target", attention_target._target_kernel,
+           _sig(dict(target_ptrs, out_ptr="*fp32"), target_scalars, list(target_meta)), target_meta)
+    lse_meta = dict(C=24, DR=8, BM=32, BS=32, C_PAD=32, DR_PAD=16)
+    yield ("target_causal_lse", causal_lse._causal_lse_kernel,
+           _sig({"qlat_ptr": "*fp32", "qpe_ptr": "*fp32", "ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "start_ptr": "*i32",
+                 "lse_ptr": "*fp32"}, [("T", I32), ("H", I32), ("S", I32), ("scale", "fp32")] + key_strides[:4],
+                list(lse_meta)), lse_meta)
     route_meta = dict(HAS_BIAS=True, SOFTMAX=False, RENORM=True, N_GROUP=8, PER_GROUP=32, TOPK_GROUP=4, TOP_K=8,
                       K_PAD=8, E_PAD=256, G_PAD=8, BN=16)
     yield ("moe_route", moe_route._route_kernel,

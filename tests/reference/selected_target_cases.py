@@ -1,4 +1,4 @@
-"""Shapes shared by the tests of ``dsa_selected_attention_target`` (the reference's and the cpu kernel's)."""
+"""Shapes and inputs shared by the tests of ``dsa_selected_attention_target`` (reference, cpu and Triton)."""
 import torch
 
 from glm5_core import testing
