@@ -113,9 +113,9 @@ def test_the_supports_hook_declines_widths_over_the_shared_memory():
 @pytest.mark.parametrize("vendor", ("cuda", "rocm"))
 def test_the_conformance_checks_run_the_kernels(vendor):
     assert not registry.runs_reference(OP, vendor)
-    largest = str(testing.MLA_SHAPES[-1])
+    shape = str(testing.MLA_SHAPES[1])  # (tests/conformance runs them all; here: that they run the kernels)
     checks = [c for c in conformance.checks("dsa") if c.ops == (OP,) and "fp32" in c.name and "ragged" in c.name
-              and largest in c.name]
+              and shape in c.name]
     assert len(checks) == 2  # both normalisers
     for check in checks:
         result = conformance.run_check(check, vendor)

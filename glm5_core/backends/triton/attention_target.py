@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from glm5_core.backends.triton import _util, causal_lse, shared_memory
+from glm5_core.backends.triton.causal_lse import finish_lse, online_lse_step
 from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
-from glm5_core.backends.triton.sparse_mla import _gather_keys, _key_strides, _load_heads, _mm
+from glm5_core.backends.triton.sparse_mla import _gather_keys, _key_strides, _load_heads, _mm, _row_and_heads
 from glm5_core.ops.mla import absorb_query
 
 FAMILY = "attention_target"
@@ -49,25 +50,16 @@ def _selected_lse_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, lse_ptr, 
                          stride_cb, stride_cs, stride_kb, stride_ks, stride_ir,
                          C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
                          C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
-    b = row // T
-    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
-    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
+    row, b, h0, q_lat, q_pe = _row_and_heads(qlat_ptr, qpe_ptr, T, H, C, DR, BH, C_PAD, DR_PAD)
     m = tl.full([BH], float("-inf"), tl.float32)
     total = tl.zeros([BH], tl.float32)
     for k0 in range(0, K, BK):
         kv, kr, valid = _gather_keys(ckv_ptr, kpe_ptr, idx_ptr, b, row, k0, K, stride_cb, stride_cs,
                                      stride_kb, stride_ks, stride_ir, C, DR, BK, C_PAD, DR_PAD)
         s = _selected_scores(q_lat, q_pe, kv, kr, valid, scale)  # [BH, BK]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
-        total = total * tl.exp(m - m_ref) + tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
-        m = m_new
-    has_key = total > 0.0
-    lse = tl.where(has_key, m + tl.log(tl.where(has_key, total, 1.0)), float("inf"))
+        m, total = online_lse_step(m, total, s)
     offs_h = h0 + tl.arange(0, BH)
-    tl.store(lse_ptr + row * H + offs_h, lse, mask=offs_h < H)
+    tl.store(lse_ptr + row * H + offs_h, finish_lse(m, total), mask=offs_h < H)
 
 
 @triton.jit

@@ -21,10 +21,27 @@ from glm5_core.backends.triton.launch import LaunchConfig
 
 
 @triton.jit
+def online_lse_step(m, total, s):
+    """One block of scores s [N, BS] (-inf where masked) folded into the running max m [N] and sum of
+    exp(score - m) total [N]: the new (m, total)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp() finite
+    return m_new, total * tl.exp(m - m_ref) + tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
+
+
+@triton.jit
+def finish_lse(m, total):
+    """log sum exp from the running (m, total); +inf for a row that met no key (its every p is then 0)."""
+    has_key = total > 0.0
+    return tl.where(has_key, m + tl.log(tl.where(has_key, total, 1.0)), float("inf"))
+
+
+@triton.jit
 def _rows(ptr, base, offs_r, mask_r, D: tl.constexpr, D_PAD: tl.constexpr):
     """Rows offs_r of the [N, D] matrix at ptr + base (contiguous) -> [BM, D_PAD] (0 past D / masked rows)."""
     offs_d = tl.arange(0, D_PAD)
-    return tl.load(ptr + base + offs_r[:, None] * D + offs_d[None, :],
+    rows = offs_r.to(tl.int64)  # T * H * D can pass 2^31 elements: int32 offsets would wrap
+    return tl.load(ptr + base + rows[:, None] * D + offs_d[None, :],
                    mask=mask_r[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
 
 
@@ -56,12 +73,8 @@ def _causal_lse_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, start_ptr, lse_ptr, 
                      mask=in_cache[:, None] & (offs_p[None, :] < DR), other=0.0).to(tl.float32)  # [BS, DR_PAD]
         s = tl.dot(q_lat, tl.trans(kv), input_precision="ieee") + tl.dot(q_pe, tl.trans(kr), input_precision="ieee")
         s = tl.where(offs_s[None, :] <= pos[:, None], s * scale, float("-inf"))  # [BM, BS]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a padded row sees no key
-        total = total * tl.exp(m - m_ref) + tl.sum(tl.exp(s - m_ref[:, None]), axis=1)
-        m = m_new
-    lse = m + tl.log(tl.where(total > 0.0, total, 1.0))
-    tl.store(lse_ptr + b * T * H + offs_r, lse, mask=mask_r)
+        m, total = online_lse_step(m, total, s)
+    tl.store(lse_ptr + b * T * H + offs_r, finish_lse(m, total), mask=mask_r)  # (padded rows: +inf, not stored)
 
 
 def causal_lse(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

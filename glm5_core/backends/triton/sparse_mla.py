@@ -96,15 +96,22 @@ def _load_heads(ptr, row, h0, stride_r, stride_h, H, D: tl.constexpr, BH: tl.con
 
 
 @triton.jit
+def _row_and_heads(qlat_ptr, qpe_ptr, T, H, C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr,
+                   C_PAD: tl.constexpr, DR_PAD: tl.constexpr):
+    """A (query row, head tile) program's row, batch row, first head and its q_lat [BH, C_PAD] / q_pe [BH, DR_PAD]."""
+    row = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)
+    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
+    return row, row // T, h0, q_lat, q_pe
+
+
+@triton.jit
 def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, lse_ptr,
                        T, H, K, scale, stride_cb, stride_cs, stride_kb, stride_ks, stride_ir,
                        C: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
                        C_PAD: tl.constexpr, DR_PAD: tl.constexpr, TC: tl.constexpr, EMULATE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
-    b = row // T
-    q_lat = _load_heads(qlat_ptr, row, h0, H * C, C, H, C, BH, C_PAD)  # [BH, C_PAD]
-    q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)  # [BH, DR_PAD]
+    row, b, h0, q_lat, q_pe = _row_and_heads(qlat_ptr, qpe_ptr, T, H, C, DR, BH, C_PAD, DR_PAD)
     m = tl.full([BH], float("-inf"), tl.float32)
     row_sum = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, C_PAD], tl.float32)
