@@ -6,6 +6,14 @@ transposed) so the Gram matrix A = X X^T is the smaller m x m one.
 One quintic step with coefficients (a, b, c):  A = X X^T;  B = b A + c A A;  X = a X + B X.
 X starts as G / (||G||_F * norm_scale + 1e-7), per matrix. The result approximates the polar factor
 U V^T of G = U S V^T (singular values pushed towards 1; Jordan's set stops in about [0.68, 1.13]).
+
+Compute dtype (``compute_dtype``): ``torch.float32`` (the default) runs every step in fp32, or fp64 for fp64
+input. ``torch.bfloat16`` iterates in bf16 whatever G's dtype, as ``torch.optim.Muon`` and Keller Jordan's
+Muon do: the normalisation runs in fp32 (fp64 for fp64 G) and is rounded to bf16 once; then every product
+is a bf16 GEMM with an fp32 accumulator and its epilogue fused, rounded to bf16 once:
+A = bf16(X X^T),  B = bf16(b A + c A A),  X = bf16(a X + B X). (torch.optim.Muon divides by the norm in
+bf16; here that division is exact before its one rounding.) ``"auto"`` picks bf16 only where bf16 GEMMs are
+native on G's device (:func:`native_bf16_gemm`, asked at call time), else fp32.
 """
 from __future__ import annotations
 
@@ -57,7 +65,41 @@ COEFFICIENTS = {
 DEFAULT_STEPS = 5
 
 
-_COEFF_LIMIT = torch.finfo(torch.float32).max  # the iteration runs in fp32 for every input but fp64
+_COEFF_LIMIT = torch.finfo(torch.float32).max  # coefficients must fit the fp32 (and bf16) iteration
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # names for configs; "auto" too
+
+
+def native_bf16_gemm(device: torch.device) -> bool:
+    """Whether bf16 GEMMs run natively on ``device`` (so faster than fp32): CPUs with AVX512-BF16 or AMX,
+    CUDA / ROCm GPUs with native bf16. Asked at call time (cpuinfo / the device), never at import; False for
+    other devices and for CPUs where oneDNN would emulate bf16 by conversions (slower than fp32)."""
+    if device.type == "cpu":
+        probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+        return any(probe is not None and bool(probe()) for probe in probes)  # torch's private cpuinfo probes
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    return False
+
+
+def compute_dtype_name(compute_dtype, arg: str = "compute_dtype") -> str:
+    """"float32", "bfloat16" or "auto" for those names or torch.float32 / torch.bfloat16; a ValueError naming
+    ``arg`` for anything else."""
+    if isinstance(compute_dtype, str) and compute_dtype in (*COMPUTE_DTYPES, "auto"):
+        return compute_dtype
+    for name, dtype in COMPUTE_DTYPES.items():
+        if isinstance(compute_dtype, torch.dtype) and compute_dtype == dtype:
+            return name
+    raise ValueError(f"{arg}: expected torch.float32, torch.bfloat16 or one of "
+                     f"{[*COMPUTE_DTYPES, 'auto']}, got {compute_dtype!r}")
+
+
+def compute_dtype_for(compute_dtype, device: torch.device) -> torch.dtype:
+    """The dtype Newton-Schulz iterates in on ``device``: ``compute_dtype`` as :func:`compute_dtype_name`
+    takes it, ``"auto"`` meaning bf16 where :func:`native_bf16_gemm` says so, else fp32."""
+    name = compute_dtype_name(compute_dtype)
+    if name == "auto":
+        return torch.bfloat16 if native_bf16_gemm(torch.device(device)) else torch.float32
+    return COMPUTE_DTYPES[name]
 
 
 def _checked(schedule: NSCoefficients, given) -> NSCoefficients:
@@ -92,18 +134,29 @@ def coefficients_for(coefficients: Union[str, NSCoefficients, Sequence[Coeff]]) 
     return _checked(NSCoefficients("custom", steps), coefficients)
 
 
-def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tensor:
-    """Batched Newton-Schulz in fp32 (fp64 for fp64 input). Returns G's shape and dtype."""
+def _rounding_to(dtype: torch.dtype):
+    """x -> x rounded to ``dtype`` and back (kept wide); the identity for fp32 (today's fp32 bits)."""
+    if dtype == torch.float32:
+        return lambda x: x
+    return lambda x: x.to(dtype).to(x.dtype)
+
+
+def orthogonalize_reference(G, *, steps: int, coefficients: NSCoefficients,
+                            compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Batched Newton-Schulz in fp32 (fp64 for fp64 input), or iterated in bf16 (``compute_dtype``, see the
+    module docstring: each product computed wide from bf16 values and rounded once). Returns G's shape and
+    dtype."""
+    rounded = _rounding_to(compute_dtype)
     X = G.to(_checks.compute_dtype(G.dtype))
     tall = X.shape[-2] > X.shape[-1]
     if tall:
         X = X.transpose(-2, -1)  # [..., n, m]: make it wide
     norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)  # [..., 1, 1]
-    X = X / (norm * coefficients.norm_scale + 1e-7)
+    X = rounded(X / (norm * coefficients.norm_scale + 1e-7))
     for a, b, c in coefficients.schedule(steps):
-        A = X @ X.transpose(-2, -1)  # [..., m, m]
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        A = rounded(X @ X.transpose(-2, -1))  # [..., m, m]
+        B = rounded(b * A + c * (A @ A))
+        X = rounded(a * X + B @ X)
     if tall:
         X = X.transpose(-2, -1)
     return X.to(G.dtype)
@@ -114,8 +167,13 @@ OPS = (OpSpec("muon_orthogonalize", orthogonalize_reference, family="muon"),)
 
 def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
                   coefficients: Union[str, NSCoefficients, Sequence[Coeff]] = "polar_express",
+                  compute_dtype: Union[str, torch.dtype] = torch.float32,
                   backend: registry.BackendArg = None) -> torch.Tensor:
-    """Approximate polar factor of each matrix of ``G [..., m, n]`` by ``steps`` Newton-Schulz steps."""
+    """Approximate polar factor of each matrix of ``G [..., m, n]`` by ``steps`` Newton-Schulz steps, iterated
+    in ``compute_dtype`` (torch.float32, torch.bfloat16, their names or ``"auto"``; module docstring).
+
+    Kernels receive ``compute_dtype=torch.bfloat16`` only for bf16 calls: fp32 calls pass what they passed
+    before the option existed (G, steps, coefficients), so kernels written then keep working."""
     if not isinstance(G, torch.Tensor):
         raise TypeError(f"G: expected a torch.Tensor [..., m, n], got {type(G).__name__}")
     if G.dim() < 2:
@@ -125,7 +183,9 @@ def orthogonalize(G: torch.Tensor, *, steps: int = DEFAULT_STEPS,
         raise ValueError(f"G: expected non-empty matrices [..., m, n], got shape {tuple(G.shape)}")
     _checks.positive_int("steps", steps)
     schedule = coefficients_for(coefficients)
-    return registry.call("muon_orthogonalize", G, steps=steps, coefficients=schedule, backend=backend)
+    dtype = compute_dtype_for(compute_dtype, G.device)
+    extra = {} if dtype == torch.float32 else {"compute_dtype": dtype}
+    return registry.call("muon_orthogonalize", G, steps=steps, coefficients=schedule, backend=backend, **extra)
 
 
 def split_heads(weight: torch.Tensor, num_heads: int, dim: int = 0) -> torch.Tensor:

@@ -30,6 +30,8 @@ class MuonConfig:
     nesterov: bool = True
     ns_steps: int = _field(5, range=(1, 100))
     coefficients: str = _field("polar_express", choices=tuple(muon_ops.COEFFICIENTS))
+    # Newton-Schulz compute dtype: float32, bfloat16 (as torch.optim.Muon), or auto (bf16 where GEMMs are native)
+    ns_dtype: str = _field("float32", choices=(*muon_ops.COMPUTE_DTYPES, "auto"))
     scale_mode: str = _field("match_rms_adamw", choices=SCALE_MODES)
     split_heads: bool = True  # Muon Split of q_b_proj / kv_b_proj / o_proj
     lr_ratio: float = _field(1.0, range=(0.0, None), open=("lo",))  # Muon lr = lr_ratio * the schedule's lr
@@ -110,7 +112,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, num_heads: 
     if muon_param_groups:
         optimizers["muon"] = Muon(muon_param_groups, lr=lr, momentum=m.momentum, nesterov=m.nesterov,
                                   weight_decay=cfg.weight_decay, ns_steps=m.ns_steps, coefficients=m.coefficients,
-                                  scale_mode=m.scale_mode, backend=backend)
+                                  ns_dtype=m.ns_dtype, scale_mode=m.scale_mode, backend=backend)
     if adamw_param_groups:
         # foreach=False: one code path on every device, so a resumed run repeats the same float operations.
         optimizers["adamw"] = torch.optim.AdamW(adamw_param_groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps,

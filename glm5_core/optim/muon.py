@@ -7,13 +7,16 @@ block is orthogonalised and scaled on its own.
 One step for a parameter p with gradient g (decoupled weight decay, as AdamW):
     buf = lerp(buf, g, 1 - momentum)                     (an EMA of gradients)
     U   = lerp(g, buf, momentum) if nesterov else buf
-    O   = orthogonalize(U) per matrix (per head block with Muon Split)
+    O   = orthogonalize(U) per matrix (per head block with Muon Split), iterated in ``ns_dtype``
     p   = p * (1 - lr * weight_decay) - lr * scale(O's matrix shape) * O
 
 Scale modes (the shape is the matrix that was orthogonalised, i.e. the head block under Muon Split):
     "match_rms_adamw" (Moonlight)      0.2 * sqrt(max(rows, cols))  -> update RMS ~0.2, AdamW's lr/decay work
     "original" (Keller Jordan / torch) sqrt(max(1, rows / cols))
-Every parameter group may set ``split_heads`` (H) and ``split_dim`` (0: row blocks, 1: column blocks).
+Every parameter group may set ``split_heads`` (H) and ``split_dim`` (0: row blocks, 1: column blocks), and
+``ns_dtype``: "float32" (the default: Newton-Schulz in fp32, fp64 for fp64 parameters), "bfloat16" (iterated
+in bf16 as torch.optim.Muon does; ``glm5_core.ops.muon`` states the rounding) or "auto" (bf16 where the
+parameters' device runs bf16 GEMMs natively, ``ops.muon.native_bf16_gemm``, asked at each step).
 Matrices of one shape are stacked and orthogonalised in one batched call.
 
 Sharded parameters (DTensors, e.g. under FSDP2): Newton-Schulz needs whole matrices (and Muon Split whole
@@ -63,16 +66,18 @@ class Muon(torch.optim.Optimizer):
     """Muon for 2-D (or flattened) hidden weight matrices; see the module docstring.
 
     Group options: lr, momentum, nesterov, weight_decay, ns_steps, coefficients (name or (a, b, c) triples),
-    scale_mode, split_heads (None or H), split_dim (0 or 1). ``backend`` selects the orthogonalisation kernel.
+    ns_dtype ("float32", "bfloat16", "auto" or a torch dtype), scale_mode, split_heads (None or H), split_dim
+    (0 or 1). ``backend`` selects the orthogonalisation kernel.
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = muon_ops.DEFAULT_STEPS,
                  coefficients="polar_express", scale_mode: str = "match_rms_adamw",
-                 split_heads: Optional[int] = None, split_dim: int = 0, backend: Optional[str] = None):
+                 split_heads: Optional[int] = None, split_dim: int = 0, backend: Optional[str] = None,
+                 ns_dtype="float32"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
                         coefficients=coefficients, scale_mode=scale_mode, split_heads=split_heads,
-                        split_dim=split_dim)
+                        split_dim=split_dim, ns_dtype=ns_dtype)
         super().__init__(params, defaults)  # validates every group through add_param_group
         self.backend = backend
         self.kernels = registry.bind(backend)  # resolved once, here
@@ -80,11 +85,13 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the checks the constructor makes (a group added later is held to the same rules)."""
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
         try:
-            self._check_group(self.param_groups[-1])
+            self._check_group(group)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
+        group["ns_dtype"] = muon_ops.compute_dtype_name(group["ns_dtype"])  # a name: state_dict stays JSON
 
     @staticmethod
     def _check_group(group: dict) -> None:
@@ -97,6 +104,7 @@ class Muon(torch.optim.Optimizer):
         _checks.positive_int("ns_steps", group["ns_steps"])
         update_scale(1, 1, group["scale_mode"])  # validates the mode
         muon_ops.coefficients_for(group["coefficients"])  # validates the schedule
+        muon_ops.compute_dtype_name(group["ns_dtype"], "ns_dtype")  # validates the compute dtype
         for p in group["params"]:
             if p.dim() < 2:
                 raise ValueError(f"params: Muon needs matrices (rank >= 2), got a parameter of shape {tuple(p.shape)}; "
@@ -147,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         blocks = [self._blocks(update, group) for _, update in members]
         stacked = torch.cat(blocks, dim=0)  # [sum of blocks, m, n]
         ortho = muon_ops.orthogonalize(stacked, steps=group["ns_steps"], coefficients=group["coefficients"],
-                                       backend=self.kernels)
+                                       compute_dtype=group["ns_dtype"], backend=self.kernels)
         out: Dict[int, torch.Tensor] = {}
         for (p, _), mine in zip(members, torch.split(ortho, [b.shape[0] for b in blocks])):  # mine [n, m, n_cols]
             matrix = mine[0] if group["split_heads"] is None else muon_ops.merge_heads(mine, dim=group["split_dim"])
@@ -340,10 +348,12 @@ class RowShards:
 
 def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float,
                         nesterov: bool, weight_decay: float, ns_steps: int, coefficients, scale_mode: str,
-                        split_heads: Optional[int] = None, split_dim: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                        split_heads: Optional[int] = None, split_dim: int = 0,
+                        ns_dtype="float32") -> Tuple[torch.Tensor, torch.Tensor]:
     """One Muon step on one parameter, written plainly (one head at a time, no batching): the spec the
     optimizer is tested against. Returns (new p, new momentum buffer)."""
     schedule = muon_ops.coefficients_for(coefficients)
+    compute_dtype = muon_ops.compute_dtype_for(ns_dtype, p.device)
     buf = buf + (grad - buf) * (1.0 - momentum)
     update = grad + (buf - grad) * momentum if nesterov else buf
     matrix = as_matrix(update)  # [rows, cols]: a conv-like [rows, ...] parameter is one flattened matrix
@@ -353,7 +363,8 @@ def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, 
         heads = list(torch.chunk(matrix, split_heads, dim=split_dim))
     parts = []
     for block in heads:
-        ortho = muon_ops.orthogonalize_reference(block, steps=ns_steps, coefficients=schedule)
+        ortho = muon_ops.orthogonalize_reference(block, steps=ns_steps, coefficients=schedule,
+                                                 compute_dtype=compute_dtype)
         parts.append(ortho * update_scale(block.shape[0], block.shape[1], scale_mode))
     step = parts[0] if split_heads is None else torch.cat(parts, dim=split_dim)
     return p * (1.0 - lr * weight_decay) - lr * step.reshape(p.shape), buf

@@ -85,3 +85,16 @@ def test_polar_express_mutants_fail_the_comparison(kind, shape, dtype):
     cmp = testing.compare_to_fp64(bad, muon.orthogonalize_reference(G, steps=5, coefficients=schedule),
                                   muon.orthogonalize_reference(G.double(), steps=5, coefficients=schedule), dtype)
     assert not cmp.passed, f"{kind} at {dtype} passed: {cmp.detail}"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("shape", [s for s in testing.MUON_SHAPES if min(s[-2:]) > 1], ids=str)
+def test_a_bf16_compute_kernel_one_step_short_fails_the_bf16_compute_check(shape, dtype):
+    """The bf16-compute checks allow twice the bf16 reference's own error: still far less than one step."""
+    schedule = muon.coefficients_for("polar_express")
+    G = testing.make_muon_input(shape, dtype=dtype, seed=13)
+    bad = muon.orthogonalize_reference(G, steps=4, coefficients=schedule, compute_dtype=torch.bfloat16)
+    cmp = testing.compare_to_fp64(bad, muon.orthogonalize_reference(G, steps=5, coefficients=schedule,
+                                                                    compute_dtype=torch.bfloat16),
+                                  muon.orthogonalize_reference(G.double(), steps=5, coefficients=schedule), dtype)
+    assert not cmp.passed, cmp.detail

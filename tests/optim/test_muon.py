@@ -130,6 +130,8 @@ def test_parameters_without_grad_are_untouched():
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], scale_mode="rms"), "scale_mode"),
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], momentum=1.0), "momentum"),
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], coefficients="newton"), "coefficients"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], ns_dtype="bf16"), "ns_dtype: expected"),
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], ns_dtype=torch.float16), "ns_dtype: expected"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -146,6 +148,7 @@ def test_bad_arguments_are_named(kwargs, match):
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], coefficients="newton"), "coefficients"),
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], nesterov="no"), "nesterov"),  # was read as True
     (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], ns_steps=0), "ns_steps"),  # failed only at step()
+    (dict(params=[torch.nn.Parameter(torch.ones(6, 4))], ns_dtype="half"), "ns_dtype"),
 ])
 def test_group_values_are_checked_in_the_constructor_and_in_add_param_group(group, match):
     """A group's own values override the defaults, so they get the defaults' checks, also for groups added later
@@ -158,3 +161,47 @@ def test_group_values_are_checked_in_the_constructor_and_in_add_param_group(grou
     assert len(opt.param_groups) == 1  # the rejected group is not kept
     opt.add_param_group(dict(params=[_param((6, 4), torch.float32, seed=2)], split_heads=2, momentum=0.5))
     assert len(opt.param_groups) == 2 and opt.param_groups[1]["momentum"] == 0.5
+
+
+@pytest.mark.parametrize("shape,split_heads,split_dim", [((7, 5), None, 0), ((12, 9), 3, 0), ((6, 20), 4, 1)])
+@pytest.mark.parametrize("ns_dtype", ["bfloat16", torch.bfloat16])
+def test_bf16_newton_schulz_steps_match_the_reference(shape, split_heads, split_dim, ns_dtype):
+    """The group option reaches the kernel: the same steps as the plain reference step iterating in bf16,
+    and not the fp32 iteration's (which the reference step's default gives)."""
+    hyper = dict(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.1, ns_steps=5, coefficients="polar_express",
+                 scale_mode="match_rms_adamw")
+    p = _param(shape, torch.float32, seed=1)
+    opt = Muon([dict(params=[p], split_heads=split_heads, split_dim=split_dim, ns_dtype=ns_dtype)], **hyper)
+    assert opt.param_groups[0]["ns_dtype"] == "bfloat16"  # a name, so state_dict stays JSON
+    ref_p, ref_buf, fp32_p, fp32_buf = p.detach().clone(), torch.zeros_like(p), p.detach().clone(), torch.zeros_like(p)
+    for grad in _grads(shape, torch.float32, steps=3, seed=2):
+        p.grad = grad.clone()
+        opt.step()
+        ref_p, ref_buf = muon_reference_step(ref_p, grad, ref_buf, split_heads=split_heads, split_dim=split_dim,
+                                             ns_dtype="bfloat16", **hyper)
+        fp32_p, fp32_buf = muon_reference_step(fp32_p, grad, fp32_buf, split_heads=split_heads,
+                                               split_dim=split_dim, **hyper)
+    # bf16 compute: lr * scale * (a few bf16 roundings of O ~ 1 / sqrt(n)) per step
+    torch.testing.assert_close(p.detach(), ref_p, atol=2e-4, rtol=0)
+    assert float((p.detach() - fp32_p).abs().max()) > 2e-4
+
+
+def test_auto_ns_dtype_follows_the_device(monkeypatch):
+    shape = (12, 9)
+    runs = {}
+    for label, native in (("auto_native", True), ("auto_emulated", False)):
+        monkeypatch.setattr(muon_ops, "native_bf16_gemm", lambda device, native=native: native)
+        p = _param(shape, torch.float32, seed=1)
+        opt = Muon([p], lr=0.03, ns_dtype="auto")
+        p.grad = _grads(shape, torch.float32, 1, seed=2)[0]
+        opt.step()
+        runs[label] = p.detach()
+    for ns_dtype in ("bfloat16", "float32"):
+        p = _param(shape, torch.float32, seed=1)
+        opt = Muon([p], lr=0.03, ns_dtype=ns_dtype)
+        p.grad = _grads(shape, torch.float32, 1, seed=2)[0]
+        opt.step()
+        runs[ns_dtype] = p.detach()
+    assert torch.equal(runs["auto_native"], runs["bfloat16"])
+    assert torch.equal(runs["auto_emulated"], runs["float32"])
+    assert not torch.equal(runs["bfloat16"], runs["float32"])

@@ -114,3 +114,10 @@ def test_router_bias_without_grad_is_left_alone_and_state_round_trips():
     train_step(clone, opt2)
     for (n, a), b in zip(model.named_parameters(), clone.parameters()):
         assert torch.equal(a, b), n
+
+
+def test_the_configured_newton_schulz_dtype_reaches_every_muon_group():
+    for ns_dtype in ("float32", "bfloat16", "auto"):
+        opt = build_optimizer(_Toy(), OptimizerConfig(muon=MuonConfig(ns_dtype=ns_dtype)), num_heads=HEADS, lr=1e-3)
+        muon_groups = [g for g in opt.param_groups if g["optimizer"] == "muon"]
+        assert len(muon_groups) == 3 and {g["ns_dtype"] for g in muon_groups} == {ns_dtype}

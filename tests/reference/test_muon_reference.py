@@ -90,3 +90,98 @@ def test_split_merge_round_trip_and_blocks(dim, shape):
 def test_custom_coefficients_that_are_not_finite_numbers_are_named(bad, error):
     with pytest.raises(error, match="coefficients"):
         muon.orthogonalize(testing.make_muon_input((5, 7)), coefficients=bad)
+
+
+# ----------------------------------------------------------------------------------- compute dtype
+def _reference_before_compute_dtype(G, *, steps, coefficients):
+    """The reference as it was before ``compute_dtype`` existed (ef1cb76), kept here to pin its bits."""
+    X = G.to(torch.float64 if G.dtype == torch.float64 else torch.float32)
+    tall = X.shape[-2] > X.shape[-1]
+    if tall:
+        X = X.transpose(-2, -1)
+    norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)
+    X = X / (norm * coefficients.norm_scale + 1e-7)
+    for a, b, c in coefficients.schedule(steps):
+        A = X @ X.transpose(-2, -1)
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    if tall:
+        X = X.transpose(-2, -1)
+    return X.to(G.dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64), ids=str)
+@pytest.mark.parametrize("compute_dtype", (None, torch.float32, "float32"), ids=str)
+def test_fp32_compute_keeps_the_previous_bits(dtype, compute_dtype):
+    schedule = muon.coefficients_for("polar_express")
+    for shape in testing.MUON_SHAPES + ((4, 24, 70),):
+        G = testing.make_muon_input(shape, dtype=dtype, seed=6)
+        kwargs = {} if compute_dtype is None else {"compute_dtype": muon.compute_dtype_for(compute_dtype, G.device)}
+        out = muon.orthogonalize_reference(G, steps=5, coefficients=schedule, **kwargs)
+        assert torch.equal(out, _reference_before_compute_dtype(G, steps=5, coefficients=schedule)), shape
+
+
+ODD_SHAPES = testing.MUON_SHAPES + ((24, 1), (1, 1), (16, 48), (48, 16), (3, 12, 20), (64, 256))
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=str)
+def test_bf16_compute_rounds_every_product_to_bf16(shape):
+    """fp32 input, bf16 compute: the result is a bf16 value (the iteration's last rounding), and is not the
+    fp32-compute result (the iteration did run in bf16)."""
+    G = testing.make_muon_input(shape, seed=7)
+    out = muon.orthogonalize_reference(G, steps=5, coefficients=muon.COEFFICIENTS["polar_express"],
+                                       compute_dtype=torch.bfloat16)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, out.bfloat16().float())
+    fp32 = muon.orthogonalize_reference(G, steps=5, coefficients=muon.COEFFICIENTS["polar_express"])
+    assert not torch.equal(out, fp32)
+
+
+# Measured over these shapes, 5 steps: error(bf16 compute) - error(fp32 compute) <= 0.027 (Jordan's 32 x 32,
+# whose smallest singular values the polynomial has not reached yet; 0.01 for most shapes). bf16 may also land
+# closer (1 x 1: 0.008 against 0.12), so the bound is one-sided.
+BF16_ORTHOGONALITY_SLACK = 0.05
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES + ((32, 32),), ids=str)
+@pytest.mark.parametrize("coefficients", ("jordan", "polar_express"))
+def test_bf16_compute_orthogonality_error_is_within_the_stated_bound(shape, coefficients):
+    G = testing.make_muon_input(shape, seed=1)
+    schedule = muon.coefficients_for(coefficients)
+    fp32 = muon.orthogonalize_reference(G, steps=5, coefficients=schedule)
+    bf16 = muon.orthogonalize_reference(G, steps=5, coefficients=schedule, compute_dtype=torch.bfloat16)
+    err32, err16 = testing.orthogonality_error(fp32), testing.orthogonality_error(bf16)
+    assert err16 <= err32 + BF16_ORTHOGONALITY_SLACK, (err16, err32)
+    distance = float(torch.linalg.matrix_norm(bf16.double() - testing.polar_factor(G), ord=2).max())
+    assert distance <= err32 + BF16_ORTHOGONALITY_SLACK  # and as close to U V^T (fp32 compute: exactly err32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16, torch.float64), ids=str)
+def test_bf16_compute_keeps_the_input_dtype_and_transposes_tall(dtype):
+    G = testing.make_muon_input((40, 12), dtype=dtype, seed=3)
+    schedule = muon.COEFFICIENTS["polar_express"]
+    out = muon.orthogonalize_reference(G, steps=5, coefficients=schedule, compute_dtype=torch.bfloat16)
+    assert out.dtype == dtype and out.shape == G.shape
+    assert torch.equal(out, muon.orthogonalize_reference(G.T, steps=5, coefficients=schedule,
+                                                         compute_dtype=torch.bfloat16).T)
+
+
+@pytest.mark.parametrize("bad", ("bf16", "float16", torch.float16, torch.float64, 16, None))
+def test_bad_compute_dtype_is_named(bad):
+    with pytest.raises(ValueError, match="compute_dtype: expected torch.float32, torch.bfloat16 or one of"):
+        muon.orthogonalize(testing.make_muon_input((5, 7)), compute_dtype=bad)
+
+
+@pytest.mark.parametrize("native", (True, False))
+def test_auto_is_bf16_exactly_where_bf16_gemms_are_native(monkeypatch, native):
+    monkeypatch.setattr(muon, "native_bf16_gemm", lambda device: native)
+    G = testing.make_muon_input((3, 12, 20), seed=2)
+    want = torch.bfloat16 if native else torch.float32
+    assert muon.compute_dtype_for("auto", G.device) == want
+    assert torch.equal(muon.orthogonalize(G, compute_dtype="auto"), muon.orthogonalize(G, compute_dtype=want))
+
+
+def test_native_bf16_gemm_asks_the_cpu_and_declines_other_devices():
+    probes = (torch.cpu._is_avx512_bf16_supported(), torch.cpu._is_amx_tile_supported())
+    assert muon.native_bf16_gemm(torch.device("cpu")) == any(probes)
+    assert muon.native_bf16_gemm(torch.device("meta")) is False

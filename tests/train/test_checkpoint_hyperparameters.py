@@ -40,6 +40,7 @@ def _resume(small_raw, run: Path) -> None:
     ("muon", "weight_decay", -0.5, r"part 'muon' group \d weight_decay: expected a number in \[0.0, inf\], got -0.5"),
     ("muon", "ns_steps", 0, r"part 'muon' group \d ns_steps"),
     ("muon", "scale_mode", "bogus", r"part 'muon' group \d scale_mode: expected one of"),
+    ("muon", "ns_dtype", "float16", r"part 'muon' group \d ns_dtype: expected torch.float32, torch.bfloat16"),
     ("adamw", "betas", [1.5, 0.9], r"part 'adamw' group \d betas: expected two numbers in \[0, 1\), got \[1.5, 0.9\]"),
     ("adamw", "betas", [0.9], r"part 'adamw' group \d betas: expected two numbers"),
     ("adamw", "weight_decay", -3.0, r"part 'adamw' group \d weight_decay: expected a number >= 0, got -3.0"),
@@ -63,3 +64,22 @@ def test_in_range_hyperparameters_load_and_the_config_wins(small_raw, run, capsy
     muon = trainer.optimizer.optimizers["muon"]
     assert [g["momentum"] for g in muon.param_groups][-1] == 0.95
     assert "momentum: 0.5 -> 0.95" in capsys.readouterr().err
+
+
+def test_a_checkpoint_from_before_ns_dtype_loads_as_float32(small_raw, run, capsys):
+    """Checkpoints written before the Newton-Schulz compute dtype existed have no ``ns_dtype`` in their Muon
+    groups: they ran fp32, and load as such (the config's value then wins, as for every key)."""
+    from glm5_core.train.trainer import Trainer
+
+    path = resolve_checkpoint(run) / "optimizer.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        groups = json.loads(f.metadata()["param_groups"])
+    for group in groups["muon"]:
+        del group["ns_dtype"]
+    save_file(tensors, str(path), metadata={"param_groups": json.dumps(groups)})
+    raw = {**small_raw, "optimizer": {**small_raw.get("optimizer", {}), "muon": {"ns_dtype": "bfloat16"}}}
+    trainer = Trainer(parse_config(raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
+                                                    resume=str(run)))
+    assert {g["ns_dtype"] for g in trainer.optimizer.optimizers["muon"].param_groups} == {"bfloat16"}
+    assert "ns_dtype: 'float32' -> 'bfloat16'" in capsys.readouterr().err

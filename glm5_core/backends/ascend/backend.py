@@ -12,7 +12,9 @@ MISSING = {
     "dsa_indexer_scores": "npu_lightning_indexer returns positions, not the score matrix; the reference runs on "
                           "the NPU",
     "muon_orthogonalize": "Newton-Schulz is batched matmuls that torch_npu already runs on the cube units: the "
-                          "reference (one batched chain over the leading dims) runs on npu tensors; no fused vendor op",
+                          "reference (one batched chain over the leading dims) runs on npu tensors; no fused vendor "
+                          "op. With bf16 compute that reference still multiplies in fp32 (bf16-rounded values, "
+                          "the spec), so it is no faster there",
     "dsa_sparse_prefill_expanded": "no vendor op mapped for the expanded (per-head keys) sparse prefill yet; the "
                                    "reference runs as torch ops on the NPU (dsa_sparse_prefill is the vendor's)",
     "dsa_selected_index_scores": "npu_lightning_indexer returns positions, not the scores at given keys; the "

@@ -4,6 +4,10 @@ The iteration runs in C++ with the coefficient scaling fused into the GEMM calls
 buffers allocated once), instead of the reference's six tensor ops per step. Normalisation and the
 tall-matrix transposition are the reference's. Legend as in ``glm5_core.ops.muon``: G [..., m, n].
 
+bf16 compute: the buffers are bf16 and so are the GEMMs; ATen's CPU bf16 mm / bmm / addmm / baddbmm (oneDNN)
+accumulate in fp32 and apply the alpha / beta epilogue before the one rounding to bf16, which is the
+reference's rounding rule (each product rounded once), up to the fp32 accumulation order.
+
 Batching policy: a batch of matrices runs as one batched GEMM per product, except when the matrices are
 large enough that a per-matrix loop of plain GEMMs is faster on CPU (batched GEMM splits threads across
 the batch instead of inside each product). ``LOOP_MIN_ELEMENTS`` is that crossover, measured by
@@ -29,8 +33,9 @@ def use_loop(batch: int, m: int, n: int) -> bool:
     return batch > 1 and m * n >= LOOP_MIN_ELEMENTS
 
 
-def orthogonalize(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tensor:
-    """Newton-Schulz in fp32 (fp64 for fp64 input). Returns G's shape and dtype."""
+def orthogonalize(G, *, steps: int, coefficients: NSCoefficients,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Newton-Schulz in fp32 (fp64 for fp64 input) or in bf16 (``compute_dtype``). Returns G's shape and dtype."""
     X = G.to(_checks.compute_dtype(G.dtype))
     tall = X.shape[-2] > X.shape[-1]
     if tall:
@@ -39,6 +44,8 @@ def orthogonalize(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tenso
     X = X.reshape(-1, m, n)  # [P, m, n]
     norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)  # [P, 1, 1]
     X = X / (norm * coefficients.norm_scale + 1e-7)
+    if compute_dtype == torch.bfloat16:
+        X = X.to(torch.bfloat16)  # normalised wide, rounded once
     schedule = torch.tensor(coefficients.schedule(steps), dtype=torch.float64)  # [steps, 3]
     X = torch.ops.glm5_cpu.ns_orthogonalize(X, schedule, use_loop(X.shape[0], m, n))
     X = X.reshape(*lead, m, n)
@@ -47,7 +54,7 @@ def orthogonalize(G, *, steps: int, coefficients: NSCoefficients) -> torch.Tenso
     return X.to(G.dtype)
 
 
-def _supports(G, *, steps: int, coefficients: NSCoefficients):
+def _supports(G, *, steps: int, coefficients: NSCoefficients, compute_dtype: torch.dtype = torch.float32):
     if G.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {G.device}"
     return True, ""

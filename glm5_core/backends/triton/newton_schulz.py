@@ -8,6 +8,12 @@ Per quintic step (a, b, c), on fp32 X [Bt, m, n]:
   B = b A + c A A    -- the same kernel on A (A A = A A^T since A is symmetric), with addend b A;
   X = a X + B X      -- ``_gemm_kernel`` (a plain batched GEMM with the a X epilogue).
 So each symmetric product is computed once per step, over half of its tiles.
+
+bf16 compute (``compute_dtype=torch.bfloat16``): X, A and B are bf16 buffers; each product is a bf16
+``tl.dot`` with an fp32 accumulator (tensor cores), its epilogue in fp32, rounded to bf16 once (ties to
+even), as the reference states. Under Triton's interpreter, whose bf16 dot is unusable and whose
+fp32 -> bf16 store truncates, the bf16 tiles are widened to fp32 (products of bf16 values are exact in
+fp32) and the rounding is done by ``_round_to_bf16`` (the GPU's cast, bit for bit), as ``sparse_mla`` does.
 """
 from __future__ import annotations
 
@@ -15,13 +21,29 @@ import torch
 import triton
 import triton.language as tl
 
+from glm5_core import platform
 from glm5_core.backends.triton import _util
 from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.sparse_mla import _round_to_bf16
+
+
+@triton.jit
+def _dot(x, y, acc, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + x @ y, fp32 accumulation: fp32 tiles exactly (ieee); bf16 tiles on the tensor cores, or widened
+    to fp32 under the interpreter (EMULATE)."""
+    if BF16:  # (one return: the compiler does not prune code after a return under a constexpr branch)
+        if EMULATE:
+            out = tl.dot(x.to(tl.float32), y.to(tl.float32), acc, input_precision="ieee")
+        else:
+            out = tl.dot(x, y, acc)
+    else:
+        out = tl.dot(x, y, acc, input_precision="ieee")
+    return out
 
 
 @triton.jit
 def _symmetric_kernel(y_ptr, z_ptr, out_ptr, R, KDIM, alpha, beta, HAS_Z: tl.constexpr,
-                      BM: tl.constexpr, BK: tl.constexpr):
+                      BM: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
     """out = beta * Y Y^T (+ alpha * Z) for Y [Bt, R, KDIM], Z / out [Bt, R, R] (Z symmetric)."""
     bt = tl.program_id(0).to(tl.int64)
     ti = tl.program_id(1)
@@ -38,12 +60,14 @@ def _symmetric_kernel(y_ptr, z_ptr, out_ptr, R, KDIM, alpha, beta, HAS_Z: tl.con
                          mask=(offs_i[:, None] < R) & (kk[None, :] < KDIM), other=0.0)
             yj = tl.load(y_base + offs_j[:, None] * KDIM + kk[None, :],
                          mask=(offs_j[:, None] < R) & (kk[None, :] < KDIM), other=0.0)
-            acc = tl.dot(yi, tl.trans(yj), acc, input_precision="ieee")
+            acc = _dot(yi, tl.trans(yj), acc, BF16, EMULATE)
         acc = acc * beta
         mask = (offs_i[:, None] < R) & (offs_j[None, :] < R)
         tile = bt * R * R + offs_i[:, None] * R + offs_j[None, :]
         if HAS_Z:
-            acc += alpha * tl.load(z_ptr + tile, mask=mask, other=0.0)
+            acc += alpha * tl.load(z_ptr + tile, mask=mask, other=0.0).to(tl.float32)
+        if BF16:
+            acc = _round_to_bf16(acc)
         tl.store(out_ptr + tile, acc, mask=mask)
         if tj > ti:
             mirror = bt * R * R + offs_j[None, :] * R + offs_i[:, None]
@@ -51,7 +75,8 @@ def _symmetric_kernel(y_ptr, z_ptr, out_ptr, R, KDIM, alpha, beta, HAS_Z: tl.con
 
 
 @triton.jit
-def _gemm_kernel(b_ptr, x_ptr, out_ptr, R, N, a_coef, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _gemm_kernel(b_ptr, x_ptr, out_ptr, R, N, a_coef, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 BF16: tl.constexpr, EMULATE: tl.constexpr):
     """out = a X + B X for B [Bt, R, R], X / out [Bt, R, N]."""
     bt = tl.program_id(0).to(tl.int64)
     offs_i = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -66,20 +91,28 @@ def _gemm_kernel(b_ptr, x_ptr, out_ptr, R, N, a_coef, BM: tl.constexpr, BN: tl.c
                     other=0.0)
         x = tl.load(x_base + kk[:, None] * N + offs_n[None, :], mask=(kk[:, None] < R) & (offs_n[None, :] < N),
                     other=0.0)
-        acc = tl.dot(b, x, acc, input_precision="ieee")
+        acc = _dot(b, x, acc, BF16, EMULATE)
     mask = (offs_i[:, None] < R) & (offs_n[None, :] < N)
     tile = offs_i[:, None] * N + offs_n[None, :]
-    acc += a_coef * tl.load(x_base + tile, mask=mask, other=0.0)
+    acc += a_coef * tl.load(x_base + tile, mask=mask, other=0.0).to(tl.float32)
+    if BF16:
+        acc = _round_to_bf16(acc)
     tl.store(out_ptr + bt * R * N + tile, acc, mask=mask)
+
+
+def _modes(t: torch.Tensor) -> dict:
+    """The kernels' dtype switches for buffers like ``t`` (fp32 or bf16)."""
+    bf16 = t.dtype == torch.bfloat16
+    return {"BF16": bf16, "EMULATE": bf16 and platform.triton_interpreter_enabled()}
 
 
 def _symmetric(y, z, alpha: float, beta: float, config: LaunchConfig):
     Bt, R, KDIM = y.shape
     BM, BK = config.block("m"), config.block("k")
-    out = torch.empty((Bt, R, R), dtype=torch.float32, device=y.device)
+    out = torch.empty((Bt, R, R), dtype=y.dtype, device=y.device)
     nt = triton.cdiv(R, BM)
     _symmetric_kernel[(Bt, nt, nt)](y, z if z is not None else out, out, R, KDIM, alpha, beta,
-                                    HAS_Z=z is not None, BM=BM, BK=BK, **config.launch_kwargs())
+                                    HAS_Z=z is not None, BM=BM, BK=BK, **_modes(y), **config.launch_kwargs())
     return out
 
 
@@ -90,12 +123,12 @@ def _step(x, a: float, b: float, c: float, config: LaunchConfig):
     out = torch.empty_like(x)
     BM, BN, BK = config.block("m"), config.block("n"), config.block("k")
     _gemm_kernel[(Bt, triton.cdiv(R, BM), triton.cdiv(N, BN))](poly, x, out, R, N, a, BM=BM, BN=BN, BK=BK,
-                                                               **config.launch_kwargs())
+                                                               **_modes(x), **config.launch_kwargs())
     return out
 
 
-def orthogonalize(G, *, steps: int, coefficients, config: LaunchConfig):
-    """``muon_orthogonalize``: G's shape and dtype."""
+def orthogonalize(G, *, steps: int, coefficients, config: LaunchConfig, compute_dtype=torch.float32):
+    """``muon_orthogonalize``: G's shape and dtype; iterated in fp32 or bf16 (``compute_dtype``)."""
     X = G.float()
     tall = X.shape[-2] > X.shape[-1]
     if tall:
@@ -103,7 +136,7 @@ def orthogonalize(G, *, steps: int, coefficients, config: LaunchConfig):
     lead = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:])  # [Bt, m, n]
     norm = torch.linalg.matrix_norm(X, ord="fro", keepdim=True)  # [Bt, 1, 1]
-    X = (X / (norm * coefficients.norm_scale + 1e-7)).contiguous()
+    X = (X / (norm * coefficients.norm_scale + 1e-7)).to(compute_dtype).contiguous()  # normalised in fp32
     for a, b, c in coefficients.schedule(steps):
         X = _step(X, float(a), float(b), float(c), config)
     X = X.reshape(*lead, *X.shape[-2:])

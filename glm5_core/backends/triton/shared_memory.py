@@ -147,9 +147,10 @@ def _grouped_gemm(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile
 def _newton_schulz(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
     return {
-        "symmetric": [Tile("y_i", (BM, BK), 4, True), Tile("y_j", (BM, BK), 4, True),
+        "symmetric": [Tile("y_i", (BM, BK), itemsize, True), Tile("y_j", (BM, BK), itemsize, True),
                       Tile("acc", (BM, BM), 4, scratch=True)],
-        "gemm": [Tile("b", (BM, BK), 4, True), Tile("x", (BK, BN), 4, True), Tile("acc", (BM, BN), 4, scratch=True)],
+        "gemm": [Tile("b", (BM, BK), itemsize, True), Tile("x", (BK, BN), itemsize, True),
+                 Tile("acc", (BM, BN), 4, scratch=True)],
     }
 
 
@@ -183,7 +184,7 @@ ITEMSIZES = {  # the input dtypes each family is launched with, as bytes per ele
     "sparse_mla": (4, 2),
     "attention_target": (4,),
     "grouped_gemm": (4,),
-    "newton_schulz": (4,),
+    "newton_schulz": (4, 2),  # fp32 or bf16 compute
     "moe_route": (4,),
     "moe_permute": (4,),
 }

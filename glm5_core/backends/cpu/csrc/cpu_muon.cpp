@@ -6,6 +6,8 @@
 // the scaling and the addition (addmm / baddbmm with alpha and beta), into buffers allocated once.
 // Single matrices go through addmm (MKL/oneDNN GEMM); batches go through baddbmm unless the caller asks
 // for a per-matrix loop (`loop_batch`), which the Python side chooses by the measured batching policy.
+// The buffers take X's dtype: fp32, fp64, or bf16 (the Python side's bf16 compute), where ATen's CPU GEMMs
+// accumulate in fp32 and round once after the alpha / beta epilogue.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -34,7 +36,7 @@ void newton_schulz_steps(at::Tensor X, at::Tensor Y, at::Tensor A, at::Tensor Bm
   if (steps % 2 == 1) Y.copy_(X);  // the result lives in the caller's first buffer
 }
 
-// X_wide [P, m, n] (fp32 / fp64, already normalised by the caller), coeffs [steps, 3] fp64.
+// X_wide [P, m, n] (fp32 / fp64 / bf16, already normalised by the caller), coeffs [steps, 3] fp64.
 at::Tensor ns_orthogonalize(const at::Tensor& X_wide, const at::Tensor& coeffs, bool loop_batch) {
   TORCH_CHECK(X_wide.dim() == 3 && X_wide.size(1) <= X_wide.size(2), "ns_orthogonalize: expected wide [P, m, n]");
   TORCH_CHECK(coeffs.dim() == 2 && coeffs.size(1) == 3 && coeffs.scalar_type() == at::kDouble,
