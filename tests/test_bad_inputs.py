@@ -136,6 +136,23 @@ def test_bad_scalar_arguments_are_rejected_by_name(op, field, value):
         CALLS[op](**args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 17, 4095])  # first, a vector's middle, the last (a reduction's tail)
+def test_finite_check_finds_any_single_nan_or_inf(dtype, bad, where):
+    from glm5_core.ops import _checks
+
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(where)).to(dtype)
+    x[0, 0] = torch.finfo(dtype).max  # huge finite extremes pass
+    x[0, 1] = torch.finfo(dtype).min
+    _checks.finite("x", x)
+    x.view(-1)[where] = bad
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        _checks.finite("x", x)
+    _checks.finite("empty", x[:0])  # nothing to check
+    _checks.finite("ints", torch.arange(5))
+
+
 def test_value_checks_can_be_switched_off_for_production_loops(monkeypatch):
     args = valid_args("moe.route")
     args["logits"] = args["logits"].clone()

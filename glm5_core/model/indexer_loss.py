@@ -43,11 +43,13 @@ def attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tenso
     B, T = q_nope.shape[:2]
     S = c_kv.shape[1]
     q_lat = absorb_query(q_nope, w_uk)  # [B, T, H, C]
-    scores = torch.einsum("bthc,bsc->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)  # [B, H, T, S]
+    scores = torch.einsum("bthc,bsc->bhts", q_lat, c_kv)  # [B, H, T, S]
+    scores += torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
     visible = causal_mask(start_pos, B, T, S, q_nope.device)  # [B, T, S]
-    probs = torch.softmax((scores * scale).masked_fill(~visible.unsqueeze(1), float("-inf")), dim=-1)
+    # in place on the fresh [B, H, T, S] scores (no gradient here): the same values, no temporaries of that size
+    probs = torch.softmax(scores.mul_(scale).masked_fill_(~visible.unsqueeze(1), float("-inf")), dim=-1)
     summed = probs.sum(dim=1)  # [B, T, S]
-    return summed / summed.sum(dim=-1, keepdim=True)
+    return summed.div_(summed.sum(dim=-1, keepdim=True))
 
 
 def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -65,10 +67,12 @@ def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: to
 
 
 def _kl(target: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """mean over queries of sum_s target * (log target - log_q), over the kept entries only."""
-    log_q = log_q.masked_fill(~keep, 0.0)
+    """mean over queries of sum_s target * (log target - log_q), over the kept entries only.
+
+    The other entries (target 0, log_q -inf there) are NaN before the ``where`` drops them; their gradient is the
+    ``where``'s 0 times target, 0 (target is finite), as from masking log_q first."""
     entropy_term = torch.xlogy(target, target)  # 0 where target == 0
-    per_entry = torch.where(keep, entropy_term - target * log_q, torch.zeros_like(log_q))
+    per_entry = torch.where(keep, entropy_term - target * log_q, 0.0)
     return per_entry.sum(-1).mean()
 
 

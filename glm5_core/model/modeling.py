@@ -33,8 +33,8 @@ StartPos = Union[int, torch.Tensor]
 
 @dataclasses.dataclass
 class GLM5Output:
-    logits: torch.Tensor  # float32 [B, T, V] (float64 for a float64 model)
-    mtp_logits: List[torch.Tensor]  # per depth d: [B, T, V], predicts token t + 1 + d
+    logits: Optional[torch.Tensor]  # float32 [B, T, V] (float64 for a float64 model); None with return_logits=False
+    mtp_logits: List[torch.Tensor]  # per depth d: [B, T, V], predicts token t + 1 + d (none with return_logits=False)
     indexer_kl: Optional[torch.Tensor]  # scalar, mean over the layers that ran an indexer
     expert_counts: torch.Tensor  # int64 [num_moe_layers, E] (rows as model.router_biases())
     topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
@@ -235,7 +235,7 @@ class GLM5ForCausalLM(nn.Module):
                 mtp_depths: int = 0, cache: Optional[KVCache] = None, start_pos: StartPos = 0,
                 routing_replay: Optional[torch.Tensor] = None,
                 index_replay: Optional[torch.Tensor] = None, indexer_kl_target: str = "selected",
-                measure_recall: bool = True) -> GLM5Output:
+                measure_recall: bool = True, return_logits: bool = True) -> GLM5Output:
         """``attention="sparse"`` (the default) is DSA as the checkpoint defines it (each query attends to the
         top ``index_topk`` keys of its "full" indexer layer, reused by "shared" layers), what transformers'
         glm_moe_dsa computes; ``"dense"`` attends to every causal key (the first pretraining stage).
@@ -248,7 +248,10 @@ class GLM5ForCausalLM(nn.Module):
         (``glm5_core.model.indexer_loss``: each head's softmax over the selected keys, or over every causal key);
         ``measure_recall`` reports ``topk_recall`` (the dense target's mass on the selected keys: in sparse
         attention with the "selected" target it costs one more pass over every key, so pass False on steps
-        that do not log it)."""
+        that do not log it).
+
+        ``return_logits=False`` skips the final norms and the lm_head (main and MTP depths): ``logits`` is None and
+        ``mtp_logits`` empty, everything else as with True (the indexer warm-up stage trains on the KL alone)."""
         self._check_call(input_ids, attention, mtp_depths, cache, start_pos)
         if indexer_kl_target not in KL_TARGETS:
             raise ValueError(f"indexer_kl_target: expected one of {', '.join(map(repr, KL_TARGETS))}, "
@@ -266,7 +269,7 @@ class GLM5ForCausalLM(nn.Module):
         for layer in self.model.main_layers():
             hidden = layer(hidden, state)
         main_hidden = hidden
-        logits = self._logits(self.model.norm(hidden))
+        logits = self._logits(self.model.norm(hidden)) if return_logits else None
 
         mtp_logits: List[torch.Tensor] = []
         if mtp_depths:
@@ -275,7 +278,8 @@ class GLM5ForCausalLM(nn.Module):
             state.shared_topk = None
             for depth in range(1, mtp_depths + 1):
                 hidden = mtp.predict(hidden, self.model.embed_tokens(_shift_left(input_ids, depth)), state)
-                mtp_logits.append(self._logits(mtp.shared_head.norm(hidden)))
+                if return_logits:
+                    mtp_logits.append(self._logits(mtp.shared_head.norm(hidden)))
 
         zeros = torch.zeros(self.config.n_routed_experts, dtype=torch.int64, device=input_ids.device)
         counts = [c if c is not None else zeros for c in state.expert_counts]

@@ -80,10 +80,12 @@ def indexer_scores_reference(q, k, w, *, start_pos: StartPos = 0) -> torch.Tenso
     B, T, H, D = q.shape
     S = k.shape[1]
     dots = _rows_dot_keys(q.to(ct).reshape(B, T * H, D), k.to(ct)).view(B, T, H, S)  # [B, T, H, S]
-    w = w.to(ct)
-    scores = w[:, :, 0, None] * torch.relu(dots[:, :, 0])  # [B, T, S]
+    # per-head views by one unbind (its backward stacks the head gradients once; a select per head would
+    # allocate and zero a [B, T, H, S] gradient for each head)
+    heads, head_w = torch.relu(dots).unbind(2), w.to(ct).unbind(2)  # H x [B, T, S], H x [B, T]
+    scores = head_w[0].unsqueeze(-1) * heads[0]  # [B, T, S]
     for h in range(1, H):  # fixed head order: one rounding sequence per score
-        scores = scores + w[:, :, h, None] * torch.relu(dots[:, :, h])
+        scores = scores + head_w[h].unsqueeze(-1) * heads[h]
     visible = causal_mask(start_pos, B, T, S, q.device)  # [B, T, S]
     return scores.masked_fill(~visible, float("-inf"))
 

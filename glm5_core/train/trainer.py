@@ -180,8 +180,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
-        if stage.kind == "indexer_warmup":  # the MTP layer's indexer warms up too (its sparse stage uses it)
-            return dict(attention="dense", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths)
+        if stage.kind == "indexer_warmup":  # the MTP layer's indexer warms up too (its sparse stage uses it); the
+            # loss is the KL alone: no lm_head
+            return dict(attention="dense", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths, return_logits=False)
         measure = step % self.cfg.logging.recall_every_steps == 0
         if stage.kind == "sparse":  # the KL trains the indexer every step; the recall is logged on measure steps
             return dict(attention="sparse", indexer_loss=True, mtp_depths=self.cfg.loss.mtp_depths,

@@ -212,6 +212,28 @@ def test_indexer_learns_only_from_kl_and_model_only_from_lm_loss(attention, make
     assert lm_grads[next(i for i, p in enumerate(params) if p is gate)].any()
 
 
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_forward_without_logits_gives_the_same_indexer_signals(attention, make_model, make_config):
+    """return_logits=False (the indexer warm-up) skips the lm_head, main and MTP: no logits, and the KL, recall,
+    expert counts, selected keys and the KL's indexer gradients exactly as with them."""
+    model = make_model(make_config()).train()
+    ids = _ids(model.config, T=13)
+    calls = []
+    model.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    runs = {}
+    for flag in (True, False):
+        out = model(ids, attention=attention, indexer_loss=True, mtp_depths=2, return_logits=flag)
+        grads = torch.autograd.grad(out.indexer_kl, list(model.indexer_parameters()))
+        runs[flag] = out, grads
+    (full, full_grads), (bare, bare_grads) = runs[True], runs[False]
+    assert len(calls) == 3  # the main head and two MTP depths, in the run with logits only
+    assert bare.logits is None and bare.mtp_logits == [] and full.logits is not None and len(full.mtp_logits) == 2
+    for name in ("indexer_kl", "topk_recall", "expert_counts", "hidden"):
+        assert torch.equal(getattr(full, name), getattr(bare, name)), name
+    assert all(torch.equal(a, b) for a, b in zip(full.topk_idx, bare.topk_idx))
+    assert all(torch.equal(a, b) for a, b in zip(full_grads, bare_grads))
+
+
 def test_sparse_kl_equals_dense_kl_and_recall_is_one_when_topk_covers_all_keys(make_model, make_config):
     model = make_model(make_config(index_topk=32))
     ids = _ids(model.config, T=13)

@@ -108,6 +108,35 @@ def test_sparse_prefill_is_differentiable():
     assert torch.autograd.gradcheck(lambda *a: dsa.sparse_prefill(*a, topk_idx=idx, scale=0.5), args)
 
 
+@pytest.mark.parametrize("start", [0, 3])
+def test_scores_gradient_matches_the_head_sum(start):
+    """The reference scores differentiate like sum_h w[h] * ReLU(q[h] . k), masked: each head's gradient lands on
+    that head only (zero ReLUs included: some dot products are exactly 0)."""
+    torch.manual_seed(4)
+    B, T, H, D, S = 2, 5, 3, 4, 9
+    q = torch.randn(B, T, H, D, dtype=torch.float64)
+    q[0, 1, 2] = 0.0  # a zero dot product for every key
+    k, w = torch.randn(B, S, D, dtype=torch.float64), torch.randn(B, T, H, dtype=torch.float64)
+    grad = torch.randn(B, T, S, dtype=torch.float64)
+    visible = mla.causal_mask(start, B, T, S, q.device)  # [B, T, S]
+
+    def head_sum(q, k, w):
+        return (w.unsqueeze(-1) * torch.relu(torch.einsum("bthd,bsd->bths", q, k))).sum(2)  # [B, T, S]
+
+    def reference(q, k, w):
+        return dsa.indexer_scores_reference(q, k, w, start_pos=start)
+
+    outs, grads = [], []
+    for f in (reference, head_sum):
+        inputs = [t.clone().requires_grad_() for t in (q, k, w)]
+        out = f(*inputs)
+        grads.append(torch.autograd.grad(out, inputs, grad.masked_fill(~visible, 0.0)))
+        outs.append(out.detach().masked_fill(~visible, float("-inf")))
+    torch.testing.assert_close(outs[0], outs[1])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_empty_batch_with_ragged_start_positions():
     x = testing.make_indexer_inputs(testing.IndexerShape(B=0, T=2, S=5, H=2, D=4, K=3))
     start = torch.zeros(0, dtype=torch.int32)

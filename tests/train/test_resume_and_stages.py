@@ -179,6 +179,19 @@ def test_indexer_warmup_trains_every_indexer_including_the_mtp_layers(small_raw,
     assert changed == indexer, sorted(changed ^ indexer)
 
 
+def test_indexer_warmup_step_runs_no_lm_head(small_raw, tmp_path):
+    """The warm-up's loss is the indexer KL alone: its steps skip the lm_head (main and MTP depths); the other
+    stages' steps run it once per depth plus once for the main logits."""
+    trainer = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "run")))
+    calls = []
+    trainer.model.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    heads = 1 + small_raw["loss"]["mtp_depths"]
+    for step, stage in enumerate(["dense"] * 2 + ["indexer_warmup"] * 2 + ["sparse"] * 2):
+        calls.clear()
+        record = trainer.train_step(step)
+        assert record["stage"] == stage and len(calls) == (0 if stage == "indexer_warmup" else heads), record
+
+
 @pytest.mark.parametrize("installed", [True, False])
 def test_cli_says_which_metrics_outputs_a_missing_package_skipped(small_raw, tmp_path, capsys, monkeypatch, installed):
     """The plot and TensorBoard need the [metrics] extra: without it the run still trains and says what it left out."""
