@@ -117,14 +117,15 @@ def kernels():
            _sig({"a1_ptr": "*fp32", "a2_ptr": "*fp32", "b_ptr": "*bf16", "out1_ptr": "*fp32", "out2_ptr": "*fp32",
                  "row_start_ptr": "*i64", "counts_ptr": "*i64"}, [("I", I32), ("J", I32)], ["PAIR", "BI", "BJ", "BR"]),
            dict(PAIR=True, BI=64, BJ=64, BR=32))
-    yield ("ns_symmetric", newton_schulz._symmetric_kernel,
-           _sig({"y_ptr": "*fp32", "z_ptr": "*fp32", "out_ptr": "*fp32"},
-                [("R", I32), ("KDIM", I32), ("alpha", "fp32"), ("beta", "fp32")], ["HAS_Z", "BM", "BK"]),
-           dict(HAS_Z=True, BM=64, BK=32))
-    yield ("ns_gemm", newton_schulz._gemm_kernel,
-           _sig({"b_ptr": "*fp32", "x_ptr": "*fp32", "out_ptr": "*fp32"}, [("R", I32), ("N", I32), ("a_coef", "fp32")],
-                ["BM", "BN", "BK"]), dict(BM=64, BN=64, BK=32))
-
+    for suffix, dtype, bf16 in (("", "*fp32", False), ("_bf16", "*bf16", True)):  # fp32 / bf16 compute
+        ns_meta = dict(BF16=bf16, EMULATE=False)
+        yield ("ns_symmetric" + suffix, newton_schulz._symmetric_kernel,
+               _sig({"y_ptr": dtype, "z_ptr": dtype, "out_ptr": dtype},
+                    [("R", I32), ("KDIM", I32), ("alpha", "fp32"), ("beta", "fp32")],
+                    ["HAS_Z", "BM", "BK", "BF16", "EMULATE"]), dict(HAS_Z=True, BM=64, BK=32, **ns_meta))
+        yield ("ns_gemm" + suffix, newton_schulz._gemm_kernel,
+               _sig({"b_ptr": dtype, "x_ptr": dtype, "out_ptr": dtype}, [("R", I32), ("N", I32), ("a_coef", "fp32")],
+                    ["BM", "BN", "BK", "BF16", "EMULATE"]), dict(BM=64, BN=64, BK=32, **ns_meta))
 
 def main(vendor: str) -> int:
     import triton
