@@ -82,6 +82,16 @@ class Muon(torch.optim.Optimizer):
         self.backend = backend
         self.kernels = registry.bind(backend)  # resolved once, here
 
+    # Group options added after state dicts were first saved, with the value those runs used: a loaded group
+    # without one gets it (torch's load_state_dict puts the saved groups in place of the constructor's).
+    KEYS_SINCE = (("ns_dtype", "float32"),)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.KEYS_SINCE:
+                group.setdefault(key, value)
+
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the checks the constructor makes (a group added later is held to the same rules)."""
         super().add_param_group(param_group)

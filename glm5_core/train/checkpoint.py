@@ -73,10 +73,6 @@ def _flatten_optimizer(state: Dict[str, dict], keep: bool = True):
 _GROUP_IDENTITY = ("params", "name", "role", "optimizer", "split_heads", "split_dim")
 
 
-# Muon group keys added after checkpoints were first written, with the value those checkpoints ran with.
-_MUON_KEYS_SINCE = {"ns_dtype": "float32"}
-
-
 def _json_kind(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return type(value).__name__
@@ -173,7 +169,7 @@ def _read_part(f, part: str, sd: dict, stored: Dict[int, Dict[str, str]], specs:
     """One optimizer part of an open ``optimizer.safetensors``: its groups, then each parameter's state from
     the header, then read (and cut to this rank's shard) into ``sd["state"]``."""
     if isinstance(opt, Muon) and isinstance(sd["param_groups"], list):  # an older Muon checkpoint: its values
-        sd["param_groups"] = [{**_MUON_KEYS_SINCE, **g} if isinstance(g, dict) else g for g in sd["param_groups"]]
+        sd["param_groups"] = [{**dict(Muon.KEYS_SINCE), **g} if isinstance(g, dict) else g for g in sd["param_groups"]]
     _check_groups(part, sd["param_groups"], want)
     _check_hyper(part, sd["param_groups"], opt)
     by_id = {pid: (param, group) for g, group in zip(want, opt.param_groups)

@@ -205,3 +205,27 @@ def test_auto_ns_dtype_follows_the_device(monkeypatch):
     assert torch.equal(runs["auto_native"], runs["bfloat16"])
     assert torch.equal(runs["auto_emulated"], runs["float32"])
     assert not torch.equal(runs["bfloat16"], runs["float32"])
+
+
+def test_a_state_dict_from_before_ns_dtype_loads_and_steps_as_float32():
+    """``Muon.load_state_dict`` of a state dict saved before the ``ns_dtype`` option existed (its groups lack
+    the key): the groups take float32, what such runs iterated in, and the next step equals a fresh fp32 run's
+    (torch's load_state_dict replaces the groups by the saved ones, so a missing key used to fail the step)."""
+    shape, grads = (12, 9), _grads((12, 9), torch.float32, steps=2, seed=2)
+    runs = []
+    for old_format in (False, True):
+        p = _param(shape, torch.float32, seed=1)
+        opt = Muon([p], lr=0.03, ns_dtype="float32")
+        p.grad = grads[0].clone()
+        opt.step()
+        saved = opt.state_dict()
+        if old_format:
+            saved["param_groups"] = [{k: v for k, v in g.items() if k != "ns_dtype"} for g in saved["param_groups"]]
+        resumed = torch.nn.Parameter(p.detach().clone())
+        opt = Muon([resumed], lr=0.03, ns_dtype="bfloat16")  # the loaded groups decide, as for every option
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["ns_dtype"] == "float32"
+        resumed.grad = grads[1].clone()
+        opt.step()
+        runs.append(resumed.detach())
+    assert torch.equal(runs[0], runs[1])
