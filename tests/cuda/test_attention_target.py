@@ -68,6 +68,29 @@ def test_the_expanded_keys_give_the_same_target(normaliser, device):
     _check(kernel(OP)(**args, **kw), args, kw, torch.bfloat16)
 
 
+@pytest.mark.parametrize("normaliser", NORMALISERS)
+def test_non_finite_scores_give_nan_where_the_reference_does(normaliser, device):
+    """An inf / NaN input makes NaN wherever the reference's softmax meets it, never a finite target: an inf in
+    one head's q_pe (that head's scores +-inf, NaN in its softmax) and a NaN in one key's c_kv (every head's score
+    at that key). The lse kernels used to map a NaN sum to the "no key" +inf and drop the head (p = 0), so the
+    target stayed finite and the KL trained on 2/3 of a row."""
+    from glm5_core.backends.triton import attention_target
+    from glm5_core.backends.triton.launch import LaunchConfig
+
+    shape, K, start = CASES[-1]
+    args, start_pos = case_inputs(shape, K, start, torch.float32, seed=3)
+    args["q_pe"][1, 2, 0, 0] = float("inf")  # row (1, 2), head 0
+    args["c_kv"][0, start + 3, 1] = float("nan")  # a key of batch row 0 seen by its queries t >= 3
+    kw = dict(scale=scale_of(shape), start_pos=start_pos, normaliser=normaliser)
+    ref = dsa.selected_attention_target_reference(**args, **kw)
+    args = {n: t.to(device) for n, t in args.items()}
+    out = attention_target.selected_attention_target(**args, **kw, config=LaunchConfig(blocks=TILES)).cpu()
+    assert ref[1, 2].isnan().all() and ref.isnan().any(-1).sum() > 1 and not ref.isnan().all()
+    assert torch.equal(out.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    torch.testing.assert_close(out[finite], ref[finite], atol=2e-5, rtol=2e-5)
+
+
 def test_the_target_is_bitwise_repeatable(device):
     shape, K, start = CASES[-1]
     args, start_pos = case_inputs(shape, K, start, torch.float32, seed=9)

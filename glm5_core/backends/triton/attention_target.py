@@ -79,7 +79,7 @@ def _target_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, lse_ptr, out_pt
         q_pe = _load_heads(qpe_ptr, row, h0, H * DR, DR, H, DR, BH, DR_PAD)
         lse = tl.load(lse_ptr + row * H + offs_h, mask=offs_h < H, other=float("inf"))  # +inf: p = 0
         s = _selected_scores(q_lat, q_pe, kv, kr, valid, scale)
-        p = tl.where(valid[None, :] & (lse[:, None] < float("inf")), tl.exp(s - lse[:, None]), 0.0)
+        p = tl.where(valid[None, :] & (lse[:, None] != float("inf")), tl.exp(s - lse[:, None]), 0.0)  # NaN lse: NaN
         acc += tl.sum(p, axis=0)
     offs_k = k0 + tl.arange(0, BK)
     tl.store(out_ptr + row * K + offs_k, acc / H, mask=offs_k < K)

@@ -31,9 +31,10 @@ def online_lse_step(m, total, s):
 
 @triton.jit
 def finish_lse(m, total):
-    """log sum exp from the running (m, total); +inf for a row that met no key (its every p is then 0)."""
-    has_key = total > 0.0
-    return tl.where(has_key, m + tl.log(tl.where(has_key, total, 1.0)), float("inf"))
+    """log sum exp from the running (m, total); +inf for a row that met no key (its every p is then 0), NaN where
+    a score was NaN or +inf (a NaN total, as the reference's softmax gives: not "no key")."""
+    no_key = total == 0.0
+    return tl.where(no_key, float("inf"), m + tl.log(tl.where(no_key, 1.0, total)))
 
 
 @triton.jit
