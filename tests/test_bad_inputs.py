@@ -153,6 +153,23 @@ def test_finite_check_finds_any_single_nan_or_inf(dtype, bad, where):
     _checks.finite("ints", torch.arange(5))
 
 
+def test_finite_check_stays_out_of_autograd():
+    """The check on an input that requires grad (the router logits, the indexer's q / k / w) records nothing for
+    backward: no saved-tensor hook sees the input (amin / amax under grad mode saved it twice, so an
+    activation-offloading hook would copy it off the device twice per check)."""
+    from glm5_core.ops import _checks
+
+    leaf = torch.randn(6, 33, requires_grad=True)
+    x = leaf * 2  # a non-leaf, as the ops get
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(tuple(t.shape)) or t, lambda t: t):
+        _checks.finite("x", x)
+        x.view(-1)[7].detach().fill_(math.nan)  # in place through a view: x's own graph untouched
+        with pytest.raises(ValueError, match="x: expected finite values"):
+            _checks.finite("x", x)
+    assert packed == []
+
+
 def test_value_checks_can_be_switched_off_for_production_loops(monkeypatch):
     args = valid_args("moe.route")
     args["logits"] = args["logits"].clone()

@@ -187,6 +187,8 @@ def finite(name: str, value: torch.Tensor) -> None:
     isfinite().all() on a [8, 128, 4, 16] fp32 tensor on cpu)."""
     if not value_checks_enabled() or not value.is_floating_point() or not value.numel():
         return  # integers are always finite
+    if value.requires_grad:  # a check, not part of the graph: amin / amax would save the input for backward
+        value = value.detach()
     if not bool(torch.isfinite(torch.stack((value.amin(), value.amax()))).all()):
         raise ValueError(f"{name}: expected finite values, got NaN or inf")
 
