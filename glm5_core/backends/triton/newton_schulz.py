@@ -68,10 +68,12 @@ def _symmetric_kernel(y_ptr, z_ptr, out_ptr, R, KDIM, alpha, beta, HAS_Z: tl.con
             acc += alpha * tl.load(z_ptr + tile, mask=mask, other=0.0).to(tl.float32)
         if BF16:
             acc = _round_to_bf16(acc)
-        tl.store(out_ptr + tile, acc, mask=mask)
-        if tj > ti:
-            mirror = bt * R * R + offs_j[None, :] * R + offs_i[:, None]
-            tl.store(out_ptr + mirror, acc, mask=mask)
+        # entries (i, j) with i <= j, each also written at (j, i): exactly symmetric, the diagonal tiles too (a dot
+        # need not give its (p, q) and (q, p) entries the same rounding; numpy's, under the interpreter, does not)
+        upper = mask & (offs_i[:, None] <= offs_j[None, :])
+        mirror = bt * R * R + offs_j[None, :] * R + offs_i[:, None]
+        tl.store(out_ptr + tile, acc, mask=upper)
+        tl.store(out_ptr + mirror, acc, mask=upper)
 
 
 @triton.jit
