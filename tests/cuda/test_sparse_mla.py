@@ -27,6 +27,25 @@ def test_forward_matches_reference(op, dtype, device):
     assert (out[0, 0] == 0).all()  # the row with no selected key
 
 
+@pytest.mark.parametrize("op", ["dsa_sparse_decode", "dsa_sparse_prefill"])
+def test_non_finite_scores_give_nan_where_the_reference_does(op, device):
+    """An inf in one head's q_pe and a NaN in one key's c_kv give NaN where the reference does (those heads /
+    the rows selecting that key), never zeros: the forward used to take a NaN row sum for "no key" and write
+    0 for the head, a silently finite attention output. The row with no selected key still gives 0."""
+    x = _inputs(torch.float32, "cpu")
+    x["q_pe"][1, 2, 0, 0] = float("inf")  # row (1, 2), head 0: its scores +-inf
+    nan_key = int(x["topk_idx"][0, 1, 1])  # not key 0, which the reference gathers (times 0) for -1 slots
+    x["c_kv"][0, nan_key, 5] = float("nan")  # every head's score and value at that key
+    ref = dsa.sparse_attention_reference(*(x[a] for a in ARGS), x["topk_idx"], scale=0.31)
+    assert ref[1, 2, 0].isnan().all() and not ref[1, 2, 1:].isnan().any() and ref[0, 1].isnan().all()
+    x = {n: t.to(device) for n, t in x.items()}
+    out = kernel(op)(*(x[a] for a in ARGS), x["topk_idx"], scale=0.31).cpu()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert (out[0, 0] == 0).all()
+    finite = ~ref.isnan()
+    torch.testing.assert_close(out[finite], ref[finite], atol=2e-5, rtol=2e-5)
+
+
 def test_backward_matches_reference_autograd(device):
     x = _inputs(torch.float32, device, K=9, seed=2)
     ours = {a: x[a].clone().requires_grad_() for a in ARGS}

@@ -127,7 +127,7 @@ def _sparse_fwd_kernel(qlat_ptr, qpe_ptr, ckv_ptr, kpe_ptr, idx_ptr, out_ptr, ls
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _mm(p, kv, TC, EMULATE)
         m = m_new
-    has_key = row_sum > 0.0
+    has_key = row_sum != 0.0  # 0: no key; a NaN sum (a NaN / +inf score) gives NaN, as the reference's softmax
     out = tl.where(has_key[:, None], acc / tl.where(has_key, row_sum, 1.0)[:, None], 0.0)
     lse = tl.where(has_key, m + tl.log(tl.where(has_key, row_sum, 1.0)), float("inf"))  # +inf: every p is 0
     offs_h = h0 + tl.arange(0, BH)
