@@ -170,6 +170,22 @@ def test_finite_check_stays_out_of_autograd():
     assert packed == []
 
 
+def test_fake_tensors_trace_shapes_with_the_value_checks_on():
+    """Under FakeTensorMode (what the meta-device error advises for tracing shapes) the ops give outputs of the
+    right shapes and dtypes: the value checks (NaN, index ranges, start positions) have no values to read and
+    are skipped, as under torch.compile, instead of failing on a data-dependent read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, w = torch.randn(2, 5, 4, 8), torch.randn(2, 9, 8), torch.randn(2, 5, 4)
+        idx = dsa.indexer_topk(q, k, w, 3, start_pos=torch.tensor([4, 2]), backend="cpu")
+        scores = dsa.indexer_scores(q, k, w, start_pos=4, backend="cpu")
+        weights, ids = moe.route(torch.randn(7, 8), torch.zeros(8), top_k=2, backend="cpu")
+    assert (idx.shape, idx.dtype) == ((2, 5, 3), torch.int32)
+    assert (scores.shape, scores.dtype) == ((2, 5, 9), torch.float32)
+    assert (weights.shape, ids.shape, ids.dtype) == ((7, 2), (7, 2), torch.int32)
+
+
 def test_value_checks_can_be_switched_off_for_production_loops(monkeypatch):
     args = valid_args("moe.route")
     args["logits"] = args["logits"].clone()

@@ -173,10 +173,20 @@ def skip_value_checks():
 def value_checks_enabled() -> bool:
     """Checks that read tensor values (NaN, index ranges) cost a device sync each. They are on by default,
     off under ``GLM5_CHECK_VALUES=0`` (for production loops on accelerators), inside
-    :func:`skip_value_checks` and while torch.compile traces."""
+    :func:`skip_value_checks`, while torch.compile traces and under a FakeTensorMode (no values to read)."""
     if _compiling():
         return False  # asked first: dynamo folds it, while ContextVar.get below would be a graph break
-    return not (_SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0")
+    if _SKIP_VALUE_CHECKS.get() or os.environ.get("GLM5_CHECK_VALUES", "1") == "0":
+        return False
+    return not _tracing_fake()
+
+
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing_fake() -> bool:
+    """Whether a FakeTensorMode is active (torch keeps at most one on its dispatch-mode stack)."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
 def finite(name: str, value: torch.Tensor) -> None:
