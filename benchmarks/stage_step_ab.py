@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-STAGE_STARTS = {"dense": 0, "indexer_warmup": 300, "sparse": 360}  # configs/tiny.yaml's first step of each stage
-METRICS = ("loss", "lm_loss", "mtp_loss", "indexer_kl", "topk_recall", "grad_norm")
+WARMUP_STEPS = 3  # per variant, not timed
+METRICS = ("stage", "loss", "lm_loss", "mtp_loss", "indexer_kl", "topk_recall", "grad_norm")
 
 
 def _unwrapped(fn):
@@ -38,9 +38,19 @@ def _base_function(base_tree: Path, spec: str):
     return _unwrapped(getattr(importlib.import_module(module_name), name)), _unwrapped(getattr(module, name))
 
 
+def _stage_steps(stages, kind: str):
+    """(first global step, step count) of the config's first stage of ``kind``; None if it has none."""
+    first = 0
+    for stage in stages:
+        if stage.kind == kind:
+            return first, stage.steps
+        first += stage.steps
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=sorted(STAGE_STARTS))
+    parser.add_argument("stage", choices=("dense", "indexer_warmup", "sparse"))
     parser.add_argument("--base-tree", type=Path, required=True)
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE:FUNCTION")
     parser.add_argument("--drop-kwarg", action="append", default=[], metavar="NAME")
@@ -70,6 +80,13 @@ def main(argv=None) -> int:
             fn.__code__ = base.__code__ if variant == "old" else code
 
     cfg = load_config(args.config)
+    span = _stage_steps(cfg.stages, args.stage)
+    if span is None:
+        parser.error(f"stage: {args.config} has no {args.stage} stage")
+    start, length = span
+    if WARMUP_STEPS + args.steps > length:
+        parser.error(f"--steps: expected <= {length - WARMUP_STEPS} ({args.stage} has {length} steps in "
+                     f"{args.config}, {WARMUP_STEPS} of them warm-up), got {args.steps}")
     torch.set_num_threads(1)
     trainers = {v: Trainer(cfg, RunOptions(output_dir=f"/tmp/stage_step_ab_{v}")) for v in ("old", "new")}
     own_kwargs = trainers["old"]._forward_kwargs
@@ -80,23 +97,23 @@ def main(argv=None) -> int:
     trainers["old"]._forward_kwargs = base_kwargs
     times = {"old": [], "new": []}
     records = {"old": [], "new": []}
-    start = STAGE_STARTS[args.stage]
     try:
-        for i, step in enumerate(range(start, start + 3 + args.steps)):  # 3 warm-up steps, not timed
+        for i, step in enumerate(range(start, start + WARMUP_STEPS + args.steps)):
             for v in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 use(v)
                 t0 = time.process_time()
                 record = trainers[v].train_step(step)
-                if i >= 3:
+                if i >= WARMUP_STEPS:
                     times[v].append(time.process_time() - t0)
                 records[v].append({k: record.get(k) for k in METRICS})
     finally:
         use("new")  # this tree's code back, whatever happened
     old, new = (statistics.median(times[v]) * 1e3 for v in ("old", "new"))
-    result = {"stage": args.stage, "steps": args.steps, "old_ms": round(old, 1), "new_ms": round(new, 1),
-              "ratio": round(new / old, 3),
+    result = {"stage": args.stage, "first_step": start, "steps": args.steps, "old_ms": round(old, 1),
+              "new_ms": round(new, 1), "ratio": round(new / old, 3),
               "median_step_pair_ratio": round(statistics.median(b / a for a, b in zip(times["old"], times["new"])), 3),
-              "metrics_identical": records["old"] == records["new"], "swapped": args.swap,
+              "metrics_identical": records["old"] == records["new"],
+              "stage_labels": sorted({r["stage"] for r in records["new"]}), "swapped": args.swap,
               "dropped_kwargs": args.drop_kwarg}
     print(json.dumps(result))
     if args.out:

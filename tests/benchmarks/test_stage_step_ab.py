@@ -58,3 +58,27 @@ def test_an_identical_base_gives_identical_metrics(bench, base_tree, tmp_path, m
                        "glm5_core.ops._checks:finite", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["metrics_identical"] and result["stage"] == "indexer_warmup" and result["old_ms"] > 0
+
+
+def test_the_stage_starts_where_the_config_puts_it(bench, base_tree, tmp_path, monkeypatch):
+    """The stage's first step comes from the config's stages (it was configs/tiny.yaml's 0 / 300 / 360 for every
+    config: --config configs/small.yaml sparse timed dense steps, labelled sparse); --steps past the stage exit 2."""
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "configs" / "tiny.yaml").read_text()
+    head, rest = text.split("stages:\n", 1)
+    tail = rest[rest.index("loss:"):]
+    stages = ("  - {kind: dense, steps: 2}\n  - {kind: indexer_warmup, steps: 5, indexer_lr: 5.0e-3, "
+              "indexer_final_lr: 2.0e-4}\n"
+              "  - {kind: sparse, steps: 5}\n")
+    config = tmp_path / "short.yaml"
+    config.write_text(head + "stages:\n" + stages + tail)
+    out = tmp_path / "r.json"
+    assert bench.main(["sparse", "--base-tree", str(base_tree), "--steps", "1", "--config", str(config),
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["first_step"] == 7 and result["stage_labels"] == ["sparse"] and result["metrics_identical"]
+
+
+def test_steps_past_the_stage_exit_2(bench, capsys, base_tree, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    exits_2_naming(bench, capsys, ["indexer_warmup", "--base-tree", str(base_tree), "--steps", "58"], "--steps")
