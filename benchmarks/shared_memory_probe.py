@@ -73,7 +73,7 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
     fp = "*" + FLOAT_NAMES[itemsize]
     if family == "indexer":
         pads = dict(H=dims.indexer_heads, D=dims.indexer_head_dim, H_PAD=next_pow2(dims.indexer_heads, 16),
-                    D_PAD=next_pow2(dims.indexer_head_dim, 16), BS=blocks["keys"], WIDEN=False)
+                    D_PAD=next_pow2(dims.indexer_head_dim, 16), BS=blocks["keys"], INTERPRETED=False)
         kp = next_pow2(dims.index_topk, blocks["keys"])
         ptrs = dict(q_ptr=fp, k_ptr=fp, start_ptr="*i32", out_ptr="*i32", scratch_ptr="*i64", nan_ptr="*i8")
         yield "indexer_topk", indexer._indexer_topk_kernel, dict(pads, KP=kp), ptrs

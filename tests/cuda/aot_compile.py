@@ -41,7 +41,7 @@ def kernels():
 
     idx_strides = [(n, I32) for n in ("stride_qb", "stride_qt", "stride_qh", "stride_qd", "stride_kb", "stride_ks",
                                       "stride_kd", "stride_wb", "stride_wt", "stride_wh")]
-    pads = dict(H=4, D=24, H_PAD=16, D_PAD=32, BS=64, WIDEN=False)
+    pads = dict(H=4, D=24, H_PAD=16, D_PAD=32, BS=64, INTERPRETED=False)
     yield ("indexer_topk", indexer._indexer_topk_kernel,
            _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "start_ptr": "*i32", "out_ptr": "*i32",
                  "scratch_ptr": "*i64", "nan_ptr": "*i8"}, [("T", I32), ("S", I32), ("K", I32)] + idx_strides,

@@ -5,7 +5,8 @@ Legend: B batch, T queries, S key slots, H indexer heads, D head dim, K top-k wi
 
 One program owns one query row and streams that row's visible keys in blocks of BS:
 
-  dots_HB  = q_HD @ k_BD^T                        (tl.dot, fp32 accumulation, exact fp32 products)
+  dots_HB  = q_HD @ k_BD^T                        (tl.dot, fp32 accumulation, exact fp32 products;
+                                                   the interpreter: products summed over D)
   score_B  = sum_h w_h * relu(dots_HB[h])          (one tl.sum over the padded head axis)
 
 Every score of key ``s`` is computed by the same instructions on the same operands whatever B, T or S
@@ -39,14 +40,19 @@ _INDEX_CEIL = 2 ** 31 - 1  # packed low word is _INDEX_CEIL - index (ascending i
 
 @triton.jit
 def _block_scores(q_HD, w_H, k_ptr, stride_ks, stride_kd, s0, n_keys,
-                  D: tl.constexpr, BS: tl.constexpr, D_PAD: tl.constexpr, WIDEN: tl.constexpr):
-    """Scores of keys s0 .. s0+BS-1 for one query; keys >= n_keys get a garbage score (masked by callers)."""
+                  D: tl.constexpr, BS: tl.constexpr, D_PAD: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Scores of keys s0 .. s0+BS-1 for one query; keys >= n_keys get a garbage score (masked by callers).
+
+    INTERPRETED (``TRITON_INTERPRET=1``, CPU tensors): the dots as fp32 products summed over D, not ``tl.dot``,
+    which the interpreter hands to numpy's sgemm: OpenBLAS's AVX2 kernel gives equal key columns different
+    roundings (at H_PAD 32, D 128), which breaks the contract's ties by index, and it has no bf16 (bf16
+    products are exact in fp32). On a GPU ``tl.dot`` (ieee) gives every key column the same instructions."""
     offs_s = s0 + tl.arange(0, BS)
     offs_d = tl.arange(0, D_PAD)
     k_BD = tl.load(k_ptr + offs_s[:, None] * stride_ks + offs_d[None, :] * stride_kd,
                    mask=(offs_s[:, None] < n_keys) & (offs_d[None, :] < D), other=0.0)
-    if WIDEN:  # exact: 16-bit products are exact in fp32
-        dots_HB = tl.dot(q_HD.to(tl.float32), tl.trans(k_BD.to(tl.float32)), input_precision="ieee")
+    if INTERPRETED:  # [H_PAD, D_PAD, 1] * [1, D_PAD, BS] summed over D: each column by the same sum
+        dots_HB = tl.sum(q_HD.to(tl.float32)[:, :, None] * tl.trans(k_BD.to(tl.float32))[None, :, :], axis=1)
     else:
         dots_HB = tl.dot(q_HD, tl.trans(k_BD), input_precision="ieee")  # [H_PAD, BS] fp32 accumulation
     return tl.sum(w_H[:, None] * tl.maximum(dots_HB, 0.0), axis=0)  # [BS]
@@ -96,7 +102,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr, n
                          stride_kb, stride_ks, stride_kd,
                          stride_wb, stride_wt, stride_wh,
                          H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, KP: tl.constexpr, WIDEN: tl.constexpr):
+                         BS: tl.constexpr, KP: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0)  # one query row: b * T + t
     row_b = row // T
     row_t = row % T
@@ -114,7 +120,7 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr, n
     n_staged = tl.zeros([], tl.int32)
     saw_nan = tl.zeros([], tl.int32)  # a NaN score (inf - inf from finite inputs) has no place in the order
     for s0 in range(0, n_keys, BS):
-        score = _block_scores(q_HD, w_H, k_row, stride_ks, stride_kd, s0, n_keys, D, BS, D_PAD, WIDEN)
+        score = _block_scores(q_HD, w_H, k_row, stride_ks, stride_kd, s0, n_keys, D, BS, D_PAD, INTERPRETED)
         offs_s = s0 + tl.arange(0, BS)
         saw_nan = tl.maximum(saw_nan, tl.max(((score != score) & (offs_s < n_keys)).to(tl.int32), axis=0))
         packed = _pack(score, offs_s)
@@ -143,7 +149,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
                            stride_kb, stride_ks, stride_kd,
                            stride_wb, stride_wt, stride_wh,
                            H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                           BS: tl.constexpr, WIDEN: tl.constexpr):
+                           BS: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0)
     s0 = tl.program_id(1) * BS
     row_b = row // T
@@ -152,7 +158,7 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr,
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
     score = _block_scores(q_HD, w_H, k_ptr + row_b.to(tl.int64) * stride_kb, stride_ks, stride_kd,
-                          s0, S, D, BS, D_PAD, WIDEN)
+                          s0, S, D, BS, D_PAD, INTERPRETED)
     offs_s = s0 + tl.arange(0, BS)
     score = tl.where(offs_s <= pos, score, float("-inf"))
     tl.store(out_ptr + row.to(tl.int64) * S + offs_s, score, mask=offs_s < S)
@@ -165,9 +171,8 @@ def _common_args(q, k, w):
 
 def _pads(q):
     H, D = q.shape[2], q.shape[3]
-    # Triton's CPU interpreter has no bf16 dot: widen bf16 tiles to fp32 there (same products, exact).
-    widen = q.dtype == torch.bfloat16 and platform.triton_interpreter_enabled()
-    return dict(H=H, D=D, H_PAD=_util.next_pow2(H, 16), D_PAD=_util.next_pow2(D, 16), WIDEN=widen)
+    return dict(H=H, D=D, H_PAD=_util.next_pow2(H, 16), D_PAD=_util.next_pow2(D, 16),
+                INTERPRETED=platform.triton_interpreter_enabled())  # see _block_scores
 
 
 def kernel_width(topk: int, num_keys: int) -> int:
