@@ -20,7 +20,8 @@
 // Cost O(T K H (Dn + R)) multiply-adds and T K H exponentials; memory O(S H Dn) (the keys' copy below), plus
 // ("selected") K scores of every head per thread.
 // Layout: k_nope is first copied into head-minor vectors [B*S, Dn, G, 8] (heads past H zero), so a score of 8 heads
-// is Dn + R lane-wise multiply-adds with no horizontal sum. Determinism: one thread computes each query row, in a
+// is Dn + R lane-wise multiply-adds with no horizontal sum (fp32 with H <= 4 heads: target_packed, two keys per
+// vector, the same bits). Determinism: one thread computes each query row, in a
 // fixed order (keys in slot order, heads summed in head order): bitwise repeatable, whatever the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

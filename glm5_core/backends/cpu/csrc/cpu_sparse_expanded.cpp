@@ -16,6 +16,8 @@
 // Layout: the kernels first copy q, k_nope, v (and dO) into head-minor buffers [rows, D, G, 8] (G = ceil(H / 8)
 // groups of 8 heads, zero padded, converted to the accumulation type): a score of 8 heads is then Dn + R lane-wise
 // multiply-adds, with no horizontal sum (what a per-head dot product of 32 or 48 values would spend its time on).
+// fp32 with H <= 4 heads takes the packed kernels (forward_packed, backward_packed): quad rows [rows, D, 4], two keys
+// or two elements per 8-lane vector, the same chains in the same order, so the same bits as the 8-lane kernels.
 // Determinism: the forward and pass 1 of the backward work on one query row at a time (rows are independent).
 // Before pass 1 the block's (t, j) entries are grouped by key (a counting sort, ascending (t, j) within each key);
 // pass 1 stores each entry's p and G at its place in that order, so pass 2 reads them sequentially, and gives each
