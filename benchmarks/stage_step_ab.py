@@ -9,10 +9,14 @@ metrics must agree; the script says whether they did. Process time, one thread, 
     git archive BASE | tar -x -C /tmp/base
     python benchmarks/stage_step_ab.py sparse --base-tree /tmp/base --steps 40 \\
         --swap glm5_core.ops._checks:finite --swap glm5_core.model.indexer_loss:_kl
+
+``--base-extension``: "old" steps also run the base tree's native CPU extension (its csrc built beside this tree's
+under another op namespace, ``benchmarks/_base_extension.py``), for A/Bs of a C++ change.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -53,6 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("stage", choices=("dense", "indexer_warmup", "sparse"))
     parser.add_argument("--base-tree", type=Path, required=True)
     parser.add_argument("--swap", action="append", default=[], metavar="MODULE:FUNCTION")
+    parser.add_argument("--base-extension", action="store_true",
+                        help="old steps run the base tree's native CPU extension (built beside this tree's)")
     parser.add_argument("--drop-kwarg", action="append", default=[], metavar="NAME")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--config", default="configs/tiny.yaml")
@@ -62,6 +68,8 @@ def main(argv=None) -> int:
         parser.error(f"--steps: expected >= 1, got {args.steps}")
     if not (args.base_tree / "glm5_core").is_dir():
         parser.error(f"--base-tree: expected a source tree holding glm5_core/, got {args.base_tree}")
+    if args.base_extension and not any((args.base_tree / "glm5_core/backends/cpu/csrc").glob("cpu_*.cpp")):
+        parser.error(f"--base-extension: expected {args.base_tree}/glm5_core/backends/cpu/csrc/cpu_*.cpp, got none")
     for spec in args.swap:
         module_name, _, name = spec.partition(":")
         if not name or not (args.base_tree / (module_name.replace(".", "/") + ".py")).is_file():
@@ -71,6 +79,14 @@ def main(argv=None) -> int:
 
     from glm5_core.train.config import load_config
     from glm5_core.train.trainer import RunOptions, Trainer
+
+    if args.base_extension:
+        import _base_extension  # benchmarks/, the script's folder
+
+        _base_extension.build(args.base_tree)
+
+    def kernels(variant: str):
+        return _base_extension.kernels(variant) if args.base_extension else contextlib.nullcontext()
 
     swaps = [_base_function(args.base_tree, spec) for spec in args.swap]  # (this tree's function, base's)
     new_code = [fn.__code__ for fn, _ in swaps]
@@ -102,7 +118,8 @@ def main(argv=None) -> int:
             for v in (("old", "new") if i % 2 == 0 else ("new", "old")):
                 use(v)
                 t0 = time.process_time()
-                record = trainers[v].train_step(step)
+                with kernels(v):
+                    record = trainers[v].train_step(step)
                 if i >= WARMUP_STEPS:
                     times[v].append(time.process_time() - t0)
                 records[v].append({k: record.get(k) for k in METRICS})
@@ -114,6 +131,7 @@ def main(argv=None) -> int:
               "median_step_pair_ratio": round(statistics.median(b / a for a, b in zip(times["old"], times["new"])), 3),
               "metrics_identical": records["old"] == records["new"],
               "stage_labels": sorted({r["stage"] for r in records["new"]}), "swapped": args.swap,
+              "base_extension": args.base_extension,
               "dropped_kwargs": args.drop_kwarg}
     print(json.dumps(result))
     if args.out:

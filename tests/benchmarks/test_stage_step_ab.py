@@ -28,7 +28,8 @@ def _one_thread_kept(monkeypatch):
 
 @pytest.mark.parametrize("flags, named", [(["--steps", "0"], "--steps"),
                                           (["--swap", "glm5_core.ops._checks"], "--swap"),
-                                          (["--swap", "glm5_core.nowhere:f"], "--swap")])
+                                          (["--swap", "glm5_core.nowhere:f"], "--swap"),
+                                          (["--base-extension"], "--base-extension")])  # no csrc in the base
 def test_a_bad_flag_exits_2_naming_it(bench, capsys, base_tree, flags, named):
     exits_2_naming(bench, capsys, ["dense", "--base-tree", str(base_tree)] + flags, named)
 

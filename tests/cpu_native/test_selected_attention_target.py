@@ -170,3 +170,31 @@ def test_selected_kernel_rows_sum_to_one(native):
     empty = sums == 0
     assert empty[0, 0] and empty.sum() == 1  # make_sparse_inputs' one row with no key
     torch.testing.assert_close(sums[~empty], torch.ones_like(sums[~empty]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("H,wide", ((1, 8), (2, 8), (3, 6), (4, 8)))
+@pytest.mark.parametrize("K", (1, 7, 40))
+@pytest.mark.parametrize("nthreads", (1, 2))
+def test_packed_heads_are_bitwise_the_eight_lane_kernel(native, threads, H, wide, K, nthreads):
+    """H <= 4 heads take the packed kernel (two keys per 8-lane vector); `wide` heads (5 to 8) the 8-lane kernel.
+    With the "causal" normaliser an added head whose lse is huge adds exp(...) = +0 to every head sum, and the two
+    results are the same head sum times 1 / H and 1 / wide: wide / H is a power of two (fl(1 / wide) = fl(1 / H) *
+    H / wide), so packed == eight-lane * wide / H, bit for bit, where nothing is subnormal (checked)."""
+    torch.set_num_threads(nthreads)
+    B, T, S, Dn, R = 2, 9, 37, 13, 5  # odd sizes: odd key counts (a repeated last key in the last pair)
+    gen = torch.Generator().manual_seed(40 + K)
+    q_nope, q_pe = torch.randn(B, T, wide, Dn, generator=gen), torch.randn(B, T, wide, R, generator=gen)
+    k_nope, k_pe = torch.randn(B, S, wide, Dn, generator=gen), torch.randn(B, S, R, generator=gen)
+    lse = torch.rand(B, T, wide, generator=gen) * 4 + 2
+    lse[..., H:] = 1e30  # the added heads: exp(score - lse) = 0
+    idx = torch.randint(-1, S, (B, T, K), generator=gen)
+    idx[0, 1] = -1  # a row with no key
+    idx[1, 2, -1] = idx[1, 2, 0]  # a repeated key
+    start = torch.tensor([S - T, 3])  # keys past some queries
+    heads = slice(0, H)
+    packed = torch.ops.glm5_cpu.selected_attention_target(q_nope[:, :, heads], q_pe[:, :, heads],
+                                                          k_nope[:, :, heads], k_pe, lse[..., heads].contiguous(),
+                                                          idx, start, 0.3)
+    eight_lane = torch.ops.glm5_cpu.selected_attention_target(q_nope, q_pe, k_nope, k_pe, lse, idx, start, 0.3)
+    assert packed.gt(0).any() and packed[packed.ne(0)].abs().min() >= torch.finfo(torch.float32).tiny
+    assert torch.equal(packed, eight_lane * (wide // H))

@@ -192,3 +192,52 @@ def test_entry_point_names_the_bad_argument():
         dsa.sparse_prefill_expanded(**dict(x, topk_idx=x["topk_idx"] + shape.S), scale=0.3)
     with pytest.raises(TypeError, match="dtype"):
         dsa.sparse_prefill_expanded(**dict(x, v=x["v"].double()), scale=0.3)
+
+
+def _native_forward_backward(x, grad_out, scale):
+    args = (x["q_nope"], x["q_pe"], x["k_nope"], x["k_pe"], x["v"], x["topk_idx"])
+    out, lse = torch.ops.glm5_cpu.sparse_expanded_forward(*args, scale)
+    return (out, lse) + tuple(torch.ops.glm5_cpu.sparse_expanded_backward(grad_out, *args, out, lse, scale))
+
+
+PACKED_SHAPES = (
+    (testing.MLAShape(B=1, T=1, S=1, H=4, Dn=8, Dr=4, Dv=8, C=16), 1),  # K = 1: the only row has no key
+    (testing.MLAShape(B=2, T=5, S=13, H=3, Dn=12, Dr=6, Dv=10, C=24), 1),  # K = 1 (an odd key count), T != S
+    (testing.MLAShape(B=2, T=7, S=11, H=1, Dn=5, Dr=3, Dv=7, C=13), 4),  # odd widths (quad rows padded), -1 slots
+    (testing.MLAShape(B=1, T=9, S=9, H=2, Dn=17, Dr=9, Dv=19, C=10), 20),  # K > S: -1 padding everywhere
+    (testing.MLAShape(B=2, T=33, S=300, H=4, Dn=16, Dr=8, Dv=16, C=37), 37),  # the tiny preset's widths, odd K
+)
+
+
+@pytest.mark.parametrize("shape,K", PACKED_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("nthreads", (1, 2))
+def test_packed_heads_are_bitwise_the_eight_lane_kernels(native, threads, shape, K, dtype, nthreads):
+    """H <= 4 heads take the packed kernels (two keys / two elements per 8-lane vector); the same problem with heads
+    added up to 5 takes the 8-lane kernels, whose per-head results do not depend on the other heads. The added
+    heads have zero queries and zero grad_out, so their d k_pe terms are +0 and the head sum keeps its bits too:
+    every output of the packed kernels must equal the 8-lane kernels' bit for bit (forward, lse, every gradient)."""
+    torch.set_num_threads(nthreads)
+    x = testing.make_sparse_expanded_inputs(shape, K, dtype=dtype, seed=31, start_pos=shape.S - shape.T)
+    x["q_nope"], x["q_pe"] = x["q_nope"].float(), x["q_pe"].float()
+    idx = x["topk_idx"].clone()
+    idx[:, -1] = -1  # a query with no key
+    idx[0, 0, :1] = idx[0, 0, -1:]  # a repeated key
+    x["topk_idx"] = idx
+    grad_out = testing.randn((shape.B, shape.T, shape.H, shape.Dv), seed=32)
+    extra = 5 - shape.H  # heads added: [B, X, extra, D]
+
+    def padded(t, random):
+        fill = testing.randn(t.shape[:2] + (extra,) + t.shape[3:], seed=33).to(t.dtype) if random else \
+            torch.zeros(t.shape[:2] + (extra,) + t.shape[3:], dtype=t.dtype)
+        return torch.cat([t, fill], dim=2)
+
+    wide = dict(x, q_nope=padded(x["q_nope"], False), q_pe=padded(x["q_pe"], False),
+                k_nope=padded(x["k_nope"], True), v=padded(x["v"], True))
+    packed = _native_forward_backward(x, grad_out, 0.3)
+    eight_lane = _native_forward_backward(wide, padded(grad_out, False), 0.3)
+    names = ("out", "lse", "d q_nope", "d q_pe", "d k_nope", "d k_pe", "d v")
+    for name, got, want in zip(names, packed, eight_lane):
+        want = want if name == "d k_pe" else want[:, :, :shape.H]
+        assert torch.equal(got, want), name
+    assert packed[1][:, -1].eq(-float("inf")).all() and not packed[0][:, -1].any()

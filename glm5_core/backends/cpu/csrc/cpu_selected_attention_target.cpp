@@ -20,7 +20,8 @@
 // Cost O(T K H (Dn + R)) multiply-adds and T K H exponentials; memory O(S H Dn) (the keys' copy below), plus
 // ("selected") K scores of every head per thread.
 // Layout: k_nope is first copied into head-minor vectors [B*S, Dn, G, 8] (heads past H zero), so a score of 8 heads
-// is Dn + R lane-wise multiply-adds with no horizontal sum. Determinism: one thread computes each query row, in a
+// is Dn + R lane-wise multiply-adds with no horizontal sum (fp32 with H <= 4 heads: target_packed, two keys per
+// vector, the same bits). Determinism: one thread computes each query row, in a
 // fixed order (keys in slot order, heads summed in head order): bitwise repeatable, whatever the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -216,6 +217,128 @@ void target_kernel(const Rows<T>& q_nope, const Rows<T>& q_pe, const Rows<T>& k_
   });
 }
 
+// ---- Packed path: H <= 4 heads, fp32 ----
+//
+// With H <= kQuad = kHeadLanes / 2 heads, an 8-lane vector scores TWO KEYS: lanes (key 2p | key 2p + 1) x head, the
+// query quad twice, the keys as quad rows [B*S, D, 4] (heads past H zero; k_pe's value in all 4 lanes). Per lane the
+// chain over d (then r) is the one target_kernel runs for that key and head, the exp is lane-wise, and the max, the
+// totals and the head sums take the lanes one key at a time in key order: every output bit is target_kernel's.
+constexpr int64_t kQuad = kHeadLanes / 2;
+typedef float QuadF __attribute__((vector_size(kQuad * sizeof(float))));
+
+inline HeadVecF pair_of(const float* a, const float* b) {  // [quad at a | quad at b]
+  return __builtin_shufflevector(load<QuadF>(a), load<QuadF>(b), 0, 1, 2, 3, 4, 5, 6, 7);
+}
+inline HeadVecF twice(QuadF x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3); }
+
+// dst [B * X, D, kQuad] quad rows of src [B, X, H, D] (or [B, X, D]: each value in every lane), in parallel.
+std::vector<float> quad_rows(const Rows<float>& src, int64_t B, int64_t X, int64_t H, int64_t D, bool shared) {
+  std::vector<float> dst(B * X * D * kQuad);  // zeros
+  at::parallel_for(0, B * X, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bx = begin; bx < end; ++bx) {
+      float* row = dst.data() + bx * D * kQuad;
+      for (int64_t h = 0; h < (shared ? kQuad : H); ++h) {
+        const float* x = src.at(bx / X, bx % X, shared ? 0 : h);
+        for (int64_t d = 0; d < D; ++d) row[d * kQuad + h] = x[d];
+      }
+    }
+  });
+  return dst;
+}
+
+// pairs [ceil(n / 2), 8]: the unscaled scores of the row's query quads (qn [Dn, 4], qr [R, 4]) against the keys
+// key[0, n) (quad rows kn [B*S, Dn, 4], kr [B*S, R, 4] from `base`), kKeyBlock pairs at a time (independent chains),
+// then single pairs; the last pair of an odd n repeats its key (its high quad unused).
+void pair_scores(float* pairs, const int64_t* key, int64_t n, int64_t base, const float* qn, const float* qr,
+                 const std::vector<float>& kn, const std::vector<float>& kr, int64_t Dn, int64_t R) {
+  auto block_of = [&](auto block, int64_t p0) {
+    constexpr int M = decltype(block)::value;
+    const float *na[M], *nb[M], *ra[M], *rb[M];
+    HeadVecF acc[M];
+    for (int m = 0; m < M; ++m) {
+      const int64_t a = base + key[2 * (p0 + m)], b = base + key[std::min(2 * (p0 + m) + 1, n - 1)];
+      na[m] = kn.data() + a * Dn * kQuad, nb[m] = kn.data() + b * Dn * kQuad;
+      ra[m] = kr.data() + a * R * kQuad, rb[m] = kr.data() + b * R * kQuad, acc[m] = HeadVecF{};
+    }
+    for (int64_t d = 0; d < Dn; ++d) {
+      const HeadVecF q = twice(load<QuadF>(qn + d * kQuad));
+      for (int m = 0; m < M; ++m) acc[m] = fma_lanes(q, pair_of(na[m] + d * kQuad, nb[m] + d * kQuad), acc[m]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const HeadVecF q = twice(load<QuadF>(qr + r * kQuad));
+      for (int m = 0; m < M; ++m) acc[m] = fma_lanes(q, pair_of(ra[m] + r * kQuad, rb[m] + r * kQuad), acc[m]);
+    }
+    for (int m = 0; m < M; ++m) store(pairs + (p0 + m) * kHeadLanes, acc[m]);
+  };
+  const int64_t count = (n + 1) / 2;
+  int64_t p = 0;
+  for (; p + kKeyBlock <= count; p += kKeyBlock) block_of(std::integral_constant<int, kKeyBlock>{}, p);
+  for (; p < count; ++p) block_of(std::integral_constant<int, 1>{}, p);
+}
+
+void target_packed(const Rows<float>& q_nope, const Rows<float>& q_pe, const Rows<float>& k_nope,
+                   const Rows<float>& k_pe, const float* lse, const int64_t* idx, const int64_t* start, float scale,
+                   const Sizes& z, float* out) {
+  using V = HeadVecF;
+  const std::vector<float> kn = quad_rows(k_nope, z.B, z.S, z.H, z.Dn, false);  // [B*S, Dn, 4]
+  const std::vector<float> kr = quad_rows(k_pe, z.B, z.S, z.H, z.R, true);  // [B*S, R, 4]
+  const V vscale = V{} + scale;
+  const float inv_heads = 1.0f / static_cast<float>(z.H);
+  const bool selected = lse == nullptr;
+  at::parallel_for(0, z.B * z.T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qn(z.Dn * kQuad), qr(z.R * kQuad), scores((z.K + 1) * kQuad);  // scores [n (+1), 4]
+    std::vector<int64_t> slot, key;
+    slot.reserve(z.K), key.reserve(z.K);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / z.T, t = row % z.T, last_visible = start[b] + t;
+      std::fill(qn.begin(), qn.end(), 0.0f), std::fill(qr.begin(), qr.end(), 0.0f);
+      for (int64_t h = 0; h < z.H; ++h) {
+        for (int64_t d = 0; d < z.Dn; ++d) qn[d * kQuad + h] = q_nope.at(b, t, h)[d];
+        for (int64_t r = 0; r < z.R; ++r) qr[r * kQuad + h] = q_pe.at(b, t, h)[r];
+      }
+      float* o = out + row * z.K;  // [K]
+      slot.clear(), key.clear();
+      for (int64_t j = 0; j < z.K; ++j) {
+        const int64_t s = idx[row * z.K + j];
+        o[j] = 0.0f;
+        if (s >= 0 && s <= last_visible) slot.push_back(j), key.push_back(s);
+      }
+      const int64_t n = static_cast<int64_t>(key.size()), pairs = (n + 1) / 2;
+      if (n == 0) continue;  // every probability 0 (both normalisers)
+      float* sc = scores.data();
+      pair_scores(sc, key.data(), n, b * z.S, qn.data(), qr.data(), kn, kr, z.Dn, z.R);
+      QuadF norm;  // "causal": lse; "selected": each head's max over the kept keys
+      if (selected) {
+        for (int64_t p = 0; p < pairs; ++p) store(sc + p * kHeadLanes, load<V>(sc + p * kHeadLanes) * vscale);
+        norm = load<QuadF>(sc);
+        for (int64_t i = 1; i < n; ++i) {
+          const QuadF x = load<QuadF>(sc + i * kQuad);
+          norm = x > norm ? x : norm;
+        }
+      } else {
+        norm = QuadF{};
+        for (int64_t h = 0; h < z.H; ++h) norm[h] = lse[row * z.H + h];
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        const V x = load<V>(sc + p * kHeadLanes);
+        store(sc + p * kHeadLanes, exp_heads((selected ? x : x * vscale) - twice(norm)));
+      }
+      QuadF inv_total = QuadF{} + 1.0f;
+      if (selected) {
+        QuadF total = QuadF{};
+        for (int64_t i = 0; i < n; ++i) total = total + load<QuadF>(sc + i * kQuad);  // key order
+        inv_total = 1.0f / total;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const QuadF prob = selected ? load<QuadF>(sc + i * kQuad) * inv_total : load<QuadF>(sc + i * kQuad);
+        float total = 0.0f;
+        for (int64_t h = 0; h < z.H; ++h) total = total + prob[h];  // head order
+        o[slot[i]] = total * inv_heads;
+      }
+    }
+  });
+}
+
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tensor& q_pe_in,
@@ -252,6 +375,12 @@ at::Tensor selected_attention_target(const at::Tensor& q_nope_in, const at::Tens
   auto qn = unit_last_stride(q_nope_in), qr = unit_last_stride(q_pe_in), kn = unit_last_stride(k_nope_in);
   auto kr = unit_last_stride(k_pe_in);
   auto out = at::empty({z.B, z.T, z.K}, qn.options());
+  if (dtype == at::kFloat && z.H <= kQuad) {
+    target_packed(rows_of<float>(qn), rows_of<float>(qr), rows_of<float>(kn), rows_of<float>(kr),
+                  selected ? nullptr : lse.data_ptr<float>(), idx.data_ptr<int64_t>(), start.data_ptr<int64_t>(),
+                  static_cast<float>(scale), z, out.data_ptr<float>());
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES(dtype, "selected_attention_target", [&] {
     target_kernel<scalar_t>(rows_of<scalar_t>(qn), rows_of<scalar_t>(qr), rows_of<scalar_t>(kn),
                             rows_of<scalar_t>(kr), selected ? nullptr : lse.data_ptr<scalar_t>(),

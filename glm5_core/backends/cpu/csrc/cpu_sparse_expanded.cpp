@@ -16,6 +16,8 @@
 // Layout: the kernels first copy q, k_nope, v (and dO) into head-minor buffers [rows, D, G, 8] (G = ceil(H / 8)
 // groups of 8 heads, zero padded, converted to the accumulation type): a score of 8 heads is then Dn + R lane-wise
 // multiply-adds, with no horizontal sum (what a per-head dot product of 32 or 48 values would spend its time on).
+// fp32 with H <= 4 heads takes the packed kernels (forward_packed, backward_packed): quad rows [rows, D, 4], two keys
+// or two elements per 8-lane vector, the same chains in the same order, so the same bits as the 8-lane kernels.
 // Determinism: the forward and pass 1 of the backward work on one query row at a time (rows are independent).
 // Before pass 1 the block's (t, j) entries are grouped by key (a counting sort, ascending (t, j) within each key);
 // pass 1 stores each entry's p and G at its place in that order, so pass 2 reads them sequentially, and gives each
@@ -531,6 +533,282 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
   });
 }
 
+// ---- Packed path: H <= 4 heads, fp32 ----
+//
+// With H <= kQuad = kHeadLanes / 2 heads an 8-lane vector holds two quads of 4 head lanes, so the copies are quad
+// rows [X, D2, 4] (D2 = D rounded up to even; heads past H and d past D zero) and every vector does the work of two
+// 8-lane head vectors of the general path. Each output element keeps its own chain, in its own order, so every bit
+// is the general path's:
+//   - dot products (scores, dP: sums over d) pack TWO KEYS: lanes (key 2p | key 2p + 1) x head, the query quad
+//     twice; per lane the chain over d (then r) is the one the general path runs for that key and head;
+//   - weighted sums (the output, dq, dk, dv: sums over keys / entries) pack TWO ELEMENTS d, d + 1 of a quad row:
+//     per lane the chain over keys / entries ascending is the general path's;
+//   - the max, the exp and the totals are per lane too: exp on packed pairs, max and totals one quad per key, in
+//     key order.
+constexpr int64_t kQuad = kHeadLanes / 2;
+typedef float QuadF __attribute__((vector_size(kQuad * sizeof(float))));
+
+inline int64_t even(int64_t D) { return (D + 1) / 2 * 2; }
+
+inline HeadVecF pair_of(const float* a, const float* b) {  // [quad at a | quad at b]
+  return __builtin_shufflevector(load<QuadF>(a), load<QuadF>(b), 0, 1, 2, 3, 4, 5, 6, 7);
+}
+inline HeadVecF twice(QuadF x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3); }
+inline QuadF low(HeadVecF x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3); }
+inline QuadF high(HeadVecF x) { return __builtin_shufflevector(x, x, 4, 5, 6, 7); }
+
+// dst [B * X, D2, kQuad] quad rows (float) from src [B, X, H, D] (or [B, X, D], each value in every lane), in parallel.
+template <typename src_t>
+std::vector<float> quad_rows(const Rows<src_t>& src, int64_t B, int64_t X, int64_t H, int64_t D, bool shared) {
+  const int64_t D2 = even(D);
+  std::vector<float> dst(B * X * D2 * kQuad);  // zeros
+  at::parallel_for(0, B * X, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bx = begin; bx < end; ++bx) {
+      float* row = dst.data() + bx * D2 * kQuad;
+      for (int64_t h = 0; h < (shared ? kQuad : H); ++h) {
+        const src_t* x = src.at(bx / X, bx % X, shared ? 0 : h);
+        for (int64_t d = 0; d < D; ++d) row[d * kQuad + h] = static_cast<float>(x[d]);
+      }
+    }
+  });
+  return dst;
+}
+
+// out [rows, H, D] from quad rows [rows, D2, kQuad], in parallel.
+void from_quad_rows(const std::vector<float>& src, int64_t rows, int64_t H, int64_t D, float* out) {
+  const int64_t D2 = even(D);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) out[(r * H + h) * D + d] = src[(r * D2 + d) * kQuad + h];
+  });
+}
+
+struct QuadInputs {
+  std::vector<float> q_nope, q_pe, k_nope, k_pe, v;  // [B*T, Dn2, 4], [B*T, R2, 4], [B*S, Dn2 / R2 / Dv2, 4]
+};
+
+template <typename cache_t>
+QuadInputs quad_inputs(const Rows<float>& q_nope, const Rows<float>& q_pe, const Rows<cache_t>& k_nope,
+                       const Rows<cache_t>& k_pe, const Rows<cache_t>& v, const Sizes& z) {
+  return {quad_rows(q_nope, z.B, z.T, z.H, z.Dn, false), quad_rows(q_pe, z.B, z.T, z.H, z.R, false),
+          quad_rows(k_nope, z.B, z.S, z.H, z.Dn, false), quad_rows(k_pe, z.B, z.S, z.H, z.R, true),
+          quad_rows(v, z.B, z.S, z.H, z.Dv, false)};
+}
+
+// acc[m] (m < M) continues the chain acc[m] = twice(a[d]) * [a_rows[m][d] | b_rows[m][d]] + acc[m] over d < D.
+template <int M>
+inline void pair_chains(HeadVecF* acc, const float* a, const float* const* a_rows, const float* const* b_rows,
+                        int64_t D) {
+  for (int64_t d = 0; d < D; ++d) {
+    const HeadVecF x = twice(load<QuadF>(a + d * kQuad));
+    for (int m = 0; m < M; ++m) acc[m] = fma_lanes(x, pair_of(a_rows[m] + d * kQuad, b_rows[m] + d * kQuad), acc[m]);
+  }
+}
+
+// f(block size M as an integral_constant, first pair) over the ceil(n / 2) key pairs, kKeyBlock pairs a block.
+template <typename F> inline void in_pair_blocks(int64_t n, F&& f) {
+  const int64_t pairs = (n + 1) / 2;
+  int64_t p = 0;
+  for (; p + kKeyBlock <= pairs; p += kKeyBlock) f(std::integral_constant<int, kKeyBlock>{}, p);
+  for (; p < pairs; ++p) f(std::integral_constant<int, 1>{}, p);
+}
+
+// out[e] (e < 2 kQuad C) += sum_i coef_i[e % kQuad] * rows_i[e], i < n ascending, rows_i = base + ids[i] * row_len,
+// coef_i = coef + i * cs.
+template <int C>
+inline void weighted_pairs_chunk(float* out, const float* coef, int64_t cs, const float* base, const int64_t* ids,
+                                 int64_t row_len, int64_t n) {
+  HeadVecF acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = load<HeadVecF>(out + c * kHeadLanes);
+  for (int64_t i = 0; i < n; ++i) {
+    const HeadVecF k = twice(load<QuadF>(coef + i * cs));
+    const float* r = base + ids[i] * row_len;
+    for (int c = 0; c < C; ++c) acc[c] = fma_lanes(k, load<HeadVecF>(r + c * kHeadLanes), acc[c]);
+  }
+  for (int c = 0; c < C; ++c) store(out + c * kHeadLanes, acc[c]);
+}
+
+// The same over a quad row of D2 (even) elements: chunks of kChunk element pairs (then 4, 2, 1).
+void weighted_pairs(float* out, const float* coef, int64_t cs, const float* base, const int64_t* ids,
+                    int64_t row_len, int64_t n, int64_t D2) {
+  const int64_t pairs = D2 / 2;
+  int64_t p = 0;
+  auto at = [&](int64_t q) { return q * kHeadLanes; };
+  for (; p + kChunk <= pairs; p += kChunk) weighted_pairs_chunk<kChunk>(out + at(p), coef, cs, base + at(p), ids, row_len, n);
+  if (p + 4 <= pairs) weighted_pairs_chunk<4>(out + at(p), coef, cs, base + at(p), ids, row_len, n), p += 4;
+  if (p + 2 <= pairs) weighted_pairs_chunk<2>(out + at(p), coef, cs, base + at(p), ids, row_len, n), p += 2;
+  if (p < pairs) weighted_pairs_chunk<1>(out + at(p), coef, cs, base + at(p), ids, row_len, n);
+}
+
+// pairs [ceil(n / 2), 8] of dot products of the row's query quads `a` [D, 4] (then `ar` [R, 4]) with the kept keys'
+// quad rows (rows + key * row_len, then rows_r + key * row_len_r; R = 0 for none), unscaled. The last pair of an
+// odd n repeats its key (the high quad is unused).
+void pair_dots(float* pairs, const std::vector<int64_t>& key, const float* a, const float* rows, int64_t row_len,
+               int64_t D, const float* ar, const float* rows_r, int64_t row_len_r, int64_t R) {
+  const int64_t n = static_cast<int64_t>(key.size());
+  in_pair_blocks(n, [&](auto block, int64_t p0) {
+    constexpr int M = decltype(block)::value;
+    const float *ka[M], *kb[M], *ra[M], *rb[M];
+    HeadVecF acc[M];
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = 2 * (p0 + m), a_key = key[i], b_key = key[std::min(i + 1, n - 1)];
+      ka[m] = rows + a_key * row_len, kb[m] = rows + b_key * row_len, acc[m] = HeadVecF{};
+      if (R > 0) ra[m] = rows_r + a_key * row_len_r, rb[m] = rows_r + b_key * row_len_r;
+    }
+    pair_chains<M>(acc, a, ka, kb, D);
+    if (R > 0) pair_chains<M>(acc, ar, ra, rb, R);
+    for (int m = 0; m < M; ++m) store(pairs + (p0 + m) * kHeadLanes, acc[m]);
+  });
+}
+
+template <typename cache_t>
+void forward_packed(const Rows<float>& q_nope, const Rows<float>& q_pe, const Rows<cache_t>& k_nope,
+                    const Rows<cache_t>& k_pe, const Rows<cache_t>& v, const int64_t* idx, float scale,
+                    const Sizes& z, float* out, float* lse) {
+  using V = HeadVecF;
+  const int64_t Dn2 = even(z.Dn), R2 = even(z.R), Dv2 = even(z.Dv);
+  const QuadInputs in = quad_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
+  const int threads = std::max(1, at::get_num_threads());
+  std::vector<Scratch<float>> scratch(threads);
+  for (auto& w : scratch) w.reserve(z);
+  RegionErrors errors;
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch<float>& w = scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t row = 0; row < z.B * z.T; ++row) {
+      errors.run([&] {
+        gather_row(w, idx, row, z);
+        const int64_t n = static_cast<int64_t>(w.key.size());
+        float* o = out + row * z.H * z.Dv;  // [H, Dv]
+        if (n == 0) {
+          for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = 0.0f;
+          for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<float>::infinity();
+          return;
+        }
+        float* s = reinterpret_cast<float*>(w.score.data());  // [ceil(n / 2), 8] = [n (+1), 4]: scores, then p
+        pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
+                  in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
+        const int64_t pairs = (n + 1) / 2;
+        for (int64_t p = 0; p < pairs; ++p) store(s + p * kHeadLanes, load<V>(s + p * kHeadLanes) * scale);
+        QuadF top = QuadF{} - std::numeric_limits<float>::infinity(), total = QuadF{};
+        for (int64_t i = 0; i < n; ++i) top = max_lanes(top, load<QuadF>(s + i * kQuad));
+        for (int64_t p = 0; p < pairs; ++p) {
+          const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) - twice(top));
+          store(s + p * kHeadLanes, e);
+          total = total + low(e);
+          if (2 * p + 1 < n) total = total + high(e);
+        }
+        float* acc = reinterpret_cast<float*>(w.acc.data());  // [Dv2, 4]
+        for (int64_t i = 0; i < Dv2 * kQuad; ++i) acc[i] = 0.0f;
+        weighted_pairs(acc, s, kQuad, in.v.data(), w.key.data(), Dv2 * kQuad, n, Dv2);
+        for (int64_t h = 0; h < z.H; ++h) {
+          const float inv = 1.0f / total[h];
+          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = acc[d * kQuad + h] * inv;
+          lse[row * z.H + h] = top[h] + std::log(total[h]);
+        }
+      });
+    }
+  }
+  errors.rethrow_if_failed("sparse_expanded_forward");
+}
+
+template <typename cache_t>
+void backward_packed(const float* grad_out, const Rows<float>& q_nope, const Rows<float>& q_pe,
+                     const Rows<cache_t>& k_nope, const Rows<cache_t>& k_pe, const Rows<cache_t>& v,
+                     const int64_t* idx, const float* out, const float* lse, float scale, const Sizes& z,
+                     float* dq_nope, float* dq_pe, float* dk_nope, float* dk_pe, float* dv) {
+  using V = HeadVecF;
+  const int64_t rows = z.B * z.T, keys = z.B * z.S, Dn2 = even(z.Dn), R2 = even(z.R), Dv2 = even(z.Dv);
+  const QuadInputs in = quad_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
+  const std::vector<float> dO =
+      quad_rows(Rows<float>{grad_out, z.T * z.H * z.Dv, z.H * z.Dv, z.Dv}, z.B, z.T, z.H, z.Dv, false);
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t entry_bytes = 2 * kQuad * int64_t(sizeof(float));  // p and G of one (row, j)
+  const int64_t block = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, z.K * entry_bytes));
+  const int64_t block_rows = std::min(rows, block);
+  std::vector<float> pg(block_rows * z.K * 2 * kQuad);  // [entries of the block in key order, 2 (p, G), 4]
+  std::vector<float> dq_n(rows * Dn2 * kQuad), dq_r(rows * R2 * kQuad);
+  std::vector<float> dk_n(keys * Dn2 * kQuad), dk_r(keys * R2 * kQuad), dv_q(keys * Dv2 * kQuad);
+  KeyOrder order(keys, block_rows, z.K);
+  std::vector<Scratch<float>> scratch(threads);
+  for (auto& w : scratch) w.reserve(z);  // score: scores [n (+1), 4]; grad: dP, then G [n (+1), 4]
+  RegionErrors errors;
+  const V vscale = V{} + scale;
+
+  for (int64_t row0 = 0; row0 < rows; row0 += block) {
+    const int64_t row1 = std::min(rows, row0 + block);
+    order.build(idx, row0, row1, z);
+#pragma omp parallel num_threads(threads)
+    {
+      Scratch<float>& w = scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t row = row0; row < row1; ++row) {
+        errors.run([&] {
+          gather_row(w, idx, row, z);
+          const int64_t n = static_cast<int64_t>(w.key.size());
+          if (n == 0) return;
+          QuadF lse4{}, d4{};  // lse and D = dO . out per head (a chain over d ascending); heads past H: 0
+          for (int64_t h = 0; h < z.H; ++h) {
+            lse4[h] = lse[row * z.H + h];
+            float sum = 0;
+            for (int64_t d = 0; d < z.Dv; ++d) {
+              const int64_t e = (row * z.H + h) * z.Dv + d;
+              sum = sum + grad_out[e] * out[e];
+            }
+            d4[h] = sum;
+          }
+          float* s = reinterpret_cast<float*>(w.score.data());
+          float* g = reinterpret_cast<float*>(w.grad.data());
+          pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
+                    in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
+          pair_dots(g, w.key, dO.data() + row * Dv2 * kQuad, in.v.data(), Dv2 * kQuad, z.Dv, nullptr, nullptr, 0, 0);
+          const int64_t* position = order.position.data() + (row - row0) * z.K;
+          for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+            const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) * vscale - twice(lse4));
+            const V gv = vscale * (e * (load<V>(g + p * kHeadLanes) - twice(d4)));
+            store(g + p * kHeadLanes, gv);
+            for (int64_t i = 2 * p; i < std::min(2 * p + 2, n); ++i) {
+              float* entry = pg.data() + position[w.slot[i]] * 2 * kQuad;  // [2, 4]
+              store(entry, i == 2 * p ? low(e) : high(e)), store(entry + kQuad, i == 2 * p ? low(gv) : high(gv));
+            }
+          }
+          weighted_pairs(dq_n.data() + row * Dn2 * kQuad, g, kQuad, in.k_nope.data(), w.key.data(), Dn2 * kQuad, n,
+                         Dn2);
+          weighted_pairs(dq_r.data() + row * R2 * kQuad, g, kQuad, in.k_pe.data(), w.key.data(), R2 * kQuad, n, R2);
+        });
+      }
+    }
+    errors.rethrow_if_failed("sparse_expanded_backward");
+
+    const int64_t n_touched = static_cast<int64_t>(order.touched.size());
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
+    for (int64_t k = 0; k < n_touched; ++k) {
+      const int64_t key = order.touched[k], e0 = order.start[key], n = order.start[key + 1] - e0;
+      const int64_t* row_of = order.entry_row.data() + e0;
+      const float* entry = pg.data() + e0 * 2 * kQuad;  // [n, 2, 4]
+      weighted_pairs(dk_n.data() + key * Dn2 * kQuad, entry + kQuad, 2 * kQuad, in.q_nope.data(), row_of,
+                     Dn2 * kQuad, n, Dn2);
+      weighted_pairs(dv_q.data() + key * Dv2 * kQuad, entry, 2 * kQuad, dO.data(), row_of, Dv2 * kQuad, n, Dv2);
+      weighted_pairs(dk_r.data() + key * R2 * kQuad, entry + kQuad, 2 * kQuad, in.q_pe.data(), row_of, R2 * kQuad,
+                     n, R2);
+    }
+  }
+  from_quad_rows(dq_n, rows, z.H, z.Dn, dq_nope);
+  from_quad_rows(dq_r, rows, z.H, z.R, dq_pe);
+  from_quad_rows(dk_n, keys, z.H, z.Dn, dk_nope);
+  from_quad_rows(dv_q, keys, z.H, z.Dv, dv);
+  at::parallel_for(0, keys, 64, [&](int64_t begin, int64_t end) {  // d k_pe: the heads summed in ascending order
+    for (int64_t key = begin; key < end; ++key)
+      for (int64_t r = 0; r < z.R; ++r) {
+        float sum = 0;
+        for (int64_t h = 0; h < z.H; ++h) sum = sum + dk_r[(key * R2 + r) * kQuad + h];
+        dk_pe[key * z.R + r] = sum;
+      }
+  });
+}
+
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
 Sizes check_inputs(const char* op, const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& k_nope,
@@ -581,9 +859,10 @@ std::tuple<at::Tensor, at::Tensor> sparse_expanded_forward(const at::Tensor& q_n
   }
   TORCH_CHECK(qn.scalar_type() == at::kFloat, op, ": expected fp32 or fp64 queries");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kn.scalar_type(), "sparse_expanded_forward", [&] {
-    forward_kernel<scalar_t, float>(rows_of<float>(qn), rows_of<float>(qr), rows_of<scalar_t>(kn),
-                                    rows_of<scalar_t>(kr), rows_of<scalar_t>(vv), idx.data_ptr<int64_t>(),
-                                    static_cast<float>(scale), z, out.data_ptr<float>(), lse.data_ptr<float>());
+    auto* kernel = z.H <= kQuad ? &forward_packed<scalar_t> : &forward_kernel<scalar_t, float>;
+    kernel(rows_of<float>(qn), rows_of<float>(qr), rows_of<scalar_t>(kn), rows_of<scalar_t>(kr),
+           rows_of<scalar_t>(vv), idx.data_ptr<int64_t>(), static_cast<float>(scale), z, out.data_ptr<float>(),
+           lse.data_ptr<float>());
   });
   return {out, lse};
 }
@@ -624,12 +903,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_ex
   }
   TORCH_CHECK(qn.scalar_type() == at::kFloat, op, ": expected fp32 or fp64 queries");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kn.scalar_type(), "sparse_expanded_backward", [&] {
-    backward_kernel<scalar_t, float>(dO.data_ptr<float>(), rows_of<float>(qn), rows_of<float>(qr),
-                                     rows_of<scalar_t>(kn), rows_of<scalar_t>(kr), rows_of<scalar_t>(vv),
-                                     idx.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(),
-                                     static_cast<float>(scale), z,
-                                     dq_nope.data_ptr<float>(), dq_pe.data_ptr<float>(), dk_nope.data_ptr<float>(),
-                                     dk_pe.data_ptr<float>(), dv.data_ptr<float>());
+    auto* kernel = z.H <= kQuad ? &backward_packed<scalar_t> : &backward_kernel<scalar_t, float>;
+    kernel(dO.data_ptr<float>(), rows_of<float>(qn), rows_of<float>(qr), rows_of<scalar_t>(kn),
+           rows_of<scalar_t>(kr), rows_of<scalar_t>(vv), idx.data_ptr<int64_t>(), out.data_ptr<float>(),
+           lse.data_ptr<float>(), static_cast<float>(scale), z, dq_nope.data_ptr<float>(), dq_pe.data_ptr<float>(),
+           dk_nope.data_ptr<float>(), dk_pe.data_ptr<float>(), dv.data_ptr<float>());
   });
   return {dq_nope, dq_pe, dk_nope, dk_pe, dv};
 }
