@@ -129,6 +129,27 @@ template <typename acc_t> struct Scratch {
   }
 };
 
+// One reserved Scratch per thread, allocated before a parallel region.
+template <typename acc_t> std::vector<Scratch<acc_t>> thread_scratch(const Sizes& z, int threads) {
+  std::vector<Scratch<acc_t>> scratch(threads);
+  for (auto& w : scratch) w.reserve(z);
+  return scratch;
+}
+
+// body(w, row) for rows [row0, row1) on scratch.size() threads, thread t with scratch[t], in dynamic chunks of 4
+// rows; after the region the first error a row raised is rethrown under the op's name.
+template <typename acc_t, typename Body>
+void parallel_rows(std::vector<Scratch<acc_t>>& scratch, int64_t row0, int64_t row1, const char* op, Body&& body) {
+  RegionErrors errors;
+#pragma omp parallel num_threads(static_cast<int>(scratch.size()))
+  {
+    Scratch<acc_t>& w = scratch[omp_get_thread_num()];
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t row = row0; row < row1; ++row) errors.run([&] { body(w, row); });
+  }
+  errors.rethrow_if_failed(op);
+}
+
 template <typename acc_t> void gather_row(Scratch<acc_t>& w, const int64_t* idx, int64_t row, const Sizes& z) {
   const int64_t b = row / z.T;
   w.slot.clear(), w.key.clear();
@@ -291,52 +312,42 @@ void forward_kernel(const Rows<acc_t>& q_nope, const Rows<acc_t>& q_pe, const Ro
   const int64_t G = z.groups();
   const KernelInputs<acc_t> in = kernel_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
   const int threads = std::max(1, at::get_num_threads());
-  std::vector<Scratch<acc_t>> scratch(threads);  // allocated before the region
-  for (auto& w : scratch) w.reserve(z);
-  RegionErrors errors;
-#pragma omp parallel num_threads(threads)
-  {
-    Scratch<acc_t>& w = scratch[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t row = 0; row < z.B * z.T; ++row) {
-      errors.run([&] {
-        gather_row(w, idx, row, z);
-        const int64_t n = static_cast<int64_t>(w.key.size());
-        acc_t* o = out + row * z.H * z.Dv;  // [H, Dv]
-        if (n == 0) {  // no selected key: zeros, as the reference
-          for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = acc_t(0);
-          for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
-          return;
-        }
-        row_scores(w, in, row, scale, z);
-        V* out_DG = w.acc.data();  // [Dv, G]
-        V* max_G = out_DG + z.Dv * G;  // [G]
-        V* total = max_G + G;  // [G]
-        for (int64_t g = 0; g < G; ++g) {
-          max_G[g] = V{} - std::numeric_limits<acc_t>::infinity(), total[g] = V{};
-          for (int64_t i = 0; i < n; ++i) max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
-        }
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t g = 0; g < G; ++g) {
-            const V p = exp_lanes<V, acc_t>(w.score[i * G + g] - max_G[g]);
-            w.score[i * G + g] = p;  // p from here on
-            total[g] = total[g] + p;
-          }
-        for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
-        for (int64_t g = 0; g < G; ++g)
-          weighted_sum(out_DG + g, G, w.score.data() + g, G, in.hm.v.data() + g, w.key.data(), z.Dv * G, G, n, z.Dv);
-        const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kHeadLanes]
-        const acc_t* tot = reinterpret_cast<const acc_t*>(total);
-        const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
-        for (int64_t h = 0; h < z.H; ++h) {
-          const acc_t inv = acc_t(1) / tot[h];
-          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kHeadLanes + h] * inv;
-          lse[row * z.H + h] = mx[h] + std::log(tot[h]);
-        }
-      });
+  std::vector<Scratch<acc_t>> scratch = thread_scratch<acc_t>(z, threads);  // allocated before the region
+  parallel_rows(scratch, 0, z.B * z.T, "sparse_expanded_forward", [&](Scratch<acc_t>& w, int64_t row) {
+    gather_row(w, idx, row, z);
+    const int64_t n = static_cast<int64_t>(w.key.size());
+    acc_t* o = out + row * z.H * z.Dv;  // [H, Dv]
+    if (n == 0) {  // no selected key: zeros, as the reference
+      for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = acc_t(0);
+      for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<acc_t>::infinity();
+      return;
     }
-  }
-  errors.rethrow_if_failed("sparse_expanded_forward");
+    row_scores(w, in, row, scale, z);
+    V* out_DG = w.acc.data();  // [Dv, G]
+    V* max_G = out_DG + z.Dv * G;  // [G]
+    V* total = max_G + G;  // [G]
+    for (int64_t g = 0; g < G; ++g) {
+      max_G[g] = V{} - std::numeric_limits<acc_t>::infinity(), total[g] = V{};
+      for (int64_t i = 0; i < n; ++i) max_G[g] = max_lanes(max_G[g], w.score[i * G + g]);
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const V p = exp_lanes<V, acc_t>(w.score[i * G + g] - max_G[g]);
+        w.score[i * G + g] = p;  // p from here on
+        total[g] = total[g] + p;
+      }
+    for (int64_t i = 0; i < z.Dv * G; ++i) out_DG[i] = V{};
+    for (int64_t g = 0; g < G; ++g)
+      weighted_sum(out_DG + g, G, w.score.data() + g, G, in.hm.v.data() + g, w.key.data(), z.Dv * G, G, n, z.Dv);
+    const acc_t* flat = reinterpret_cast<const acc_t*>(out_DG);  // [Dv, G * kHeadLanes]
+    const acc_t* tot = reinterpret_cast<const acc_t*>(total);
+    const acc_t* mx = reinterpret_cast<const acc_t*>(max_G);
+    for (int64_t h = 0; h < z.H; ++h) {
+      const acc_t inv = acc_t(1) / tot[h];
+      for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = flat[d * G * kHeadLanes + h] * inv;
+      lse[row * z.H + h] = mx[h] + std::log(tot[h]);
+    }
+  });
 }
 
 // What pass 1 of the backward reads for one query row: head vectors dO [Dv, G], lse [G], D = dO . out [G].
@@ -457,45 +468,35 @@ void backward_kernel(const acc_t* grad_out, const Rows<acc_t>& q_nope, const Row
   std::vector<V> dq_n(rows * z.Dn * G), dq_r(rows * z.R * G);  // head-minor query gradients
   std::vector<V> dk_n(keys * z.Dn * G), dk_r(keys * z.R * G), dv_h(keys * z.Dv * G);  // head-minor key gradients
   KeyOrder order(keys, block_rows, z.K);
-  std::vector<Scratch<acc_t>> scratch(threads);
-  for (auto& w : scratch) w.reserve(z);
-  RegionErrors errors;
+  std::vector<Scratch<acc_t>> scratch = thread_scratch<acc_t>(z, threads);
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
     const int64_t row1 = std::min(rows, row0 + block);
     order.build(idx, row0, row1, z);
     // Pass 1 (parallel over rows): p and G of every kept entry (stored in key order), d q_nope and d q_pe.
-#pragma omp parallel num_threads(threads)
-    {
-      Scratch<acc_t>& w = scratch[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t row = row0; row < row1; ++row) {
-        errors.run([&] {
-          gather_row(w, idx, row, z);
-          const int64_t n = static_cast<int64_t>(w.key.size());
-          if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
-          // lse and D = dO . out per head (a chain over d ascending); heads past H: 0 (their p and G come out
-          // finite and unused)
-          V* lse_G = w.acc.data();  // [G]
-          V* d_G = lse_G + G;  // [G]
-          acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
-          acc_t* d_lanes = reinterpret_cast<acc_t*>(d_G);
-          for (int64_t l = 0; l < G * kHeadLanes; ++l) {
-            lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
-            acc_t sum = 0;
-            for (int64_t d = 0; l < z.H && d < z.Dv; ++d) {
-              const int64_t e = (row * z.H + l) * z.Dv + d;
-              sum = sum + grad_out[e] * out[e];
-            }
-            d_lanes[l] = sum;
-          }
-          const RowGrad<acc_t> rg{dO.data() + row * z.Dv * G, lse_G, d_G};
-          backward_row(w, in, rg, row, scale, z, order.position.data() + (row - row0) * z.K, pg.data(),
-                       dq_n.data() + row * z.Dn * G, dq_r.data() + row * z.R * G);
-        });
+    parallel_rows(scratch, row0, row1, "sparse_expanded_backward", [&](Scratch<acc_t>& w, int64_t row) {
+      gather_row(w, idx, row, z);
+      const int64_t n = static_cast<int64_t>(w.key.size());
+      if (n == 0) return;  // the output was zeros: every gradient is zero (dq_n / dq_r stay zero)
+      // lse and D = dO . out per head (a chain over d ascending); heads past H: 0 (their p and G come out
+      // finite and unused)
+      V* lse_G = w.acc.data();  // [G]
+      V* d_G = lse_G + G;  // [G]
+      acc_t* lse_lanes = reinterpret_cast<acc_t*>(lse_G);
+      acc_t* d_lanes = reinterpret_cast<acc_t*>(d_G);
+      for (int64_t l = 0; l < G * kHeadLanes; ++l) {
+        lse_lanes[l] = l < z.H ? lse[row * z.H + l] : acc_t(0);
+        acc_t sum = 0;
+        for (int64_t d = 0; l < z.H && d < z.Dv; ++d) {
+          const int64_t e = (row * z.H + l) * z.Dv + d;
+          sum = sum + grad_out[e] * out[e];
+        }
+        d_lanes[l] = sum;
       }
-    }
-    errors.rethrow_if_failed("sparse_expanded_backward");
+      const RowGrad<acc_t> rg{dO.data() + row * z.Dv * G, lse_G, d_G};
+      backward_row(w, in, rg, row, scale, z, order.position.data() + (row - row0) * z.K, pg.data(),
+                   dq_n.data() + row * z.Dn * G, dq_r.data() + row * z.R * G);
+    });
 
     // Pass 2 (parallel over keys, each key owned by one thread): add its entries in (t, j) order.
     const int64_t n_touched = static_cast<int64_t>(order.touched.size());
@@ -670,48 +671,38 @@ void forward_packed(const Rows<float>& q_nope, const Rows<float>& q_pe, const Ro
   const int64_t Dn2 = even(z.Dn), R2 = even(z.R), Dv2 = even(z.Dv);
   const QuadInputs in = quad_inputs(q_nope, q_pe, k_nope, k_pe, v, z);
   const int threads = std::max(1, at::get_num_threads());
-  std::vector<Scratch<float>> scratch(threads);
-  for (auto& w : scratch) w.reserve(z);
-  RegionErrors errors;
-#pragma omp parallel num_threads(threads)
-  {
-    Scratch<float>& w = scratch[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t row = 0; row < z.B * z.T; ++row) {
-      errors.run([&] {
-        gather_row(w, idx, row, z);
-        const int64_t n = static_cast<int64_t>(w.key.size());
-        float* o = out + row * z.H * z.Dv;  // [H, Dv]
-        if (n == 0) {
-          for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = 0.0f;
-          for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<float>::infinity();
-          return;
-        }
-        float* s = reinterpret_cast<float*>(w.score.data());  // [ceil(n / 2), 8] = [n (+1), 4]: scores, then p
-        pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
-                  in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
-        const int64_t pairs = (n + 1) / 2;
-        for (int64_t p = 0; p < pairs; ++p) store(s + p * kHeadLanes, load<V>(s + p * kHeadLanes) * scale);
-        QuadF top = QuadF{} - std::numeric_limits<float>::infinity(), total = QuadF{};
-        for (int64_t i = 0; i < n; ++i) top = max_lanes(top, load<QuadF>(s + i * kQuad));
-        for (int64_t p = 0; p < pairs; ++p) {
-          const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) - twice(top));
-          store(s + p * kHeadLanes, e);
-          total = total + low(e);
-          if (2 * p + 1 < n) total = total + high(e);
-        }
-        float* acc = reinterpret_cast<float*>(w.acc.data());  // [Dv2, 4]
-        for (int64_t i = 0; i < Dv2 * kQuad; ++i) acc[i] = 0.0f;
-        weighted_pairs(acc, s, kQuad, in.v.data(), w.key.data(), Dv2 * kQuad, n, Dv2);
-        for (int64_t h = 0; h < z.H; ++h) {
-          const float inv = 1.0f / total[h];
-          for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = acc[d * kQuad + h] * inv;
-          lse[row * z.H + h] = top[h] + std::log(total[h]);
-        }
-      });
+  std::vector<Scratch<float>> scratch = thread_scratch<float>(z, threads);
+  parallel_rows(scratch, 0, z.B * z.T, "sparse_expanded_forward", [&](Scratch<float>& w, int64_t row) {
+    gather_row(w, idx, row, z);
+    const int64_t n = static_cast<int64_t>(w.key.size());
+    float* o = out + row * z.H * z.Dv;  // [H, Dv]
+    if (n == 0) {
+      for (int64_t i = 0; i < z.H * z.Dv; ++i) o[i] = 0.0f;
+      for (int64_t h = 0; h < z.H; ++h) lse[row * z.H + h] = -std::numeric_limits<float>::infinity();
+      return;
     }
-  }
-  errors.rethrow_if_failed("sparse_expanded_forward");
+    float* s = reinterpret_cast<float*>(w.score.data());  // [ceil(n / 2), 8] = [n (+1), 4]: scores, then p
+    pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
+              in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t p = 0; p < pairs; ++p) store(s + p * kHeadLanes, load<V>(s + p * kHeadLanes) * scale);
+    QuadF top = QuadF{} - std::numeric_limits<float>::infinity(), total = QuadF{};
+    for (int64_t i = 0; i < n; ++i) top = max_lanes(top, load<QuadF>(s + i * kQuad));
+    for (int64_t p = 0; p < pairs; ++p) {
+      const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) - twice(top));
+      store(s + p * kHeadLanes, e);
+      total = total + low(e);
+      if (2 * p + 1 < n) total = total + high(e);
+    }
+    float* acc = reinterpret_cast<float*>(w.acc.data());  // [Dv2, 4]
+    for (int64_t i = 0; i < Dv2 * kQuad; ++i) acc[i] = 0.0f;
+    weighted_pairs(acc, s, kQuad, in.v.data(), w.key.data(), Dv2 * kQuad, n, Dv2);
+    for (int64_t h = 0; h < z.H; ++h) {
+      const float inv = 1.0f / total[h];
+      for (int64_t d = 0; d < z.Dv; ++d) o[h * z.Dv + d] = acc[d * kQuad + h] * inv;
+      lse[row * z.H + h] = top[h] + std::log(total[h]);
+    }
+  });
 }
 
 template <typename cache_t>
@@ -732,55 +723,45 @@ void backward_packed(const float* grad_out, const Rows<float>& q_nope, const Row
   std::vector<float> dq_n(rows * Dn2 * kQuad), dq_r(rows * R2 * kQuad);
   std::vector<float> dk_n(keys * Dn2 * kQuad), dk_r(keys * R2 * kQuad), dv_q(keys * Dv2 * kQuad);
   KeyOrder order(keys, block_rows, z.K);
-  std::vector<Scratch<float>> scratch(threads);
-  for (auto& w : scratch) w.reserve(z);  // score: scores [n (+1), 4]; grad: dP, then G [n (+1), 4]
-  RegionErrors errors;
+  std::vector<Scratch<float>> scratch = thread_scratch<float>(z, threads);  // score: scores [n (+1), 4]; grad: dP, then G [n (+1), 4]
   const V vscale = V{} + scale;
 
   for (int64_t row0 = 0; row0 < rows; row0 += block) {
     const int64_t row1 = std::min(rows, row0 + block);
     order.build(idx, row0, row1, z);
-#pragma omp parallel num_threads(threads)
-    {
-      Scratch<float>& w = scratch[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t row = row0; row < row1; ++row) {
-        errors.run([&] {
-          gather_row(w, idx, row, z);
-          const int64_t n = static_cast<int64_t>(w.key.size());
-          if (n == 0) return;
-          QuadF lse4{}, d4{};  // lse and D = dO . out per head (a chain over d ascending); heads past H: 0
-          for (int64_t h = 0; h < z.H; ++h) {
-            lse4[h] = lse[row * z.H + h];
-            float sum = 0;
-            for (int64_t d = 0; d < z.Dv; ++d) {
-              const int64_t e = (row * z.H + h) * z.Dv + d;
-              sum = sum + grad_out[e] * out[e];
-            }
-            d4[h] = sum;
-          }
-          float* s = reinterpret_cast<float*>(w.score.data());
-          float* g = reinterpret_cast<float*>(w.grad.data());
-          pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
-                    in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
-          pair_dots(g, w.key, dO.data() + row * Dv2 * kQuad, in.v.data(), Dv2 * kQuad, z.Dv, nullptr, nullptr, 0, 0);
-          const int64_t* position = order.position.data() + (row - row0) * z.K;
-          for (int64_t p = 0; p < (n + 1) / 2; ++p) {
-            const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) * vscale - twice(lse4));
-            const V gv = vscale * (e * (load<V>(g + p * kHeadLanes) - twice(d4)));
-            store(g + p * kHeadLanes, gv);
-            for (int64_t i = 2 * p; i < std::min(2 * p + 2, n); ++i) {
-              float* entry = pg.data() + position[w.slot[i]] * 2 * kQuad;  // [2, 4]
-              store(entry, i == 2 * p ? low(e) : high(e)), store(entry + kQuad, i == 2 * p ? low(gv) : high(gv));
-            }
-          }
-          weighted_pairs(dq_n.data() + row * Dn2 * kQuad, g, kQuad, in.k_nope.data(), w.key.data(), Dn2 * kQuad, n,
-                         Dn2);
-          weighted_pairs(dq_r.data() + row * R2 * kQuad, g, kQuad, in.k_pe.data(), w.key.data(), R2 * kQuad, n, R2);
-        });
+    parallel_rows(scratch, row0, row1, "sparse_expanded_backward", [&](Scratch<float>& w, int64_t row) {
+      gather_row(w, idx, row, z);
+      const int64_t n = static_cast<int64_t>(w.key.size());
+      if (n == 0) return;
+      QuadF lse4{}, d4{};  // lse and D = dO . out per head (a chain over d ascending); heads past H: 0
+      for (int64_t h = 0; h < z.H; ++h) {
+        lse4[h] = lse[row * z.H + h];
+        float sum = 0;
+        for (int64_t d = 0; d < z.Dv; ++d) {
+          const int64_t e = (row * z.H + h) * z.Dv + d;
+          sum = sum + grad_out[e] * out[e];
+        }
+        d4[h] = sum;
       }
-    }
-    errors.rethrow_if_failed("sparse_expanded_backward");
+      float* s = reinterpret_cast<float*>(w.score.data());
+      float* g = reinterpret_cast<float*>(w.grad.data());
+      pair_dots(s, w.key, in.q_nope.data() + row * Dn2 * kQuad, in.k_nope.data(), Dn2 * kQuad, z.Dn,
+                in.q_pe.data() + row * R2 * kQuad, in.k_pe.data(), R2 * kQuad, z.R);
+      pair_dots(g, w.key, dO.data() + row * Dv2 * kQuad, in.v.data(), Dv2 * kQuad, z.Dv, nullptr, nullptr, 0, 0);
+      const int64_t* position = order.position.data() + (row - row0) * z.K;
+      for (int64_t p = 0; p < (n + 1) / 2; ++p) {
+        const V e = exp_lanes<V, float>(load<V>(s + p * kHeadLanes) * vscale - twice(lse4));
+        const V gv = vscale * (e * (load<V>(g + p * kHeadLanes) - twice(d4)));
+        store(g + p * kHeadLanes, gv);
+        for (int64_t i = 2 * p; i < std::min(2 * p + 2, n); ++i) {
+          float* entry = pg.data() + position[w.slot[i]] * 2 * kQuad;  // [2, 4]
+          store(entry, i == 2 * p ? low(e) : high(e)), store(entry + kQuad, i == 2 * p ? low(gv) : high(gv));
+        }
+      }
+      weighted_pairs(dq_n.data() + row * Dn2 * kQuad, g, kQuad, in.k_nope.data(), w.key.data(), Dn2 * kQuad, n,
+                     Dn2);
+      weighted_pairs(dq_r.data() + row * R2 * kQuad, g, kQuad, in.k_pe.data(), w.key.data(), R2 * kQuad, n, R2);
+    });
 
     const int64_t n_touched = static_cast<int64_t>(order.touched.size());
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 8)
