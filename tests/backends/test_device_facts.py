@@ -43,7 +43,8 @@ def test_a_shared_device_type_speaks_for_the_vendor_of_this_torch_build(monkeypa
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     assert device_kinds.facts_for("cuda") is registry.get_backend("rocm").facts
     assert placement.worker_environment("cuda:3") == {"HIP_VISIBLE_DEVICES": "3"}
-    assert list(device_kinds.device_types()) == ["cpu", "cuda", "npu"]
+    kinds = list(device_kinds.device_types())  # other vendors' device types may follow (a new vendor edits no test)
+    assert kinds[0] == "cpu" and {"cuda", "npu"} <= set(kinds)
 
 
 def test_backends_declared_by_device_type_alone_still_work():
@@ -85,8 +86,8 @@ def test_a_new_vendors_device_type_is_placed_without_editing_rl_code(toy_vendor)
 
 
 def test_unknown_device_types_are_refused_naming_the_key_and_the_known_types():
-    with pytest.raises(ValueError, match=r"train.device: expected a device such as 'cpu', 'cuda:0' or 'npu:0', "
-                                         r"got 'tpu:0'"):
+    with pytest.raises(ValueError, match=r"train.device: expected a device such as 'cpu', ('[a-z]+:0', )*'cuda:0'"
+                                         r".*'npu:0'.*, got 'tpu:0'"):
         placement.parse_device("tpu:0", "train.device")
 
 
@@ -94,9 +95,11 @@ def test_distributed_backends_come_from_the_facts():
     from glm5_core.rl.config import SYNC_BACKENDS
     from glm5_core.rl.serving.weight_group import BACKENDS, WeightUpdateGroup
 
-    assert tuple(SYNC_BACKENDS) == tuple(BACKENDS) == ("gloo", "nccl", "hccl")
-    assert "nccl" in BACKENDS and "mpi" not in BACKENDS and repr(BACKENDS) == "('gloo', 'nccl', 'hccl')"
-    with pytest.raises(ValueError, match=r"backend: expected one of \('gloo', 'nccl', 'hccl'\), got 'mpi'"):
+    names = tuple(BACKENDS)  # the built-in vendors' in their order; another vendor's may come between
+    assert tuple(SYNC_BACKENDS) == names and [n for n in names if n in ("gloo", "nccl", "hccl")] == ["gloo", "nccl",
+                                                                                                    "hccl"]
+    assert "nccl" in BACKENDS and "mpi" not in BACKENDS and repr(BACKENDS) == repr(names)
+    with pytest.raises(ValueError, match=r"backend: expected one of \('gloo', .*'nccl', .*'hccl'.*\), got 'mpi'"):
         WeightUpdateGroup(master_address="127.0.0.1", master_port=1234, rank=0, world_size=2, backend="mpi")
 
 
