@@ -30,6 +30,7 @@ def backend_report(names: Optional[List[str]] = None) -> List[Dict]:
             "device_type": be.device_type,
             "runtime_device": be.device() if ok else None,
             "dist_backend": be.dist_backend,
+            "dtypes": sorted(str(dtype).removeprefix("torch.") for dtype in be.facts.dtypes),
             "ops": {},
         }
         try:

@@ -52,6 +52,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Uni
 
 import torch
 
+from glm5_core.device_facts import DeviceFacts as DeviceFacts  # re-exported: vendors declare their devices
 from glm5_core.kernel import Kernel as Kernel  # re-exported: vendors build their tables from it
 from glm5_core.kernel import needs_grad as needs_grad
 from glm5_core.opspec import OpSpec as OpSpec
@@ -92,6 +93,9 @@ class Backend:
     ``supports`` is then never asked about them). For compatibility a table entry may also be a bare
     callable, as out-of-tree tables were written before :class:`Kernel`: it is wrapped, its ``supports`` and
     ``differentiable`` function attributes read once, when the table is loaded.
+    ``facts`` are the vendor's :class:`~glm5_core.device_facts.DeviceFacts` (device type, distributed backend,
+    visible-devices variable, Ray resource, dtypes, device count); ``device_type`` and ``dist_backend`` are read
+    from them (a backend declared with those two fields alone gets facts made of them: a host-like device).
     ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
     ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
@@ -101,16 +105,32 @@ class Backend:
     """
 
     name: str
-    device_type: str
-    dist_backend: str
-    probe: Callable[[], Tuple[bool, str]]
-    kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]]
+    device_type: Optional[str] = None  # derived from ``facts`` when not given
+    dist_backend: Optional[str] = None  # derived from ``facts`` when not given
+    probe: Callable[[], Tuple[bool, str]] = dataclasses.field(kw_only=True)
+    kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]] = dataclasses.field(kw_only=True)
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     runtime_device: Optional[Callable[[], str]] = None
     description: str = ""
     details: Optional[Callable[[], str]] = None  # extra status once the kernel table is loaded (e.g. build state)
     detect: Callable[[], bool] = lambda: False
     priority: int = 0
+    facts: Optional[DeviceFacts] = None  # the vendor's device facts (built from the two fields above when None)
+
+    def __post_init__(self) -> None:
+        if self.facts is None:
+            if not self.device_type or not self.dist_backend:
+                raise TypeError(f"Backend {self.name!r}: expected facts= (a DeviceFacts) or device_type= and "
+                                f"dist_backend=, got device_type={self.device_type!r}, "
+                                f"dist_backend={self.dist_backend!r}")
+            object.__setattr__(self, "facts", DeviceFacts(self.device_type, self.dist_backend))
+            return
+        for field_name in ("device_type", "dist_backend"):
+            given, declared = getattr(self, field_name), getattr(self.facts, field_name)
+            if given is not None and given != declared:
+                raise ValueError(f"Backend {self.name!r}: {field_name}: expected {declared!r} (its facts), "
+                                 f"got {given!r}")
+            object.__setattr__(self, field_name, declared)
 
     def available(self) -> Tuple[bool, str]:
         return self.probe()
@@ -126,7 +146,7 @@ class Resolution:
     op: str
     backend: str
     impl: Callable  # what runs: the backend's Kernel, the composite of its kernels for the parts, or the reference
-    label: str  # "cuda: glm5_core.backends.triton.indexer.indexer_topk" or "reference"
+    label: str  # "<backend>: glm5_core.backends.triton.indexer.indexer_topk" or "reference"
     reason: str  # why this implementation (empty when the backend's own kernel runs)
     spec: Optional[OpSpec] = None
     kernel: Optional[Kernel] = None  # the backend's own kernel (None: the composite or the reference runs)

@@ -3,7 +3,7 @@
     from transformers import AutoModelForCausalLM
     from glm5_core.integrations.transformers import kernelize
 
-    model = kernelize(AutoModelForCausalLM.from_pretrained(path), backend="cpu")  # or "cuda", "ascend", None
+    model = kernelize(AutoModelForCausalLM.from_pretrained(path), backend="cpu")  # or another backend, None: auto
     model.generate(input_ids, max_new_tokens=32)
 
 Every attention layer's DSA indexer top-k and sparse MLA attention (absorbed, against transformers' own

@@ -17,7 +17,7 @@ Which op runs:
 Sparse form by cost (``dsa.prefers_expanded``): fewer multiply-adds, expanding the keys included, and at most 4x
   the values read per selected key (H (Dn+Dv) + Dr against C + Dr). The training config passes (528 vs 144),
   GLM-5's heads do not (28736 vs 576). A backend with a native absorbed kernel and none for the expanded form
-  (cuda, rocm, ascend today) keeps the absorbed one.
+  (every accelerator vendor's today) keeps the absorbed one.
 The kernels are bound when the layer is built (``registry.bind``): a forward does not resolve them again.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Target ``p[b,t,:]``: the main attention probabilities summed over heads and L1-n
 Dense stage:  KL(p || softmax(I)) over every causal key.
 Sparse stage: KL(p_S || softmax(I_S)) over the selected keys S. Its target p_S (``loss.indexer_kl_target``):
   "selected" (default): each head's softmax over the selected keys only (the sparse attention the stage runs),
-      summed over heads and L1-normalised, as NVIDIA Megatron-LM's DSA trains it (``compute_dsa_indexer_loss`` with
+      summed over heads and L1-normalised, as Megatron-LM's DSA trains it (``compute_dsa_indexer_loss`` with
       ``sparse_loss=True`` in megatron/core/transformer/experimental_attention_variant/dsa.py: the non-selected keys
       are masked to -inf before the per-head softmax). O(T K H D): no pass over the other keys.
   "causal": the dense p (each head's softmax over every causal key) at the selected keys, renormalised over them

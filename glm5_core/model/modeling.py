@@ -181,7 +181,7 @@ class GLM5ForCausalLM(nn.Module):
             raise ValueError(f"input_ids: expected at least one token, got shape {tuple(input_ids.shape)}")
         if value_checks_enabled() and input_ids.numel():  # one device sync; off under GLM5_CHECK_VALUES=0
             lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # [2]: both bounds in one host read
-            if lo < 0 or hi >= self.config.vocab_size:  # else an IndexError here, a device-side assert on CUDA
+            if lo < 0 or hi >= self.config.vocab_size:  # else an IndexError here, a device-side assert on a GPU
                 raise ValueError(f"input_ids: expected token ids in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention: expected one of {ATTENTION_MODES}, got {attention!r}")

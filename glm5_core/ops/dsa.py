@@ -218,7 +218,7 @@ def selected_attention_target(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: to
     attention's probabilities (scale * (q_nope . k_nope + q_pe . k_pe) per head) summed over the Hm heads and
     divided by Hm. ``normaliser`` says which keys each head's softmax runs over:
       "selected" (default): the row's valid selected keys only, the sparse attention's own probabilities, as
-        NVIDIA Megatron-LM's DSA indexer loss with ``sparse_loss=True`` (experimental_attention_variant/dsa.py);
+        Megatron-LM's DSA indexer loss with ``sparse_loss=True`` (experimental_attention_variant/dsa.py);
         each row sums to 1 (0 for a row with no valid key); O(T K Hm D).
       "causal": EVERY causal key (the dense attention gathered at the selected keys; its row sums are the top-k
         recall); the normaliser needs a pass over all T x S scores.

@@ -70,15 +70,14 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # names
 
 
 def native_bf16_gemm(device: torch.device) -> bool:
-    """Whether bf16 GEMMs run natively on ``device`` (so faster than fp32): CPUs with AVX512-BF16 or AMX,
-    CUDA / ROCm GPUs with native bf16. Asked at call time (cpuinfo / the device), never at import; False for
-    other devices and for CPUs where oneDNN would emulate bf16 by conversions (slower than fp32)."""
-    if device.type == "cpu":
-        probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-        return any(probe is not None and bool(probe()) for probe in probes)  # torch's private cpuinfo probes
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    return False
+    """Whether bf16 GEMMs run natively on ``device`` (so faster than fp32), as its vendor's device facts say
+    (``DeviceFacts.native_bf16_gemm``: CPUs with AVX512-BF16 or AMX, GPUs with native bf16). Asked at call time
+    (cpuinfo / the device), never at import; False for device types no backend declares and for CPUs where
+    oneDNN would emulate bf16 by conversions (slower than fp32)."""
+    from glm5_core.device_kinds import facts_for
+
+    facts = facts_for(device.type)
+    return facts is not None and bool(facts.native_bf16_gemm(device))
 
 
 def compute_dtype_name(compute_dtype, arg: str = "compute_dtype") -> str:

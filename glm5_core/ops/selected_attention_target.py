@@ -10,7 +10,7 @@ key is past the query):
   "selected" (the sparse stage's default): each head's softmax over the row's valid SELECTED keys only,
       p[b,t,j] = (1/H) sum_h exp(score_h[t, i_j]) / sum_{valid j'} exp(score_h[t, i_j'])
     the sparse attention's own probabilities, head-summed and L1-normalised (each row sums to 1, or is all 0 when
-    it has no valid key). NVIDIA Megatron-LM's DSA indexer loss with ``sparse_loss=True``
+    it has no valid key). Megatron-LM's DSA indexer loss with ``sparse_loss=True``
     (megatron/core/transformer/experimental_attention_variant/dsa.py, ``compute_dsa_indexer_loss``: the
     non-selected keys are masked to -inf before the per-head softmax; its fused path
     ``_compute_topk_target_chunk_sum`` normalises each head over the top-k keys only), which slime trains GLM-5

@@ -291,8 +291,8 @@ class RowShards:
     piece for rank k is r's shards of k's matrices, each padded to ``chunk`` rows, concatenated (and the
     reverse for the results). So a bucket costs 2 collectives whatever its size and the world size, each
     matrix crosses the network twice, and each rank orthogonalises ~1/world of the matrices. (All-to-all
-    with uneven splits, which NCCL, HCCL and gloo all have, rather than per-owner gather and scatter:
-    torch_npu's HCCL emulates gather with an all-gather, world times the traffic, and may lack scatter.)
+    with uneven splits, which every vendor's distributed backend has, rather than per-owner gather and scatter:
+    some emulate gather with an all-gather, world times the traffic, and may lack scatter.)
 
     Legend: W world size, S_k the numel of owner k's matrices padded to ``chunk`` rows (same on every rank)."""
 

@@ -24,6 +24,7 @@ from glm5_core.config_schema import (
     unknown_key,
 )
 from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.device_kinds import DIST_BACKEND_NAMES
 from glm5_core.rl.algorithm.trainer import TrainerConfig
 from glm5_core.rl.run_state import RLCheckpointConfig
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
@@ -38,7 +39,7 @@ MAX_ENGINES = 1 << 20  # far above any fleet; the driver lists one entry per eng
 
 TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
 WEIGHT_SYNCS = ("disk", "distributed")
-SYNC_BACKENDS = ("gloo", "nccl", "hccl")
+SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, ...), read when a config is checked
 
 
 def _check_engine_urls(urls, key: str) -> None:
@@ -140,7 +141,7 @@ class RolloutConfig:
     sync_bucket_mb: float = field(64.0, range=(0, 1 << 16), open=("lo",))  # distributed: per update call
     sync_master_address: str = field("127.0.0.1")  # distributed: the trainer's address the engines connect to
     sync_backend: str = field("gloo", choices=SYNC_BACKENDS)
-    devices: Any = field(None, check=_check_devices)  # spawned engines: "cuda:1,cuda:2" or a list (one, or one each)
+    devices: Any = field(None, check=_check_devices)  # spawned engines: "<type>:1,<type>:2" or a list
     # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
     tokenizer: Optional[str] = field(None, check=_check_tokenizer)
     speculative: Optional[Dict[str, Any]] = field(None, check=_check_speculative)  # {draft_tokens: d}: MTP drafts
@@ -151,7 +152,7 @@ class RLTrainConfig:
     batch_size: int = field(64, range=(1, None))
     max_staleness: Optional[int] = field(4, range=(0, None))
     teacher_checkpoint: Optional[str] = field(None, check=config_paths.input_dir)
-    device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "cuda:0" (None: default)
+    device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "<type>:0" (None: default)
     max_idle_minutes: float = field(10.0, range=(0, None), open=("lo",))  # no batch for this long ends the run
     # the policy's forward uses the experts / DSA keys the engines used (they record and return them per sample)
     routing_replay: bool = field(False)

@@ -1,6 +1,6 @@
 """Where the RL driver puts its models and tensors: the runtime device of the kernel backend.
 
-``glm5 rl --backend auto|cuda|...`` resolves a backend name; the policy, the teacher and every engine
+``glm5 rl --backend auto|<name>`` resolves a backend name; the policy, the teacher and every engine
 model are moved to that backend's :meth:`~glm5_core.registry.Backend.device` (``cpu`` for the CPU backend
 and for Triton's interpreter). The engine and the trainer then create their tensors on the device of the
 model they were given (:func:`module_device`), so nothing else needs to know the backend.

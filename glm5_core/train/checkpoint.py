@@ -319,8 +319,9 @@ def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
 
 def _device_rng_states(states: Dict[str, torch.Tensor], device_type: str, device_count: int) -> List[torch.Tensor]:
     """The saved RNG states of devices 0, 1, ... (keys ``<device_type>_<index>``, ordered by the integer
-    index: ``cuda_2`` before ``cuda_10``) that this node can take: the first ``min(saved, device_count)``.
-    A checkpoint written on a node with more devices restores those and warns about the rest."""
+    index: ``<device_type>_2`` before ``<device_type>_10``) that this node can take: the first
+    ``min(saved, device_count)``. A checkpoint written on a node with more devices restores those and warns
+    about the rest."""
     prefix = f"{device_type}_"
     by_index: Dict[int, torch.Tensor] = {}
     for key, state in states.items():

@@ -1,7 +1,8 @@
 """Process group setup for ``torchrun`` (one process per device) and the few collectives the driver needs.
 
-The distributed backend comes from the kernel backend's declaration (gloo on cpu, nccl on cuda/rocm,
-hccl on ascend). Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything is a no-op.
+The distributed backend comes from the kernel backend's device facts (``DeviceFacts.dist_backend``: gloo on
+the cpu backend, each accelerator vendor's own elsewhere).
+Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything is a no-op.
 Gradients are averaged by DistributedDataParallel (``parallel.strategy: ddp``) or reduce-scattered by
 FSDP2 (``fsdp2``, see ``fsdp.py``); expert counts are summed so every rank applies the same aux-loss-free
 bias update to its (replicated) router-bias buffers.

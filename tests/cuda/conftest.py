@@ -18,11 +18,11 @@ import sys
 
 import pytest
 
-from glm5_core import platform
+from glm5_core.backends.cuda.device import gpu_probe
 
 
 def _real_gpu() -> bool:
-    return platform.gpu_probe("cuda")[0] or platform.gpu_probe("rocm")[0]
+    return gpu_probe("cuda")[0] or gpu_probe("rocm")[0]
 
 
 def _interpreter_usable_in_process() -> bool:

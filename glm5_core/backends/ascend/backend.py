@@ -1,9 +1,9 @@
 """Declaration of the ``ascend`` backend. Import-light: torch_npu is imported by the probe
-(``glm5_core.platform.npu_probe``) and, for the operators, on the first kernel call; the kernel modules are
-imported by ``kernel_table`` only once the backend is available."""
+(``glm5_core.backends.ascend.device.npu_probe``) and, for the operators, on the first kernel call; the kernel
+modules are imported by ``kernel_table`` only once the backend is available."""
 from typing import Dict
 
-from glm5_core import platform
+from glm5_core.backends.ascend.device import DEVICE, npu_probe
 from glm5_core.registry import Backend, Kernel
 
 MISSING = {
@@ -32,13 +32,12 @@ def kernel_table() -> Dict[str, Kernel]:
 
 BACKEND = Backend(
     name="ascend",
-    device_type="npu",
-    dist_backend="hccl",
-    probe=platform.npu_probe,
+    facts=DEVICE,
+    probe=npu_probe,
     kernel_table=kernel_table,
     missing=MISSING,
     description="Huawei Ascend NPUs: torch_npu operators (lightning indexer, sparse flash attention, "
                 "fused infer attention, MoE gating / routing / grouped matmul)",
-    detect=lambda: platform.npu_probe()[0],
+    detect=lambda: npu_probe()[0],
     priority=30,
 )

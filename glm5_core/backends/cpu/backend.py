@@ -9,6 +9,7 @@ MLA prefill through ``scaled_dot_product_attention``) need no extension and are 
 import importlib
 from typing import Dict, Iterator, Mapping
 
+from glm5_core.backends.cpu.device import DEVICE
 from glm5_core.registry import Backend, Kernel
 
 # The modules whose ``KERNELS`` map ops to their native kernel records (importing them loads no extension:
@@ -76,8 +77,7 @@ class _MissingReasons(Mapping):
 
 BACKEND = Backend(
     name="cpu",
-    device_type="cpu",
-    dist_backend="gloo",
+    facts=DEVICE,
     probe=lambda: (True, "always available"),
     kernel_table=kernel_table,
     missing=_MissingReasons(),

@@ -3,6 +3,7 @@ import functools
 from typing import Dict
 
 from glm5_core import platform
+from glm5_core.backends.cuda.device import DEVICE, gpu_probe
 from glm5_core.registry import Backend, Kernel
 
 
@@ -26,13 +27,12 @@ MISSING = {
 
 BACKEND = Backend(
     name="cuda",
-    device_type="cuda",
-    dist_backend="nccl",
-    probe=functools.partial(platform.triton_backend_probe, "cuda"),
+    facts=DEVICE,
+    probe=functools.partial(platform.triton_backend_probe, functools.partial(gpu_probe, "cuda")),
     kernel_table=kernel_table,
     missing=MISSING,
-    runtime_device=platform.triton_runtime_device,
+    runtime_device=functools.partial(platform.triton_runtime_device, DEVICE.device_type),
     description="NVIDIA GPUs: Triton kernels + csrc CUDA ops",
-    detect=lambda: platform.gpu_probe("cuda")[0],
+    detect=lambda: gpu_probe("cuda")[0],
     priority=10,
 )

@@ -4,6 +4,8 @@ import importlib.util
 from typing import Dict
 
 from glm5_core import platform
+from glm5_core.backends.cuda.device import gpu_probe
+from glm5_core.backends.rocm.device import DEVICE
 from glm5_core.registry import Backend, Kernel
 
 
@@ -37,13 +39,12 @@ MISSING = {
 
 BACKEND = Backend(
     name="rocm",
-    device_type="cuda",
-    dist_backend="nccl",
-    probe=functools.partial(platform.triton_backend_probe, "rocm"),
+    facts=DEVICE,
+    probe=functools.partial(platform.triton_backend_probe, functools.partial(gpu_probe, "rocm")),
     kernel_table=kernel_table,
     missing=MISSING,
-    runtime_device=platform.triton_runtime_device,
+    runtime_device=functools.partial(platform.triton_runtime_device, DEVICE.device_type),
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
-    detect=lambda: platform.gpu_probe("rocm")[0],
+    detect=lambda: gpu_probe("rocm")[0],
     priority=20,
 )

@@ -1,40 +1,59 @@
 """Which accelerator each role of an RL run uses: ``train.device`` for the trainer, ``rollout.devices`` for the
-engines (one entry per engine, or one for all), e.g. ``cuda:0`` / ``cuda:1,cuda:2`` or ``npu:0``.
+engines (one entry per engine, or one for all), each ``<device type>:<index>`` (or the host device, ``cpu``).
 
-Devices are checked against what the platform probe sees (a ``ValueError`` naming the key otherwise). A local
-engine worker is given only its own accelerator (``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` set
-to its index, so inside the worker it is device 0); a Ray actor asks Ray for one (``num_gpus=1``, or the
-``NPU`` resource) and Ray sets the visibility. Nothing here imports a vendor SDK; :func:`probe_accelerators`
-asks torch at call time.
+The device types, their visible-devices variables, Ray resources and device counts are the vendors' device facts
+(:mod:`glm5_core.device_kinds`): a vendor's device type is accepted here without an edit. Devices are checked
+against what the vendors' counts see (a ``ValueError`` naming the key otherwise). A local engine worker is given
+only its own accelerator (the vendor's visible-devices variable set to its index, so inside the worker it is
+device 0); a Ray actor asks Ray for one (the vendor's Ray resource) and Ray sets the visibility. Nothing here
+imports a vendor SDK; :func:`probe_accelerators` asks the vendors' counts at call time.
 """
 from __future__ import annotations
 
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-KINDS = ("cpu", "cuda", "npu")
-VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-_DEVICE = re.compile(r"(cpu|cuda|npu)(?::(\d{1,4}))?")
+from glm5_core.device_facts import DeviceFacts
+
+_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}))?")
 
 Probe = Callable[[], Dict[str, int]]
 
 
+def _device_types() -> Dict[str, DeviceFacts]:
+    from glm5_core import device_kinds
+
+    return device_kinds.device_types()
+
+
+def _examples(kinds: Dict[str, DeviceFacts]) -> str:
+    shown = [f"'{kind}'" if facts.is_host else f"'{kind}:0'" for kind, facts in kinds.items()]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
+def _list_example(kinds: Dict[str, DeviceFacts]) -> str:
+    kind = next((k for k, facts in kinds.items() if not facts.is_host), next(iter(kinds)))
+    return f"'{kind}:1,{kind}:2'"
+
+
 def parse_device(text: Any, where: str) -> Tuple[str, Optional[int]]:
-    """``"cuda:1"`` -> ``("cuda", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``."""
+    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``."""
+    kinds = _device_types()
     match = _DEVICE.fullmatch(text.strip()) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError(f"{where}: expected a device such as 'cpu', 'cuda:0' or 'npu:1', got {text!r:.80}")
+    if match is None or match.group(1) not in kinds:
+        raise ValueError(f"{where}: expected a device such as {_examples(kinds)}, got {text!r:.80}")
     kind, index = match.group(1), match.group(2)
-    if kind != "cpu" and index is None:
+    if not kinds[kind].is_host and index is None:
         raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'), got {text!r:.80}")
     return kind, None if index is None else int(index)
 
 
 def parse_devices(value: Any, where: str) -> List[str]:
-    """A list of devices from ``"cuda:1,cuda:2"`` or ``["cuda:1", "cuda:2"]`` (normalised, checked)."""
+    """A list of devices from ``"<type>:1,<type>:2"`` or ``["<type>:1", "<type>:2"]`` (normalised, checked)."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"{where}: expected devices such as 'cuda:1,cuda:2' or a list of them, got {value!r:.80}")
+        raise ValueError(f"{where}: expected devices such as {_list_example(_device_types())} or a list of them, "
+                         f"got {value!r:.80}")
     out = []
     for i, item in enumerate(items):
         kind, index = parse_device(item, f"{where}[{i}]")
@@ -43,23 +62,16 @@ def parse_devices(value: Any, where: str) -> List[str]:
 
 
 def probe_accelerators() -> Dict[str, int]:
-    """Accelerators torch sees here, by kind (``npu`` only when ``torch_npu`` was already imported)."""
-    import sys
-
-    import torch
-
-    counts = {"cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0, "npu": 0}
-    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
-    if npu is not None and npu.is_available():
-        counts["npu"] = npu.device_count()
-    return counts
+    """Accelerators this process sees, by device type (each vendor's count: none imports a vendor SDK)."""
+    return {kind: facts.count() for kind, facts in _device_types().items() if not facts.is_host}
 
 
 def check_visible(devices: List[str], where: str, probe: Probe) -> None:
     counts: Optional[Dict[str, int]] = None
+    kinds = _device_types()
     for i, device in enumerate(devices):
         kind, index = parse_device(device, where)
-        if kind == "cpu":
+        if kinds[kind].is_host:
             continue
         counts = probe() if counts is None else counts
         if index >= counts.get(kind, 0):
@@ -93,7 +105,8 @@ def worker_environment(device: Optional[str]) -> Dict[str, str]:
     if device is None:
         return {}
     kind, index = parse_device(device, "device")
-    return {VISIBLE_DEVICES_ENV[kind]: str(index)} if kind in VISIBLE_DEVICES_ENV else {}
+    facts = _device_types()[kind]
+    return {} if facts.is_host else dict(facts.worker_environment(index))
 
 
 def in_worker_device(device: Optional[str]) -> Optional[str]:
@@ -101,7 +114,7 @@ def in_worker_device(device: Optional[str]) -> Optional[str]:
     if device is None:
         return None
     kind, _ = parse_device(device, "device")
-    return "cpu" if kind == "cpu" else f"{kind}:0"
+    return kind if _device_types()[kind].is_host else f"{kind}:0"
 
 
 def ray_resources(device: Optional[str]) -> Dict[str, Any]:
@@ -109,8 +122,4 @@ def ray_resources(device: Optional[str]) -> Dict[str, Any]:
     if device is None:
         return {}
     kind, _ = parse_device(device, "device")
-    if kind == "cuda":
-        return {"num_gpus": 1}
-    if kind == "npu":
-        return {"resources": {"NPU": 1}}
-    return {}
+    return dict(_device_types()[kind].ray_options())

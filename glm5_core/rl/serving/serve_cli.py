@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trajectories whose KV is kept between turns (default: %(default)s)")
     parser.add_argument("--weights-dir", default=None,
                         help="only load /update_weights_from_disk paths under this directory (default: any)")
-    parser.add_argument("--device", default=None, help="torch device, e.g. cuda:1 (default: the backend's)")
+    parser.add_argument("--device", default=None, help="torch device, e.g. <type>:1 (default: the backend's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU threads (default: %(default)s)")
     parser.add_argument("--speculative-draft-tokens", type=int, default=None,

@@ -6,8 +6,9 @@ joins as rank ``rank_offset`` of ``world_size``. The group is its own ``ProcessG
 a group can be torn down and formed again when the engine fleet changes. Each weight tensor goes out as one
 broadcast from rank 0, issued asynchronously and waited on together (as SGLang's model runner receives them).
 
-Backends: ``gloo`` (CPU tensors; its transport binds ``device_host``), ``nccl`` (CUDA, when torch was built
-with it), ``hccl`` (Ascend, through ``torch_npu``, imported only when asked for).
+Backends: the distributed backends the vendors declare in their device facts (``gloo`` on CPU tensors, whose
+transport binds ``device_host``, and each accelerator vendor's), each group built by its vendor's
+``DeviceFacts.process_group`` (a vendor SDK imported only when its group is asked for).
 """
 from __future__ import annotations
 
@@ -16,28 +17,17 @@ from typing import List, Optional
 
 import torch
 
-BACKENDS = ("gloo", "nccl", "hccl")
+from glm5_core.device_kinds import DIST_BACKEND_NAMES, dist_backends
+
+BACKENDS = DIST_BACKEND_NAMES  # read from the vendors' device facts at each use
 DEFAULT_TIMEOUT_S = 300.0
 
 
 def _process_group(backend: str, store, rank: int, world_size: int, timeout: datetime.timedelta, device_host: str):
-    import torch.distributed as dist
-
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host) if device_host
-                            else dist.ProcessGroupGloo.create_default_device()]
-        return dist.ProcessGroupGloo(store, rank, world_size, options)
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise ValueError("backend: 'nccl' needs a torch built with NCCL")
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    try:
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # Ascend only, imported on request
-    except ImportError:
-        raise ValueError("backend: 'hccl' needs torch_npu") from None
-    return ProcessGroupHCCL(store, rank, world_size)
+    build = dist_backends()[backend].process_group
+    if build is None:
+        raise ValueError(f"backend: {backend!r} declares no process group for weight updates")
+    return build(store, rank, world_size, timeout, device_host)
 
 
 class WeightUpdateGroup:

@@ -33,7 +33,7 @@ class WorkerSpec:
     record_index_topk: bool = False
     seed: int = 0
     torch_threads: int = 1
-    placement: Optional[str] = None  # rollout.devices entry, e.g. "cuda:2" (None: the backend's default device)
+    placement: Optional[str] = None  # rollout.devices entry, e.g. "<type>:2" (None: the backend's default device)
 
 
 def build_model(spec: WorkerSpec):

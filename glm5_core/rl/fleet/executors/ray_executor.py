@@ -3,8 +3,8 @@
 Each actor builds the engine with :func:`glm5_core.rl.serving.worker.build_server` and serves HTTP on its node's
 127.0.0.1, so the driver must run on the same node as the actors it talks to (for multi-node, one driver-side
 gateway per node); on one machine ``ray.init()`` starts a local instance. ``ray`` is imported only here.
-An engine placed on an accelerator (``rollout.devices``) asks Ray for it (``num_gpus=1`` or the ``NPU``
-resource), so Ray schedules it where one is free and makes only that one visible to it.
+An engine placed on an accelerator (``rollout.devices``) asks Ray for it (its vendor's Ray resource, e.g.
+``num_gpus=1``), so Ray schedules it where one is free and makes only that one visible to it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,67 @@
+"""The device types and distributed backends of every known backend, read from their
+:class:`~glm5_core.device_facts.DeviceFacts` when asked (so a vendor folder or an out-of-tree vendor package adds
+its device type without an edit here or in the code that reads these tables).
+
+Where several backends share a device type (one torch device type driven by several vendors' torch builds), the
+first, in the registry's order, whose ``this_torch()`` holds speaks for it; when none holds, the first.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence
+
+from glm5_core import registry
+from glm5_core.device_facts import DeviceFacts
+
+
+def _declared() -> List[DeviceFacts]:
+    # a backend whose declaration failed to load has no device type of its own ("?")
+    return [b.facts for b in registry.backends().values() if b.facts.device_type.isidentifier()]
+
+
+def device_types() -> Dict[str, DeviceFacts]:
+    """The facts of each known device type, by device type (the host type ``cpu`` first)."""
+    by_type: Dict[str, List[DeviceFacts]] = {}
+    for facts in _declared():
+        by_type.setdefault(facts.device_type, []).append(facts)
+    return {kind: next((f for f in candidates if f.this_torch()), candidates[0])
+            for kind, candidates in by_type.items()}
+
+
+def facts_for(device_type: str) -> Optional[DeviceFacts]:
+    """The facts of ``device_type`` (None for a device type no backend declares)."""
+    return device_types().get(device_type)
+
+
+def dist_backends() -> Dict[str, DeviceFacts]:
+    """The facts that build each known distributed backend's process group, by backend name (``gloo``, ...)."""
+    found: Dict[str, DeviceFacts] = {}
+    for facts in _declared():
+        if facts.dist_backend not in found or (found[facts.dist_backend].process_group is None):
+            found[facts.dist_backend] = facts
+    return found
+
+
+class DistBackendNames(Sequence):
+    """The names of the known distributed backends, read from the registry at each use: what a config's
+    ``choices`` or an argument check compares against."""
+
+    def _names(self) -> tuple:
+        return tuple(dist_backends())
+
+    def __getitem__(self, index):
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, value) -> bool:
+        return value in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+DIST_BACKEND_NAMES = DistBackendNames()  # stateless: every read asks the registry
