@@ -7,7 +7,6 @@ import os
 import select
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from safetensors.torch import load_file
 
 from glm5_core.cli import main
 from glm5_core.rl.serving.client import EngineClient
-from tests.rl.serving.engine_process import serve_engine
+from tests.rl.engine_process import serve_engine
 
 DIGITS = "012"  # max_operand 1: every answer is one of these bytes
 
@@ -156,9 +155,9 @@ def test_distributed_sync_between_two_processes_is_bitwise(tmp_path, monkeypatch
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    # the spawned child unpickles serve_engine from tests.rl.serving.engine_process, and spawn gives it this
-    # process's sys.path: put the repository (the folder holding tests/) on it
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    # the spawned child unpickles serve_engine from tests.rl.engine_process, and spawn gives it this process's
+    # sys.path: put the repository (the folder holding tests/) on it
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = ctx.Process(target=serve_engine, args=(child,), daemon=True)
     proc.start()
     try:
