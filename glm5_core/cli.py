@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "pretrain": ("glm5_core.train.cli", "pretrain a GLM-5-style model from a YAML config"),
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
-    "serve": ("glm5_core.rl.serving.serve_cli", "serve a checkpoint over SGLang's HTTP API (an engine for glm5 rl)"),
+    "serve": ("glm5_core.rl.serve_cli", "serve a checkpoint over SGLang's HTTP API (an engine for glm5 rl)"),
 }
 
 

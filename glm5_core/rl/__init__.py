@@ -1,14 +1,17 @@
 """Asynchronous RL driver (slime-style): rollout engines generate continuously, a trainer consumes batches
 and pushes weights back every K steps.
 
-Sub-packages by layer (each imports only the layers above it in this list):
+Layers (each imports only the layers above it in this list, checked by tests/test_layering.py):
+  device       the backend's runtime device  } leaves: they import nothing else of rl
+  plugins      user callables named by import path  }
   serving/     inference: rollout engine (continuous batching, latent KV slots, prefix cache per trajectory),
                sampling and its checks, SGLang-compatible protocol, HTTP server (127.0.0.1), client, worker
   fleet/       replicas (supervision, restarts), DP-aware and round-robin routers, executors (local, Ray)
   rollout/     trajectories, the token-in-token-out gateway, environments and context management, the
                agent-loop runner (environment <-> gateway <-> router <-> engines)
   algorithm/   trajectory buffer (staleness, exactly-once), advantages, double-sided IS loss, trainer
-Top level: ``config`` (the RL config), ``driver`` (the sync / async run), ``metrics``, ``device``, ``cli``.
+Top level (may import every layer): ``config`` (the RL config), ``driver`` (the sync / async run), ``metrics``,
+``cli`` (``glm5 rl``), ``serve_cli`` (``glm5 serve``: one engine as a standalone server), and the run's helpers.
 
 Nothing here imports a model, ray or an HTTP stack at ``import glm5_core.rl`` time.
 """

@@ -57,11 +57,10 @@ from glm5_core.rl.rollout.openai_protocol import (
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
-from glm5_core.rl.serving.connections import BoundedThreadingHTTPServer
+from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService
 from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
-LOCALHOST = "127.0.0.1"
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_JSON_DEPTH = 64
@@ -85,7 +84,7 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
-class OpenAIProxy:
+class OpenAIProxy(HTTPService):
     """Serves ``tokenizer`` + ``generate_fn`` as an OpenAI API on 127.0.0.1:``port`` (0 = any free port).
 
     ``max_context_tokens`` is the engines' context length (prompt + completion); ``max_new_tokens`` the most
@@ -125,17 +124,8 @@ class OpenAIProxy:
         self.created = int(time.time())
         self._trajectories: Dict[str, ProxyTrajectory] = {}
         self._lock = threading.Lock()
-        self._httpd = BoundedThreadingHTTPServer((LOCALHOST, port), self._handler_class(),
-                                                 max_connections=_check_int("max_connections", max_connections, 1))
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def port(self) -> int:
-        return self._httpd.port
-
-    @property
-    def url(self) -> str:
-        return f"http://{LOCALHOST}:{self.port}"
+        super().__init__(self._handler_class(), host=LOCALHOST, port=port,
+                         max_connections=_check_int("max_connections", max_connections, 1), thread_name="openai-proxy")
 
     @property
     def base_url(self) -> str:
@@ -143,11 +133,11 @@ class OpenAIProxy:
         return self.url + "/v1"
 
     def start(self) -> "OpenAIProxy":
-        self._thread = self._httpd.serve_in_background("openai-proxy")
+        self.serve_in_background()
         return self
 
     def shutdown(self) -> None:
-        self._httpd.stop()
+        self.stop_serving()
 
     # -- trajectories ----------------------------------------------------------------------------------------
     def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:

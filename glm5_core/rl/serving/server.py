@@ -40,13 +40,13 @@ import threading
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from glm5_core.rl.serving.connections import BoundedThreadingHTTPServer, DeadlineReader, peer_closed
+from glm5_core.rl.serving.connections import DeadlineReader, peer_closed
 from glm5_core.rl.serving.engine import RolloutEngine
+from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService
 from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
 from glm5_core.rl.serving.protocol import parse_generate_request
 from glm5_core.rl.serving.weight_updates import DistributedReceiver, VersionLabels, load_disk_weights
 
-LOCALHOST = "127.0.0.1"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_END_TRAJECTORIES = 4096  # ids per /end_trajectories request
 DEFAULT_SOCKET_TIMEOUT = 30.0  # seconds a connection may stay silent (idle keep-alive, between reads)
@@ -73,7 +73,7 @@ def _update_reply(success: bool, message: str, **extra) -> Reply:
     return (200 if success else 400), {"success": success, "message": message, **extra}
 
 
-class EngineServer:
+class EngineServer(HTTPService):
     """Serves ``engine`` on ``host``:``port`` (0 = any free port) from a background thread. ``weight_version``
     is the label of the engine's current version (default: its number; ``glm5 serve`` says ``"default"``)."""
 
@@ -92,7 +92,6 @@ class EngineServer:
         if api_key is not None and (not isinstance(api_key, str) or not api_key):
             raise ValueError("api_key: expected a non-empty str or None")
         self.engine = engine
-        self.host = host
         self.weights_dir = os.path.realpath(weights_dir) if weights_dir else None
         self.model_path = model_path
         self.api_key = api_key
@@ -103,21 +102,12 @@ class EngineServer:
         self.labels = VersionLabels(engine.version, weight_version)
         self.receiver = DistributedReceiver(device_host=host if host not in ("0.0.0.0", "::") else "")
         self._update_lock = threading.Lock()  # one weight update at a time
-        self._httpd = BoundedThreadingHTTPServer((host, port), self._handler_class(), max_connections=max_connections)
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def port(self) -> int:
-        return self._httpd.port
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        super().__init__(self._handler_class(), host=host, port=port, max_connections=max_connections,
+                         thread_name="engine-http")
 
     def start(self) -> "EngineServer":
         self.engine.start()
-        self._thread = self._httpd.serve_in_background("engine-http")
+        self.serve_in_background()
         return self
 
     def serve_forever(self) -> None:
@@ -133,7 +123,7 @@ class EngineServer:
     def shutdown(self) -> None:
         """Engine first: requests in flight end now (finish_reason abort) instead of holding the handlers."""
         self.engine.shutdown()
-        self._httpd.stop()
+        self.stop_serving()
         self.receiver.close()
 
     # -- route handlers (return (status, body)) -------------------------------------------------------------

@@ -34,16 +34,18 @@ class WorkerSpec:
     seed: int = 0
     torch_threads: int = 1
     placement: Optional[str] = None  # rollout.devices entry, e.g. "<type>:2" (None: the backend's default device)
+    # derived from ``placement`` by the executor that starts the worker (rl.fleet.executors.worker_placement):
+    device: Optional[str] = None  # the engine's torch device inside the worker, e.g. "<type>:0" (None: the backend's)
+    environment: Dict[str, str] = dataclasses.field(default_factory=dict)  # set first thing in a local worker process
 
 
 def build_model(spec: WorkerSpec):
     """The engine's policy (random init, weights come from ``spec.weights_path``) on the backend's device."""
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
     from glm5_core.rl.device import runtime_device
-    from glm5_core.rl.fleet.placement import in_worker_device
 
     model = GLM5ForCausalLM(GLM5Config.from_hf_dict(spec.model_config), backend=spec.backend)
-    return model.to(in_worker_device(spec.placement) or runtime_device(spec.backend))
+    return model.to(spec.device or runtime_device(spec.backend))
 
 
 def build_server(spec: WorkerSpec):
@@ -93,10 +95,8 @@ def exit_with_parent(parent_pid: int, *, poll_seconds: float = 0.5,
 def process_main(spec: WorkerSpec, conn, parent_pid: Optional[int] = None) -> None:
     """Entry point of a local worker process: report the port through ``conn``, then serve until killed.
     With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies. Only the
-    accelerator of ``spec.placement`` is made visible, before anything touches the device."""
-    from glm5_core.rl.fleet.placement import worker_environment
-
-    os.environ.update(worker_environment(spec.placement))
+    accelerator of ``spec.placement`` is made visible (``spec.environment``), before anything touches the device."""
+    os.environ.update(spec.environment)
     if parent_pid is not None:
         exit_with_parent(parent_pid)
     try:

@@ -14,6 +14,7 @@ import signal
 from typing import Callable, Dict, Tuple
 
 from glm5_core.rl.fleet.executors.boot_weights import BootWeights
+from glm5_core.rl.fleet.executors.worker_placement import placed
 from glm5_core.rl.serving.worker import WorkerSpec, process_main
 
 
@@ -30,7 +31,7 @@ class LocalProcessExecutor:
 
     def start(self, name: str) -> str:
         """Start worker ``name``; returns its URL once it serves. Raises ``RuntimeError`` if it does not."""
-        spec = self.boot_weights.pin(name, self._spec_fn)
+        spec = placed(self.boot_weights.pin(name, self._spec_fn))
         parent, child = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=process_main, args=(spec, child, os.getpid()), name=f"rl-engine-{name}",
                                  daemon=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional
 
 from glm5_core.rl.fleet.executors.boot_weights import BootWeights
+from glm5_core.rl.fleet.executors.worker_placement import placed
 from glm5_core.rl.serving.worker import WorkerSpec
 
 
@@ -58,7 +59,7 @@ class RayExecutor:
     def start(self, name: str) -> str:
         from glm5_core.rl.fleet.placement import ray_resources
 
-        spec = self.boot_weights.pin(name, self._spec_fn)
+        spec = placed(self.boot_weights.pin(name, self._spec_fn))
         actor = self._actor_cls.options(name=None, max_restarts=0, **ray_resources(spec.placement)).remote(spec)
         port = self._ray.get(actor.port.remote(), timeout=self._start_timeout)
         self._pids[name] = self._ray.get(actor.pid.remote(), timeout=self._start_timeout)

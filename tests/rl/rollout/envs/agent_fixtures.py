@@ -1,4 +1,4 @@
-"""Agents the openai_agent tests name by import path (``tests.rl.agent_fixtures:...``): each takes
+"""Agents the openai_agent tests name by import path (``tests.rl.rollout.envs.agent_fixtures:...``): each takes
 ``(client, model, task)`` like a user's agent, and fails in one way."""
 import time
 

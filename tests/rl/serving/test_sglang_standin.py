@@ -1,4 +1,4 @@
-"""glm5 rl against a server that answers as SGLang does (tests/rl/sglang_standin.py): the client reads its
+"""glm5 rl against a server that answers as SGLang does (tests/rl/serving/sglang_standin.py): the client reads its
 bodies, and a short run trains through both weight-sync paths with the engine's weights ending bitwise equal to
 the trainer's last push."""
 import json
@@ -10,7 +10,7 @@ import yaml
 from glm5_core.cli import main
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError
 from glm5_core.rl.serving.engine import RolloutEngine
-from tests.rl.sglang_standin import SGLangStandIn
+from tests.rl.serving.sglang_standin import SGLangStandIn
 
 KEY = "s3cret"
 

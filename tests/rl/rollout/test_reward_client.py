@@ -14,7 +14,7 @@ from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.reward_client import HttpRewardClient, RewardRequestError, check_reward_url
 from glm5_core.rl.rollout.rewards import RewardError, RewardScorer, build_reward
 from glm5_core.rl.rollout.runner import RolloutRunner
-from tests.rl.test_rollout_failures import fake_generate
+from tests.rl.rollout.test_rollout_failures import fake_generate
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):

@@ -17,8 +17,8 @@ from glm5_core.rl.fleet.replicas import ReplicaSet
 from glm5_core.rl.rollout.envs.openai_agent import AgentError, OpenAIAgentEnv
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
-from tests.rl.test_openai_proxy import CalculatorModel, Recorder
-from tests.rl.tiny_chat_tokenizer import build_tokenizer_dir
+from tests.rl.rollout.test_proxy import CalculatorModel, Recorder
+from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 
 AGENT = "glm5_core.rl.rollout.envs.calculator_agent:calculator_agent"
 TASKS = "glm5_core.rl.rollout.envs.calculator_agent:calculator_task"
@@ -68,7 +68,7 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
             f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
             "rollout.group_size=2", "rollout.max_batch=8", "rollout.max_len=448", "train.batch_size=4",
             "train.optim.micro_batch_size=4",  # rewards that differ within a group: the policy gets a gradient
-            "reward={path: 'tests.rl.agent_fixtures:token_sum_reward'}"]
+            "reward={path: 'tests.rl.rollout.envs.agent_fixtures:token_sum_reward'}"]
     rc = main(["rl", "--config", "configs/rl_openai_agent.yaml", "--backend", "cpu",
                *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
 
 def test_glm5_rl_stops_in_one_line_when_an_agent_fails_under_on_failure_fail(tmp_path, tok_dir, tok, capsys):
     sets = [f"rollout.tokenizer={tok_dir}", f"output_dir={tmp_path / 'run'}", "env.on_failure=fail",
-            "env.agent=tests.rl.agent_fixtures:raising_agent", "env.max_tokens=2",
+            "env.agent=tests.rl.rollout.envs.agent_fixtures:raising_agent", "env.max_tokens=2",
             f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
             "rollout.group_size=2", "rollout.max_batch=4", "train.batch_size=2", "train.optim.micro_batch_size=2"]
     rc = main(["rl", "--config", "configs/rl_openai_agent.yaml", "--backend", "cpu",
@@ -135,7 +135,7 @@ def test_agent_requests_ask_the_engines_for_the_replay_traces_the_trainer_replay
 @pytest.mark.parametrize("agent, kind", [("raising_agent", "exception"), ("silent_agent", "no_requests"),
                                          ("text_reward_agent", "bad_reward")])
 def test_a_failing_agent_is_counted_and_its_group_dropped(tok, agent, kind):
-    trajectories, env, runner, _ = play(tok, f"tests.rl.agent_fixtures:{agent}")
+    trajectories, env, runner, _ = play(tok, f"tests.rl.rollout.envs.agent_fixtures:{agent}")
     assert all(t.env_failed and t.reward == 0.0 for t in trajectories)
     assert env.failure_counts()[kind] == 2 and runner.env_failures == 2
     assert kind in env.last_error
@@ -144,7 +144,7 @@ def test_a_failing_agent_is_counted_and_its_group_dropped(tok, agent, kind):
 def test_an_agent_past_its_timeout_is_dropped_without_waiting_for_it(tok):
     import threading
 
-    trajectories, env, _, recorder = play(tok, "tests.rl.agent_fixtures:hanging_agent", timeout_s=0.5)
+    trajectories, env, _, recorder = play(tok, "tests.rl.rollout.envs.agent_fixtures:hanging_agent", timeout_s=0.5)
     hanging = [t for t in threading.enumerate() if t.name in ("agent-g0-0", "agent-g0-1")]
     assert len(hanging) == 2 and all(t.is_alive() for t in hanging)  # the agents sleep 10 s: not waited for
     assert all(t.env_failed for t in trajectories) and env.failure_counts()["timeout"] == 2
@@ -162,26 +162,26 @@ def test_on_failure_zero_trains_what_the_agent_recorded_with_reward_zero(tok):
         scorer["calls"] += 1
         return 1.0
 
-    trajectories, env, runner, recorder = play(tok, "tests.rl.agent_fixtures:raising_agent", on_failure="zero",
-                                               reward_fn=reward_plugin)
+    trajectories, env, runner, recorder = play(tok, "tests.rl.rollout.envs.agent_fixtures:raising_agent",
+                                               on_failure="zero", reward_fn=reward_plugin)
     assert scorer["calls"] == 0
     for t in trajectories:
         assert not t.env_failed and t.reward == 0.0
         assert_trained_exactly_the_engines_tokens(t, recorder.of(t.trajectory_id))
     assert env.failure_counts()["exception"] == 2 and runner.env_failures == 0
-    silent, env, _, _ = play(tok, "tests.rl.agent_fixtures:silent_agent", on_failure="zero")
+    silent, env, _, _ = play(tok, "tests.rl.rollout.envs.agent_fixtures:silent_agent", on_failure="zero")
     assert all(t.env_failed for t in silent)  # nothing recorded: nothing to train
 
 
 def test_on_failure_fail_stops_with_the_agents_error(tok):
     with pytest.raises(AgentError, match=r"agent failed \(exception\).*RuntimeError: agent bug.*on_failure: fail"):
-        play(tok, "tests.rl.agent_fixtures:raising_agent", on_failure="fail")
+        play(tok, "tests.rl.rollout.envs.agent_fixtures:raising_agent", on_failure="fail")
 
 
 def test_the_agent_reward_goes_to_the_reward_plugin(tok):
     from glm5_core.rl.rollout.rewards import build_reward
 
-    env = OpenAIAgentEnv(agent="tests.rl.agent_fixtures:constant_agent", tasks=TASKS, codec=tok, seed=0)
+    env = OpenAIAgentEnv(agent="tests.rl.rollout.envs.agent_fixtures:constant_agent", tasks=TASKS, codec=tok, seed=0)
     scorer = build_reward({"path": "tests.rl.plugin_fixtures:length_reward", "scale": 2.0})
     seen = []
     runner = RolloutRunner(env, CalculatorModel(tok), group_size=1, temperature=1.0, top_p=1.0, max_len=1024,
@@ -223,8 +223,8 @@ def refusal(tmp_path, capsys, env, tokenizer):
     ({"name": "openai_agent", "agent": "glm5_core.rl.rollout.envs.calculator_agent:SYSTEM", "tasks": TASKS},
      "env.agent: "),
     ({"name": "openai_agent", "agent": AGENT}, "env.tasks: required by openai_agent, missing"),
-    ({"name": "openai_agent", "agent": AGENT, "tasks": "tests.rl.agent_fixtures:broken_task"},
-     "env.tasks: tests.rl.agent_fixtures:broken_task(rng) raised KeyError"),
+    ({"name": "openai_agent", "agent": AGENT, "tasks": "tests.rl.rollout.envs.agent_fixtures:broken_task"},
+     "env.tasks: tests.rl.rollout.envs.agent_fixtures:broken_task(rng) raised KeyError"),
 ])
 def test_bad_openai_agent_settings_are_one_line(tmp_path, capsys, tok_dir, env, expected):
     assert expected in refusal(tmp_path, capsys, env, tok_dir)

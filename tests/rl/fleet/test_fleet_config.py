@@ -130,7 +130,7 @@ def test_a_starving_trainer_ends_the_run_non_zero_with_the_reason(tmp_path, caps
     from glm5_core.cli import main
     from glm5_core.rl.serving.protocol import Limits
     from glm5_core.rl.serving.server import EngineServer
-    from tests.rl.test_server_hostile_clients import NeverFinishingEngine
+    from tests.rl.serving.test_server_hostile_clients import NeverFinishingEngine
 
     engine = NeverFinishingEngine()  # takes requests, never answers one
     engine.limits = Limits(vocab_size=264, max_input_tokens=63, max_new_tokens=8)
