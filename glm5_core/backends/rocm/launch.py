@@ -7,7 +7,8 @@ keys for the same scores (only the launch shape differs).
 
 Shared memory: gfx942 gives a workgroup 64 KiB of LDS (NVIDIA's Hopper 227 KiB), so the tiles here are smaller
 than NVIDIA's wherever a kernel holds wide fp32 dot operands: every launch at GLM-5's dims fits 64 KiB by
-``glm5_core.backends.triton.shared_memory``'s (upper-bound) estimate, checked by tests/cuda/test_shared_memory.py.
+``glm5_core.backends.triton.shared_memory``'s (upper-bound) estimate, checked by
+tests/backends/triton/test_shared_memory.py.
   indexer        num_stages 1 (the key block is NVIDIA's): q [32, 128] + keys [64, 128] fp32 + the top-k merge
   sparse_mla     heads 4 x keys 8: the fp32 dkv backward holds q_lat, d_out [4, 512], the keys [8, 512] and
                  its [8, 512] accumulator (the old 16 x 64 needed 128 KiB: the [64, 512] fp32 key rows alone)

@@ -3,7 +3,7 @@
 A block's shared memory (NVIDIA SMEM, AMD LDS) is bounded per vendor: 64 KiB of LDS per workgroup on gfx942
 (MI300X), 227 KiB per block (opt-in) on Hopper (H100 / H200). A launch over the limit fails at compile or launch
 time on real hardware, while Triton's CPU interpreter runs it, so the launch tables are checked against the
-limits with this estimate (``tests/cuda/test_shared_memory.py``).
+limits with this estimate (``tests/backends/triton/test_shared_memory.py``).
 
 The formula, per kernel, over the tiles it holds:
 

@@ -9,7 +9,7 @@ import pytest
 from glm5_core.backends.triton import shared_memory as smem
 from glm5_core.backends.triton.launch import LaunchConfig
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _tables():
@@ -67,7 +67,7 @@ def test_a_latent_width_whose_tiles_do_not_fit_runs_the_reference_with_the_reaso
     memory: the kernel declines (the reference runs) instead of failing to launch; GLM-5's 512 + 64 fits."""
     import torch
 
-    from tests.cuda.helpers import kernel
+    from tests.backends.triton.helpers import kernel
 
     def inputs(C, DR):
         B, T, S, H, K = 1, 2, 4, 2, 2

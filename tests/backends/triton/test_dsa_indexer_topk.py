@@ -6,8 +6,8 @@ import torch
 
 from glm5_core import testing
 from glm5_core.ops import dsa
-from tests.cuda import alloc_meter
-from tests.cuda.helpers import kernel
+from tests.backends.triton import alloc_meter
+from tests.backends.triton.helpers import kernel
 
 
 def _inputs(num_keys):

@@ -2,7 +2,7 @@
 
 The interpreter checks what the kernels compute; this checks that the compiler accepts them (types of
 loop-carried values, tensor shapes, constexpr use) down to the device binary. Run in a process where
-``TRITON_INTERPRET`` is unset:  python tests/cuda/aot_compile.py cuda   (or: hip)
+``TRITON_INTERPRET`` is unset:  python tests/backends/triton/aot_compile.py cuda   (or: hip)
 Prints one line per kernel, "OK name bf16_matrix_ops=N" (N: bf16 tensor-core instructions in its assembly,
 mma / wgmma on NVIDIA, v_mfma on AMD) or "FAIL name error", and exits 1 if any failed.
 """

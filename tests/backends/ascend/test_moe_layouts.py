@@ -9,7 +9,7 @@ from glm5_core import testing
 from glm5_core.backends.ascend import moe
 from glm5_core.backends.ascend import moe_layouts as L
 from glm5_core.ops.moe import combine_reference, dispatch_reference, grouped_swiglu_reference, route_reference
-from tests.ascend.vendor_semantics import AscendSemantics
+from tests.backends.ascend.vendor_semantics import AscendSemantics
 
 TIE_ORDERS = ("high_first", "low_first")
 ROUTE_SHAPES = (

@@ -7,7 +7,7 @@ import torch
 from glm5_core import registry, testing
 from glm5_core.backends.cpu import dsa as native_dsa
 from glm5_core.ops import dsa
-from tests.cpu_native.sparse_grads import as_fp64, grads
+from tests.backends.cpu.sparse_grads import as_fp64, grads
 
 SHAPES = (
     (testing.MLAShape(B=1, T=1, S=1, H=1, Dn=8, Dr=4, Dv=8, C=16), 1),  # K = 1, the only row has no key

@@ -9,8 +9,8 @@ import torch
 from glm5_core import conformance, registry, testing
 from glm5_core.ops import dsa
 from glm5_core.ops.selected_attention_target import expanded_keys
-from tests.cuda.helpers import kernel
-from tests.reference.selected_target_cases import SMALL_CASES, as64, case_inputs, scale_of
+from tests.backends.triton.helpers import kernel
+from tests.ops.selected_target_cases import SMALL_CASES, as64, case_inputs, scale_of
 
 OP = "dsa_selected_attention_target"
 NORMALISERS = ("selected", "causal")

@@ -12,7 +12,7 @@ from glm5_core.backends.cpu import attention_target as native_target
 from glm5_core.ops import dsa
 from glm5_core.ops.mla import causal_mask
 from glm5_core.ops.selected_attention_target import expanded_keys, selected_attention_target_reference
-from tests.reference.selected_target_cases import SMALL_CASES, as64, case_inputs, scale_of
+from tests.ops.selected_target_cases import SMALL_CASES, as64, case_inputs, scale_of
 
 NORMALISERS = ("selected", "causal")
 CASES = SMALL_CASES + (

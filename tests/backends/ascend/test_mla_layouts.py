@@ -8,7 +8,7 @@ from glm5_core import testing
 from glm5_core.backends.ascend import mla
 from glm5_core.backends.ascend import mla_layouts as L
 from glm5_core.ops.mla import decode_reference
-from tests.ascend.vendor_semantics import AscendSemantics, VendorContractError
+from tests.backends.ascend.vendor_semantics import AscendSemantics, VendorContractError
 
 DECODE_SHAPES = (
     testing.MLAShape(B=2, T=1, S=150, H=32, Dn=16, Dr=64, Dv=16, C=512),  # cache padded to 2 blocks

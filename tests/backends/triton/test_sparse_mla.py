@@ -4,7 +4,7 @@ import torch
 
 from glm5_core import testing
 from glm5_core.ops import dsa, mla
-from tests.cuda.helpers import assert_close, kernel
+from tests.backends.triton.helpers import assert_close, kernel
 
 SHAPE = testing.MLAShape(B=2, T=3, S=19, H=3, Dn=8, Dr=4, Dv=6, C=24)
 ARGS = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
@@ -104,7 +104,7 @@ def test_round_to_bf16_is_the_round_to_nearest_even_cast(device):
     """The interpreter's emulation of the tensor-core operands rounds like torch's (and the GPU's) fp32 -> bf16."""
     import triton
 
-    from tests.cuda.bf16_round_probe import round_kernel
+    from tests.backends.triton.bf16_round_probe import round_kernel
 
     ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 2 ** -130 * 3], dtype=torch.float32)  # halfway
     x = torch.cat([ties, testing.randn((200,), seed=3) * 100, testing.randn((50,), seed=4) * 1e-30]).to(device)

@@ -4,7 +4,7 @@ import torch
 
 from glm5_core import testing
 from glm5_core.ops import muon
-from tests.cuda.helpers import kernel
+from tests.backends.triton.helpers import kernel
 
 
 @pytest.mark.parametrize("shape", [(7, 13), (70, 20), (3, 5, 9), (2, 2, 33, 66)], ids=str)

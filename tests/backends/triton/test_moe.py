@@ -4,7 +4,7 @@ import torch
 
 from glm5_core import testing
 from glm5_core.ops import moe
-from tests.cuda.helpers import assert_close, kernel
+from tests.backends.triton.helpers import assert_close, kernel
 
 ROUTES = [  # (N, E, K, n_group, topk_group, score_func, bias)
     (37, 12, 3, 1, 1, "sigmoid", True),

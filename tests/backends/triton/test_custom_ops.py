@@ -2,7 +2,7 @@
 import torch
 
 from glm5_core import testing
-from tests.cuda.helpers import kernel
+from tests.backends.triton.helpers import kernel
 
 
 def test_indexer_topk_op_passes_opcheck_and_traces(device):

@@ -17,7 +17,7 @@ def test_kernels_compile_for_the_gpu_target(vendor):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, str(SCRIPT), vendor], capture_output=True, text=True, env=env,
-                          timeout=900, cwd=SCRIPT.parents[2])
+                          timeout=900, cwd=SCRIPT.parents[3])
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and len(lines) == 26, proc.stdout[-4000:] + proc.stderr[-3000:]
     matrix_ops = {line.split()[1]: int(line.split("bf16_matrix_ops=")[1]) for line in lines}

@@ -9,7 +9,7 @@ import torch
 from glm5_core import testing
 from glm5_core.ops import dsa, selected_attention_target
 from glm5_core.ops.mla import causal_mask
-from tests.reference.selected_target_cases import SMALL_CASES, start_of
+from tests.ops.selected_target_cases import SMALL_CASES, start_of
 
 CASES = SMALL_CASES + (
     (testing.MLAShape(B=2, T=11, S=40, H=9, Dn=6, Dr=4, Dv=4, C=10), 7, 29),  # heads past one vector

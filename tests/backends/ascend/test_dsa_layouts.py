@@ -9,7 +9,7 @@ from glm5_core import testing
 from glm5_core.backends.ascend import dsa
 from glm5_core.backends.ascend import dsa_layouts as L
 from glm5_core.ops.dsa import indexer_scores_reference, indexer_topk_reference, sparse_attention_reference
-from tests.ascend.vendor_semantics import AscendSemantics, VendorContractError
+from tests.backends.ascend.vendor_semantics import AscendSemantics, VendorContractError
 
 TIE_ORDERS = ("high_first", "low_first")
 D = L.VENDOR_INDEX_HEAD_DIM

@@ -94,6 +94,6 @@ def test_an_older_torch_npu_without_the_operator_is_declined_with_its_version():
 
     ok, why = vendor.has_operator("npu_lightning_indexer", OldTorchNpu())
     assert not ok and "2.1.0.post3" in why and "npu_lightning_indexer" in why
-    from tests.ascend.vendor_semantics import AscendSemantics
+    from tests.backends.ascend.vendor_semantics import AscendSemantics
 
     assert vendor.has_operator("npu_lightning_indexer", AscendSemantics()) == (True, "")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu"
 
 
 def _load(name):

@@ -4,7 +4,7 @@ import torch
 
 from glm5_core import testing
 from glm5_core.ops import dsa
-from tests.cuda.helpers import kernel
+from tests.backends.triton.helpers import kernel
 
 S = testing.IndexerShape
 SHAPES = (S(B=1, T=1, S=1, H=1, D=8, K=1), S(B=2, T=5, S=37, H=3, D=20, K=7), S(B=1, T=4, S=130, H=5, D=16, K=70))
@@ -81,7 +81,7 @@ def test_batch_invariance_and_prefill_decode_bitwise(device):
 
 
 def test_bitonic_merge_top_against_sort(device):
-    from tests.cuda.bitonic_probe import merge_kernel
+    from tests.backends.triton.bitonic_probe import merge_kernel
 
     g = torch.Generator().manual_seed(0)
     for n in (16, 64):
