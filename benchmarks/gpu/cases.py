@@ -47,14 +47,6 @@ def indexer_case(device, tiny: bool) -> Case:
         "reference (scores + stable sort)": lambda: dsa.indexer_topk_reference(q, k, w, topk=K, start_pos=start),
         "torch.topk on materialised scores": lambda: torch.topk(scores_fn(q, k, w, start_pos=start), K, dim=-1),
     }
-    try:
-        from glm5_core.backends.cuda import ext
-
-        if ext.load_extension()[0] is not None:
-            impls["csrc radix top-k on materialised scores"] = lambda: ext.topk_from_scores(
-                scores_fn(q, k, w, start_pos=start), K, start)
-    except Exception:  # the extension is optional
-        pass
     return Case("dsa_indexer_topk", f"B{B} T{T} S{S} H{H} D{D} K{K} bf16", 2.0 * B * T * S * H * D,
                 B * S * D * 2 + B * T * (H * D * 2 + H * 4 + K * 4), impls)
 

@@ -32,7 +32,7 @@ BACKEND = Backend(
     kernel_table=kernel_table,
     missing=MISSING,
     runtime_device=platform.triton_runtime_device,
-    description="NVIDIA GPUs: Triton kernels + csrc CUDA ops",
+    description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs",
     detect=lambda: platform.gpu_probe("cuda")[0],
     priority=10,
 )
