@@ -207,7 +207,7 @@ def _experts_inputs(device, tiny: bool):
 def experts_case(device, tiny: bool) -> Case:
     (E, M, D, F_), counts, (x, wg, wu, wd) = _experts_inputs(device, tiny)
     impls = {"cuda grouped SwiGLU": lambda: _cuda("moe_experts")(x, counts, wg, wu, wd),
-             "reference (per-expert torch matmuls, fp32)": lambda: moe.grouped_swiglu_reference(x, counts, wg, wu, wd)}
+             "reference (per-expert torch matmuls, fp32)": lambda: moe.experts_reference(x, counts, wg, wu, wd)}
     return Case("moe_experts", f"E{E} M{M} D{D} F{F_} bf16", 6.0 * M * D * F_, (3 * E * F_ * D + 2 * M * D) * 2, impls,
                 compute_dtype="fp32")
 
@@ -229,7 +229,7 @@ def experts_backward_case(device, tiny: bool) -> Case:
         return out
 
     impls = {"cuda grouped SwiGLU fwd+bwd": lambda: run(_cuda("moe_experts")),
-             "reference fwd+bwd (per-expert torch matmuls, fp32)": lambda: run(moe.grouped_swiglu_reference)}
+             "reference fwd+bwd (per-expert torch matmuls, fp32)": lambda: run(moe.experts_reference)}
     # compulsory traffic: x, dO, dx [M, D]; the three weight stacks and their gradients
     return Case("moe_experts fwd+bwd", f"E{E} M{M} D{D} F{F_} bf16", experts_backward_flops(M, D, F_),
                 (6 * E * F_ * D + 4 * M * D) * 2, impls, compute_dtype="fp32")

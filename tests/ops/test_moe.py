@@ -92,11 +92,11 @@ def test_combine_reference_takes_an_int32_sort_idx():
 
 
 @pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
-def test_grouped_swiglu_matches_per_token_loop(shape):
+def test_experts_matches_per_token_loop(shape):
     x = testing.make_expert_inputs(shape, dtype=torch.float64, seed=6)
     _, ids = moe.route(testing.make_route_inputs(shape, seed=7)["logits"], None, top_k=shape.K)
     x_sorted, sort_idx, counts = moe.dispatch(x["x"], ids, num_experts=shape.E)
-    out = moe.grouped_swiglu(x_sorted, counts, x["w_gate"], x["w_up"], x["w_down"])
+    out = moe.experts(x_sorted, counts, x["w_gate"], x["w_up"], x["w_down"])
     expert_of_row = ids.flatten()[sort_idx].long()
     for m in range(x_sorted.shape[0]):
         e = int(expert_of_row[m])
@@ -108,7 +108,7 @@ def test_experts_with_no_tokens_are_skipped():
     shape = testing.MoEShape(N=3, E=5, K=1, G=1, TG=1, D=4, F=3)
     x = testing.make_expert_inputs(shape, dtype=torch.float64)
     counts = torch.tensor([0, 3, 0, 0, 0])
-    out = moe.grouped_swiglu(x["x"], counts, x["w_gate"], x["w_up"], x["w_down"])
+    out = moe.experts(x["x"], counts, x["w_gate"], x["w_up"], x["w_down"])
     h = F.silu(x["x"] @ x["w_gate"][1].T) * (x["x"] @ x["w_up"][1].T)
     assert torch.allclose(out, h @ x["w_down"][1].T)
 

@@ -4,6 +4,7 @@ import importlib.util
 from typing import Dict
 
 from glm5_core import platform
+from glm5_core.backends.triton.table import MISSING
 from glm5_core.registry import Backend, Kernel
 
 
@@ -26,22 +27,13 @@ def kernel_table() -> Dict[str, Kernel]:
     return table
 
 
-MISSING = {
-    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
-    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
-                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
-    "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
-                                 "reference (gathers over the K selected keys, no [T, S] tensor) runs",
-}
-
-
 BACKEND = Backend(
     name="rocm",
     device_type="cuda",
     dist_backend="nccl",
     probe=functools.partial(platform.triton_backend_probe, "rocm"),
     kernel_table=kernel_table,
-    missing=MISSING,
+    missing=MISSING,  # shared by every Triton vendor
     runtime_device=platform.triton_runtime_device,
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
     detect=lambda: platform.gpu_probe("rocm")[0],

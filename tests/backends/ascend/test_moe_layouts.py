@@ -8,7 +8,7 @@ import torch
 from glm5_core import testing
 from glm5_core.backends.ascend import moe
 from glm5_core.backends.ascend import moe_layouts as L
-from glm5_core.ops.moe import combine_reference, dispatch_reference, grouped_swiglu_reference, route_reference
+from glm5_core.ops.moe import combine_reference, dispatch_reference, experts_reference, route_reference
 from tests.backends.ascend.vendor_semantics import AscendSemantics
 
 TIE_ORDERS = ("high_first", "low_first")
@@ -151,8 +151,8 @@ def test_experts_match_reference(dtype):
     npu = AscendSemantics()
     out = moe.experts(*args, npu=npu)
     assert npu.calls == ["npu_grouped_matmul"] * 3 and out.dtype == dtype
-    ref = grouped_swiglu_reference(*args)
-    exact = grouped_swiglu_reference(*(a.double() if a.is_floating_point() else a for a in args))
+    ref = experts_reference(*args)
+    exact = experts_reference(*(a.double() if a.is_floating_point() else a for a in args))
     result = testing.compare_to_fp64(out, ref, exact, dtype)
     assert result.passed, result.detail
 
@@ -228,6 +228,6 @@ def test_moe_layer_end_to_end_in_bf16():
     npu = AscendSemantics()
     out = layer(*(lambda *a, f=f, **k: f(*a, **k, npu=npu)
                   for f in (moe.route, moe.dispatch, moe.experts, moe.combine)))
-    ref = layer(route_reference, dispatch_reference, grouped_swiglu_reference, combine_reference)
+    ref = layer(route_reference, dispatch_reference, experts_reference, combine_reference)
     atol, rtol = testing.TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol * 4, rtol=rtol * 4)

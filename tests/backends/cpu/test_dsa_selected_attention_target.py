@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5_core import registry, testing
-from glm5_core.backends.cpu import attention_target as native_target
+from glm5_core.backends.cpu import dsa_selected_attention_target as native_target
 from glm5_core.ops import dsa
 from glm5_core.ops.mla import causal_mask
 from glm5_core.ops.selected_attention_target import expanded_keys, selected_attention_target_reference

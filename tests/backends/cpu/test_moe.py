@@ -88,7 +88,7 @@ def _expert_case(shape, dtype, seed=7):
 def test_experts_match_reference(native, shape, dtype):
     args = _expert_case(shape, dtype)
     got = native_moe.experts(*args)
-    want = moe.grouped_swiglu_reference(*args)
+    want = moe.experts_reference(*args)
     assert got.dtype == want.dtype and got.shape == want.shape
     atol, rtol = testing.TOLERANCES[dtype]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
@@ -117,7 +117,7 @@ def test_experts_thread_invariance_and_all_rows_in_one_expert(native, threads):
     one = torch.zeros_like(counts)
     one[-1] = x_sorted.shape[0]  # the last expert takes every row, the others none
     torch.testing.assert_close(native_moe.experts(x_sorted, one, wg, wu, wd),
-                               moe.grouped_swiglu_reference(x_sorted, one, wg, wu, wd), atol=1e-5, rtol=1e-5)
+                               moe.experts_reference(x_sorted, one, wg, wu, wd), atol=1e-5, rtol=1e-5)
 
 
 def test_experts_reject_bad_counts_and_defer_gradients(native):

@@ -28,8 +28,8 @@ def _sig(pointers, scalars, constexprs):
 def kernels():
     """(name, jit function, signature, constexpr values), at small but representative sizes."""
     from glm5_core.backends.triton import (
-        attention_target,
         causal_lse,
+        dsa_selected_attention_target,
         indexer,
         moe_experts,
         moe_experts_bwd,
@@ -70,9 +70,9 @@ def kernels():
     target_ptrs = {"qlat_ptr": "*fp32", "qpe_ptr": "*fp32", "ckv_ptr": "*bf16", "kpe_ptr": "*bf16", "idx_ptr": "*i32",
                    "lse_ptr": "*fp32"}
     target_scalars = [("T", I32), ("H", I32), ("K", I32), ("scale", "fp32")] + key_strides
-    yield ("target_selected_lse", attention_target._selected_lse_kernel,
+    yield ("target_selected_lse", dsa_selected_attention_target._selected_lse_kernel,
            _sig(target_ptrs, target_scalars, list(target_meta)), target_meta)
-    yield ("target", attention_target._target_kernel,
+    yield ("target", dsa_selected_attention_target._target_kernel,
            _sig(dict(target_ptrs, out_ptr="*fp32"), target_scalars, list(target_meta)), target_meta)
     lse_meta = dict(C=24, DR=8, BM=32, BS=32, C_PAD=32, DR_PAD=16)
     yield ("target_causal_lse", causal_lse._causal_lse_kernel,

@@ -34,7 +34,7 @@ def _check(out, args, kw, dtype):
 @pytest.mark.parametrize("shape,K,start", CASES, ids=str)
 @pytest.mark.parametrize("normaliser", NORMALISERS)
 def test_target_matches_the_reference_through_small_tiles(shape, K, start, normaliser, device):
-    from glm5_core.backends.triton import attention_target
+    from glm5_core.backends.triton import dsa_selected_attention_target as attention_target
     from glm5_core.backends.triton.launch import LaunchConfig
 
     args, start_pos = case_inputs(shape, K, start, torch.float32, seed=3, past_the_query=True)
@@ -74,7 +74,7 @@ def test_non_finite_scores_give_nan_where_the_reference_does(normaliser, device)
     one head's q_pe (that head's scores +-inf, NaN in its softmax) and a NaN in one key's c_kv (every head's score
     at that key). The lse kernels used to map a NaN sum to the "no key" +inf and drop the head (p = 0), so the
     target stayed finite and the KL trained on 2/3 of a row."""
-    from glm5_core.backends.triton import attention_target
+    from glm5_core.backends.triton import dsa_selected_attention_target as attention_target
     from glm5_core.backends.triton.launch import LaunchConfig
 
     shape, K, start = CASES[-1]

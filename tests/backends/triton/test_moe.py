@@ -85,7 +85,7 @@ def test_combine_takes_an_int32_sort_idx(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_grouped_swiglu_matches_reference(dtype, device):
+def test_experts_matches_reference(dtype, device):
     E, D, F = 5, 24, 40
     counts = torch.tensor([7, 0, 70, 1, 3], device=device)  # an empty expert, one spanning two row tiles
     M = int(counts.sum())
@@ -93,7 +93,7 @@ def test_grouped_swiglu_matches_reference(dtype, device):
     w_gate, w_up = (testing.randn((E, F, D), seed=s, dtype=dtype, device=device, scale=0.2) for s in (6, 7))
     w_down = testing.randn((E, D, F), seed=8, dtype=dtype, device=device, scale=0.2)
     out = kernel("moe_experts")(x, counts, w_gate, w_up, w_down)
-    assert_close(out, moe.grouped_swiglu_reference(x, counts, w_gate, w_up, w_down), dtype, "experts")
+    assert_close(out, moe.experts_reference(x, counts, w_gate, w_up, w_down), dtype, "experts")
 
 
 def test_tile_schedule_covers_every_row_once():
@@ -110,7 +110,7 @@ def _grads(fn, leaves, *args, cotangent):
     return [t.grad for t in leaves]
 
 
-def test_grouped_swiglu_backward_matches_reference(device):
+def test_experts_backward_matches_reference(device):
     E, D, F = 5, 24, 40
     counts = torch.tensor([7, 0, 70, 1, 3], device=device)  # an empty expert, one spanning two row tiles
     M = int(counts.sum())
@@ -122,7 +122,7 @@ def test_grouped_swiglu_backward_matches_reference(device):
     def call(fn):
         return _grads(lambda x, wg, wu, wd: fn(x, counts, wg, wu, wd), [x, w_gate, w_up, w_down], cotangent=cotangent)
 
-    ours, ref = call(kernel("moe_experts")), call(moe.grouped_swiglu_reference)
+    ours, ref = call(kernel("moe_experts")), call(moe.experts_reference)
     for name, a, b in zip(("x_sorted", "w_gate", "w_up", "w_down"), ours, ref):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert_close(a, b, torch.float32, f"d{name}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Dict, List
 
 import torch
 import triton
@@ -31,11 +32,11 @@ import triton.language as tl
 
 from glm5_core.backends.triton import _util, causal_lse, shared_memory
 from glm5_core.backends.triton.causal_lse import finish_lse, online_lse_step
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
 from glm5_core.backends.triton.sparse_mla import _gather_keys, _key_strides, _load_heads, _mm, _row_and_heads
+from glm5_core.kernel import Kernel
 from glm5_core.ops.mla import absorb_query
-
-FAMILY = "attention_target"
 
 
 @triton.jit
@@ -149,3 +150,28 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, launch: LaunchConfig =
 def fitting(configs: KernelConfigs):
     """``supports`` with the vendor's launch and shared-memory limit bound."""
     return functools.partial(supports, launch=configs[FAMILY], shared_memory_limit=configs.shared_memory_limit)
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "dsa_selected_attention_target"  # configs[FAMILY]: this module's (and causal_lse's) launch configuration
+ITEMSIZES = (4,)  # every operand is widened to fp32 before its dot, whatever the input dtype
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    BH, BK, BM, BS = blocks["heads"], blocks["keys"], blocks["rows"], blocks["cols"]
+    C, DR = _util.next_pow2(dims.latent, 16), _util.next_pow2(dims.rope, 16)
+    heads = [Tile("q_lat", (BH, C), 4), Tile("q_pe", (BH, DR), 4)]
+    keys = [Tile("kv", (BK, C), 4, pipelined=True), Tile("kr", (BK, DR), 4, pipelined=True)]
+    scores = Tile("scores", (BH, BK), 4, scratch=True)  # max / sum over keys (lse), over heads (target)
+    return {
+        "selected_lse": heads + keys + [scores],
+        # the target kernel's keys are loop-invariant; its head tiles are loaded in its loop over heads
+        "target": [dataclasses.replace(t, pipelined=True) for t in heads]
+                  + [dataclasses.replace(t, pipelined=False) for t in keys] + [scores],
+        "causal_lse": [Tile("q_lat", (BM, C), 4), Tile("q_pe", (BM, DR), 4), Tile("kv", (BS, C), 4, pipelined=True),
+                       Tile("kr", (BS, DR), 4, pipelined=True), Tile("scores", (BM, BS), 4, scratch=True)],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    return {"dsa_selected_attention_target": bind(selected_attention_target, configs[FAMILY], fitting(configs))}
