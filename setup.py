@@ -55,7 +55,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["glm5_core", "glm5_core.*"]),
     # native sources ship inside their vendor's folder so the extensions can be built on first use
-    package_data={"glm5_core.backends": ["*/csrc/*.cpp", "*/csrc/*.h", "*/csrc/*.cu", "*/csrc/*.cuh"]},
+    package_data={"glm5_core.backends": ["*/csrc/*.cpp", "*/csrc/*.h"]},
     install_requires=["torch>=2.4"] + TRAIN,
     extras_require=EXTRAS,
     entry_points=ENTRY_POINTS,

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         if not 1 <= topk <= tokens:
             parser.error(f"--topk: expected 1 <= topk <= tokens ({tokens}), got {topk}")
     from glm5_core import registry
-    from glm5_core.backends.cpu import attention_target as native
+    from glm5_core.backends.cpu import dsa_selected_attention_target as native
     from glm5_core.ops.selected_attention_target import selected_attention_target_reference
 
     torch.set_num_threads(args.threads)

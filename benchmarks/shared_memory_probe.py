@@ -22,8 +22,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 
 from glm5_core.backends.triton import (
-    attention_target,
     causal_lse,
+    dsa_selected_attention_target,
     indexer,
     moe_experts,
     moe_experts_bwd,
@@ -31,6 +31,7 @@ from glm5_core.backends.triton import (
     moe_route,
     newton_schulz,
     sparse_mla,
+    table,
 )
 from glm5_core.backends.triton import shared_memory as smem
 from glm5_core.backends.triton._util import next_pow2
@@ -88,14 +89,14 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
         yield "sparse_fwd", sparse_mla._sparse_fwd_kernel, meta, ptrs
         yield "sparse_bwd_dq", sparse_mla._sparse_bwd_dq_kernel, meta, ptrs
         yield "sparse_bwd_dkv", sparse_mla._sparse_bwd_dkv_kernel, meta, ptrs
-    elif family == "attention_target":
+    elif family == "dsa_selected_attention_target":
         pads = dict(C=dims.latent, DR=dims.rope, C_PAD=next_pow2(dims.latent, 16), DR_PAD=next_pow2(dims.rope, 16))
         meta = dict(pads, BH=blocks["heads"], BK=blocks["keys"])
         ptrs = dict(ckv_ptr="*bf16", kpe_ptr="*bf16", idx_ptr="*i32", start_ptr="*i32")  # the keys as given
-        yield "selected_lse", attention_target._selected_lse_kernel, meta, ptrs
-        yield "target", attention_target._target_kernel, meta, ptrs
+        yield "selected_lse", dsa_selected_attention_target._selected_lse_kernel, meta, ptrs
+        yield "target", dsa_selected_attention_target._target_kernel, meta, ptrs
         yield "causal_lse", causal_lse._causal_lse_kernel, dict(pads, BM=blocks["rows"], BS=blocks["cols"]), ptrs
-    elif family == "grouped_gemm":
+    elif family == "moe_experts":
         mnk = dict(BM=blocks["m"], BN=blocks["n"], BK=blocks["k"])
         tiles = dict(tile_expert_ptr="*i32", tile_row0_ptr="*i32", tile_row1_ptr="*i32")
         yield "grouped_gemm", moe_experts._grouped_gemm_kernel, dict(mnk, SWIGLU=True), tiles
@@ -126,7 +127,7 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="rocm,cuda")
-    parser.add_argument("--families", default=",".join(smem.FAMILY_TILES))
+    parser.add_argument("--families", default=",".join(table.KERNEL_MODULES))
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--check", action="store_true", help="exit 1 if a launch is over its limit or the estimate")
     args = parser.parse_args(argv)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         for family in args.families.split(","):
             config = tables[vendor][family]
             estimates = smem.estimate(family, config)
-            for itemsize in smem.ITEMSIZES[family]:
+            for itemsize in smem.itemsizes(family):
                 for kernel, fn, constexprs, ptrs in launches(family, config, smem.GLM5_DIMS, itemsize):
                     start = time.time()
                     got = compiled_shared_bytes(fn, TARGETS[vendor], constexprs, ptrs, config.launch_kwargs())

@@ -96,7 +96,9 @@ class Backend:
     ``facts`` are the vendor's :class:`~glm5_core.device_facts.DeviceFacts` (device type, distributed backend,
     visible-devices variable, Ray resource, dtypes, device count); ``device_type`` and ``dist_backend`` are read
     from them (a backend declared with those two fields alone gets facts made of them: a host-like device).
-    ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``).
+    ``missing`` gives, per op, why the backend does not implement it (shown by ``explain``); an op it neither
+    implements nor names there gets :func:`default_missing_reason`, so a new op needs no edit of a vendor
+    without a kernel for it.
     ``runtime_device`` is the torch device type tensors must live on (``cpu`` for Triton's interpreter).
     ``details`` adds a status line to ``glm5 backends`` (called after the kernel table is loaded).
     ``detect`` says, cheaply and without side effects beyond a cached probe, whether this backend's hardware
@@ -349,6 +351,12 @@ def require_available(name: str) -> Backend:
     return backend
 
 
+def default_missing_reason(spec: OpSpec, backend: str) -> str:
+    """Why ``backend`` runs the reference for ``spec``, for an op its ``missing`` does not name."""
+    return (f"{backend} has no kernel for {spec.name} ({spec.family} family): the reference "
+            f"{target_of(spec.reference)} runs")
+
+
 def _resolve_in(spec: OpSpec, name: str, backend: Backend, table: Mapping[str, Kernel]) -> Resolution:
     """``spec`` on backend ``name``: its own kernel, else (a composite op) the composite of its parts, else the
     reference with the backend's reason."""
@@ -359,7 +367,7 @@ def _resolve_in(spec: OpSpec, name: str, backend: Backend, table: Mapping[str, K
         return Resolution(spec.name, name, functools.partial(spec.composite, backend=name),
                           f"{name}: {spec.composite.__module__}.{spec.composite.__qualname__}",
                           f"{name} has no fused kernel: its own kernels for the parts", spec=spec)
-    reason = backend.missing.get(spec.name, f"{name} does not implement {spec.name}")
+    reason = backend.missing.get(spec.name) or default_missing_reason(spec, name)
     return Resolution(spec.name, name, spec.reference, "reference", reason, spec=spec)
 
 

@@ -46,4 +46,4 @@ def test_no_vendor_folder_is_left_outside_the_package():
     assert not (REPO / "backends").exists() and not (REPO / "csrc").exists()
     assert "package_dir" not in (REPO / "setup.py").read_text()
     native = {p.parent.parent.name for p in (REPO / "glm5_core" / "backends").glob("*/csrc/*") if p.is_file()}
-    assert native == {"cpu", "cuda"}
+    assert native == {"cpu"}

@@ -47,14 +47,6 @@ def indexer_case(device, tiny: bool) -> Case:
         "reference (scores + stable sort)": lambda: dsa.indexer_topk_reference(q, k, w, topk=K, start_pos=start),
         "torch.topk on materialised scores": lambda: torch.topk(scores_fn(q, k, w, start_pos=start), K, dim=-1),
     }
-    try:
-        from glm5_core.backends.cuda import ext
-
-        if ext.load_extension()[0] is not None:
-            impls["csrc radix top-k on materialised scores"] = lambda: ext.topk_from_scores(
-                scores_fn(q, k, w, start_pos=start), K, start)
-    except Exception:  # the extension is optional
-        pass
     return Case("dsa_indexer_topk", f"B{B} T{T} S{S} H{H} D{D} K{K} bf16", 2.0 * B * T * S * H * D,
                 B * S * D * 2 + B * T * (H * D * 2 + H * 4 + K * 4), impls)
 
@@ -215,7 +207,7 @@ def _experts_inputs(device, tiny: bool):
 def experts_case(device, tiny: bool) -> Case:
     (E, M, D, F_), counts, (x, wg, wu, wd) = _experts_inputs(device, tiny)
     impls = {"cuda grouped SwiGLU": lambda: _cuda("moe_experts")(x, counts, wg, wu, wd),
-             "reference (per-expert torch matmuls, fp32)": lambda: moe.grouped_swiglu_reference(x, counts, wg, wu, wd)}
+             "reference (per-expert torch matmuls, fp32)": lambda: moe.experts_reference(x, counts, wg, wu, wd)}
     return Case("moe_experts", f"E{E} M{M} D{D} F{F_} bf16", 6.0 * M * D * F_, (3 * E * F_ * D + 2 * M * D) * 2, impls,
                 compute_dtype="fp32")
 
@@ -237,7 +229,7 @@ def experts_backward_case(device, tiny: bool) -> Case:
         return out
 
     impls = {"cuda grouped SwiGLU fwd+bwd": lambda: run(_cuda("moe_experts")),
-             "reference fwd+bwd (per-expert torch matmuls, fp32)": lambda: run(moe.grouped_swiglu_reference)}
+             "reference fwd+bwd (per-expert torch matmuls, fp32)": lambda: run(moe.experts_reference)}
     # compulsory traffic: x, dO, dx [M, D]; the three weight stacks and their gradients
     return Case("moe_experts fwd+bwd", f"E{E} M{M} D{D} F{F_} bf16", experts_backward_flops(M, D, F_),
                 (6 * E * F_ * D + 4 * M * D) * 2, impls, compute_dtype="fp32")

@@ -15,7 +15,7 @@ status=0
 GLM5_TEST_BACKENDS=cuda timeout 180 python -m pytest -q -p no:cacheprovider tests/conformance \
   --junitxml="$RESULTS/conformance_cuda.xml" > "$RESULTS/conformance_cuda.txt" 2>&1 || status=1
 tail -3 "$RESULTS/conformance_cuda.txt"
-timeout 80 python -m pytest -q -p no:cacheprovider tests/cuda > "$RESULTS/tests_cuda.txt" 2>&1 || status=1
+timeout 80 python -m pytest -q -p no:cacheprovider tests/backends/triton tests/backends/rocm > "$RESULTS/tests_cuda.txt" 2>&1 || status=1
 tail -3 "$RESULTS/tests_cuda.txt"
 TRAINING="sparse_prefill_forward_case sparse_prefill_case experts_backward_case attention_target_case"  # = cases.TRAINING_CASES
 timeout 90 python benchmarks/gpu/bench_kernels.py --out "$RESULTS/training" --budget-s 60 --only $TRAINING \

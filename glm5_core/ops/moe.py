@@ -1,5 +1,14 @@
 """Mixture-of-experts routing, dispatch / combine, SwiGLU grouped experts, aux-loss-free balancing.
 
+The ops of this family (``OPS`` at the end declares them), each ``moe_<name>`` with entry point ``<name>`` and
+reference ``<name>_reference``:
+
+  moe_route          route            route_reference
+  moe_dispatch       dispatch         dispatch_reference
+  moe_combine        combine          combine_reference
+  moe_experts        experts          experts_reference          (SwiGLU over expert-sorted rows)
+  moe_fused_experts  fused_experts    fused_experts_reference    (composite: dispatch -> experts -> combine)
+
 Legend (sizes): N tokens, E routed experts, G expert groups, K experts per token (top-k),
 D hidden size, F expert FFN size, M = N * K routed token copies.
 
@@ -16,12 +25,13 @@ stay in token order (then slot order); ``sort_idx[m]`` is the flat assignment in
 sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine is its deterministic
 inverse: a gather, then a weighted sum over the K slots in slot order (no atomics).
 
-``fused_experts`` is dispatch -> grouped SwiGLU -> combine as one op (the routed MoE FFN of a layer). It is
+``fused_experts`` is dispatch -> experts -> combine as one op (the routed MoE FFN of a layer). It is
 a composite op: a backend without a fused kernel runs its own three kernels (its ``OpSpec`` in ``OPS``),
 one with a fused kernel (cpu) skips materialising the [M, D] routed copy of the inputs.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -146,7 +156,7 @@ def combine_reference(y_sorted, sort_idx, weights):
     return out.to(y_sorted.dtype)
 
 
-def grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down):
+def experts_reference(x_sorted, counts, w_gate, w_up, w_down):
     """Per expert e, over its contiguous rows: (silu(x Wg^T) * (x Wu^T)) Wd^T. Returns [M, D]."""
     ct = _checks.compute_dtype(x_sorted.dtype)
     outputs = []
@@ -164,9 +174,9 @@ def grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down):
 
 
 def fused_experts_reference(x, weights, expert_ids, w_gate, w_up, w_down):
-    """The routed FFN: combine(grouped_swiglu(dispatch(x)), weights). Returns [N, D] in x's dtype."""
+    """The routed FFN: combine(experts(dispatch(x)), weights). Returns [N, D] in x's dtype."""
     x_sorted, sort_idx, counts = dispatch_reference(x, expert_ids, num_experts=w_gate.shape[0])
-    return combine_reference(grouped_swiglu_reference(x_sorted, counts, w_gate, w_up, w_down), sort_idx, weights)
+    return combine_reference(experts_reference(x_sorted, counts, w_gate, w_up, w_down), sort_idx, weights)
 
 
 def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, backend: str):
@@ -182,7 +192,7 @@ OPS = (
     OpSpec("moe_route", route_reference, family="moe", differentiable=True),
     OpSpec("moe_dispatch", dispatch_reference, family="moe", differentiable=True),
     OpSpec("moe_combine", combine_reference, family="moe", differentiable=True),
-    OpSpec("moe_experts", grouped_swiglu_reference, family="moe", differentiable=True),
+    OpSpec("moe_experts", experts_reference, family="moe", differentiable=True),
     OpSpec("moe_fused_experts", fused_experts_reference, family="moe", differentiable=True,
            composite=fused_experts_composite, parts=("moe_dispatch", "moe_experts", "moe_combine")),
 )
@@ -250,8 +260,8 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
 
 
-def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                   w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
+def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+            w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
@@ -270,7 +280,7 @@ def grouped_swiglu(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.T
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, w_gate: torch.Tensor,
                   w_up: torch.Tensor, w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
-    in slot order. Equals ``combine(grouped_swiglu(dispatch(x)), weights)``. Returns [N, D]."""
+    in slot order. Equals ``combine(experts(dispatch(x)), weights)``. Returns [N, D]."""
     sizes: Dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
@@ -283,6 +293,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     _checks.same_device(x=x, weights=weights, expert_ids=expert_ids, w_gate=w_gate, w_up=w_up, w_down=w_down)
     _checks.index_range("expert_ids", expert_ids, 0, sizes["E"] - 1)
     return registry.call("moe_fused_experts", x, weights, expert_ids, w_gate, w_up, w_down, backend=backend)
+
+
+def grouped_swiglu(*args, **kwargs) -> torch.Tensor:
+    """Deprecated name of :func:`experts` (the op ``moe_experts``)."""
+    warnings.warn("moe.grouped_swiglu is deprecated: call moe.experts (the op moe_experts)", DeprecationWarning,
+                  stacklevel=2)
+    return experts(*args, **kwargs)
+
+
+def grouped_swiglu_reference(*args, **kwargs) -> torch.Tensor:
+    """Deprecated name of :func:`experts_reference`."""
+    warnings.warn("moe.grouped_swiglu_reference is deprecated: call moe.experts_reference", DeprecationWarning,
+                  stacklevel=2)
+    return experts_reference(*args, **kwargs)
 
 
 def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:

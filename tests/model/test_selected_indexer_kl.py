@@ -90,7 +90,7 @@ class _Shapes(TorchDispatchMode):
 @pytest.mark.parametrize("target", ("selected", "causal"))
 def test_the_sparse_indexer_kl_makes_no_query_by_key_tensor(monkeypatch, make_model, make_config, target):
     """T = S = 24 (no other size of the model is 24): no tensor made for the sparse stage's indexer KL, forward
-    or backward, holds a [T, S] plane (the top-k selection is the kernels' business: tests/cpu_native)."""
+    or backward, holds a [T, S] plane (the top-k selection is the kernels' business: tests/backends/cpu)."""
     from glm5_core.model import attention
 
     monkeypatch.setattr(selected_attention_target, "QUERY_BLOCK", 4)

@@ -14,8 +14,8 @@ from glm5_core.registry import Backend, Kernel
 
 # The modules whose ``KERNELS`` map ops to their native kernel records (importing them loads no extension:
 # the ``torch.ops.glm5_cpu`` ops are looked up when a kernel runs).
-KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.attention_target", "glm5_core.backends.cpu.moe",
-                  "glm5_core.backends.cpu.muon")
+KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.dsa_selected_attention_target",
+                  "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon")
 # The modules whose kernels call torch's own CPU kernels only: in the table whether or not the extension builds.
 TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla",)
 

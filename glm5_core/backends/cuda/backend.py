@@ -4,6 +4,7 @@ from typing import Dict
 
 from glm5_core import platform
 from glm5_core.backends.cuda.device import DEVICE, gpu_probe
+from glm5_core.backends.triton.table import MISSING
 from glm5_core.registry import Backend, Kernel
 
 
@@ -15,24 +16,14 @@ def kernel_table() -> Dict[str, Kernel]:
     return build_kernel_table(CUDA_CONFIGS)
 
 
-# Ops left to the reference, and why (shown by `glm5 backends`).
-MISSING = {
-    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the cuda kernel",
-    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
-                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
-    "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
-                                 "reference (gathers over the K selected keys, no [T, S] tensor) runs",
-}
-
-
 BACKEND = Backend(
     name="cuda",
     facts=DEVICE,
     probe=functools.partial(platform.triton_backend_probe, functools.partial(gpu_probe, "cuda")),
     kernel_table=kernel_table,
-    missing=MISSING,
+    missing=MISSING,  # shared by every Triton vendor
     runtime_device=functools.partial(platform.triton_runtime_device, DEVICE.device_type),
-    description="NVIDIA GPUs: Triton kernels + csrc CUDA ops",
+    description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs",
     detect=lambda: gpu_probe("cuda")[0],
     priority=10,
 )

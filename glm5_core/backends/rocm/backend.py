@@ -6,6 +6,7 @@ from typing import Dict
 from glm5_core import platform
 from glm5_core.backends.cuda.device import gpu_probe
 from glm5_core.backends.rocm.device import DEVICE
+from glm5_core.backends.triton.table import MISSING
 from glm5_core.registry import Backend, Kernel
 
 
@@ -28,21 +29,12 @@ def kernel_table() -> Dict[str, Kernel]:
     return table
 
 
-MISSING = {
-    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
-    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
-                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
-    "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
-                                 "reference (gathers over the K selected keys, no [T, S] tensor) runs",
-}
-
-
 BACKEND = Backend(
     name="rocm",
     facts=DEVICE,
     probe=functools.partial(platform.triton_backend_probe, functools.partial(gpu_probe, "rocm")),
     kernel_table=kernel_table,
-    missing=MISSING,
+    missing=MISSING,  # shared by every Triton vendor
     runtime_device=functools.partial(platform.triton_runtime_device, DEVICE.device_type),
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
     detect=lambda: gpu_probe("rocm")[0],

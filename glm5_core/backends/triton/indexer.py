@@ -24,6 +24,9 @@ never O(Q * S).
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Dict, List
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +34,9 @@ import triton.language as tl
 from glm5_core import platform
 from glm5_core.backends.triton import _util
 from glm5_core.backends.triton.bitonic import merge_top
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
+from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
 
 _SENTINEL = -(2 ** 63)  # below every packed key: an empty slot
@@ -248,3 +253,27 @@ def supports(q, k, w, *args, topk: int = None, **kwargs):
         return False, f"topk={topk} (S={k.shape[1]} keys): a top-k tile of {tile} keys is past Triton's " \
                       f"{tl.TRITON_MAX_TENSOR_NUMEL}-element limit"
     return True, ""
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "indexer"  # configs[FAMILY]: this module's launch configuration
+ITEMSIZES = (4, 2)  # fp32 and 16-bit inputs
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    BS = blocks["keys"]
+    H_PAD, D_PAD = _util.next_pow2(dims.indexer_heads, 16), _util.next_pow2(dims.indexer_head_dim, 16)
+    KP = _util.next_pow2(dims.index_topk, BS)
+    q, k = Tile("q", (H_PAD, D_PAD), itemsize), Tile("k", (BS, D_PAD), itemsize, pipelined=True)
+    dots = Tile("dots", (H_PAD, BS), 4, scratch=True)  # fp32 q . k, summed over heads
+    return {
+        # the bitonic merge reduces and reshapes int64 [2] * log2(KP) views of the best keys
+        "indexer_topk": [q, k, dots, Tile("merge", (KP,), 8, scratch=True)],
+        "indexer_scores": [q, dataclasses.replace(k, pipelined=False), dots],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    """op -> kernel (``custom_ops`` then wraps dsa_indexer_topk as a torch.library op)."""
+    return {"dsa_indexer_scores": bind(indexer_scores, configs[FAMILY], supports),
+            "dsa_indexer_topk": bind(indexer_topk, configs[FAMILY], supports)}

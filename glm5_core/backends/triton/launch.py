@@ -4,8 +4,8 @@ The kernels (in this package) are vendor-neutral; what differs between NVIDIA an
 launched: tile sizes, ``num_warps`` (a warp is 32 lanes on NVIDIA, a wavefront 64 on AMD, so AMD keeps
 ``num_warps <= 16``), ``num_stages`` and AMD-only compiler knobs such as ``waves_per_eu``. Each launcher
 takes a :class:`LaunchConfig` from a :class:`KernelConfigs` table, looked up by its kernel family name
-(``configs["indexer"]``); each vendor passes its own table. A new kernel family is one more entry in each
-vendor's table: the class has no field per family.
+(``configs["indexer"]``: the family is the kernel module's name, its ``FAMILY``); each vendor passes its own table.
+A new kernel module is one more entry in each vendor's table: the class has no field per family.
 
 Tile sizes are part of the numerics of the indexer (its key blocks fix the summation layout), so they
 are constants of a table, never autotuned per shape: that keeps the top-k bitwise identical across
@@ -14,8 +14,11 @@ batch sizes and between prefill and decode.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from glm5_core.kernel import Kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +64,14 @@ class KernelConfigs:
             raise KeyError(f"the {self.vendor} launch table has no configuration for the Triton kernel family "
                            f"{family!r}; add one to its KernelConfigs (it has: {', '.join(self.families)})")
         return self.families[family]
+
+
+def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None,
+         differentiable: bool = False) -> Kernel:
+    """A kernel record running ``fn`` with ``config=`` fixed (keeping ``fn``'s module and name for ``explain``)."""
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        return fn(*args, config=config, **kwargs)
+
+    return Kernel(kernel, supports=supports, differentiable=differentiable)

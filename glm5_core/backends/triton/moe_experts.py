@@ -13,12 +13,16 @@ and gives the gradients of the rows and of the three weight stacks.
 """
 from __future__ import annotations
 
+from typing import Dict, List
+
 import torch
 import triton
 import triton.language as tl
 
 from glm5_core.backends.triton import _util, moe_experts_bwd
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
+from glm5_core.kernel import Kernel
 
 
 @triton.jit
@@ -99,13 +103,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x, counts, w_gate, w_up, w_down, *schedule = ctx.saved_tensors
-        dx, d_wg, d_wu, d_wd = moe_experts_bwd.grouped_swiglu_backward(
+        dx, d_wg, d_wu, d_wd = moe_experts_bwd.experts_backward(
             x, counts, w_gate, w_up, w_down, d_out.contiguous(), schedule, ctx.config)
         x_dt, wg_dt, wu_dt, wd_dt = ctx.dtypes
         return dx.to(x_dt), None, d_wg.to(wg_dt), d_wu.to(wu_dt), d_wd.to(wd_dt), None
 
 
-def grouped_swiglu(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
+def experts(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
     """``moe_experts``: [M, D] in x_sorted's dtype; differentiable in x_sorted and the three weight stacks."""
     return _GroupedSwiGLU.apply(x_sorted, counts, w_gate, w_up, w_down, config)
 
@@ -113,3 +117,28 @@ def grouped_swiglu(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConf
 def supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):
     why = _util.float_dtype_verdict("x_sorted", x_sorted)
     return (False, why) if why else (True, "")
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "moe_experts"  # configs[FAMILY]: this module's and moe_experts_bwd's launch configuration
+ITEMSIZES = (4,)  # every tile is widened to fp32 before its dot, whatever the input dtype
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
+    rows = lambda name: Tile(name, (BM, BK), 4, pipelined=True)  # noqa: E731
+    cols = lambda name: Tile(name, (BN, BK), 4, pipelined=True)  # noqa: E731
+    acc = Tile("acc", (BM, BN), 4, scratch=True)  # every kernel's fp32 accumulators are [BM, BN] (BI = m, BJ = n)
+    return {
+        "grouped_gemm": [rows("a"), cols("b1"), cols("b2"), acc],
+        "swiglu_bwd": [rows("x"), rows("d_out"), cols("w_gate"), cols("w_up"), cols("w_down"), acc],
+        "grouped_dx": [rows("d_gate"), rows("d_up"), cols("w_gate"), cols("w_up"), acc],
+        # weight gradients: BI = m, BJ = n over BR = k rows
+        "grouped_wgrad": [Tile("a1", (BK, BM), 4, True), Tile("a2", (BK, BM), 4, True), Tile("b", (BK, BN), 4, True),
+                          acc],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    return {"moe_experts": bind(experts, configs[FAMILY], supports,
+                                differentiable=True)}  # backward through _GroupedSwiGLU (moe_experts_bwd)

@@ -1,4 +1,4 @@
-"""Backward of the grouped SwiGLU experts (``moe_experts.grouped_swiglu``) in Triton.
+"""Backward of the grouped SwiGLU experts (``moe_experts.experts``) in Triton.
 
 Legend: M expert-sorted rows, D hidden, F expert FFN width, E experts; BM / BN / BK tiles of the
 row-tile kernels, BI / BJ / BR tiles of the weight-gradient kernel. Per expert e over its rows x:
@@ -133,7 +133,7 @@ def _weight_grads(a1, a2, b, counts, num_experts: int, config: LaunchConfig):
     return out1, (out2 if a2 is not None else None)
 
 
-def grouped_swiglu_backward(x, counts, w_gate, w_up, w_down, d_out, schedule, config: LaunchConfig):
+def experts_backward(x, counts, w_gate, w_up, w_down, d_out, schedule, config: LaunchConfig):
     """(dx [M, D], dWg [E, F, D], dWu [E, F, D], dWd [E, D, F]), fp32, for contiguous operands."""
     M, D = x.shape
     E, F = w_gate.shape[0], w_gate.shape[1]

@@ -16,12 +16,16 @@ Both are differentiable (``_Dispatch``, ``_Combine``), with backwards made of th
 """
 from __future__ import annotations
 
+from typing import Dict, List
+
 import torch
 import triton
 import triton.language as tl
 
 from glm5_core.backends.triton import _util
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
+from glm5_core.kernel import Kernel
 
 
 @triton.jit
@@ -195,3 +199,26 @@ def combine(y_sorted, sort_idx, weights, *, config: LaunchConfig):
 def combine_supports(y_sorted, sort_idx, weights, **kwargs):
     why = _util.float_dtype_verdict("y_sorted", y_sorted) or _util.float_dtype_verdict("weights", weights)
     return (False, why) if why else (True, "")
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "moe_permute"  # configs[FAMILY]: this module's launch configuration
+ITEMSIZES = (4,)
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    BR, BD = blocks["rows"], blocks["cols"]
+    return {
+        "count": [Tile("ids", (BR,), 8, scratch=True)],
+        "place": [Tile("ids", (BR,), 8, scratch=True)],  # cumsum
+        "gather_rows": [],
+        "combine": [],
+        "combine_weight_grad": [Tile("acc", (BD,), 4, scratch=True)],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    """op -> kernel: this module serves both halves of the permutation (backwards: _Dispatch / _Combine)."""
+    config = configs[FAMILY]
+    return {"moe_dispatch": bind(dispatch, config, differentiable=True),
+            "moe_combine": bind(combine, config, combine_supports, differentiable=True)}

@@ -14,12 +14,16 @@ Per token (one row of a [BN, E_PAD] tile):
 """
 from __future__ import annotations
 
+from typing import Dict, List
+
 import torch
 import triton
 import triton.language as tl
 
 from glm5_core.backends.triton import _util
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
+from glm5_core.kernel import Kernel
 from glm5_core.ops.moe import RENORM_EPS
 
 
@@ -120,3 +124,17 @@ def supports(logits, bias=None, *, top_k: int, n_group: int = 1, **kwargs):
     if top_k > 64:
         return False, f"top_k={top_k} > 64"
     return True, ""
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "moe_route"  # configs[FAMILY]: this module's launch configuration
+ITEMSIZES = (4,)
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    E_PAD = _util.next_pow2(dims.experts)
+    return {"route": [Tile("scores", (blocks["tokens"], E_PAD), 4, scratch=True)]}  # argmax / max / sum over experts
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    return {"moe_route": bind(route, configs[FAMILY], supports)}

@@ -17,14 +17,18 @@ fp32) and the rounding is done by ``_round_to_bf16`` (the GPU's cast, bit for bi
 """
 from __future__ import annotations
 
+from typing import Dict, List
+
 import torch
 import triton
 import triton.language as tl
 
 from glm5_core import platform
 from glm5_core.backends.triton import _util
-from glm5_core.backends.triton.launch import LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
 from glm5_core.backends.triton.sparse_mla import _round_to_bf16
+from glm5_core.kernel import Kernel
 
 
 @triton.jit
@@ -150,3 +154,22 @@ def orthogonalize(G, *, steps: int, coefficients, config: LaunchConfig, compute_
 def supports(G, **kwargs):
     why = _util.float_dtype_verdict("G", G)
     return (False, why) if why else (True, "")
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "newton_schulz"  # configs[FAMILY]: this module's launch configuration
+ITEMSIZES = (4, 2)  # fp32 or bf16 compute
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
+    return {
+        "symmetric": [Tile("y_i", (BM, BK), itemsize, True), Tile("y_j", (BM, BK), itemsize, True),
+                      Tile("acc", (BM, BM), 4, scratch=True)],
+        "gemm": [Tile("b", (BM, BK), itemsize, True), Tile("x", (BK, BN), itemsize, True),
+                 Tile("acc", (BM, BN), 4, scratch=True)],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    return {"muon_orthogonalize": bind(orthogonalize, configs[FAMILY], supports)}

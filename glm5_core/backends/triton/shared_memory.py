@@ -1,9 +1,13 @@
-"""Shared memory a Triton launch needs, estimated from its tile shapes and dtypes (no triton import).
+"""Shared memory a Triton launch needs, estimated from its tile shapes and dtypes.
+
+The tiles of each kernel are declared by its kernel module (``tiles`` and ``ITEMSIZES``, see ``table.py``); this
+module holds the formula, the per-vendor limits and the model dims, and imports triton only when it reads a
+kernel module's tiles (``estimate``, ``over_limit``).
 
 A block's shared memory (NVIDIA SMEM, AMD LDS) is bounded per vendor: 64 KiB of LDS per workgroup on gfx942
 (MI300X), 227 KiB per block (opt-in) on Hopper (H100 / H200). A launch over the limit fails at compile or launch
 time on real hardware, while Triton's CPU interpreter runs it, so the launch tables are checked against the
-limits with this estimate (``tests/cuda/test_shared_memory.py``).
+limits with this estimate (``tests/backends/triton/test_shared_memory.py``).
 
 The formula, per kernel, over the tiles it holds:
 
@@ -24,15 +28,14 @@ The formula, per kernel, over the tiles it holds:
   iteration needs is prefetched while the previous one is consumed); loop-invariant tiles are held once.
 
 Tile sizes of a kernel follow the model (latent width, heads, ...) as well as the launch table, so the check
-runs at the largest dims glm5-core launches with: GLM-5's (``GLM5_DIMS``, from shared/FACTS.md).
+runs at the largest dims glm5-core launches with: GLM-5's (``GLM5_DIMS``, from GLM-5's ``config.json``:
+kv_lora_rank, qk_rope_head_dim, index_n_heads, index_head_dim, index_topk, n_routed_experts, num_experts_per_tok).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from typing import Callable, Dict, List, Tuple
-
-from glm5_core.backends.triton._util import next_pow2
 
 # Per block / workgroup, bytes.
 SHARED_MEMORY_LIMITS = {
@@ -79,125 +82,30 @@ GLM5_DIMS = ModelDims(latent=512, rope=64, indexer_heads=32, indexer_head_dim=12
                       experts_per_token=8)
 
 
-def _indexer(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    BS = blocks["keys"]
-    H_PAD, D_PAD = next_pow2(dims.indexer_heads, 16), next_pow2(dims.indexer_head_dim, 16)
-    KP = next_pow2(dims.index_topk, BS)
-    q, k = Tile("q", (H_PAD, D_PAD), itemsize), Tile("k", (BS, D_PAD), itemsize, pipelined=True)
-    dots = Tile("dots", (H_PAD, BS), 4, scratch=True)  # fp32 q . k, summed over heads
-    return {
-        # the bitonic merge reduces and reshapes int64 [2] * log2(KP) views of the best keys
-        "indexer_topk": [q, k, dots, Tile("merge", (KP,), 8, scratch=True)],
-        "indexer_scores": [q, dataclasses.replace(k, pipelined=False), dots],
-    }
+def family_tiles(family: str) -> Callable[..., Dict[str, List[Tile]]]:
+    """The ``tiles`` function of the kernel module of ``family`` (imports it, so triton)."""
+    from glm5_core.backends.triton import table
+
+    try:
+        return table.kernel_module(family).tiles
+    except KeyError:
+        raise KeyError(f"family: no shared-memory estimate for the Triton kernel family {family!r}; a kernel module "
+                       f"of table.KERNEL_MODULES defines it (they are: {', '.join(table.KERNEL_MODULES)})") from None
 
 
-def _sparse_mla(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    """itemsize 4: the fp32 path (keys widened to fp32); 2: the bf16 tensor-core path (every operand bf16)."""
-    BH, BK = blocks["heads"], blocks["keys"]
-    C, DR = next_pow2(dims.latent, 16), next_pow2(dims.rope, 16)
-    head_tiles = [Tile("q_lat", (BH, C), itemsize), Tile("q_pe", (BH, DR), itemsize)]
-    key_tiles = [Tile("kv", (BK, C), itemsize, pipelined=True), Tile("kr", (BK, DR), itemsize, pipelined=True)]
-    d_out = Tile("d_out", (BH, C), itemsize)
-    p, ds = Tile("p", (BH, BK), itemsize), Tile("ds", (BH, BK), itemsize)
-    # dkv: the keys are loop-invariant there and the head tiles are loaded in its loop over heads
-    dkv_heads = [dataclasses.replace(t, pipelined=True) for t in head_tiles + [d_out]]
-    dkv_keys = [dataclasses.replace(t, pipelined=False) for t in key_tiles]
-    head_acc, key_acc = Tile("acc", (BH, C), 4, scratch=True), Tile("acc", (BK, C), 4, scratch=True)  # fp32
-    return {
-        "sparse_fwd": head_tiles + key_tiles + [p, head_acc],
-        "sparse_bwd_dq": head_tiles + [d_out] + key_tiles + [ds, head_acc],
-        "sparse_bwd_dkv": dkv_heads + dkv_keys + [p, ds, key_acc],
-    }
+def itemsizes(family: str) -> Tuple[int, ...]:
+    """The input element sizes (bytes) the kernels of ``family`` are launched with."""
+    from glm5_core.backends.triton import table
 
-
-def _attention_target(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    """Every operand is widened to fp32 before its dot, whatever the input dtype."""
-    BH, BK, BM, BS = blocks["heads"], blocks["keys"], blocks["rows"], blocks["cols"]
-    C, DR = next_pow2(dims.latent, 16), next_pow2(dims.rope, 16)
-    heads = [Tile("q_lat", (BH, C), 4), Tile("q_pe", (BH, DR), 4)]
-    keys = [Tile("kv", (BK, C), 4, pipelined=True), Tile("kr", (BK, DR), 4, pipelined=True)]
-    scores = Tile("scores", (BH, BK), 4, scratch=True)  # max / sum over keys (lse), over heads (target)
-    return {
-        "selected_lse": heads + keys + [scores],
-        # the target kernel's keys are loop-invariant; its head tiles are loaded in its loop over heads
-        "target": [dataclasses.replace(t, pipelined=True) for t in heads]
-                  + [dataclasses.replace(t, pipelined=False) for t in keys] + [scores],
-        "causal_lse": [Tile("q_lat", (BM, C), 4), Tile("q_pe", (BM, DR), 4), Tile("kv", (BS, C), 4, pipelined=True),
-                       Tile("kr", (BS, DR), 4, pipelined=True), Tile("scores", (BM, BS), 4, scratch=True)],
-    }
-
-
-def _grouped_gemm(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    """The experts widen every tile to fp32 before its dot, whatever the input dtype."""
-    BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
-    rows = lambda name: Tile(name, (BM, BK), 4, pipelined=True)  # noqa: E731
-    cols = lambda name: Tile(name, (BN, BK), 4, pipelined=True)  # noqa: E731
-    acc = Tile("acc", (BM, BN), 4, scratch=True)  # every kernel's fp32 accumulators are [BM, BN] (BI = m, BJ = n)
-    return {
-        "grouped_gemm": [rows("a"), cols("b1"), cols("b2"), acc],
-        "swiglu_bwd": [rows("x"), rows("d_out"), cols("w_gate"), cols("w_up"), cols("w_down"), acc],
-        "grouped_dx": [rows("d_gate"), rows("d_up"), cols("w_gate"), cols("w_up"), acc],
-        # weight gradients: BI = m, BJ = n over BR = k rows
-        "grouped_wgrad": [Tile("a1", (BK, BM), 4, True), Tile("a2", (BK, BM), 4, True), Tile("b", (BK, BN), 4, True),
-                          acc],
-    }
-
-
-def _newton_schulz(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
-    return {
-        "symmetric": [Tile("y_i", (BM, BK), itemsize, True), Tile("y_j", (BM, BK), itemsize, True),
-                      Tile("acc", (BM, BM), 4, scratch=True)],
-        "gemm": [Tile("b", (BM, BK), itemsize, True), Tile("x", (BK, BN), itemsize, True),
-                 Tile("acc", (BM, BN), 4, scratch=True)],
-    }
-
-
-def _moe_route(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    E_PAD = next_pow2(dims.experts)
-    return {"route": [Tile("scores", (blocks["tokens"], E_PAD), 4, scratch=True)]}  # argmax / max / sum over experts
-
-
-def _moe_permute(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
-    BR, BD = blocks["rows"], blocks["cols"]
-    return {
-        "count": [Tile("ids", (BR,), 8, scratch=True)],
-        "place": [Tile("ids", (BR,), 8, scratch=True)],  # cumsum
-        "gather_rows": [],
-        "combine": [],
-        "combine_weight_grad": [Tile("acc", (BD,), 4, scratch=True)],
-    }
-
-
-FAMILY_TILES: Dict[str, Callable[..., Dict[str, List[Tile]]]] = {
-    "indexer": _indexer,
-    "sparse_mla": _sparse_mla,
-    "attention_target": _attention_target,
-    "grouped_gemm": _grouped_gemm,
-    "newton_schulz": _newton_schulz,
-    "moe_route": _moe_route,
-    "moe_permute": _moe_permute,
-}
-ITEMSIZES = {  # the input dtypes each family is launched with, as bytes per element
-    "indexer": (4, 2),
-    "sparse_mla": (4, 2),
-    "attention_target": (4,),
-    "grouped_gemm": (4,),
-    "newton_schulz": (4, 2),  # fp32 or bf16 compute
-    "moe_route": (4,),
-    "moe_permute": (4,),
-}
+    return table.kernel_module(family).ITEMSIZES
 
 
 def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str, int], int]:
     """{(kernel, input itemsize): estimated bytes} for every kernel of ``family`` launched with ``config``."""
-    if family not in FAMILY_TILES:
-        raise KeyError(f"family: no shared-memory estimate for the Triton kernel family {family!r}; add one to "
-                       f"FAMILY_TILES (it has: {', '.join(FAMILY_TILES)})")
+    tiles_of = family_tiles(family)
     out = {}
-    for itemsize in ITEMSIZES[family]:
-        for kernel, tiles in FAMILY_TILES[family](dict(config.blocks), dims, itemsize).items():
+    for itemsize in itemsizes(family):
+        for kernel, tiles in tiles_of(dict(config.blocks), dims, itemsize).items():
             out[(kernel, itemsize)] = launch_bytes(tiles, config.num_stages)
     return out
 
@@ -205,7 +113,7 @@ def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str
 def over_limit(family: str, config, limit: int, dims: ModelDims = GLM5_DIMS, itemsize: int = 4) -> str:
     """Why a launch of ``family`` with ``config`` at ``dims`` (inputs of ``itemsize`` bytes) needs more than
     ``limit`` bytes of shared memory per block ("" when every kernel of the family fits)."""
-    for kernel, tiles in FAMILY_TILES[family](dict(config.blocks), dims, itemsize).items():
+    for kernel, tiles in family_tiles(family)(dict(config.blocks), dims, itemsize).items():
         need = launch_bytes(tiles, config.num_stages)
         if need > limit:
             return f"its {kernel} kernel needs ~{need} bytes of shared memory per block, over this GPU's {limit}"

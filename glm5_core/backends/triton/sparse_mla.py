@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Dict, List
 
 import torch
 import triton
 import triton.language as tl
 
 from glm5_core.backends.triton import _util, shared_memory
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
+from glm5_core.backends.triton.shared_memory import ModelDims, Tile
+from glm5_core.kernel import Kernel
 from glm5_core.ops.mla import absorb_query, project_output
 
 _SLOT_BUDGET = 1 << 26  # fp32 elements of per-slot key gradients held at once by the backward (256 MiB)
@@ -379,4 +382,39 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, launch: LaunchCo
 
 def fitting(hook, configs: KernelConfigs):
     """``hook`` (``supports`` / ``dense_decode_supports``) with the vendor's launch and shared-memory limit bound."""
-    return functools.partial(hook, launch=configs["sparse_mla"], shared_memory_limit=configs.shared_memory_limit)
+    return functools.partial(hook, launch=configs[FAMILY], shared_memory_limit=configs.shared_memory_limit)
+
+
+# ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
+FAMILY = "sparse_mla"  # configs[FAMILY]: this module's launch configuration
+ITEMSIZES = (4, 2)  # the fp32 path and the bf16 tensor-core path
+
+
+def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+    """itemsize 4: the fp32 path (keys widened to fp32); 2: the bf16 tensor-core path (every operand bf16)."""
+    BH, BK = blocks["heads"], blocks["keys"]
+    C, DR = _util.next_pow2(dims.latent, 16), _util.next_pow2(dims.rope, 16)
+    head_tiles = [Tile("q_lat", (BH, C), itemsize), Tile("q_pe", (BH, DR), itemsize)]
+    key_tiles = [Tile("kv", (BK, C), itemsize, pipelined=True), Tile("kr", (BK, DR), itemsize, pipelined=True)]
+    d_out = Tile("d_out", (BH, C), itemsize)
+    p, ds = Tile("p", (BH, BK), itemsize), Tile("ds", (BH, BK), itemsize)
+    # dkv: the keys are loop-invariant there and the head tiles are loaded in its loop over heads
+    dkv_heads = [dataclasses.replace(t, pipelined=True) for t in head_tiles + [d_out]]
+    dkv_keys = [dataclasses.replace(t, pipelined=False) for t in key_tiles]
+    head_acc, key_acc = Tile("acc", (BH, C), 4, scratch=True), Tile("acc", (BK, C), 4, scratch=True)  # fp32
+    return {
+        "sparse_fwd": head_tiles + key_tiles + [p, head_acc],
+        "sparse_bwd_dq": head_tiles + [d_out] + key_tiles + [ds, head_acc],
+        "sparse_bwd_dkv": dkv_heads + dkv_keys + [p, ds, key_acc],
+    }
+
+
+def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+    """op -> kernel (``custom_ops`` then wraps dsa_sparse_decode as a torch.library op)."""
+    config = configs[FAMILY]
+    return {
+        "dsa_sparse_prefill": bind(sparse_prefill, config, fitting(supports, configs),
+                                   differentiable=True),  # backward through _SparseLatentAttention
+        "dsa_sparse_decode": bind(sparse_decode, config, fitting(supports, configs)),
+        "mla_decode": bind(dense_decode, config, fitting(dense_decode_supports, configs)),
+    }

@@ -1,58 +1,62 @@
-"""Build a backend's kernel table from the vendor-neutral Triton launchers and a vendor's launch configs.
+"""Build a backend's kernel table from the Triton kernel modules and a vendor's launch configs.
 
-Imported only from ``kernel_table()`` (it imports triton). Each record's function keeps the launcher's
-module and name (so ``glm5 backends`` shows what an op resolves to) and carries the launcher's ``supports``
-hook, so calls outside a kernel's capabilities run the reference with a reason.
+``KERNEL_MODULES`` lists the kernel modules of this package; each carries, next to its kernels:
+
+  FAMILY                            its launch family: ``configs[FAMILY]`` is its launch configuration
+                                    (the family is the module's name)
+  ITEMSIZES                         the input element sizes (bytes) it is launched with
+  tiles(blocks, dims, itemsize)     {kernel: [shared_memory.Tile]}: what each of its kernels holds in shared memory
+  kernels(configs)                  {op: Kernel}: the ops it serves, its entries of the kernel table
+
+This module and ``shared_memory`` only iterate that list: a new Triton kernel is its module, one name here and
+one ``LaunchConfig`` per vendor table. Imported without triton (the kernel modules are imported by
+``build_kernel_table``), so a vendor's ``backend.py`` can read ``MISSING`` at import.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, Dict, Optional
+import importlib
+import types
+from typing import Dict, List
 
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs
 from glm5_core.kernel import Kernel
 
+KERNEL_MODULES = ("indexer", "sparse_mla", "dsa_selected_attention_target", "moe_route", "moe_permute",
+                  "moe_experts", "newton_schulz")
 
-def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None,
-         differentiable: bool = False) -> Kernel:
-    """A kernel record running ``fn`` with ``config=`` fixed (keeping ``fn``'s name for ``explain``)."""
+# Ops no Triton kernel implements, and why (shown by `glm5 backends` for every Triton vendor). An op absent from
+# both the table and this mapping gets the registry's default reason, derived from its OpSpec.
+MISSING = {
+    "mla_prefill": "dense MLA prefill is left to torch (SDPA-class kernels); DSA's sparse path is the Triton kernel",
+    "dsa_sparse_prefill_expanded": "no Triton kernel for the expanded (per-head keys) sparse prefill yet: the "
+                                   "reference runs; dsa_sparse_prefill (absorbed) is the Triton kernel",
+    "dsa_selected_index_scores": "no Triton kernel for the indexer scores at the selected keys yet: the "
+                                 "reference (gathers over the K selected keys, no [T, S] tensor) runs",
+}
 
-    @functools.wraps(fn)
-    def kernel(*args, **kwargs):
-        return fn(*args, config=config, **kwargs)
 
-    return Kernel(kernel, supports=supports, differentiable=differentiable)
+def kernel_module(family: str) -> types.ModuleType:
+    """The kernel module of launch family ``family`` (imports triton)."""
+    if family not in KERNEL_MODULES:
+        raise KeyError(f"family: no Triton kernel module {family!r} (KERNEL_MODULES has: {', '.join(KERNEL_MODULES)})")
+    module = importlib.import_module(f"{__package__}.{family}")
+    assert module.FAMILY == family, f"{module.__name__}.FAMILY is {module.FAMILY!r}: the family is the module's name"
+    return module
+
+
+def kernel_modules() -> List[types.ModuleType]:
+    return [kernel_module(family) for family in KERNEL_MODULES]
 
 
 def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
-    from glm5_core.backends.triton import (
-        attention_target,
-        custom_ops,
-        indexer,
-        moe_experts,
-        moe_permute,
-        moe_route,
-        newton_schulz,
-        sparse_mla,
-    )
+    """Every kernel module's entries with ``configs``' launch configurations, then the inference ops as
+    torch.library custom ops (``custom_ops``: torch.compile sees one node per op)."""
+    from glm5_core.backends.triton import custom_ops
 
-    mla = configs["sparse_mla"]
-    table = {
-        "dsa_indexer_scores": bind(indexer.indexer_scores, configs["indexer"], indexer.supports),
-        "dsa_indexer_topk": bind(indexer.indexer_topk, configs["indexer"], indexer.supports),
-        "dsa_sparse_prefill": bind(sparse_mla.sparse_prefill, mla, sparse_mla.fitting(sparse_mla.supports, configs),
-                                   differentiable=True),  # backward through _SparseLatentAttention
-        "dsa_sparse_decode": bind(sparse_mla.sparse_decode, mla, sparse_mla.fitting(sparse_mla.supports, configs)),
-        "dsa_selected_attention_target": bind(attention_target.selected_attention_target,
-                                              configs[attention_target.FAMILY], attention_target.fitting(configs)),
-        "mla_decode": bind(sparse_mla.dense_decode, mla, sparse_mla.fitting(sparse_mla.dense_decode_supports, configs)),
-        "moe_route": bind(moe_route.route, configs["moe_route"], moe_route.supports),
-        "moe_dispatch": bind(moe_permute.dispatch, configs["moe_permute"], differentiable=True),
-        "moe_combine": bind(moe_permute.combine, configs["moe_permute"], moe_permute.combine_supports,
-                            differentiable=True),  # backwards: moe_permute._Dispatch / _Combine
-        "moe_experts": bind(moe_experts.grouped_swiglu, configs["grouped_gemm"], moe_experts.supports,
-                            differentiable=True),  # backward through _GroupedSwiGLU (moe_experts_bwd)
-        "muon_orthogonalize": bind(newton_schulz.orthogonalize, configs["newton_schulz"], newton_schulz.supports),
-    }
-    table.update(custom_ops.register(configs))  # inference ops as torch.library custom ops (torch.compile)
+    table: Dict[str, Kernel] = {}
+    for module in kernel_modules():
+        for op, kernel in module.kernels(configs).items():
+            assert op not in table, f"{op}: served by two Triton kernel modules"
+            table[op] = kernel
+    table.update(custom_ops.register(configs))
     return table

@@ -1,0 +1,40 @@
+"""rocm launch configs (``glm5_core.backends.rocm.launch``) over the shared Triton kernels: AMD limits, a missing
+family named, and the rocm kernel table running the shared kernels (interpreted here, see tests/backends/triton)."""
+import pytest
+import torch
+
+from glm5_core import registry, testing
+from tests.backends.triton.helpers import kernel
+
+
+def test_amd_configs_respect_wavefront_limits_and_share_the_indexer_layout():
+    from glm5_core.backends.cuda.launch import CUDA_CONFIGS
+    from glm5_core.backends.rocm.launch import MAX_NUM_WARPS, ROCM_CONFIGS
+
+    assert set(ROCM_CONFIGS.families) == set(CUDA_CONFIGS.families)  # every kernel family launches on both
+    for family, config in ROCM_CONFIGS.families.items():
+        assert config.num_warps <= MAX_NUM_WARPS == 16
+        assert "waves_per_eu" in config.launch_kwargs()
+        assert "waves_per_eu" not in CUDA_CONFIGS[family].launch_kwargs()  # NVIDIA rejects it
+    assert ROCM_CONFIGS["indexer"].blocks == CUDA_CONFIGS["indexer"].blocks  # same scores, bit for bit
+
+
+def test_a_missing_launch_family_is_named():
+    from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+
+    configs = KernelConfigs(vendor="toy", families={"indexer": LaunchConfig()})
+    with pytest.raises(KeyError, match="toy launch table has no configuration for the Triton kernel family "
+                                       "'sparse_mla'.*it has: indexer"):
+        configs["sparse_mla"]
+    with pytest.raises(TypeError, match="toy launch table: indexer: expected a LaunchConfig"):
+        KernelConfigs(vendor="toy", families={"indexer": {"num_warps": 4}})
+
+
+def test_rocm_table_runs_the_shared_kernels(device):
+    rows = {r.op: r for r in registry.explain("rocm")}
+    assert rows["moe_experts"].label.startswith("rocm: glm5_core.backends.triton.moe_experts")  # shared code
+    assert "torch.ops.glm5_rocm.indexer_topk" in rows["dsa_indexer_topk"].label  # own op namespace
+    x = testing.make_indexer_inputs(testing.IndexerShape(B=2, T=3, S=20, H=2, D=16, K=5), device=device)
+    cuda_idx = kernel("dsa_indexer_topk", "cuda")(x["q"], x["k"], x["w"], topk=5, start_pos=17)
+    rocm_idx = kernel("dsa_indexer_topk", "rocm")(x["q"], x["k"], x["w"], topk=5, start_pos=17)
+    assert torch.equal(cuda_idx, rocm_idx)
