@@ -32,7 +32,7 @@ from glm5_core.rl import run_state, starting_policy
 from glm5_core.rl.algorithm.advantages import resolve_advantage
 from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
 from glm5_core.rl.algorithm.loss import resolve_loss
-from glm5_core.rl.algorithm.trainer import Trainer
+from glm5_core.rl.algorithm.trainer import PolicyTrainer
 from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.device import module_device, runtime_device
@@ -154,7 +154,7 @@ class RLRun:
             from glm5_core.model import load_pretrained
 
             teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
-        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
+        self.trainer = PolicyTrainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
                                loss_fn=resolve_loss(cfg.train.loss),
                                advantage_fn=resolve_advantage(cfg.train.advantage),
                                routing_replay=cfg.train.routing_replay, index_replay=cfg.train.index_replay)

@@ -105,7 +105,7 @@ def sequence_logprobs_and_entropy(model, input_ids_BT: torch.Tensor, temperature
     return logp, entropy
 
 
-class Trainer:
+class PolicyTrainer:
     """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0. ``routing_replay`` /
     ``index_replay`` (``train.routing_replay`` / ``train.index_replay``): the policy's forward uses the experts /
     DSA keys the engine used for each sample (its recorded traces; see ``glm5_core.model.replay``)."""
