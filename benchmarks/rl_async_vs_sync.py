@@ -107,7 +107,7 @@ def load_sections(path: str) -> Dict:
 
 def run_config(base: Dict, args, mode: str, steps: int, output_dir: str):
     """The benchmark's config for ``mode``: equal in-flight count, the batch size and staleness flags applied."""
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     train, rollout = data.setdefault("train", {}), data.setdefault("rollout", {})

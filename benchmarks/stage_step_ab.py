@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from glm5_core.train.config import load_config
+    from glm5_core.train.config_loader import load_config
     from glm5_core.train.trainer import PretrainTrainer, RunOptions
 
     if args.base_extension:

@@ -30,9 +30,8 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from glm5_core.config_schema import as_plain, field, non_negative
+from glm5_core.config_schema import as_plain
 from glm5_core.safe_files import read_json
-from glm5_core.train.config import CheckpointConfig
 
 RUN_FILE = "rl_run.json"
 RUN_FILE_FORMAT = 1
@@ -43,13 +42,6 @@ MAX_RESUME_STEP = 2 ** 40  # far beyond any run: the step is checked against the
 RUN_FOLDERS = ("checkpoints", "weights", "tensorboard")  # what a run keeps in its output dir as folders
 RESUMABLE_KEYS = ("output_dir", "max_steps", "max_minutes", "torch_threads", "train.max_idle_minutes",
                   "rollout.engine_urls", "rollout.api_key", "checkpoint", "eval")
-
-
-@dataclasses.dataclass
-class RLCheckpointConfig(CheckpointConfig):
-    """``checkpoint`` of an RL config: a resume point every ``every_steps`` trainer steps and at the end."""
-
-    every_steps: int = field(10, **non_negative())  # 0: only at the end of the run
 
 
 def plain_config(cfg) -> Dict[str, Any]:

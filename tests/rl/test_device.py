@@ -12,7 +12,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.rl.algorithm.trainer import pad_samples
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.rollout.trajectory import Sample
 from glm5_core.rl.serving.engine import RolloutEngine

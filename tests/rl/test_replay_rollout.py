@@ -172,7 +172,7 @@ def test_int16_keys_round_trip_with_padding():
 
 
 def test_config_keys(monkeypatch):
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
     cfg = config_from_dict({"train": {"routing_replay": True, "index_replay": True}})

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.engine import RolloutEngine

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from glm5_core.ops import dsa
-from glm5_core.train import RunOptions, parse_config, pretrain
-from glm5_core.train.config import ConfigError
+from glm5_core.train import ConfigError, RunOptions, parse_config, pretrain
 from glm5_core.train.trainer import PretrainTrainer
 
 
