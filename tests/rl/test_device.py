@@ -43,7 +43,7 @@ def _all_tensors(model):
 
 
 def test_policy_is_built_on_the_backend_device(meta_cpu_backend):
-    from glm5_core.rl.driver import build_policy
+    from glm5_core.rl.policy import build_policy
 
     cfg = config_from_dict({"model": {"preset": "tiny", "overrides": {"num_hidden_layers": 2,
                                                                       "indexer_types": ["full", "shared"]}}})

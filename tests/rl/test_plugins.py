@@ -6,10 +6,10 @@ from glm5_core.config_schema import ConfigError
 from glm5_core.rl.algorithm.advantages import group_centred, group_normalized, resolve_advantage
 from glm5_core.rl.algorithm.loss import double_sided_is_loss, resolve_loss
 from glm5_core.rl.config_loader import config_from_dict
-from glm5_core.rl.driver import build_env
 from glm5_core.rl.plugins import load_object, resolve_callable
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
+from glm5_core.rl.rollout.envs.registry import build_env
 from tests.rl import plugin_fixtures
 
 FIXTURES = "tests.rl.plugin_fixtures"

@@ -19,8 +19,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized
-from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss
+from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized, resolve_advantage
+from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss, resolve_loss
 from glm5_core.rl.algorithm.replay_batch import pad_traces
 from glm5_core.rl.config import TrainerConfig
 from glm5_core.rl.device import module_device
@@ -194,3 +194,17 @@ class PolicyTrainer:
                 pass
         self._weight_files = self._weight_files[-keep:]
         return path
+
+
+def build_trainer(cfg, model, backend: Optional[str]) -> PolicyTrainer:
+    """The trainer of RLConfig ``cfg`` for ``model``: ``train.optim``, the ``train.loss`` / ``train.advantage``
+    plug-ins, replay, and a distillation teacher (``train.teacher_checkpoint``) on the policy's device."""
+    teacher = None
+    if cfg.train.teacher_checkpoint:
+        from glm5_core.model import load_pretrained
+
+        teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=backend).to(module_device(model))
+    t = cfg.train
+    return PolicyTrainer(model, t.optim, temperature=cfg.rollout.temperature, teacher=teacher,
+                         loss_fn=resolve_loss(t.loss), advantage_fn=resolve_advantage(t.advantage),
+                         routing_replay=t.routing_replay, index_replay=t.index_replay)
