@@ -8,7 +8,9 @@ Sub-packages by layer (each imports only the layers above it in this list):
   rollout/     trajectories, the token-in-token-out gateway, environments and context management, the
                agent-loop runner (environment <-> gateway <-> router <-> engines)
   algorithm/   trajectory buffer (staleness, exactly-once), advantages, double-sided IS loss, trainer
-Top level: ``config`` (the RL config), ``driver`` (the sync / async run), ``metrics``, ``device``, ``cli``.
+Top level: ``config`` (the RL config's declarations, a leaf every component reads), ``config_loader`` (YAML ->
+config, with ``run_memory``), ``policy``, ``driver`` (composes the components; the sync / async run), ``metrics``,
+``device``, ``cli``.
 
 Nothing here imports a model, ray or an HTTP stack at ``import glm5_core.rl`` time.
 """

@@ -1,4 +1,6 @@
-"""The RL run: builds the components from an :class:`RLConfig` and runs the sync or async loop.
+"""The RL run: composes the components of an :class:`RLConfig` and runs the sync or async loop. Each component
+is built from its config section by the ``build_*`` function beside it (policy, environment, trainer, run state,
+router, executor, replicas, weight sync, buffer, runner, evaluator, metrics), in that order.
 
 sync:  rollout a full batch (all groups at once) -> train one step -> push weights -> repeat. The trainer
        waits for the slowest trajectory, the engines wait for the trainer.
