@@ -15,7 +15,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.train import RunOptions, load_config
-from glm5_core.train.trainer import Trainer
+from glm5_core.train.trainer import PretrainTrainer
 
 CONFIG = "configs/tiny.yaml"
 KINDS = ("dense", "indexer_warmup", "sparse")
@@ -53,7 +53,7 @@ def test_train_step_throughput(benchmark, backend, kind, threads, tmp_path, rest
         if registry.get_backend(backend).device() != "cpu":
             pytest.skip("the thread count only matters on cpu")
         cfg.torch_threads = threads
-    trainer = Trainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
+    trainer = PretrainTrainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
     step = _first_common_step_of(cfg, kind)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len})"

@@ -16,7 +16,7 @@ Trainer time, measured here by timing the trainer's calls inside each run (the d
 the driver's step loop (``elapsed_s``):
 * ``take_wait_s``: waiting for a batch (the driver's ``trainer_idle_ratio`` = take_wait_s / elapsed_s; in
   sync mode that wait is the whole rollout);
-* ``compute_s``: ``Trainer.train_step`` (loss, backward, optimizer step);
+* ``compute_s``: ``PolicyTrainer.train_step`` (loss, backward, optimizer step);
 * ``push_s``: weight pushes (write the safetensors file, tell every engine);
 * ``eval_s``: evaluations inside the loop (none with the default ``eval.every: 0``);
 * ``other_s``: the rest (metrics logging, bookkeeping).
@@ -107,7 +107,7 @@ def load_sections(path: str) -> Dict:
 
 def run_config(base: Dict, args, mode: str, steps: int, output_dir: str):
     """The benchmark's config for ``mode``: equal in-flight count, the batch size and staleness flags applied."""
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     train, rollout = data.setdefault("train", {}), data.setdefault("rollout", {})

@@ -5,7 +5,7 @@ trainer is tau policy versions ahead of the engine that sampled (async RL stalen
         [--seeds 0 1 2] [--out benchmarks/results/rl_replay_mismatch.json]
 
 Policy versions: v0 is the checkpoint (the Quickstart's, by default); v1..v4 come from real RL steps
-(``Trainer.train_step``, lr 3e-4 as configs/rl_tiny.yaml, 32 trajectories a step, each sampled by the engine
+(``PolicyTrainer.train_step``, lr 3e-4 as configs/rl_tiny.yaml, 32 trajectories a step, each sampled by the engine
 from the version being trained: the weight deltas are what async RL pushes). The task: continue a 48-byte window
 of a Python standard library file (the pretraining data) for 48 bytes at temperature 1; the reward is the
 fraction of lowercase letters in the completion (any reward would do: it only has to move the weights).
@@ -39,7 +39,7 @@ from _results import write_json
 from glm5_core.model import GLM5Config, load_pretrained
 from glm5_core.model.replay import expert_id_dtype, key_id_dtype
 from glm5_core.rl.algorithm.replay_batch import pad_traces
-from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig, pad_samples, sequence_logprobs
+from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig, pad_samples, sequence_logprobs
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import GenerateRequest
@@ -84,7 +84,7 @@ def reward(sample: Sample) -> float:
 def versions(model, steps: int, seed: int):
     """State dicts v0..v_steps: each step trains on 32 trajectories (4 prompts x 8) sampled from the current version."""
     states = [{k: v.clone() for k, v in model.state_dict().items()}]
-    trainer = Trainer(model, TrainerConfig(lr=3e-4, micro_batch_size=32), temperature=1.0)
+    trainer = PolicyTrainer(model, TrainerConfig(lr=3e-4, micro_batch_size=32), temperature=1.0)
     for step in range(steps):
         engine = RolloutEngine(model, max_batch=32, max_len=128, seed=seed + step, record_routing=True,
                                record_index_topk=True)

@@ -1,4 +1,4 @@
-"""In-process A/B of ``Trainer.train_step`` for one stage of a pretraining config: this tree ("new") against the
+"""In-process A/B of ``PretrainTrainer.train_step`` for one stage of a pretraining config: this tree ("new") against the
 functions of a base tree ("old"), interleaved step by step in one process (a loaded machine drifts between runs).
 
 "old" runs the base tree's code of the functions named by ``--swap`` (their code objects are swapped in before
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from glm5_core.train.config import load_config
-    from glm5_core.train.trainer import RunOptions, Trainer
+    from glm5_core.train.config_loader import load_config
+    from glm5_core.train.trainer import PretrainTrainer, RunOptions
 
     if args.base_extension:
         import _base_extension  # benchmarks/, the script's folder
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         parser.error(f"--steps: expected <= {length - WARMUP_STEPS} ({args.stage} has {length} steps in "
                      f"{args.config}, {WARMUP_STEPS} of them warm-up), got {args.steps}")
     torch.set_num_threads(1)
-    trainers = {v: Trainer(cfg, RunOptions(output_dir=f"/tmp/stage_step_ab_{v}")) for v in ("old", "new")}
+    trainers = {v: PretrainTrainer(cfg, RunOptions(output_dir=f"/tmp/stage_step_ab_{v}")) for v in ("old", "new")}
     own_kwargs = trainers["old"]._forward_kwargs
 
     def base_kwargs(stage, step):

@@ -123,7 +123,8 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     return files
 
 
-def load_config(path: PathLike) -> GLM5Config:
+def load_hf_config(path: PathLike) -> GLM5Config:
+    """The GLM5Config of a ``save_pretrained`` directory (its HF ``config.json``)."""
     return GLM5Config.from_hf_dict(_read_config(os.fspath(path)))
 
 

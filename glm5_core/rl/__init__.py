@@ -10,8 +10,10 @@ Layers (each imports only the layers above it in this list, checked by tests/tes
   rollout/     trajectories, the token-in-token-out gateway, environments and context management, the
                agent-loop runner (environment <-> gateway <-> router <-> engines)
   algorithm/   trajectory buffer (staleness, exactly-once), advantages, double-sided IS loss, trainer
-Top level (may import every layer): ``config`` (the RL config), ``driver`` (the sync / async run), ``metrics``,
-``cli`` (``glm5 rl``), ``serve_cli`` (``glm5 serve``: one engine as a standalone server), and the run's helpers.
+Top level (may import every layer): ``config`` (the RL config's declarations, a leaf every component reads),
+``config_loader`` (YAML -> config, with ``run_memory``), ``policy``, ``driver`` (composes the components; the sync /
+async run), ``metrics``, ``cli`` (``glm5 rl``), ``serve_cli`` (``glm5 serve``: one engine as a standalone server),
+and the run's helpers.
 
 Nothing here imports a model, ray or an HTTP stack at ``import glm5_core.rl`` time.
 """

@@ -41,7 +41,7 @@ def _checked_config(args: argparse.Namespace):
     """The config with --set and the override flags, checked against the architecture the run will train
     (``--checkpoint``'s config.json when it has one) before anything is built."""
     from glm5_core.config_schema import ConfigError
-    from glm5_core.rl.config import load_config
+    from glm5_core.rl.config_loader import load_config, size_problems
 
     if args.resume is not None and args.output_dir is not None and \
             os.path.abspath(args.output_dir) != os.path.abspath(args.resume):
@@ -55,11 +55,11 @@ def _checked_config(args: argparse.Namespace):
         sets.append(f"rollout.engine_urls={json.dumps(args.engine_url)}")
     if args.api_key is not None:
         sets.append(f"rollout.api_key={json.dumps(args.api_key)}")
-    cfg = load_config(args.config, flags, sets)
+    cfg = load_config(args.config, sets, flags)
     if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
-        from glm5_core.model.checkpoint import load_config as load_model_config
+        from glm5_core.model.checkpoint import load_hf_config
 
-        problems = cfg.size_problems(load_model_config(args.checkpoint))
+        problems = size_problems(cfg, load_hf_config(args.checkpoint))
         if problems:
             raise ConfigError(problems, f"{args.config} with --checkpoint {args.checkpoint}")
     return cfg

@@ -1,8 +1,9 @@
 """Typed run configuration of ``glm5 rl`` (YAML -> dataclasses declared with ``glm5_core.config_schema``).
 
-Every field declares its type and range; :meth:`RLConfig.rule_problems` holds the rules between fields, the
-``model`` and ``env`` sections (checked by GLM5Config's and the environment's own declarations), and the
-memory the run needs (``glm5_core.rl.run_memory``). Every problem is one line naming its full key.
+Every field declares its type and range; :meth:`RLConfig.rule_problems` holds the rules between fields and the
+``model`` and ``env`` sections (checked by GLM5Config's and the environment's own declarations). Every problem is
+one line naming its full key. This module declares; the components read their sections. Loading a file, and the
+checks against the policy's architecture and this machine's memory, are ``rl/config_loader``'s.
 
 ``rollout.temperature`` is the one sampling temperature of a run: the engines sample at it and the trainer
 recomputes log-probs at it (there is no separate trainer temperature; ``train.optim.temperature`` is
@@ -10,24 +11,21 @@ rejected). It must be > 0: greedy rollouts record log-probs no policy ratio refe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from glm5_core import config_paths
 from glm5_core.config_schema import (
     ConfigError,
-    build,
     check,
     convert_fields,
     field,
+    non_negative,
     positive,
     shown,
     unknown_key,
 )
-from glm5_core.config_yaml import apply_overrides, assign, load_mapping
 from glm5_core.device_kinds import DIST_BACKEND_NAMES
-from glm5_core.rl.algorithm.trainer import TrainerConfig
-from glm5_core.rl.run_state import RLCheckpointConfig
-from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
+from glm5_core.train.config import CheckpointConfig
 
 MODES = ("sync", "async")
 EXECUTORS = ("local", "ray")
@@ -40,6 +38,23 @@ MAX_ENGINES = 1 << 20  # far above any fleet; the driver lists one entry per eng
 TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
 WEIGHT_SYNCS = ("disk", "distributed")
 SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, ...), read when a config is checked
+
+
+def _check_temperature(value, key: str) -> None:
+    from glm5_core.rl.serving.sampling import check_training_temperature
+
+    check_training_temperature(value, key)
+
+
+def _check_top_p(value, key: str) -> None:
+    from glm5_core.rl.serving.sampling import check_top_p
+
+    check_top_p(value, key)
+
+
+def check_betas(betas, key: str) -> None:
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{key}: expected two values in [0, 1), got {list(betas)}")
 
 
 def _check_engine_urls(urls, key: str) -> None:
@@ -83,19 +98,6 @@ def _check_tokenizer(path, key: str) -> None:
     load_run_tokenizer(path, key)
 
 
-def _codec_problems(cfg: "RLConfig", vocab_size: int) -> List[str]:
-    """The environments' codec (``rollout.tokenizer``, else bytes at ``env.byte_offset``) fits ``vocab_size``."""
-    from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, run_codec, vocab_problem
-
-    path = cfg.rollout.tokenizer
-    if path is not None and "byte_offset" in cfg.env:
-        return [f"env.byte_offset: the byte codec's offset, unused with {TOKENIZER_KEY}; remove env.byte_offset"]
-    try:
-        codec = run_codec(path, cfg.env.get("byte_offset", 0))
-    except ValueError as exc:
-        return [str(exc)]
-    problem = vocab_problem(codec, vocab_size, TOKENIZER_KEY if path is not None else "env.byte_offset")
-    return [problem] if problem else []
 def _check_loss(value, key: str) -> None:
     from glm5_core.rl.algorithm.loss import resolve_loss
 
@@ -119,8 +121,8 @@ class RolloutConfig:
     max_batch: int = field(16, range=(1, None))
     max_len: int = field(128, range=(2, None))  # <= the model's max_position_embeddings
     group_size: int = field(8, range=(1, None))
-    temperature: float = field(1.0, check=check_training_temperature)
-    top_p: float = field(1.0, check=check_top_p)
+    temperature: float = field(1.0, check=_check_temperature)
+    top_p: float = field(1.0, check=_check_top_p)
     max_inflight_groups: int = field(8, range=(1, None))
     max_buffered: int = field(64, range=(1, None))  # async: pause new groups while this many trajectories wait
     engine_threads: int = field(1, range=(1, MAX_THREADS))
@@ -145,6 +147,36 @@ class RolloutConfig:
     # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
     tokenizer: Optional[str] = field(None, check=_check_tokenizer)
     speculative: Optional[Dict[str, Any]] = field(None, check=_check_speculative)  # {draft_tokens: d}: MTP drafts
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """``train.optim`` of an RL config (read by ``rl/algorithm/trainer``); each field declares its own check
+    (``glm5_core.config_schema``)."""
+
+    lr: float = field(1e-4, **positive())
+    weight_decay: float = field(0.0, **non_negative())
+    betas: Tuple[float, float] = field((0.9, 0.99), check=check_betas)
+    eps_low: float = field(0.2, range=(0.0, 1.0), open=("lo",))  # checked with the config, not at the first loss
+    eps_high: float = field(0.28, **positive())
+    micro_batch_size: int = field(16, range=(1, None))
+    grad_clip: float = field(1.0, **non_negative())  # 0: no clipping
+    push_every: int = field(1, range=(1, None))
+    distill_coef: float = field(0.0, **non_negative())  # > 0 needs a teacher model
+    # > 0: adds entropy_coef * (mean entropy of the policy at the sampled positions) to the objective, against
+    # the policy collapsing onto one answer before it has learnt to read the prompt; 0: the loss alone
+    entropy_coef: float = field(0.0, **non_negative())
+
+    # keys that moved elsewhere (the config loader tells where instead of "unknown key")
+    MOVED_KEYS: ClassVar[Dict[str, str]] = {
+        "temperature": "the trainer recomputes log-probs at rollout.temperature (the importance ratio needs both "
+                       "at one temperature); set rollout.temperature instead"}
+
+    def validate(self) -> "TrainerConfig":
+        problems = check(self, "train.optim.")
+        if problems:
+            raise ValueError(problems[0])
+        return self
 
 
 @dataclasses.dataclass
@@ -186,6 +218,14 @@ class DynamicSamplingConfig:
 
     enabled: bool = field(False)
     max_rounds: int = field(4, range=(1, 1000))
+
+
+@dataclasses.dataclass
+class RLCheckpointConfig(CheckpointConfig):
+    """``checkpoint`` of an RL config: a resume point every ``every_steps`` trainer steps and at the end (read by
+    ``rl/run_state``)."""
+
+    every_steps: int = field(10, **non_negative())  # 0: only at the end of the run
 
 
 @dataclasses.dataclass
@@ -241,21 +281,7 @@ class RLConfig:
         if t.optim.distill_coef > 0 and not t.teacher_checkpoint:
             problems.append(f"train.optim.distill_coef: expected 0 without train.teacher_checkpoint (distillation "
                             f"needs a teacher), got {t.optim.distill_coef}")
-        model = self.model_config()
-        return problems or (self.size_problems(model) if model is not None else [])
-
-    def size_problems(self, model) -> List[str]:
-        """Problems of this run with policy architecture ``model`` (a GLM5Config: the preset's, or the one a
-        ``--checkpoint`` holds): sequence length and the memory the run needs on this machine."""
-        if self.rollout.max_len > model.max_position_embeddings:
-            return [f"rollout.max_len: expected <= the model's max_position_embeddings="
-                    f"{model.max_position_embeddings}, got {self.rollout.max_len}"]
-        if self.rollout.speculative is not None and not model.num_nextn_predict_layers:
-            return ["rollout.speculative: expected a model with MTP weights (num_nextn_predict_layers > 0) to draft "
-                    "with, got a model without"]
-        from glm5_core.rl.run_memory import memory_problems
-
-        return _codec_problems(self, model.vocab_size) or memory_problems(self, model)
+        return problems
 
 
 def _plugin_problems(cfg: "RLConfig") -> List[str]:
@@ -334,25 +360,3 @@ def _env_tokenizer_problems(cfg: RLConfig) -> List[str]:
         return [f"rollout.tokenizer: env {what!r} needs a tokenizer directory with a chat template (its agents' "
                 f"chat requests are rendered by it), got null"]
     return []
-
-
-def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:
-    if not isinstance(data, dict):
-        raise ConfigError([f"expected a mapping of sections at the top level, got {type(data).__name__}"], source)
-    problems: List[str] = []
-    cfg = build(RLConfig, data, "", problems)
-    if problems:
-        raise ConfigError(problems, source)
-    problems = cfg.rule_problems()
-    if problems:
-        raise ConfigError(problems, source)
-    return cfg
-
-
-def load_config(path: str, overrides: Optional[Dict[str, Any]] = None, sets: Sequence[str] = ()) -> RLConfig:
-    """A YAML file (an empty one: every default), then ``--set KEY=VALUE`` overrides (VALUE read as YAML), then
-    ``overrides`` (dotted key -> value, as command-line flags give them)."""
-    data = apply_overrides(load_mapping(path, empty={}), sets)
-    for key, value in (overrides or {}).items():
-        assign(data, key, value)
-    return config_from_dict(data, str(path))

@@ -1,4 +1,6 @@
-"""The RL run: builds the components from an :class:`RLConfig` and runs the sync or async loop.
+"""The RL run: composes the components of an :class:`RLConfig` and runs the sync or async loop. Each component
+is built from its config section by the ``build_*`` function beside it (policy, environment, trainer, run state,
+router, executor, replicas, weight sync, buffer, runner, evaluator, metrics), in that order.
 
 sync:  rollout a full batch (all groups at once) -> train one step -> push weights -> repeat. The trainer
        waits for the slowest trajectory, the engines wait for the trainer.
@@ -28,22 +30,23 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from glm5_core.rl import run_state, starting_policy
-from glm5_core.rl.algorithm.advantages import resolve_advantage
-from glm5_core.rl.algorithm.buffer import TrajectoryBuffer, staleness
-from glm5_core.rl.algorithm.loss import resolve_loss
-from glm5_core.rl.algorithm.trainer import Trainer
+from glm5_core.rl import run_state
+from glm5_core.rl.algorithm.buffer import build_buffer, staleness
+from glm5_core.rl.algorithm.trainer import build_trainer
 from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
-from glm5_core.rl.device import module_device, runtime_device
-from glm5_core.rl.evaluation import Evaluator
+from glm5_core.rl.evaluation import build_evaluator
+from glm5_core.rl.fleet.executors import build_executor
 from glm5_core.rl.fleet.placement import check_visible, engine_devices, probe_accelerators
 from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
-from glm5_core.rl.fleet.router import ConsistentHashRouter, RoundRobinRouter
+from glm5_core.rl.fleet.router import build_router
+from glm5_core.rl.fleet.weight_sync import build_weight_sync
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
+from glm5_core.rl.policy import build_starting_policy
+from glm5_core.rl.rollout.envs.registry import build_env
 from glm5_core.rl.rollout.rewards import build_reward
 from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, load_run_tokenizer, vocab_problem
-from glm5_core.rl.rollout.runner import RolloutRunner
+from glm5_core.rl.rollout.runner import build_runner
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.run_state import RunState
 from glm5_core.rl.serving.client import EngineClient
@@ -57,49 +60,17 @@ class TrainerStarvedError(RuntimeError):
     """No training batch arrived for ``train.max_idle_minutes``: the run cannot make progress."""
 
 
-def build_env(env_cfg: Dict, seed: int, codec=None):
-    """The environment ``env`` names: a built-in ``name`` or a plug-in ``path`` (rl/rollout/envs/registry); its
-    text goes through ``codec`` (the run's tokenizer; None: bytes at ``env.byte_offset``)."""
-    from glm5_core.rl.rollout.envs.registry import build_env as build
-
-    return build(env_cfg, seed, codec)
-
-
-def policy_device(cfg: RLConfig, backend: Optional[str]) -> torch.device:
-    """``train.device``, default: the runtime device of ``backend``."""
-    return torch.device(cfg.train.device) if cfg.train.device else runtime_device(backend)
-
-
-def build_policy(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
-    """The policy, on ``train.device`` (default: the runtime device of ``backend``)."""
-    device = policy_device(cfg, backend)
-    if checkpoint and os.path.isfile(os.path.join(checkpoint, "config.json")):
-        from glm5_core.model import load_pretrained
-
-        return load_pretrained(checkpoint, backend=backend).to(device)  # a save_pretrained directory
-    return _policy_from_preset(cfg, checkpoint, backend).to(device)
-
-
-def _policy_from_preset(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]):
-    from glm5_core.model import GLM5Config, GLM5ForCausalLM
-
-    preset = cfg.model.get("preset", "tiny")
-    if preset != "tiny":
-        raise ValueError(f"model.preset: expected 'tiny' (or pass --checkpoint), got {preset!r}")
-    torch.manual_seed(cfg.seed)
-    model = GLM5ForCausalLM(GLM5Config.tiny(**cfg.model.get("overrides", {})), backend=backend)
-    if checkpoint:  # a `glm5 pretrain` checkpoint folder: model.safetensors, architecture from model.preset
-        weights = os.path.join(checkpoint, "model.safetensors")
-        if not os.path.lexists(weights):  # a FIFO or a link out of the folder is refused by load_model_weights
-            raise FileNotFoundError(f"--checkpoint: expected config.json (save_pretrained) or model.safetensors "
-                                    f"(glm5 pretrain) in {checkpoint!r}")
-        from glm5_core.train.checkpoint import load_model_weights
-
-        try:
-            load_model_weights(model, weights)
-        except ValueError as exc:
-            raise ValueError(f"--checkpoint: weights do not fit model.preset: {exc}") from None
-    return model
+def build_environment(cfg: RLConfig, vocab_size: int):
+    """``rollout.tokenizer`` (None: the byte codec) and the environment ``env`` names (rl/rollout/envs/registry),
+    seeded with the run's seed; raises ValueError when the environment's codec does not fit ``vocab_size``."""
+    tokenizer = load_run_tokenizer(cfg.rollout.tokenizer) if cfg.rollout.tokenizer is not None else None
+    env = build_env(cfg.env, cfg.seed, codec=tokenizer)
+    codec = getattr(env, "codec", None)  # a plug-in environment may bring its own tokens
+    key = TOKENIZER_KEY if tokenizer is not None else "env.byte_offset"
+    problem = codec is not None and vocab_problem(codec, vocab_size, key)
+    if problem:
+        raise ValueError(problem)
+    return tokenizer, env
 
 
 @dataclasses.dataclass
@@ -136,33 +107,15 @@ class RLRun:
         if cfg.train.device:
             check_visible([cfg.train.device], "train.device", probe)
         torch.set_num_threads(cfg.torch_threads)
-        self.model = self._starting_policy(cfg, checkpoint, resume)
+        self.model = build_starting_policy(cfg, checkpoint, self.backend, self.out_dir, resume, log)
         if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
             from glm5_core.rl.serving.speculative import check_draft_model
 
             check_draft_model(self.model, "rollout.speculative")
-        self.tokenizer = load_run_tokenizer(r.tokenizer) if r.tokenizer is not None else None
-        self.env = build_env(cfg.env, cfg.seed, codec=self.tokenizer)
-        codec = getattr(self.env, "codec", None)  # a plug-in environment may bring its own tokens
-        key = TOKENIZER_KEY if self.tokenizer is not None else "env.byte_offset"
-        problem = codec is not None and vocab_problem(codec, self.model.config.vocab_size, key)
-        if problem:
-            raise ValueError(problem)
+        self.tokenizer, self.env = build_environment(cfg, self.model.config.vocab_size)
         self.reward = build_reward(cfg.reward)  # None: the environment's own reward
-        teacher = None
-        if cfg.train.teacher_checkpoint:
-            from glm5_core.model import load_pretrained
-
-            teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=self.backend).to(module_device(self.model))
-        self.trainer = Trainer(self.model, cfg.train.optim, temperature=r.temperature, teacher=teacher,
-                               loss_fn=resolve_loss(cfg.train.loss),
-                               advantage_fn=resolve_advantage(cfg.train.advantage),
-                               routing_replay=cfg.train.routing_replay, index_replay=cfg.train.index_replay)
-        resumed = run_state.load_resume_point(self.out_dir, self.trainer, log) if resume else None
-        if resume and resumed is None:
-            log(f"[rl] resume: {self.out_dir} holds no resume point yet; starting the run over from step 0")
-        if not resume:
-            run_state.write_run_file(self.out_dir, cfg, checkpoint, starting_policy.describe(self.model, checkpoint))
+        self.trainer = build_trainer(cfg, self.model, self.backend)
+        resumed = run_state.start(self.out_dir, cfg, checkpoint, self.trainer, self.model, resume, log)
         self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
         self._checkpoint_history: List[str] = resumed[1] if resumed else []
         self._checkpointed_version = self.trainer.version if resumed else None
@@ -171,24 +124,17 @@ class RLRun:
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
-        self.router = (ConsistentHashRouter(virtual_nodes=r.virtual_nodes, imbalance_factor=r.imbalance_factor)
-                       if r.routing == "dp_aware" else RoundRobinRouter())
-        self.executor = self._make_executor()
+        self.router = build_router(r)
+        self.executor = build_executor(cfg, self._spec)
         names = self.executor.names if self.external else [f"engine{i}" for i in range(r.num_engines)]
         self.replicas = ReplicaSet(self.executor, self.router, names, client_factory=self._client)
-        self.weight_sync = self._make_weight_sync()
-        ds = cfg.dynamic_sampling
-        self.buffer = TrajectoryBuffer(batch_size=cfg.train.batch_size, group_size=r.group_size,
-                                       max_staleness=cfg.train.max_staleness,
-                                       dynamic_max_rounds=ds.max_rounds if ds.enabled else None)
+        self.weight_sync = build_weight_sync(r, self.replicas)
+        self.buffer = build_buffer(cfg)
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
-        self.runner = RolloutRunner(self.env, self.replicas.generate, group_size=r.group_size,
-                                    temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
-                                    max_workers=r.episode_threads, forget_fn=self._trajectory_done,
-                                    seed=cfg.seed if self._sends_sampling_seeds() else None,
-                                    reward_fn=self.reward, return_routed_experts=cfg.train.routing_replay,
-                                    return_indexer_topk=cfg.train.index_replay)
-        self.evaluator = self._make_evaluator()
+        self.runner = build_runner(cfg, self.env, self.replicas.generate, forget_fn=self._trajectory_done,
+                                   reward_fn=self.reward, sampling_seeds=self._sends_sampling_seeds())
+        self.evaluator = build_evaluator(cfg, self.env, forget=self._trajectory_done, runner=self.runner,
+                                         generate=lambda tid, request: self.replicas.generate(tid, request))
         self.truncated_trajectories = 0
         if self.resumed_state is not None:
             self._restore(self.resumed_state)
@@ -199,22 +145,6 @@ class RLRun:
         self._producer_errors: List[BaseException] = []
 
     # -- construction -------------------------------------------------------------------------------------
-    def _starting_policy(self, cfg: RLConfig, checkpoint: Optional[str], resume: bool):
-        """The policy to train: built from ``checkpoint``; on a resume with a resume point, rebuilt from what the run
-        recorded of it, reading nothing of the checkpoint (the weights come from the resume point); on a resume
-        with none yet, from the checkpoint, once it is checked unchanged (see ``starting_policy``)."""
-        record = run_state.read_run_file(self.out_dir).get("policy") if resume else None
-        if record is None:  # a fresh run, or a run started by a version that recorded nothing
-            return build_policy(cfg, checkpoint, self.backend)
-        where = os.path.join(self.out_dir, run_state.RUN_FILE)
-        weights = run_state.resume_point_weights(self.out_dir, self.log)
-        if weights is None:  # the run starts over from step 0: from the starting weights
-            starting_policy.check_unchanged(record, checkpoint, self.out_dir, where)
-            return build_policy(cfg, checkpoint, self.backend)
-        if starting_policy.recorded_config(record, where) is None:
-            return build_policy(cfg, None, self.backend)  # model.preset's architecture
-        return starting_policy.rebuild(record, self.backend, policy_device(cfg, self.backend), weights, where)
-
     def _restore(self, state: RunState) -> None:
         """The environment, runner and buffer of a resume point (the trainer's part is loaded already)."""
         where = f"checkpoint: {self.out_dir}/checkpoints (step {self.trainer.version}) data."
@@ -250,41 +180,7 @@ class RLRun:
                           torch_threads=r.engine_threads, placement=self.engine_devices[index],
                           record_routing=self.cfg.train.routing_replay, record_index_topk=self.cfg.train.index_replay)
 
-    def _make_executor(self):
-        if self.external:
-            from glm5_core.rl.fleet.executors.external import ExternalEngines
-
-            return ExternalEngines(self.cfg.rollout.engine_urls)
-        if self.cfg.executor == "ray":
-            from glm5_core.rl.fleet.executors.ray_executor import RayExecutor
-
-            return RayExecutor(self._spec)
-        from glm5_core.rl.fleet.executors.local import LocalProcessExecutor
-
-        return LocalProcessExecutor(self._spec)
-
-    def _make_weight_sync(self):
-        from glm5_core.rl.fleet.weight_sync import DiskWeightSync, DistributedWeightSync
-
-        r = self.cfg.rollout
-        if r.weight_sync == "distributed":
-            return DistributedWeightSync(self.replicas, master_address=r.sync_master_address, backend=r.sync_backend,
-                                         bucket_bytes=int(r.sync_bucket_mb * (1 << 20)),
-                                         flush_cache=r.flush_cache_on_sync)
-        return DiskWeightSync(self.replicas, flush_cache=r.flush_cache_on_sync)
-
     # -- evaluation ---------------------------------------------------------------------------------------
-    def _make_evaluator(self) -> Optional[Evaluator]:
-        problems = self.env.eval_set()
-        if not problems:
-            return None
-        r, e = self.cfg.rollout, self.cfg.eval
-        return Evaluator(problems, generate=lambda tid, request: self.replicas.generate(tid, request),
-                         forget=self._trajectory_done,
-                         map_fn=self.runner._pool.map, temperature=r.temperature, top_p=r.top_p, max_len=r.max_len,
-                         samples_per_problem=e.samples_per_problem, pass_k=e.pass_k, greedy=e.greedy,
-                         correct_reward=e.correct_reward, seed=self.runner.seed)
-
     def evaluate(self) -> Optional[Dict[str, float]]:
         """Greedy accuracy, pass@k and mean sampled reward on the environment's held-out eval set (see
         ``rl/evaluation``), recorded in ``eval_history``; None if the environment has no eval set."""

@@ -110,3 +110,15 @@ class Evaluator:
             if scores:
                 out[f"eval_pass@{k}"] = sum(scores) / len(scores)
         return out
+
+
+def build_evaluator(cfg, env, *, generate: GenerateFn, forget: Callable[[str], None], runner) -> Optional[Evaluator]:
+    """The evaluator of RLConfig ``cfg`` (``eval``, sampling as ``rollout``) on ``env``'s eval set, on the
+    threads and seed of ``runner`` (a RolloutRunner); None when the environment has no eval set."""
+    problems = env.eval_set()
+    if not problems:
+        return None
+    r, e = cfg.rollout, cfg.eval
+    return Evaluator(problems, generate=generate, forget=forget, map_fn=runner._pool.map, temperature=r.temperature,
+                     top_p=r.top_p, max_len=r.max_len, samples_per_problem=e.samples_per_problem, pass_k=e.pass_k,
+                     greedy=e.greedy, correct_reward=e.correct_reward, seed=runner.seed)

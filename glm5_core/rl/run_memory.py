@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Dict, List
 
 from glm5_core.memory_budget import FLOAT_BYTES, fit_problem
+from glm5_core.rl.config import RLConfig
 
 TRAJECTORY_BYTES_PER_TOKEN = 24  # token id, log-prob and loss-mask list slots (8-byte pointers) per position
 ADAMW_COPIES = 4  # weights, gradients, two moments
@@ -40,18 +41,16 @@ class RunSize:
                 "trajectories": self.trajectories * self.max_len * TRAJECTORY_BYTES_PER_TOKEN}
 
 
-def _size(cfg, model) -> RunSize:
+def _size(cfg: RLConfig, model) -> RunSize:
     r = cfg.rollout
     local_engines = r.num_engines if cfg.executor == "local" and r.engine_urls is None else 0
     return RunSize(model, local_engines, r.max_batch, r.max_len,
                    cfg.train.optim.micro_batch_size, r.max_inflight_groups * r.group_size + r.max_buffered)
 
 
-def memory_problems(cfg, model) -> List[str]:
+def memory_problems(cfg: RLConfig, model) -> List[str]:
     """[] when ``cfg`` (an RLConfig) with policy ``model`` (a GLM5Config) fits; else one line naming the key
     that, back at its default, saves the most."""
-    from glm5_core.rl.config import RLConfig
-
     default_cfg = RLConfig()
     size = _size(cfg, model)
     preset = type(model).tiny()

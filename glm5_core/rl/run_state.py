@@ -30,9 +30,9 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from glm5_core.config_schema import as_plain, field, non_negative
+from glm5_core.config_schema import as_plain
+from glm5_core.rl import starting_policy
 from glm5_core.safe_files import read_json
-from glm5_core.train.config import CheckpointConfig
 
 RUN_FILE = "rl_run.json"
 RUN_FILE_FORMAT = 1
@@ -43,13 +43,6 @@ MAX_RESUME_STEP = 2 ** 40  # far beyond any run: the step is checked against the
 RUN_FOLDERS = ("checkpoints", "weights", "tensorboard")  # what a run keeps in its output dir as folders
 RESUMABLE_KEYS = ("output_dir", "max_steps", "max_minutes", "torch_threads", "train.max_idle_minutes",
                   "rollout.engine_urls", "rollout.api_key", "checkpoint", "eval")
-
-
-@dataclasses.dataclass
-class RLCheckpointConfig(CheckpointConfig):
-    """``checkpoint`` of an RL config: a resume point every ``every_steps`` trainer steps and at the end."""
-
-    every_steps: int = field(10, **non_negative())  # 0: only at the end of the run
 
 
 def plain_config(cfg) -> Dict[str, Any]:
@@ -272,3 +265,17 @@ def load_resume_point(out_dir: str, trainer, log) -> Optional[Tuple[RunState, Li
                                   device_type=module_device(trainer.model).type)
     trainer.step_count = loaded["step"]
     return RunState.from_json(loaded["data"], str(folder / "trainer_state.json")), folders.lineage(root, folder)
+
+
+def start(out_dir: str, cfg, checkpoint: Optional[str], trainer, model, resume: bool,
+          log) -> Optional[Tuple[RunState, List[str]]]:
+    """A fresh run records itself (``rl_run.json``, with what ``starting_policy`` needs of ``model``); a resumed
+    one loads its latest resume point into ``trainer``: (its state, the checkpoint history), None if it has none
+    yet (the run starts over from step 0, and says so)."""
+    if not resume:
+        write_run_file(out_dir, cfg, checkpoint, starting_policy.describe(model, checkpoint))
+        return None
+    resumed = load_resume_point(out_dir, trainer, log)
+    if resumed is None:
+        log(f"[rl] resume: {out_dir} holds no resume point yet; starting the run over from step 0")
+    return resumed

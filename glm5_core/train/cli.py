@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from glm5_core.config_schema import as_plain
-    from glm5_core.train.config import load_config
+    from glm5_core.train.config_loader import load_config
     from glm5_core.train.trainer import LAST_LOSS_WINDOW, RunOptions, pretrain
 
     if args.max_steps is not None and args.max_steps < 1:

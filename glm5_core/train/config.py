@@ -1,4 +1,5 @@
-"""The pretraining run config: YAML -> typed dataclasses, every problem reported on its own line.
+"""The pretraining run config: typed dataclasses, every problem reported on its own line. This module declares;
+reading a YAML file and the memory check are ``train/config_loader``'s.
 
 Top level: ``seed``, ``output_dir``, ``torch_threads``. Sections: ``model`` (a preset plus GLM5Config
 overrides), ``data``, ``optimizer``, ``schedule``, ``stages``, ``loss``, ``router``, ``checkpoint``, ``logging``,
@@ -13,11 +14,10 @@ Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 repor
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from glm5_core import config_paths
-from glm5_core.config_schema import ConfigError, build, convert_fields, field, non_negative, positive
-from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.config_schema import convert_fields, field, non_negative, positive
 from glm5_core.ops.selected_attention_target import NORMALISERS as INDEXER_KL_TARGETS
 from glm5_core.optim import OptimizerConfig
 
@@ -131,11 +131,16 @@ class TrainConfig:
         return sum(s.steps for s in self.stages)
 
     def model_config(self):
-        """The GLM5Config this run trains (preset + overrides), already validated by :func:`parse_config`."""
+        """The GLM5Config this run trains (preset + overrides), once :meth:`rule_problems` found none."""
         from glm5_core.model import GLM5Config
 
         overrides = {k: v for k, v in self.model.items() if k != "preset"}
         return getattr(GLM5Config, self.model.get("preset", "tiny"))(**overrides)
+
+    def rule_problems(self) -> List[str]:
+        """The ``model`` section (GLM5Config's own declaration; its converted values replace the given ones),
+        then the rules between sections."""
+        return _model_problems(self) or _cross_problems(self)
 
 
 def _model_problems(cfg: TrainConfig) -> List[str]:
@@ -185,30 +190,3 @@ def _cross_problems(cfg: TrainConfig) -> List[str]:
         problems.append(f"loss.mtp_depths: expected <= data.seq_len - 1 ({cfg.data.seq_len - 1}): a deeper MTP depth "
                         f"has no label in a sequence, got {cfg.loss.mtp_depths}")
     return problems
-
-
-def parse_config(raw: Any, source: str = "config") -> TrainConfig:
-    """Validate parsed YAML, then check that the run fits this machine's memory; raise :class:`ConfigError`
-    listing every problem, one per line."""
-    if not isinstance(raw, dict):
-        raise ConfigError([f"expected a mapping of sections at the top level, got {type(raw).__name__}"], source)
-    problems: List[str] = []
-    cfg = build(TrainConfig, raw, "", problems)
-    from glm5_core.train.step_memory import memory_problems
-
-    for stage in (_model_problems, _cross_problems, memory_problems):
-        if problems:
-            break
-        problems += stage(cfg)
-    if problems:
-        raise ConfigError(problems, source)
-    return cfg
-
-
-def load_config(path, overrides: Sequence[str] = (), values: Optional[Dict[str, Any]] = None) -> TrainConfig:
-    """A YAML file (see ``glm5_core.config_yaml`` for what is refused) with ``--set KEY=VALUE`` overrides, then
-    ``values`` (dotted key -> value, as command-line flags give them) assigned as they are."""
-    raw = apply_overrides(load_mapping(str(path)), overrides)
-    for key, value in (values or {}).items():
-        assign(raw, key, value)
-    return parse_config(raw, str(path))

@@ -11,6 +11,7 @@ import os
 from typing import Any, Dict, List
 
 from glm5_core.memory_budget import FLOAT_BYTES, fit_problem
+from glm5_core.train.config import DataConfig, LossConfig, TrainConfig
 
 
 def _env_count(name: str) -> int:
@@ -40,10 +41,8 @@ class StepSize:
                 "logits": FLOAT_BYTES * tokens * sizing.logit_floats_per_token(self.model, self.mtp_depths)}
 
 
-def memory_problems(cfg) -> List[str]:
+def memory_problems(cfg: TrainConfig) -> List[str]:
     """[] when a step of ``cfg`` (a TrainConfig) fits; else one line naming the key that saves the most."""
-    from glm5_core.train.config import DataConfig, LossConfig
-
     model = cfg.model_config()
     preset = getattr(type(model), cfg.model.get("preset", "tiny"))()
     size = StepSize(model, cfg.data.batch_size, cfg.data.seq_len, cfg.loss.mtp_depths, cfg.parallel.strategy)

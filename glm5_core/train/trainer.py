@@ -116,7 +116,7 @@ def _checkpoint_due(cfg: TrainConfig, done: int, stop: int) -> bool:
     return done == stop or (every > 0 and done % every == 0)
 
 
-class Trainer:
+class PretrainTrainer:
     def __init__(self, cfg: TrainConfig, options: RunOptions):
         self.cfg, self.options = cfg, options
         self.backend = registry.require_available(registry.resolve_backend_name(options.backend))
@@ -342,7 +342,7 @@ def _progress(cfg: TrainConfig, d, start: int, stop: int):
 def pretrain(cfg: TrainConfig, options: Optional[RunOptions] = None) -> dict:
     """Run (or resume) the pretraining described by ``cfg``; returns the run summary."""
     try:
-        return Trainer(cfg, options or RunOptions()).run()
+        return PretrainTrainer(cfg, options or RunOptions()).run()
     except BaseException:
         dist_utils.abandon()
         raise

@@ -78,7 +78,7 @@ def test_non_interleaved_rope_exports_to_transformers_layout(tmp_path):
 def test_pretraining_driver_export_runs_in_transformers(tmp_path):
     from safetensors.torch import load_file
 
-    from glm5_core.train.config import parse_config
+    from glm5_core.train.config_loader import parse_config
     from glm5_core.train.trainer import RunOptions, pretrain
 
     corpus = tmp_path / "corpus"

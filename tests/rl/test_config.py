@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from glm5_core.cli import main
-from glm5_core.rl.config import RLConfig, config_from_dict, load_config
+from glm5_core.rl.config import RLConfig
+from glm5_core.rl.config_loader import config_from_dict, load_config, size_problems
 
 
 @pytest.fixture(autouse=True)
@@ -106,10 +107,10 @@ def test_a_checkpoint_architecture_is_sized_too(tmp_path):
     cfg = config_from_dict({"model": {"preset": "mine"}, "rollout": {"max_len": 1024}})  # architecture: --checkpoint
     assert cfg.model_config() is None
     big = GLM5Config.tiny(max_position_embeddings=4096, n_routed_experts=16384)
-    assert cfg.size_problems(dataclasses.replace(big, max_position_embeddings=512))[0].startswith(
+    assert size_problems(cfg, dataclasses.replace(big, max_position_embeddings=512))[0].startswith(
         "rollout.max_len: expected <= the model's max_position_embeddings=512, got 1024")
-    assert cfg.size_problems(big)[0].startswith("rollout.max_len: the run needs at least ")
-    assert cfg.size_problems(GLM5Config.tiny(max_position_embeddings=4096)) == []
+    assert size_problems(cfg, big)[0].startswith("rollout.max_len: the run needs at least ")
+    assert size_problems(cfg, GLM5Config.tiny(max_position_embeddings=4096)) == []
 
 
 def test_validate_checks_an_instance_built_in_code():

@@ -12,7 +12,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.rl.algorithm.trainer import pad_samples
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.device import module_device, runtime_device
 from glm5_core.rl.rollout.trajectory import Sample
 from glm5_core.rl.serving.engine import RolloutEngine
@@ -43,7 +43,7 @@ def _all_tensors(model):
 
 
 def test_policy_is_built_on_the_backend_device(meta_cpu_backend):
-    from glm5_core.rl.driver import build_policy
+    from glm5_core.rl.policy import build_policy
 
     cfg = config_from_dict({"model": {"preset": "tiny", "overrides": {"num_hidden_layers": 2,
                                                                       "indexer_types": ["full", "shared"]}}})

@@ -5,11 +5,11 @@ import pytest
 from glm5_core.config_schema import ConfigError
 from glm5_core.rl.algorithm.advantages import group_centred, group_normalized, resolve_advantage
 from glm5_core.rl.algorithm.loss import double_sided_is_loss, resolve_loss
-from glm5_core.rl.config import config_from_dict
-from glm5_core.rl.driver import build_env
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.plugins import load_object, resolve_callable
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
+from glm5_core.rl.rollout.envs.registry import build_env
 from tests.rl import plugin_fixtures
 
 FIXTURES = "tests.rl.plugin_fixtures"
@@ -108,7 +108,7 @@ def test_group_centred_subtracts_the_group_mean_only():
 
 def test_a_trainer_steps_with_the_configured_loss_and_estimator(tiny_policy):
     """The trainer calls the plug-ins it is given, not the built-ins."""
-    from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig
+    from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig
     from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 
     calls = []
@@ -127,7 +127,7 @@ def test_a_trainer_steps_with_the_configured_loss_and_estimator(tiny_policy):
         s.append([4, 5], sampled=True, logprobs=[-1.0, -1.0], versions=[0, 0])
         return Trajectory(f"t{i}", "g", [s], reward)
 
-    trainer = Trainer(tiny_policy, TrainerConfig(), temperature=1.0, loss_fn=loss, advantage_fn=advantage)
+    trainer = PolicyTrainer(tiny_policy, TrainerConfig(), temperature=1.0, loss_fn=loss, advantage_fn=advantage)
     trainer.train_step([trajectory(0, 1.0), trajectory(1, 0.0)])
     assert calls == ["advantage", "loss"]
 

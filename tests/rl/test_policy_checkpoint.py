@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import save_model
 
 from glm5_core.model import GLM5Config, GLM5ForCausalLM
-from glm5_core.rl.config import config_from_dict
-from glm5_core.rl.driver import build_policy
+from glm5_core.rl.config_loader import config_from_dict
+from glm5_core.rl.policy import build_policy
 
 
 def _config(tmp_path, **overrides):

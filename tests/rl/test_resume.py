@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from glm5_core.cli import main
 from glm5_core.rl import run_state
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.driver import RLRun
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.driver import RLRun
 
 

@@ -56,10 +56,10 @@ def test_out_of_range_hyperparameters_are_refused_at_load(small_raw, run, part, 
 def test_in_range_hyperparameters_load_and_the_config_wins(small_raw, run, capsys):
     """A valid saved value (momentum 0.5 instead of the run's 0.95) loads without error; the config's value
     replaces it (as the schedule's lr does) and the resume says so."""
-    from glm5_core.train.trainer import Trainer
+    from glm5_core.train.trainer import PretrainTrainer
 
     _set_group_value(run, "muon", "momentum", 0.5)
-    trainer = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
+    trainer = PretrainTrainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
                                                           resume=str(run)))
     muon = trainer.optimizer.optimizers["muon"]
     assert [g["momentum"] for g in muon.param_groups][-1] == 0.95
@@ -69,7 +69,7 @@ def test_in_range_hyperparameters_load_and_the_config_wins(small_raw, run, capsy
 def test_a_checkpoint_from_before_ns_dtype_loads_as_float32(small_raw, run, capsys):
     """Checkpoints written before the Newton-Schulz compute dtype existed have no ``ns_dtype`` in their Muon
     groups: they ran fp32, and load as such (the config's value then wins, as for every key)."""
-    from glm5_core.train.trainer import Trainer
+    from glm5_core.train.trainer import PretrainTrainer
 
     path = resolve_checkpoint(run) / "optimizer.safetensors"
     with safe_open(str(path), framework="pt") as f:
@@ -79,7 +79,7 @@ def test_a_checkpoint_from_before_ns_dtype_loads_as_float32(small_raw, run, caps
         del group["ns_dtype"]
     save_file(tensors, str(path), metadata={"param_groups": json.dumps(groups)})
     raw = {**small_raw, "optimizer": {**small_raw.get("optimizer", {}), "muon": {"ns_dtype": "bfloat16"}}}
-    trainer = Trainer(parse_config(raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
+    trainer = PretrainTrainer(parse_config(raw), RunOptions(backend="cpu", output_dir=str(run.parent / "resumed"),
                                                     resume=str(run)))
     assert {g["ns_dtype"] for g in trainer.optimizer.optimizers["muon"].param_groups} == {"bfloat16"}
     assert "ns_dtype: 'float32' -> 'bfloat16'" in capsys.readouterr().err

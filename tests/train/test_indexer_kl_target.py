@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 
 from glm5_core.ops import dsa
-from glm5_core.train import RunOptions, parse_config, pretrain
-from glm5_core.train.config import ConfigError
-from glm5_core.train.trainer import Trainer
+from glm5_core.train import ConfigError, RunOptions, parse_config, pretrain
+from glm5_core.train.trainer import PretrainTrainer
 
 
 def _records(run_dir):
@@ -22,7 +21,7 @@ def _run(small_raw, tmp_path, monkeypatch, target):
     if target is not None:
         small_raw["loss"]["indexer_kl_target"] = target
     small_raw["logging"]["recall_every_steps"] = 2  # 0-based steps 4 (measure) and 5 (not) are the sparse ones
-    per_step, op, train_step = [], dsa.selected_attention_target, Trainer.train_step
+    per_step, op, train_step = [], dsa.selected_attention_target, PretrainTrainer.train_step
 
     def recording(*args, normaliser="selected", **kwargs):
         per_step[-1].append(normaliser)
@@ -33,7 +32,7 @@ def _run(small_raw, tmp_path, monkeypatch, target):
         return train_step(self, step)
 
     monkeypatch.setattr(dsa, "selected_attention_target", recording)
-    monkeypatch.setattr(Trainer, "train_step", step_marked)
+    monkeypatch.setattr(PretrainTrainer, "train_step", step_marked)
     run = tmp_path / f"run-{target}"
     pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run)))
     return _records(run), per_step

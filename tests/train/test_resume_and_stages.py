@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from glm5_core.cli import main
 from glm5_core.train import RunOptions, parse_config, pretrain
 from glm5_core.train.checkpoint import resolve_checkpoint
-from glm5_core.train.trainer import Trainer
+from glm5_core.train.trainer import PretrainTrainer
 
 NON_DETERMINISTIC = {"tokens_per_s"}
 
@@ -182,7 +182,7 @@ def test_indexer_warmup_trains_every_indexer_including_the_mtp_layers(small_raw,
 def test_indexer_warmup_step_runs_no_lm_head(small_raw, tmp_path):
     """The warm-up's loss is the indexer KL alone: its steps skip the lm_head (main and MTP depths); the other
     stages' steps run it once per depth plus once for the main logits."""
-    trainer = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "run")))
+    trainer = PretrainTrainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "run")))
     calls = []
     trainer.model.lm_head.register_forward_hook(lambda *args: calls.append(1))
     heads = 1 + small_raw["loss"]["mtp_depths"]
@@ -228,7 +228,7 @@ def test_resume_takes_the_configs_optimizer_settings_and_says_which_changed(smal
     pretrain(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(run), max_steps=2))
     capsys.readouterr()
     small_raw["optimizer"] = {"weight_decay": 0.25, "muon": {"momentum": 0.9}}
-    resumed = Trainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "again"),
+    resumed = PretrainTrainer(parse_config(small_raw), RunOptions(backend="cpu", output_dir=str(tmp_path / "again"),
                                                           resume=str(run)))
     groups = {g["name"]: g for g in resumed.optimizer.param_groups}
     assert groups["muon"]["weight_decay"] == 0.25 and groups["muon"]["momentum"] == 0.9
@@ -237,7 +237,7 @@ def test_resume_takes_the_configs_optimizer_settings_and_says_which_changed(smal
     assert "resume: the config's optimizer settings replace the checkpoint's" in err
     assert "muon.weight_decay: 0.1 -> 0.25" in err and "muon.momentum: 0.95 -> 0.9" in err
     assert ".lr:" not in err  # the schedule sets lr every step
-    unchanged = Trainer(parse_config({**small_raw, "optimizer": {}}), RunOptions(
+    unchanged = PretrainTrainer(parse_config({**small_raw, "optimizer": {}}), RunOptions(
         backend="cpu", output_dir=str(tmp_path / "same"), resume=str(run)))
     assert unchanged.optimizer.param_groups[0]["weight_decay"] == 0.1
     assert "replace" not in capsys.readouterr().err  # nothing differed, nothing said

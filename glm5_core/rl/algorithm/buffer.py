@@ -174,3 +174,12 @@ class TrajectoryBuffer:
             ids += [t.trajectory_id for g in self._pending.values() for t in g]
             ids += [t.trajectory_id for g in (self.dynamic.held if self.dynamic else ()) for t in g]
             return ids
+
+
+def build_buffer(cfg) -> TrajectoryBuffer:
+    """The buffer of RLConfig ``cfg``: ``train.batch_size`` / ``train.max_staleness``, ``rollout.group_size``,
+    and ``dynamic_sampling``."""
+    ds = cfg.dynamic_sampling
+    return TrajectoryBuffer(batch_size=cfg.train.batch_size, group_size=cfg.rollout.group_size,
+                            max_staleness=cfg.train.max_staleness,
+                            dynamic_max_rounds=ds.max_rounds if ds.enabled else None)

@@ -14,53 +14,18 @@ Every tensor the trainer builds is created on the policy's device.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from glm5_core.config_schema import check, field, non_negative, positive
-from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized
-from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss
+from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized, resolve_advantage
+from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss, resolve_loss
 from glm5_core.rl.algorithm.replay_batch import pad_traces
+from glm5_core.rl.config import TrainerConfig
 from glm5_core.rl.device import module_device
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
-
-
-def check_betas(betas, key: str) -> None:
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{key}: expected two values in [0, 1), got {list(betas)}")
-
-
-@dataclasses.dataclass
-class TrainerConfig:
-    """``train.optim`` of an RL config; each field declares its own check (``glm5_core.config_schema``)."""
-
-    lr: float = field(1e-4, **positive())
-    weight_decay: float = field(0.0, **non_negative())
-    betas: Tuple[float, float] = field((0.9, 0.99), check=check_betas)
-    eps_low: float = field(0.2, range=(0.0, 1.0), open=("lo",))  # checked with the config, not at the first loss
-    eps_high: float = field(0.28, **positive())
-    micro_batch_size: int = field(16, range=(1, None))
-    grad_clip: float = field(1.0, **non_negative())  # 0: no clipping
-    push_every: int = field(1, range=(1, None))
-    distill_coef: float = field(0.0, **non_negative())  # > 0 needs a teacher model
-    # > 0: adds entropy_coef * (mean entropy of the policy at the sampled positions) to the objective, against
-    # the policy collapsing onto one answer before it has learnt to read the prompt; 0: the loss alone
-    entropy_coef: float = field(0.0, **non_negative())
-
-    # keys that moved elsewhere (the config loader tells where instead of "unknown key")
-    MOVED_KEYS: ClassVar[Dict[str, str]] = {
-        "temperature": "the trainer recomputes log-probs at rollout.temperature (the importance ratio needs both "
-                       "at one temperature); set rollout.temperature instead"}
-
-    def validate(self) -> "TrainerConfig":
-        problems = check(self, "train.optim.")
-        if problems:
-            raise ValueError(problems[0])
-        return self
 
 
 def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tensor]:
@@ -105,7 +70,7 @@ def sequence_logprobs_and_entropy(model, input_ids_BT: torch.Tensor, temperature
     return logp, entropy
 
 
-class Trainer:
+class PolicyTrainer:
     """``temperature``: the rollout's sampling temperature (``rollout.temperature``), > 0. ``routing_replay`` /
     ``index_replay`` (``train.routing_replay`` / ``train.index_replay``): the policy's forward uses the experts /
     DSA keys the engine used for each sample (its recorded traces; see ``glm5_core.model.replay``)."""
@@ -229,3 +194,17 @@ class Trainer:
                 pass
         self._weight_files = self._weight_files[-keep:]
         return path
+
+
+def build_trainer(cfg, model, backend: Optional[str]) -> PolicyTrainer:
+    """The trainer of RLConfig ``cfg`` for ``model``: ``train.optim``, the ``train.loss`` / ``train.advantage``
+    plug-ins, replay, and a distillation teacher (``train.teacher_checkpoint``) on the policy's device."""
+    teacher = None
+    if cfg.train.teacher_checkpoint:
+        from glm5_core.model import load_pretrained
+
+        teacher = load_pretrained(cfg.train.teacher_checkpoint, backend=backend).to(module_device(model))
+    t = cfg.train
+    return PolicyTrainer(model, t.optim, temperature=cfg.rollout.temperature, teacher=teacher,
+                         loss_fn=resolve_loss(t.loss), advantage_fn=resolve_advantage(t.advantage),
+                         routing_replay=t.routing_replay, index_replay=t.index_replay)

@@ -196,3 +196,11 @@ class RoundRobinRouter:
 
     def forget(self, key: str) -> None:
         return None
+
+
+def build_router(rollout):
+    """The router ``rollout.routing`` names: ``dp_aware`` (consistent hashing with ``virtual_nodes`` and
+    ``imbalance_factor``) or ``round_robin``."""
+    if rollout.routing == "dp_aware":
+        return ConsistentHashRouter(virtual_nodes=rollout.virtual_nodes, imbalance_factor=rollout.imbalance_factor)
+    return RoundRobinRouter()

@@ -242,3 +242,12 @@ class DistributedWeightSync:
     def shutdown(self) -> None:
         self.close()
         self._pool.shutdown(wait=False)
+
+
+def build_weight_sync(rollout, replicas):
+    """The weight sync ``rollout.weight_sync`` names, pushing to ``replicas`` (a ReplicaSet)."""
+    if rollout.weight_sync == "distributed":
+        return DistributedWeightSync(replicas, master_address=rollout.sync_master_address,
+                                     backend=rollout.sync_backend, bucket_bytes=int(rollout.sync_bucket_mb * (1 << 20)),
+                                     flush_cache=rollout.flush_cache_on_sync)
+    return DiskWeightSync(replicas, flush_cache=rollout.flush_cache_on_sync)

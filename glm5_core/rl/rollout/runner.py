@@ -221,3 +221,15 @@ class RolloutRunner:
     def shutdown(self) -> None:
         self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_runner(cfg, env: Environment, generate_fn: GenerateFn, *, forget_fn: Callable[[str], None],
+                 reward_fn: Optional[Callable[[Dict], Optional[float]]], sampling_seeds: bool) -> RolloutRunner:
+    """The runner of RLConfig ``cfg`` (``rollout`` sampling and threads, the replay traces ``train`` asks for);
+    ``sampling_seeds``: whether its requests carry per-trajectory seeds from the run's ``seed``."""
+    r = cfg.rollout
+    return RolloutRunner(env, generate_fn, group_size=r.group_size, temperature=r.temperature, top_p=r.top_p,
+                         max_len=r.max_len, max_workers=r.episode_threads, forget_fn=forget_fn,
+                         seed=cfg.seed if sampling_seeds else None, reward_fn=reward_fn,
+                         return_routed_experts=cfg.train.routing_replay,
+                         return_indexer_topk=cfg.train.index_replay)

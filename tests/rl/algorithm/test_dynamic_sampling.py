@@ -89,7 +89,7 @@ def test_environment_failed_groups_are_not_held_back():
 
 def test_dynamic_sampling_needs_groups_of_two(monkeypatch):
     from glm5_core.config_schema import ConfigError
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
     with pytest.raises(ConfigError, match="dynamic_sampling.enabled: expected rollout.group_size >= 2"):

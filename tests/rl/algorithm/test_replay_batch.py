@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5_core.rl.algorithm.replay_batch import pad_traces
-from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig, pad_samples, sequence_logprobs
+from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig, pad_samples, sequence_logprobs
 from glm5_core.rl.rollout.gateway import TITOGateway
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving import replay_trace
@@ -106,7 +106,7 @@ def test_trainer_step_with_replay_trains_the_router(tiny_policy, engine):
     samples = play(engine, n=2, turns=1)
     before = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
     try:
-        trainer = Trainer(tiny_policy, TrainerConfig(lr=1e-2), temperature=1.0, routing_replay=True,
+        trainer = PolicyTrainer(tiny_policy, TrainerConfig(lr=1e-2), temperature=1.0, routing_replay=True,
                           index_replay=True)
         stats = trainer.train_step([Trajectory(f"t{i}", "g", [s], reward=float(i)) for i, s in enumerate(samples)])
         assert stats["routing_replay_untraced_samples"] == 0 and stats["index_replay_untraced_samples"] == 0
@@ -172,7 +172,7 @@ def test_int16_keys_round_trip_with_padding():
 
 
 def test_config_keys(monkeypatch):
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
     cfg = config_from_dict({"train": {"routing_replay": True, "index_replay": True}})

@@ -3,8 +3,8 @@ training rollouts, and leaves the MoE router biases alone."""
 import pytest
 import torch
 
-from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.engine import RolloutEngine
@@ -39,7 +39,7 @@ def rollouts(model, temperature):
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
 def test_trainer_recomputes_logprobs_at_the_rollout_temperature(small_policy, temperature):
     batch = rollouts(small_policy, temperature)
-    trainer = Trainer(small_policy, TrainerConfig(lr=1e-3, micro_batch_size=3), temperature=temperature)
+    trainer = PolicyTrainer(small_policy, TrainerConfig(lr=1e-3, micro_batch_size=3), temperature=temperature)
     stats = trainer.train_step(batch)  # |logp_train - logp_rollout| is measured before the update
     assert stats["abs_logprob_diff"] <= 1e-5
     assert stats["masked_tokens"] == 0.0
@@ -51,7 +51,7 @@ def test_router_biases_are_unchanged_by_a_trainer_step(small_policy):
             bias.copy_(torch.linspace(-0.3, 0.2 + i, bias.numel()))  # non-trivial values: zeroing would show
     before = [b.clone() for b in small_policy.router_biases()]
     weights_before = small_policy.lm_head.weight.detach().clone()
-    trainer = Trainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
+    trainer = PolicyTrainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
     assert not any(p is b for p in trainer.trainable for b in small_policy.router_biases())
     trainer.train_step(rollouts(small_policy, 1.0))
     assert not torch.equal(small_policy.lm_head.weight, weights_before)  # the step did update the policy
@@ -62,7 +62,7 @@ def test_router_biases_are_unchanged_by_a_trainer_step(small_policy):
 @pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan"), float("inf"), True, "1.0"])
 def test_training_rollouts_reject_greedy_or_invalid_temperature(small_policy, bad):
     with pytest.raises(ValueError, match="rollout.temperature"):
-        Trainer(small_policy, TrainerConfig(), temperature=bad)
+        PolicyTrainer(small_policy, TrainerConfig(), temperature=bad)
     with pytest.raises(ValueError, match="rollout.temperature"):
         config_from_dict({"rollout": {"temperature": bad}})
     with pytest.raises(ValueError, match="temperature"):
@@ -99,7 +99,7 @@ def test_config_has_one_temperature_and_names_both_keys_when_a_second_is_given()
 def test_the_indexer_stays_frozen_while_the_policy_trains(small_policy):
     indexer_before = [p.detach().clone() for p in small_policy.indexer_parameters()]
     assert indexer_before
-    trainer = Trainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
+    trainer = PolicyTrainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
     assert all(not p.requires_grad for p in small_policy.indexer_parameters())
     weights_before = small_policy.lm_head.weight.detach().clone()
     trainer.train_step(rollouts(small_policy, 1.0))
@@ -122,8 +122,8 @@ def _policy_copy(model, perturb: float = 0.0):
 def test_distillation_from_an_identical_teacher_changes_nothing(small_policy):
     batch = rollouts(small_policy, 1.0)
     plain_model, taught_model = _policy_copy(small_policy), _policy_copy(small_policy)
-    Trainer(plain_model, TrainerConfig(lr=1e-2), temperature=1.0).train_step(batch)
-    taught = Trainer(taught_model, TrainerConfig(lr=1e-2, distill_coef=0.5), temperature=1.0,
+    PolicyTrainer(plain_model, TrainerConfig(lr=1e-2), temperature=1.0).train_step(batch)
+    taught = PolicyTrainer(taught_model, TrainerConfig(lr=1e-2, distill_coef=0.5), temperature=1.0,
                      teacher=_policy_copy(small_policy))
     stats = taught.train_step(batch)
     assert abs(stats["distill_adv"]) < 1e-6
@@ -150,7 +150,7 @@ def test_distillation_advantage_is_teacher_minus_student_on_sampled_tokens(small
     mask = padded["loss_mask"]
     expected = float(((teacher_logp - student_logp) * mask).sum() / mask.sum())
     assert abs(expected) > 1e-3  # the perturbed teacher does disagree
-    trainer = Trainer(small_policy, TrainerConfig(lr=1e-2, distill_coef=1.0), temperature=1.0, teacher=teacher)
+    trainer = PolicyTrainer(small_policy, TrainerConfig(lr=1e-2, distill_coef=1.0), temperature=1.0, teacher=teacher)
     stats = trainer.train_step(batch)
     assert stats["distill_adv"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
 
@@ -176,11 +176,11 @@ def test_entropy_coef_raises_the_policy_entropy_where_the_loss_alone_gives_no_gr
         return float((entropy * padded["loss_mask"]).sum() / padded["loss_mask"].sum())
 
     weights_before = small_policy.lm_head.weight.detach().clone()
-    plain = Trainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
+    plain = PolicyTrainer(small_policy, TrainerConfig(lr=1e-2), temperature=1.0)
     assert plain.train_step(batch)["grad_norm"] == 0.0 and "entropy" not in plain.train_step(batch)
     assert torch.equal(small_policy.lm_head.weight, weights_before)  # zero advantages: nothing moves
     start = mean_entropy()
-    trainer = Trainer(small_policy, TrainerConfig(lr=1e-3, entropy_coef=0.1), temperature=1.0)
+    trainer = PolicyTrainer(small_policy, TrainerConfig(lr=1e-3, entropy_coef=0.1), temperature=1.0)
     stats = trainer.train_step(batch)
     assert stats["grad_norm"] > 0 and stats["entropy"] == pytest.approx(start, rel=1e-4)
     for _ in range(4):

@@ -2,14 +2,14 @@
 name, so a second `glm5 rl` into the same output directory keeps (and can pin) the files it writes."""
 import pytest
 
-from glm5_core.rl.algorithm.trainer import Trainer, TrainerConfig
+from glm5_core.rl.algorithm.trainer import PolicyTrainer, TrainerConfig
 from glm5_core.rl.fleet.executors.boot_weights import BootWeights
 from glm5_core.rl.serving.worker import WorkerSpec
 
 
 @pytest.fixture
 def trainer(tiny_policy):
-    return Trainer(tiny_policy, TrainerConfig(), temperature=1.0)
+    return PolicyTrainer(tiny_policy, TrainerConfig(), temperature=1.0)
 
 
 def _names(folder):

@@ -4,7 +4,7 @@ import tracemalloc
 
 import pytest
 
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.fleet.placement import (
     check_engine_devices,
     check_visible,

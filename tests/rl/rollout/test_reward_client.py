@@ -9,7 +9,7 @@ import time
 import pytest
 
 from glm5_core.config_schema import ConfigError
-from glm5_core.rl.config import config_from_dict
+from glm5_core.rl.config_loader import config_from_dict
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.reward_client import HttpRewardClient, RewardRequestError, check_reward_url
 from glm5_core.rl.rollout.rewards import RewardError, RewardScorer, build_reward

@@ -8,7 +8,7 @@ import re
 import yaml
 
 from glm5_core.cli import main
-from glm5_core.rl.algorithm.trainer import Trainer
+from glm5_core.rl.algorithm.trainer import PolicyTrainer
 from glm5_core.rl.fleet.replicas import ReplicaSet
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
@@ -37,7 +37,7 @@ def test_glm5_rl_trains_on_the_token_ids_the_engine_sampled_through_the_tokenize
     directory = build_tokenizer_dir(str(tmp_path / "tok"))
     tokenizer = load_chat_tokenizer(directory)
     sampled, trained = {}, []
-    generate, train_step = ReplicaSet.generate, Trainer.train_step
+    generate, train_step = ReplicaSet.generate, PolicyTrainer.train_step
 
     def recording_generate(self, trajectory_id, request):
         response = generate(self, trajectory_id, request)
@@ -49,7 +49,7 @@ def test_glm5_rl_trains_on_the_token_ids_the_engine_sampled_through_the_tokenize
         return train_step(self, trajectories)
 
     monkeypatch.setattr(ReplicaSet, "generate", recording_generate)
-    monkeypatch.setattr(Trainer, "train_step", recording_train_step)
+    monkeypatch.setattr(PolicyTrainer, "train_step", recording_train_step)
     config = write_config(tmp_path, rl_config(tmp_path, directory, vocab_size=tokenizer.min_vocab_size))
     rc = main(["rl", "--config", config, "--backend", "cpu"])
     out = capsys.readouterr().out

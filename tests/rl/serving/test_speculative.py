@@ -285,7 +285,7 @@ def test_speculative_setting_is_refused_without_mtp_weights_or_with_bad_values()
      "rollout.speculative: expected a model with MTP weights"),
 ])
 def test_run_config_refuses_bad_speculative_settings_in_one_line(monkeypatch, data, expected):
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
     with pytest.raises(ValueError) as info:
@@ -297,7 +297,7 @@ def test_run_config_refuses_bad_speculative_settings_in_one_line(monkeypatch, da
 def test_run_config_passes_speculative_to_the_engine_workers(monkeypatch, tmp_path):
     from safetensors.torch import save_file
 
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
     from glm5_core.rl.serving.worker import WorkerSpec, build_server
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))
@@ -349,7 +349,7 @@ def test_glm5_rl_refuses_speculative_decoding_for_a_checkpoint_without_mtp_shard
     import json
 
     from glm5_core.model.checkpoint import save_pretrained
-    from glm5_core.rl.config import config_from_dict
+    from glm5_core.rl.config_loader import config_from_dict
     from glm5_core.rl.driver import RLRun
 
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(16 << 30))

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from glm5_core.cli import main
-from glm5_core.rl.algorithm.trainer import Trainer
+from glm5_core.rl.algorithm.trainer import PolicyTrainer
 from glm5_core.rl.fleet.replicas import ReplicaSet
 from glm5_core.rl.rollout.envs.openai_agent import AgentError, OpenAIAgentEnv
 from glm5_core.rl.rollout.runner import RolloutRunner
@@ -51,7 +51,7 @@ def assert_trained_exactly_the_engines_tokens(trajectory, turns):
 
 def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir, tok, monkeypatch, capsys):
     sampled, trained = {}, []
-    generate, train_step = ReplicaSet.generate, Trainer.train_step
+    generate, train_step = ReplicaSet.generate, PolicyTrainer.train_step
 
     def recording_generate(self, trajectory_id, request):
         response = generate(self, trajectory_id, request)
@@ -63,7 +63,7 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
         return train_step(self, trajectories)
 
     monkeypatch.setattr(ReplicaSet, "generate", recording_generate)
-    monkeypatch.setattr(Trainer, "train_step", recording_train_step)
+    monkeypatch.setattr(PolicyTrainer, "train_step", recording_train_step)
     sets = [f"rollout.tokenizer={tok_dir}", f"output_dir={tmp_path / 'run'}", "max_steps=2", "env.max_tokens=6",
             f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
             "rollout.group_size=2", "rollout.max_batch=8", "rollout.max_len=448", "train.batch_size=4",
