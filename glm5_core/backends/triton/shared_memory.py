@@ -24,7 +24,7 @@ The formula, per kernel, over the tiles it holds:
   iteration needs is prefetched while the previous one is consumed); loop-invariant tiles are held once.
 
 Tile sizes of a kernel follow the model (latent width, heads, ...) as well as the launch table, so the check
-runs at the largest dims glm5-core launches with: GLM-5's (``GLM5_DIMS``, from shared/FACTS.md).
+runs at the largest dims glm5-core launches with: GLM-5's (``GLM5_DIMS``: its published config, ``GLM5Config.glm5()``).
 """
 from __future__ import annotations
 
