@@ -153,3 +153,31 @@ def test_a_missing_path_is_reported_with_its_line():
     refs = list(references("line one\nthe table lives in backends/triton/no_such_table.py.\n", first_line=10))
     assert refs == [(11, "backends/triton/no_such_table.py")]
     assert not _exists(refs[0][1])
+
+
+def _status_rows() -> List[Tuple[int, List[str]]]:
+    """(line, cells) of each row of the README's status table (the table under "## Status")."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("## Status"))
+    rows = []
+    for number, line in enumerate(lines[start:], start + 1):
+        if line.startswith("## ") and rows:
+            break
+        if line.startswith("| ") and not line.startswith(("| what |", "|---")):
+            rows.append((number, [cell.strip() for cell in line.strip().strip("|").split(" | ")]))
+    return rows
+
+
+def test_each_status_row_gives_its_command_and_its_results_files_exist():
+    rows = _status_rows()
+    assert len(rows) > 20
+    problems = []
+    for line, cells in rows:
+        if len(cells) != 4 or not cells[2].startswith("`") or cells[2].startswith("`..."):
+            problems.append(f"README.md:{line}: no full command in the third column: {cells[2:3]}")
+        for name in re.findall(r"`([A-Za-z0-9_{},.\-]+\.(?:json|md)|[A-Za-z0-9_]+/)`", " ".join(cells)):
+            for path in _expand(name):
+                in_results = REPO / "benchmarks" / "results" / path
+                if not (in_results.exists() or _candidate(path) and _exists(path)):
+                    problems.append(f"README.md:{line}: {path} is not in benchmarks/results/")
+    assert not problems, "\n".join(problems)
