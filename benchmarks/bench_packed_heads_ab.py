@@ -7,7 +7,7 @@ repeated keys, fp32 / bf16 keys, 1 and 2 threads: ``sparse_expanded_forward`` (o
 (``GLM5Config.tiny()``: B 8, T = S 128, 4 heads, nope 16 + rope 8, v 16, top-k 32), old and new interleaved (A B, then
 B A), ``--calls`` calls a sample, process time, medians of ``--rounds`` samples, one thread.
 
-    git -C /work/main archive HEAD | tar -x -C /tmp/base
+    mkdir -p /tmp/base && git archive BASE | tar -x -C /tmp/base      # BASE: the commit to compare against
     python benchmarks/bench_packed_heads_ab.py --base-tree /tmp/base --rounds 21
 """
 from __future__ import annotations

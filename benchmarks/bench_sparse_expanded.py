@@ -10,7 +10,7 @@ rounds, medians. The expanded inputs are the latent ones expanded once (what the
 ``--base-tree DIR``: instead, the expanded form of this tree's native extension ("new") against a base tree's ("old",
 ``benchmarks/_base_extension.py``), interleaved, after checking that the outputs and gradients are bitwise equal:
 
-    git -C /work/main archive HEAD | tar -x -C /tmp/base
+    mkdir -p /tmp/base && git archive BASE | tar -x -C /tmp/base      # BASE: the commit to compare against
     python benchmarks/bench_sparse_expanded.py --base-tree /tmp/base --threads 1 --heads 4,16,8,16,32 \\
         --cases 8x128x32
 """

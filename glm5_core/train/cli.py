@@ -2,12 +2,17 @@
 
     glm5 pretrain --config configs/tiny.yaml [--backend cpu] [--output-dir runs/x] [--resume [PATH]] [--max-steps N]
     glm5 pretrain --config configs/tiny.yaml --set data.batch_size=16 --set 'stages[0].steps=50' --check-config
-    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml     # DDP, one process per device
-    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml --parallel fsdp2   # sharded
+    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml --output-dir runs/tiny_ddp
+    torchrun --nproc_per_node=2 -m glm5_core.cli pretrain --config configs/tiny.yaml --parallel fsdp2 \
+        --output-dir runs/tiny_fsdp2      # DDP above (one process per device), sharded here
+
+A fresh run refuses an output dir that is not empty (one line, exit 2), as ``glm5 rl`` does: continue the run there
+with --resume, or pick a new or empty folder (--output-dir).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -31,6 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after this many steps of the schedule (a checkpoint is written there)")
 
 
+def check_fresh_output_dir(output_dir: str) -> None:
+    """A run without --resume needs a new or empty folder: it would overwrite ``final/``, ``summary.json`` and
+    ``metrics.jsonl`` of the run there. Checked by the writing rank (global rank 0) before any rank starts."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    entries = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    if entries:
+        kind = "an earlier run" if "checkpoints" in entries else f"{len(entries)} entries ({', '.join(entries[:3])})"
+        raise ValueError(f"output_dir: {output_dir!r} already holds {kind}; continue it with --resume {output_dir}, "
+                         f"or pick a new or empty folder")
+
+
 def run(args: argparse.Namespace) -> int:
     from glm5_core.config_schema import as_plain
     from glm5_core.train.config_loader import load_config
@@ -46,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     output_dir = cfg.output_dir
     resume = None if args.resume is None else (args.resume or output_dir)
+    if resume is None:
+        check_fresh_output_dir(output_dir)
     summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
                                        max_steps=args.max_steps))
     start, stop = summary["steps"]

@@ -32,5 +32,5 @@ def test_cache_floats_per_token_is_the_caches_width(overrides):
 
 
 def test_glm5_is_counted_without_building_it():
-    # FACTS.md: ~744B parameters in total, 753.9B with the MTP layer
+    # GLM-5's published size: ~744B parameters in total, 753.9B with the MTP layer
     assert round(parameter_count(GLM5Config.glm5()) / 1e8) == 7539

@@ -42,7 +42,7 @@ SPARSE_ATTENTION_ROPE = 64
 
 # ------------------------------------------------------------------------------------------ indexer top-k
 def indexer_topk_limits(q, k, w, *, topk: int, start_pos=0) -> Decision:
-    """npu_lightning_indexer's documented limits (op-plugin docs/context/torch_npu-npu_lightning_indexer.md)."""
+    """npu_lightning_indexer's documented limits (op-plugin/docs/context/torch_npu-npu_lightning_indexer.md)."""
     op = "npu_lightning_indexer"
     B, T, H, D = q.shape
     if D != L.VENDOR_INDEX_HEAD_DIM:
@@ -88,7 +88,7 @@ def _recompute_rows(out, rows, q, k, w, topk, start_pos) -> None:
 # ------------------------------------------------------------------------------ sparse flash attention
 def sparse_attention_limits(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> Decision:
     """npu_sparse_flash_attention's documented limits
-    (op-plugin docs/context/torch_npu-npu_sparse_flash_attention.md)."""
+    (op-plugin/docs/context/torch_npu-npu_sparse_flash_attention.md)."""
     op = "npu_sparse_flash_attention"
     Hm, C, Dr, K = q_nope.shape[2], c_kv.shape[-1], k_pe.shape[-1], topk_idx.shape[-1]
     if C != SPARSE_ATTENTION_LATENT or Dr != SPARSE_ATTENTION_ROPE:

@@ -4,8 +4,8 @@ Legend (sizes): B batch, T queries per row, S key slots, H indexer heads (padded
 D index head dim (128), K top-k, R candidates asked of the vendor (K + 1 where possible), L[b] keys row b
 sees (start_pos[b] + T), Hm attention heads, C latent width (512), Dr rope width (64).
 
-Vendor contracts used here (Ascend op-plugin docs, ``docs/context/torch_npu-npu_lightning_indexer.md`` and
-``docs/context/torch_npu-npu_sparse_flash_attention.md``):
+Vendor contracts used here (Ascend ``op-plugin/docs/context/torch_npu-npu_lightning_indexer.md`` and
+``op-plugin/docs/context/torch_npu-npu_sparse_flash_attention.md``):
   * npu_lightning_indexer: query BSND [B, S1, N1, D] or TND [T1, N1, D] with N1 = 64 and D = 128; key with
     one head; weights [B, S1, N1] / [T1, N1]; query, key and weights in one dtype (fp16/bf16); lengths are
     int32, per row for BSND and int32 *prefix sums* for TND; sparse_mode 3 = causal aligned to the bottom

@@ -27,7 +27,7 @@ DECODE_ROPE = 64
 
 def decode_limits(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, *, scale: float, start_pos) -> Decision:
     """The MLA limits of npu_fused_infer_attention_score
-    (op-plugin docs/context/torch_npu-npu_fused_infer_attention_score.md)."""
+    (op-plugin/docs/context/torch_npu-npu_fused_infer_attention_score.md)."""
     op = "npu_fused_infer_attention_score"
     T, H = q_nope.shape[1], q_nope.shape[2]
     C, Dr = c_kv.shape[-1], k_pe.shape[-1]

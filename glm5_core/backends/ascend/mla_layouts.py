@@ -3,7 +3,7 @@
 Legend: B batch, T new queries per row, S cache slots, H heads, C latent width (512), Dr rope width (64),
 NB cache blocks per row, BS block size, L[b] = start_pos[b] + T keys row b sees.
 
-Vendor contract used (op-plugin ``docs/context/torch_npu-npu_fused_infer_attention_score.md``, the MLA case
+Vendor contract used (``op-plugin/docs/context/torch_npu-npu_fused_infer_attention_score.md``, the MLA case
 "query_rope and key_rope given", query D = 512): query [B, T, H, 512] with T in 1..16 and H in {32, 64, 128},
 query_rope [B, T, H, 64]; key/value one head of 512 with key_rope of 64; PageAttention is mandatory (cache
 [blocks, BS, 512] for BSND queries, block_size 16 or 128, block_table int32 [B, NB], actual_seq_lengths_kv

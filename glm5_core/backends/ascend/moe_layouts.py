@@ -3,7 +3,7 @@
 Legend: N tokens, E experts, K experts per token, R candidates asked of the gating op (K + 1 where
 possible), M = N * K routed copies, D hidden, F expert FFN width; a "flat" assignment index is n * K + j.
 
-Vendor contracts used (op-plugin ``docs/context/torch_npu-npu_moe_*.md`` and ``torch_npu-npu_grouped_matmul.md``;
+Vendor contracts used (``op-plugin/docs/context/torch_npu-npu_moe_*.md`` and ``torch_npu-npu_grouped_matmul.md``;
 formulas in CANN ops-transformer ``moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.md`` and
 ``moe/moe_init_routing_v2/docs/aclnnMoeInitRoutingV2.md``):
   * npu_moe_gating_top_k: norm_type 1 = sigmoid, bias added for selection only, group_count 1 = no group

@@ -10,7 +10,7 @@ Where the documentation leaves an order open (ties in a top-k, stability of a ke
 takes the order given by ``tie_order``: ``"high_first"`` (adversarial: equal keys come out highest index
 first) or ``"low_first"``. The backend must produce our contract under both.
 
-Sources (Ascend op-plugin ``docs/context/``): torch_npu-npu_lightning_indexer.md,
+Sources (Ascend ``op-plugin/docs/context/``): torch_npu-npu_lightning_indexer.md,
 torch_npu-npu_sparse_flash_attention.md, torch_npu-npu_fused_infer_attention_score.md,
 torch_npu-npu_moe_gating_top_k.md, torch_npu-npu_moe_init_routing_v2.md, torch_npu-npu_grouped_matmul.md,
 torch_npu-npu_moe_finalize_routing.md; formulas also in CANN ops-transformer ``moe/*/docs/aclnn*.md``.

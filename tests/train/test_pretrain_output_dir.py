@@ -1,0 +1,53 @@
+"""``glm5 pretrain`` without --resume refuses a folder that is not empty (one line, exit 2), as ``glm5 rl`` does:
+a second run there would overwrite the first run's final/, summary.json and metrics.jsonl."""
+import json
+
+import yaml
+
+from glm5_core.cli import main
+from glm5_core.train import cli as pretrain_cli
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("pretrain ran")
+
+
+def _config(small_raw, tmp_path):
+    small_raw["stages"] = [dict(kind="dense", steps=1)]
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(small_raw))
+    return ["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(tmp_path / "run")]
+
+
+def test_a_second_run_into_the_same_folder_is_refused_and_changes_nothing(small_raw, tmp_path, capsys):
+    args = _config(small_raw, tmp_path)
+    run = tmp_path / "run"
+    assert main(args) == 0
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"glm5 pretrain: error: output_dir: {str(run)!r} already holds an earlier run; continue it with "
+                   f"--resume {run}, or pick a new or empty folder")
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert main(args + ["--resume"]) == 0  # the opt-in: continue the run there
+    assert json.loads((run / "summary.json").read_text())["steps"] == [1, 1]
+
+
+def test_a_folder_holding_other_files_is_refused_before_anything_is_built(small_raw, tmp_path, capsys, monkeypatch):
+    args = _config(small_raw, tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    monkeypatch.setattr("glm5_core.train.trainer.pretrain", _must_not_run)
+    assert main(args) == 2
+    assert "already holds 1 entries (notes.txt); continue it with --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
+
+
+def test_an_empty_folder_is_a_fresh_run_and_only_rank_0_checks(tmp_path, monkeypatch):
+    (tmp_path / "empty").mkdir()
+    pretrain_cli.check_fresh_output_dir(str(tmp_path / "empty"))
+    pretrain_cli.check_fresh_output_dir(str(tmp_path / "missing"))
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    monkeypatch.setenv("RANK", "1")  # rank 0 may already have written there: only it decides
+    pretrain_cli.check_fresh_output_dir(str(tmp_path / "empty"))
