@@ -1,7 +1,7 @@
 """``torch.library`` custom ops around the inference kernels, so ``torch.compile`` sees one opaque node
 per op (no graph break at the op boundary) and traces shapes through the fake implementations.
 
-Registered lazily, once per vendor namespace (``glm5_cuda``, ``glm5_rocm``), from ``kernel_table()``.
+Registered lazily, once per vendor namespace (``glm5_<vendor>``), from ``kernel_table()``.
 The ops take ``start_pos`` as an int32 [B] tensor (a fixed schema); the table's wrappers convert ints.
 """
 from __future__ import annotations

@@ -154,6 +154,8 @@ def fitting(configs: KernelConfigs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "dsa_selected_attention_target"  # configs[FAMILY]: this module's (and causal_lse's) launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1,  # configs[FAMILY] unless overridden
+                              blocks={"heads": 16, "keys": 32, "rows": 32, "cols": 32})
 ITEMSIZES = (4,)  # every operand is widened to fp32 before its dot, whatever the input dtype
 
 

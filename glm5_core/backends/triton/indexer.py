@@ -257,6 +257,7 @@ def supports(q, k, w, *args, topk: int = None, **kwargs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "indexer"  # configs[FAMILY]: this module's launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=2, blocks={"keys": 64})  # configs[FAMILY] unless overridden
 ITEMSIZES = (4, 2)  # fp32 and 16-bit inputs
 
 

@@ -203,6 +203,8 @@ def combine_supports(y_sorted, sort_idx, weights, **kwargs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "moe_permute"  # configs[FAMILY]: this module's launch configuration
+# configs[FAMILY] unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 256, "cols": 128})
 ITEMSIZES = (4,)
 
 

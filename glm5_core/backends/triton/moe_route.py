@@ -128,6 +128,7 @@ def supports(logits, bias=None, *, top_k: int, n_group: int = 1, **kwargs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "moe_route"  # configs[FAMILY]: this module's launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16})  # configs[FAMILY] unless overridden
 ITEMSIZES = (4,)
 
 

@@ -387,6 +387,8 @@ def fitting(hook, configs: KernelConfigs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "sparse_mla"  # configs[FAMILY]: this module's launch configuration
+# configs[FAMILY] unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 32})
 ITEMSIZES = (4, 2)  # the fp32 path and the bf16 tensor-core path
 
 
