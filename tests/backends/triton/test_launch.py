@@ -52,8 +52,8 @@ def test_the_effective_launch_configs_are_the_tables_of_e663cfe(vendor):
     limit, expected = TABLES_AT_E663CFE[vendor]
     configs = _configs(vendor)
     assert configs.vendor == vendor and configs.shared_memory_limit == limit
-    assert set(table.kernel_families()) == set(expected)
-    effective = {family: _comparable(config) for family, config in configs.launches().items()}
+    assert set(expected) <= set(table.kernel_families())  # (a kernel module added since has its own tests)
+    effective = {family: _comparable(config) for family, config in configs.launches().items() if family in expected}
     assert effective == {family: _comparable(config) for family, config in expected.items()}
     assert {family: _comparable(configs[family]) for family in expected} == effective  # what the kernels read
     for family in expected:  # the launch keywords the kernels receive, too
