@@ -4,9 +4,9 @@ The kernels (in this package) are vendor-neutral; what differs between vendors i
 sizes, ``num_warps`` (a warp is as wide as the vendor's SIMD group, so the sensible bound differs), ``num_stages``
 and vendor-only compiler knobs (``extra``). Each kernel module declares its ``DEFAULT_LAUNCH`` next to its
 ``FAMILY`` (the family is the module's name); a vendor's :class:`KernelConfigs` (in its ``launch.py``) holds its
-shared memory per block and only the families it launches differently. ``configs[family]`` is the vendor's
-override, else the module's default: a new kernel module is its module, and no vendor table needs a line unless
-the vendor launches it differently.
+shared memory per block and only the families it launches differently. ``configs.get(FAMILY,
+DEFAULT_LAUNCH)`` is the vendor's override, else the module's default: a new kernel module is its module, and no
+vendor table needs a line unless the vendor launches it differently.
 
 Tile sizes are part of the numerics of the indexer (its key blocks fix the summation layout), so they
 are constants of a table, never autotuned per shape: that keeps the top-k bitwise identical across
@@ -47,8 +47,8 @@ class LaunchConfig:
 class KernelConfigs:
     """A vendor's launch table: its name (namespaces its custom ops), the shared memory one block may use, in bytes
     (None: unchecked; see ``shared_memory``), and its ``overrides`` of the kernel modules' default launch
-    configurations (family -> LaunchConfig). ``configs[family]`` is the override, else the module's
-    ``DEFAULT_LAUNCH``; a family that is no kernel module is a KeyError naming the vendor and the family."""
+    configurations (family -> LaunchConfig). ``table.launch_config`` / ``table.launches`` give the effective
+    configurations: the override, else the kernel module's ``DEFAULT_LAUNCH``."""
 
     vendor: str
     shared_memory_limit: Optional[int] = None
@@ -61,27 +61,10 @@ class KernelConfigs:
                                 f"got {type(config).__name__}")
         object.__setattr__(self, "overrides", types.MappingProxyType(dict(self.overrides)))
 
-    def __getitem__(self, family: str) -> LaunchConfig:
-        if family in self.overrides:
-            return self.overrides[family]
-        from glm5_core.backends.triton import table  # imports the kernel module, so triton
-
-        try:
-            return table.kernel_module(family).DEFAULT_LAUNCH
-        except KeyError as error:
-            raise KeyError(f"the {self.vendor} launch table: {error.args[0]}") from None
-
-    def launches(self) -> Dict[str, LaunchConfig]:
-        """{family: effective launch configuration} for every kernel module (imports them, so triton); an override
-        of a family that is no kernel module is a KeyError naming the vendor and the family."""
-        from glm5_core.backends.triton import table
-
-        families = table.kernel_families()
-        unknown = sorted(set(self.overrides) - set(families))
-        if unknown:
-            raise KeyError(f"the {self.vendor} launch table overrides {', '.join(map(repr, unknown))}, which is no "
-                           f"Triton kernel module (they are: {', '.join(families)})")
-        return {family: self[family] for family in families}
+    def get(self, family: str, default: LaunchConfig) -> LaunchConfig:
+        """The launch configuration of ``family``: this vendor's override, else ``default`` (the kernel module's
+        ``DEFAULT_LAUNCH``; ``table.launch_config`` looks it up by name)."""
+        return self.overrides.get(family, default)
 
 
 def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None,

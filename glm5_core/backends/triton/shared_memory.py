@@ -79,20 +79,20 @@ GLM5_DIMS = ModelDims(latent=512, rope=64, indexer_heads=32, indexer_head_dim=12
 
 def family_tiles(family: str) -> Callable[..., Dict[str, List[Tile]]]:
     """The ``tiles`` function of the kernel module of ``family`` (imports it, so triton)."""
-    from glm5_core.backends.triton import table
+    from glm5_core.backends.triton import kernel_modules
 
     try:
-        return table.kernel_module(family).tiles
+        return kernel_modules.kernel_module(family).tiles
     except KeyError:
         raise KeyError(f"family: no shared-memory estimate for the Triton kernel family {family!r}; a kernel module "
-                       f"defines it (they are: {', '.join(table.kernel_families())})") from None
+                       f"defines it (they are: {', '.join(kernel_modules.kernel_families())})") from None
 
 
 def itemsizes(family: str) -> Tuple[int, ...]:
     """The input element sizes (bytes) the kernels of ``family`` are launched with."""
-    from glm5_core.backends.triton import table
+    from glm5_core.backends.triton import kernel_modules
 
-    return table.kernel_module(family).ITEMSIZES
+    return kernel_modules.kernel_module(family).ITEMSIZES
 
 
 def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str, int], int]:

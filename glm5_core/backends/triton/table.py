@@ -1,10 +1,10 @@
 """Build a backend's kernel table from the Triton kernel modules and a vendor's launch configs.
 
-The kernel modules are the modules of this package that declare ``FAMILY`` (``kernel_families()`` finds them,
-in sorted order); each carries, next to its kernels:
+The kernel modules are the modules of this package that declare ``FAMILY`` (``kernel_modules.kernel_families()``
+finds them, in sorted order); each carries, next to its kernels:
 
-  FAMILY                            its launch family (the module's name): ``configs[FAMILY]`` is its launch
-                                    configuration, the vendor's override or
+  FAMILY                            its launch family (the module's name): ``configs.get(FAMILY,
+                                    DEFAULT_LAUNCH)`` is its launch configuration, the vendor's override or
   DEFAULT_LAUNCH                    its default LaunchConfig
   ITEMSIZES                         the input element sizes (bytes) it is launched with
   tiles(blocks, dims, itemsize)     {kernel: [shared_memory.Tile]}: what each of its kernels holds in shared memory
@@ -16,12 +16,10 @@ names it only to launch it differently). Imported without triton (the kernel mod
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-import types
-from typing import Dict, List, Tuple
+from typing import Dict
 
-from glm5_core.backends.triton.launch import KernelConfigs
+from glm5_core.backends.triton.kernel_modules import kernel_families, kernel_module, kernel_modules
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 from glm5_core.kernel import Kernel
 
 # Ops no Triton kernel implements, and why (shown by `glm5 backends` for every Triton vendor). An op absent from
@@ -35,25 +33,24 @@ MISSING = {
 }
 
 
-def kernel_families() -> Tuple[str, ...]:
-    """The names of this package's modules that declare ``FAMILY``, sorted (imports every module: triton)."""
-    package = importlib.import_module(__package__)
-    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__))
-    return tuple(name for name in names if hasattr(importlib.import_module(f"{__package__}.{name}"), "FAMILY"))
+def launch_config(configs: KernelConfigs, family: str) -> LaunchConfig:
+    """The launch configuration ``configs``' vendor launches ``family`` with: its override, else the kernel
+    module's ``DEFAULT_LAUNCH`` (a family that is no kernel module is a KeyError naming the vendor and it)."""
+    try:
+        return configs.get(family, kernel_module(family).DEFAULT_LAUNCH)
+    except KeyError as error:
+        raise KeyError(f"the {configs.vendor} launch table: {error.args[0]}") from None
 
 
-def kernel_module(family: str) -> types.ModuleType:
-    """The kernel module of launch family ``family`` (imports triton)."""
+def launches(configs: KernelConfigs) -> Dict[str, LaunchConfig]:
+    """{family: effective launch configuration} of ``configs``' vendor for every kernel module; an override of a
+    family that is no kernel module is a KeyError naming the vendor and the family."""
     families = kernel_families()
-    if family not in families:
-        raise KeyError(f"family: no Triton kernel module {family!r} (the kernel modules are: {', '.join(families)})")
-    module = importlib.import_module(f"{__package__}.{family}")
-    assert module.FAMILY == family, f"{module.__name__}.FAMILY is {module.FAMILY!r}: the family is the module's name"
-    return module
-
-
-def kernel_modules() -> List[types.ModuleType]:
-    return [kernel_module(family) for family in kernel_families()]
+    unknown = sorted(set(configs.overrides) - set(families))
+    if unknown:
+        raise KeyError(f"the {configs.vendor} launch table overrides {', '.join(map(repr, unknown))}, which is no "
+                       f"Triton kernel module (they are: {', '.join(families)})")
+    return {family: launch_config(configs, family) for family in families}
 
 
 def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
@@ -61,7 +58,7 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
     torch.library custom ops (``custom_ops``: torch.compile sees one node per op)."""
     from glm5_core.backends.triton import custom_ops
 
-    configs.launches()  # every override names a kernel module
+    launches(configs)  # every override names a kernel module
     table: Dict[str, Kernel] = {}
     for module in kernel_modules():
         for op, kernel in module.kernels(configs).items():
