@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     for vendor in args.targets.split(","):
         limit = tables[vendor].shared_memory_limit
         for family in args.families.split(","):
-            config = tables[vendor][family]
+            config = table.launch_config(tables[vendor], family)
             estimates = smem.estimate(family, config)
             for itemsize in smem.itemsizes(family):
                 for kernel, fn, constexprs, ptrs in launches(family, config, smem.GLM5_DIMS, itemsize):
