@@ -127,7 +127,7 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="rocm,cuda")
-    parser.add_argument("--families", default=",".join(table.KERNEL_MODULES))
+    parser.add_argument("--families", default=",".join(table.kernel_families()))
     parser.add_argument("--out", default=None, help="also write the table (markdown) here")
     parser.add_argument("--check", action="store_true", help="exit 1 if a launch is over its limit or the estimate")
     args = parser.parse_args(argv)
@@ -139,9 +139,9 @@ def main(argv=None) -> int:
             "|---|---|---|---|---|---|---|---|---|"]
     worst, over_limit = 0, 0
     for vendor in args.targets.split(","):
-        limit = smem.SHARED_MEMORY_LIMITS[vendor]
+        limit = tables[vendor].shared_memory_limit
         for family in args.families.split(","):
-            config = tables[vendor][family]
+            config = table.launch_config(tables[vendor], family)
             estimates = smem.estimate(family, config)
             for itemsize in smem.itemsizes(family):
                 for kernel, fn, constexprs, ptrs in launches(family, config, smem.GLM5_DIMS, itemsize):

@@ -11,13 +11,9 @@ BRANDS = ("nvidia", "amd", "huawei", "hip", "rocr_visible_devices", "torch_npu",
 # Words of the facts that are not a vendor's: the host device and torch's own backend (cpu, gloo) and Ray's
 # built-in accelerator resource (GPU: every GPU vendor's, and a common word).
 GENERIC = {"cpu", "gloo", "gpu"}
-# Folders outside the vendor folders that may still name vendors, each with why.
-EXEMPT_FOLDERS = {
-    # the shared Triton kernels: their launch docs compare the vendors' warps and shared memory, and
-    # shared_memory.py keys its per-vendor limits by backend name; the Triton restructure of issue 30 (item 2)
-    # owns that package and moves the limits beside each vendor's launch configs
-    "backends/triton",
-}
+# Folders outside the vendor folders that may still name vendors, each with why (none today: the shared Triton
+# kernels' vendor specifics, launch facts and shared-memory limits, are in each vendor's launch.py).
+EXEMPT_FOLDERS: set = set()
 # (file, word) pairs that may stay, each with why.
 ALLOWED = {
     # SGLang's /init_weights_update_group defaults its backend to "nccl": the engine serves that protocol as is

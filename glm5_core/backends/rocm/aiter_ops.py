@@ -154,16 +154,18 @@ def aiter_kernels(configs) -> Dict[str, Kernel]:
     launcher inside the wrapper, not to the reference; ``supports`` is the Triton kernel's own."""
     aiter = importlib.import_module("aiter")
     mla = importlib.import_module("aiter.mla")
+    route_config = configs.get(triton_route.FAMILY, triton_route.DEFAULT_LAUNCH)
+    sparse_config = configs.get(triton_sparse.FAMILY, triton_sparse.DEFAULT_LAUNCH)
 
     def moe_route(logits, bias, **kwargs):
         if route_supports(logits, bias, **kwargs)[0]:
-            return route_with(aiter.biased_grouped_topk, logits, bias, config=configs["moe_route"], **kwargs)
-        return triton_route.route(logits, bias, config=configs["moe_route"], **kwargs)
+            return route_with(aiter.biased_grouped_topk, logits, bias, config=route_config, **kwargs)
+        return triton_route.route(logits, bias, config=route_config, **kwargs)
 
     def dsa_sparse_decode(*args, **kwargs):
         if sparse_decode_supports(*args, **kwargs)[0]:
-            return sparse_decode_with(mla.mla_decode_fwd, *args, config=configs["sparse_mla"], **kwargs)
-        return triton_sparse.sparse_decode(*args, config=configs["sparse_mla"], **kwargs)
+            return sparse_decode_with(mla.mla_decode_fwd, *args, config=sparse_config, **kwargs)
+        return triton_sparse.sparse_decode(*args, config=sparse_config, **kwargs)
 
     moe_route.__module__ = dsa_sparse_decode.__module__ = __name__
     moe_route.__qualname__, dsa_sparse_decode.__qualname__ = "aiter.biased_grouped_topk", "aiter.mla.mla_decode_fwd"

@@ -1,7 +1,7 @@
 """``torch.library`` custom ops around the inference kernels, so ``torch.compile`` sees one opaque node
 per op (no graph break at the op boundary) and traces shapes through the fake implementations.
 
-Registered lazily, once per vendor namespace (``glm5_cuda``, ``glm5_rocm``), from ``kernel_table()``.
+Registered lazily, once per vendor namespace (``glm5_<vendor>``), from ``kernel_table()``.
 The ops take ``start_pos`` as an int32 [B] tensor (a fixed schema); the table's wrappers convert ints.
 """
 from __future__ import annotations
@@ -19,11 +19,13 @@ from glm5_core.kernel import Kernel
 @functools.lru_cache(maxsize=None)
 def register(configs: KernelConfigs) -> Dict[str, Kernel]:
     ns = f"glm5_{configs.vendor}"
+    indexer_config = configs.get(indexer.FAMILY, indexer.DEFAULT_LAUNCH)
+    sparse_mla_config = configs.get(sparse_mla.FAMILY, sparse_mla.DEFAULT_LAUNCH)
 
     @torch.library.custom_op(f"{ns}::indexer_topk", mutates_args=())
     def indexer_topk_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: torch.Tensor,
                         topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=configs["indexer"])
+        return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=indexer_config)
 
     @indexer_topk_op.register_fake
     def _(q, k, w, start, topk):
@@ -34,7 +36,7 @@ def register(configs: KernelConfigs) -> Dict[str, Kernel]:
     def sparse_decode_op(q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                          w_uk: torch.Tensor, w_uv: torch.Tensor, topk_idx: torch.Tensor, scale: float) -> torch.Tensor:
         out = sparse_mla.sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, scale=scale,
-                                       config=configs["sparse_mla"])
+                                       config=sparse_mla_config)
         return out.contiguous()  # the fake promises a contiguous result
 
     @sparse_decode_op.register_fake

@@ -149,11 +149,14 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, launch: LaunchConfig =
 
 def fitting(configs: KernelConfigs):
     """``supports`` with the vendor's launch and shared-memory limit bound."""
-    return functools.partial(supports, launch=configs[FAMILY], shared_memory_limit=configs.shared_memory_limit)
+    return functools.partial(supports, launch=configs.get(FAMILY, DEFAULT_LAUNCH),
+                             shared_memory_limit=configs.shared_memory_limit)
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "dsa_selected_attention_target"  # configs[FAMILY]: this module's (and causal_lse's) launch configuration
+FAMILY = "dsa_selected_attention_target"  # this module's (and causal_lse's) launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1,  # unless the vendor overrides it
+                              blocks={"heads": 16, "keys": 32, "rows": 32, "cols": 32})
 ITEMSIZES = (4,)  # every operand is widened to fp32 before its dot, whatever the input dtype
 
 
@@ -174,4 +177,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
-    return {"dsa_selected_attention_target": bind(selected_attention_target, configs[FAMILY], fitting(configs))}
+    config = configs.get(FAMILY, DEFAULT_LAUNCH)
+    return {"dsa_selected_attention_target": bind(selected_attention_target, config, fitting(configs))}

@@ -256,7 +256,8 @@ def supports(q, k, w, *args, topk: int = None, **kwargs):
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "indexer"  # configs[FAMILY]: this module's launch configuration
+FAMILY = "indexer"  # this module's launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=2, blocks={"keys": 64})  # unless the vendor overrides it
 ITEMSIZES = (4, 2)  # fp32 and 16-bit inputs
 
 
@@ -275,5 +276,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_indexer_topk as a torch.library op)."""
-    return {"dsa_indexer_scores": bind(indexer_scores, configs[FAMILY], supports),
-            "dsa_indexer_topk": bind(indexer_topk, configs[FAMILY], supports)}
+    return {"dsa_indexer_scores": bind(indexer_scores, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
+            "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

@@ -1,11 +1,12 @@
-"""Launch configurations of the Triton kernels, one table per vendor.
+"""Launch configurations of the Triton kernels: each kernel module's default, and each vendor's overrides.
 
-The kernels (in this package) are vendor-neutral; what differs between NVIDIA and AMD is how they are
-launched: tile sizes, ``num_warps`` (a warp is 32 lanes on NVIDIA, a wavefront 64 on AMD, so AMD keeps
-``num_warps <= 16``), ``num_stages`` and AMD-only compiler knobs such as ``waves_per_eu``. Each launcher
-takes a :class:`LaunchConfig` from a :class:`KernelConfigs` table, looked up by its kernel family name
-(``configs["indexer"]``: the family is the kernel module's name, its ``FAMILY``); each vendor passes its own table.
-A new kernel module is one more entry in each vendor's table: the class has no field per family.
+The kernels (in this package) are vendor-neutral; what differs between vendors is how they are launched: tile
+sizes, ``num_warps`` (a warp is as wide as the vendor's SIMD group, so the sensible bound differs), ``num_stages``
+and vendor-only compiler knobs (``extra``). Each kernel module declares its ``DEFAULT_LAUNCH`` next to its
+``FAMILY`` (the family is the module's name); a vendor's :class:`KernelConfigs` (in its ``launch.py``) holds its
+shared memory per block and only the families it launches differently. ``configs.get(FAMILY,
+DEFAULT_LAUNCH)`` is the vendor's override, else the module's default: a new kernel module is its module, and no
+vendor table needs a line unless the vendor launches it differently.
 
 Tile sizes are part of the numerics of the indexer (its key blocks fix the summation layout), so they
 are constants of a table, never autotuned per shape: that keeps the top-k bitwise identical across
@@ -44,26 +45,26 @@ class LaunchConfig:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one table per vendor, a module constant
 class KernelConfigs:
-    """One launch configuration per kernel family (``"indexer"``, ``"sparse_mla"``, ...), plus the vendor's
-    name (namespaces its custom ops) and the shared memory one block may use, in bytes (None: unchecked; see
-    ``shared_memory``). ``configs[family]`` names the vendor and the family it lacks."""
+    """A vendor's launch table: its name (namespaces its custom ops), the shared memory one block may use, in bytes
+    (None: unchecked; see ``shared_memory``), and its ``overrides`` of the kernel modules' default launch
+    configurations (family -> LaunchConfig). ``table.launch_config`` / ``table.launches`` give the effective
+    configurations: the override, else the kernel module's ``DEFAULT_LAUNCH``."""
 
     vendor: str
-    families: Mapping[str, LaunchConfig]
     shared_memory_limit: Optional[int] = None
+    overrides: Mapping[str, LaunchConfig] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        for family, config in self.families.items():
+        for family, config in self.overrides.items():
             if not isinstance(config, LaunchConfig):
                 raise TypeError(f"{self.vendor} launch table: {family}: expected a LaunchConfig, "
                                 f"got {type(config).__name__}")
-        object.__setattr__(self, "families", types.MappingProxyType(dict(self.families)))
+        object.__setattr__(self, "overrides", types.MappingProxyType(dict(self.overrides)))
 
-    def __getitem__(self, family: str) -> LaunchConfig:
-        if family not in self.families:
-            raise KeyError(f"the {self.vendor} launch table has no configuration for the Triton kernel family "
-                           f"{family!r}; add one to its KernelConfigs (it has: {', '.join(self.families)})")
-        return self.families[family]
+    def get(self, family: str, default: LaunchConfig) -> LaunchConfig:
+        """The launch configuration of ``family``: this vendor's override, else ``default`` (the kernel module's
+        ``DEFAULT_LAUNCH``; ``table.launch_config`` looks it up by name)."""
+        return self.overrides.get(family, default)
 
 
 def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None,

@@ -120,7 +120,9 @@ def supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "moe_experts"  # configs[FAMILY]: this module's and moe_experts_bwd's launch configuration
+FAMILY = "moe_experts"  # this module's and moe_experts_bwd's launch configuration
+# the launch unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32})
 ITEMSIZES = (4,)  # every tile is widened to fp32 before its dot, whatever the input dtype
 
 
@@ -140,5 +142,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
-    return {"moe_experts": bind(experts, configs[FAMILY], supports,
+    return {"moe_experts": bind(experts, configs.get(FAMILY, DEFAULT_LAUNCH), supports,
                                 differentiable=True)}  # backward through _GroupedSwiGLU (moe_experts_bwd)

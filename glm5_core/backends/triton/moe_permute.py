@@ -202,7 +202,9 @@ def combine_supports(y_sorted, sort_idx, weights, **kwargs):
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "moe_permute"  # configs[FAMILY]: this module's launch configuration
+FAMILY = "moe_permute"  # this module's launch configuration
+# the launch unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 256, "cols": 128})
 ITEMSIZES = (4,)
 
 
@@ -219,6 +221,6 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
     """op -> kernel: this module serves both halves of the permutation (backwards: _Dispatch / _Combine)."""
-    config = configs[FAMILY]
+    config = configs.get(FAMILY, DEFAULT_LAUNCH)
     return {"moe_dispatch": bind(dispatch, config, differentiable=True),
             "moe_combine": bind(combine, config, combine_supports, differentiable=True)}

@@ -127,7 +127,8 @@ def supports(logits, bias=None, *, top_k: int, n_group: int = 1, **kwargs):
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "moe_route"  # configs[FAMILY]: this module's launch configuration
+FAMILY = "moe_route"  # this module's launch configuration
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16})  # unless the vendor overrides it
 ITEMSIZES = (4,)
 
 
@@ -137,4 +138,4 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
-    return {"moe_route": bind(route, configs[FAMILY], supports)}
+    return {"moe_route": bind(route, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

@@ -157,7 +157,9 @@ def supports(G, **kwargs):
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "newton_schulz"  # configs[FAMILY]: this module's launch configuration
+FAMILY = "newton_schulz"  # this module's launch configuration
+# the launch unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 64, "k": 32})
 ITEMSIZES = (4, 2)  # fp32 or bf16 compute
 
 
@@ -172,4 +174,4 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
-    return {"muon_orthogonalize": bind(orthogonalize, configs[FAMILY], supports)}
+    return {"muon_orthogonalize": bind(orthogonalize, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

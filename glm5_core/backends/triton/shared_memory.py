@@ -1,13 +1,14 @@
 """Shared memory a Triton launch needs, estimated from its tile shapes and dtypes.
 
 The tiles of each kernel are declared by its kernel module (``tiles`` and ``ITEMSIZES``, see ``table.py``); this
-module holds the formula, the per-vendor limits and the model dims, and imports triton only when it reads a
-kernel module's tiles (``estimate``, ``over_limit``).
+module holds the formula and the model dims, and imports triton only when it reads a kernel module's tiles
+(``estimate``, ``over_limit``).
 
-A block's shared memory (NVIDIA SMEM, AMD LDS) is bounded per vendor: 64 KiB of LDS per workgroup on gfx942
-(MI300X), 227 KiB per block (opt-in) on Hopper (H100 / H200). A launch over the limit fails at compile or launch
-time on real hardware, while Triton's CPU interpreter runs it, so the launch tables are checked against the
-limits with this estimate (``tests/backends/triton/test_shared_memory.py``).
+A block's shared memory is bounded per device: each vendor declares its bound, in bytes per block, as the
+``shared_memory_limit`` of its launch table (``KernelConfigs``, in its ``launch.py``, with the device it holds
+for). A launch over the limit fails at compile or launch time on real hardware, while Triton's CPU interpreter
+runs it, so every vendor's launches are checked against its limit with this estimate
+(``tests/backends/triton/test_shared_memory.py``).
 
 The formula, per kernel, over the tiles it holds:
 
@@ -17,9 +18,9 @@ The formula, per kernel, over the tiles it holds:
           (at most) through shared memory, one at a time; a dot's fp32 result joining a loop-carried
           accumulator of another layout is such a change (the accumulator tile counts)
 
-* Every tl.dot operand is staged through shared memory (NVIDIA: ldmatrix / wgmma operands, AMD: LDS ahead of
-  MFMA); the element size is the operand's dtype *at the dot* (an fp16 tile widened to fp32 before the dot
-  counts 4 bytes, a tile cast to bf16 for tensor cores 2).
+* Every tl.dot operand is staged through shared memory (ahead of the matrix instructions; each vendor's
+  ``launch.py`` says which); the element size is the operand's dtype *at the dot* (an fp16 tile widened to fp32
+  before the dot counts 4 bytes, a tile cast to bf16 for tensor cores 2).
 * All of a kernel's operand tiles count as live at once. That is an upper bound: the allocator reuses a buffer
   whose live range has ended. Compiled for sm_90 the old fp32 sparse-MLA dkv launch (heads 16, keys 64) took
   exactly its operand tiles' sum (225,280 bytes); for gfx942 its largest tile (131,072 bytes, the gathered [64, 512]
@@ -36,12 +37,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Callable, Dict, List, Tuple
-
-# Per block / workgroup, bytes.
-SHARED_MEMORY_LIMITS = {
-    "cuda": 227 * 1024,  # Hopper (H100 / H200): 228 KiB per SM, of which 227 KiB can be opted into by one block
-    "rocm": 64 * 1024,  # CDNA3 (gfx942, MI300X): 64 KiB of LDS per workgroup
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,20 +79,20 @@ GLM5_DIMS = ModelDims(latent=512, rope=64, indexer_heads=32, indexer_head_dim=12
 
 def family_tiles(family: str) -> Callable[..., Dict[str, List[Tile]]]:
     """The ``tiles`` function of the kernel module of ``family`` (imports it, so triton)."""
-    from glm5_core.backends.triton import table
+    from glm5_core.backends.triton import kernel_modules
 
     try:
-        return table.kernel_module(family).tiles
+        return kernel_modules.kernel_module(family).tiles
     except KeyError:
         raise KeyError(f"family: no shared-memory estimate for the Triton kernel family {family!r}; a kernel module "
-                       f"of table.KERNEL_MODULES defines it (they are: {', '.join(table.KERNEL_MODULES)})") from None
+                       f"defines it (they are: {', '.join(kernel_modules.kernel_families())})") from None
 
 
 def itemsizes(family: str) -> Tuple[int, ...]:
     """The input element sizes (bytes) the kernels of ``family`` are launched with."""
-    from glm5_core.backends.triton import table
+    from glm5_core.backends.triton import kernel_modules
 
-    return table.kernel_module(family).ITEMSIZES
+    return kernel_modules.kernel_module(family).ITEMSIZES
 
 
 def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str, int], int]:

@@ -382,11 +382,14 @@ def supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, launch: LaunchCo
 
 def fitting(hook, configs: KernelConfigs):
     """``hook`` (``supports`` / ``dense_decode_supports``) with the vendor's launch and shared-memory limit bound."""
-    return functools.partial(hook, launch=configs[FAMILY], shared_memory_limit=configs.shared_memory_limit)
+    return functools.partial(hook, launch=configs.get(FAMILY, DEFAULT_LAUNCH),
+                             shared_memory_limit=configs.shared_memory_limit)
 
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
-FAMILY = "sparse_mla"  # configs[FAMILY]: this module's launch configuration
+FAMILY = "sparse_mla"  # this module's launch configuration
+# the launch unless the vendor overrides it
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 32})
 ITEMSIZES = (4, 2)  # the fp32 path and the bf16 tensor-core path
 
 
@@ -411,7 +414,7 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
 
 def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_sparse_decode as a torch.library op)."""
-    config = configs[FAMILY]
+    config = configs.get(FAMILY, DEFAULT_LAUNCH)
     return {
         "dsa_sparse_prefill": bind(sparse_prefill, config, fitting(supports, configs),
                                    differentiable=True),  # backward through _SparseLatentAttention

@@ -1,28 +1,26 @@
 """Build a backend's kernel table from the Triton kernel modules and a vendor's launch configs.
 
-``KERNEL_MODULES`` lists the kernel modules of this package; each carries, next to its kernels:
+The kernel modules are the modules of this package that declare ``FAMILY`` (``kernel_modules.kernel_families()``
+finds them, in sorted order); each carries, next to its kernels:
 
-  FAMILY                            its launch family: ``configs[FAMILY]`` is its launch configuration
-                                    (the family is the module's name)
+  FAMILY                            its launch family (the module's name): ``configs.get(FAMILY,
+                                    DEFAULT_LAUNCH)`` is its launch configuration, the vendor's override or
+  DEFAULT_LAUNCH                    its default LaunchConfig
   ITEMSIZES                         the input element sizes (bytes) it is launched with
   tiles(blocks, dims, itemsize)     {kernel: [shared_memory.Tile]}: what each of its kernels holds in shared memory
   kernels(configs)                  {op: Kernel}: the ops it serves, its entries of the kernel table
 
-This module and ``shared_memory`` only iterate that list: a new Triton kernel is its module, one name here and
-one ``LaunchConfig`` per vendor table. Imported without triton (the kernel modules are imported by
-``build_kernel_table``), so a vendor's ``backend.py`` can read ``MISSING`` at import.
+This module and ``shared_memory`` only iterate those modules: a new Triton kernel is its module (a vendor's table
+names it only to launch it differently). Imported without triton (the kernel modules are found and imported by
+``kernel_families``, from ``build_kernel_table``), so a vendor's ``backend.py`` can read ``MISSING`` at import.
 """
 from __future__ import annotations
 
-import importlib
-import types
-from typing import Dict, List
+from typing import Dict
 
-from glm5_core.backends.triton.launch import KernelConfigs
+from glm5_core.backends.triton.kernel_modules import kernel_families, kernel_module, kernel_modules
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 from glm5_core.kernel import Kernel
-
-KERNEL_MODULES = ("indexer", "sparse_mla", "dsa_selected_attention_target", "moe_route", "moe_permute",
-                  "moe_experts", "newton_schulz")
 
 # Ops no Triton kernel implements, and why (shown by `glm5 backends` for every Triton vendor). An op absent from
 # both the table and this mapping gets the registry's default reason, derived from its OpSpec.
@@ -35,17 +33,24 @@ MISSING = {
 }
 
 
-def kernel_module(family: str) -> types.ModuleType:
-    """The kernel module of launch family ``family`` (imports triton)."""
-    if family not in KERNEL_MODULES:
-        raise KeyError(f"family: no Triton kernel module {family!r} (KERNEL_MODULES has: {', '.join(KERNEL_MODULES)})")
-    module = importlib.import_module(f"{__package__}.{family}")
-    assert module.FAMILY == family, f"{module.__name__}.FAMILY is {module.FAMILY!r}: the family is the module's name"
-    return module
+def launch_config(configs: KernelConfigs, family: str) -> LaunchConfig:
+    """The launch configuration ``configs``' vendor launches ``family`` with: its override, else the kernel
+    module's ``DEFAULT_LAUNCH`` (a family that is no kernel module is a KeyError naming the vendor and it)."""
+    try:
+        return configs.get(family, kernel_module(family).DEFAULT_LAUNCH)
+    except KeyError as error:
+        raise KeyError(f"the {configs.vendor} launch table: {error.args[0]}") from None
 
 
-def kernel_modules() -> List[types.ModuleType]:
-    return [kernel_module(family) for family in KERNEL_MODULES]
+def launches(configs: KernelConfigs) -> Dict[str, LaunchConfig]:
+    """{family: effective launch configuration} of ``configs``' vendor for every kernel module; an override of a
+    family that is no kernel module is a KeyError naming the vendor and the family."""
+    families = kernel_families()
+    unknown = sorted(set(configs.overrides) - set(families))
+    if unknown:
+        raise KeyError(f"the {configs.vendor} launch table overrides {', '.join(map(repr, unknown))}, which is no "
+                       f"Triton kernel module (they are: {', '.join(families)})")
+    return {family: launch_config(configs, family) for family in families}
 
 
 def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
@@ -53,6 +58,7 @@ def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
     torch.library custom ops (``custom_ops``: torch.compile sees one node per op)."""
     from glm5_core.backends.triton import custom_ops
 
+    launches(configs)  # every override names a kernel module
     table: Dict[str, Kernel] = {}
     for module in kernel_modules():
         for op, kernel in module.kernels(configs).items():

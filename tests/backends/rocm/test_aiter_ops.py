@@ -23,12 +23,13 @@ def _fake_mla_decode_fwd(q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_l
 def test_aiter_mla_decode_argument_building():
     from glm5_core.backends.rocm import aiter_ops
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+    from glm5_core.backends.triton.table import launch_config
 
     shape = testing.MLAShape(B=2, T=2, S=11, H=16, Dn=8, Dr=4, Dv=6, C=24)
     x = testing.make_sparse_inputs(shape, 5, dtype=torch.float32, seed=1)
     args = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv", "topk_idx")
     out = aiter_ops.sparse_decode_with(_fake_mla_decode_fwd, *(x[a] for a in args), scale=0.3,
-                                       config=ROCM_CONFIGS["sparse_mla"])
+                                       config=launch_config(ROCM_CONFIGS, "sparse_mla"))
     ref = dsa.sparse_attention_reference(*(x[a] for a in args), scale=0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     built = aiter_ops.build_mla_decode_args(torch.zeros(2, 2, 16, 24), x["q_pe"], x["c_kv"], x["k_pe"], x["topk_idx"])
@@ -62,13 +63,14 @@ def _checked_biased_grouped_topk(logits, bias, weights, ids, n_group, topk_group
 def test_aiter_routing_gets_one_dtype_for_logits_and_bias():
     from glm5_core.backends.rocm import aiter_ops
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+    from glm5_core.backends.triton.table import launch_config
 
     logits = testing.randn((9, 64), seed=5, dtype=torch.bfloat16)  # bf16 logits, fp32 bias: the usual checkpoint
     bias = testing.randn((64,), seed=6) * 0.1
     kwargs = dict(top_k=6, n_group=1, topk_group=1, renormalize=True, routed_scaling_factor=2.5)
     assert aiter_ops.route_supports(logits, bias, **kwargs)[0]
-    weights, ids = aiter_ops.route_with(_checked_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS["moe_route"],
-                                        **kwargs)
+    weights, ids = aiter_ops.route_with(_checked_biased_grouped_topk, logits, bias,
+                                        config=launch_config(ROCM_CONFIGS, "moe_route"), **kwargs)
     ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w)
@@ -77,13 +79,14 @@ def test_aiter_routing_gets_one_dtype_for_logits_and_bias():
 def test_aiter_routing_is_reordered_and_ties_recomputed():
     from glm5_core.backends.rocm import aiter_ops
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS
+    from glm5_core.backends.triton.table import launch_config
 
     logits = testing.randn((9, 16), seed=3)
     logits[0] = 0.0
     bias = torch.zeros(16)
     kwargs = dict(top_k=4, n_group=4, topk_group=2, renormalize=True, routed_scaling_factor=2.5)
-    weights, ids = aiter_ops.route_with(_fake_biased_grouped_topk, logits, bias, config=ROCM_CONFIGS["moe_route"],
-                                        **kwargs)
+    weights, ids = aiter_ops.route_with(_fake_biased_grouped_topk, logits, bias,
+                                        config=launch_config(ROCM_CONFIGS, "moe_route"), **kwargs)
     ref_w, ref_ids = moe.route_reference(logits, bias, **kwargs)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_w)

@@ -1,5 +1,6 @@
-"""rocm launch configs (``glm5_core.backends.rocm.launch``) over the shared Triton kernels: AMD limits, a missing
-family named, and the rocm kernel table running the shared kernels (interpreted here, see tests/backends/triton)."""
+"""rocm launch configs (``glm5_core.backends.rocm.launch``) over the shared Triton kernels: AMD limits, the kernel
+modules' defaults, an unknown family named, and the rocm kernel table running the shared kernels (interpreted
+here, see tests/backends/triton)."""
 import pytest
 import torch
 
@@ -10,24 +11,34 @@ from tests.backends.triton.helpers import kernel
 def test_amd_configs_respect_wavefront_limits_and_share_the_indexer_layout():
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
     from glm5_core.backends.rocm.launch import MAX_NUM_WARPS, ROCM_CONFIGS
+    from glm5_core.backends.triton.table import launch_config, launches
 
-    assert set(ROCM_CONFIGS.families) == set(CUDA_CONFIGS.families)  # every kernel family launches on both
-    for family, config in ROCM_CONFIGS.families.items():
+    assert set(launches(ROCM_CONFIGS)) == set(launches(CUDA_CONFIGS))  # every kernel family launches on both
+    for family, config in launches(ROCM_CONFIGS).items():
         assert config.num_warps <= MAX_NUM_WARPS == 16
+        assert "waves_per_eu" not in launch_config(CUDA_CONFIGS, family).launch_kwargs()  # NVIDIA rejects it
+    for family, config in ROCM_CONFIGS.overrides.items():  # a family without an override launches with the default
         assert "waves_per_eu" in config.launch_kwargs()
-        assert "waves_per_eu" not in CUDA_CONFIGS[family].launch_kwargs()  # NVIDIA rejects it
-    assert ROCM_CONFIGS["indexer"].blocks == CUDA_CONFIGS["indexer"].blocks  # same scores, bit for bit
+    # same scores, bit for bit
+    assert launch_config(ROCM_CONFIGS, "indexer").blocks == launch_config(CUDA_CONFIGS, "indexer").blocks
 
 
-def test_a_missing_launch_family_is_named():
+def test_a_launch_family_falls_back_to_the_kernel_module_default_and_an_unknown_one_is_named():
+    from glm5_core.backends.triton import sparse_mla
     from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+    from glm5_core.backends.triton.table import launch_config, launches
 
-    configs = KernelConfigs(vendor="toy", families={"indexer": LaunchConfig()})
-    with pytest.raises(KeyError, match="toy launch table has no configuration for the Triton kernel family "
-                                       "'sparse_mla'.*it has: indexer"):
-        configs["sparse_mla"]
+    mine = LaunchConfig(num_warps=2)
+    configs = KernelConfigs(vendor="toy", overrides={"indexer": mine})
+    assert launch_config(configs, "indexer") is mine
+    assert launch_config(configs, "sparse_mla") is sparse_mla.DEFAULT_LAUNCH
+    assert configs.get("sparse_mla", sparse_mla.DEFAULT_LAUNCH) is sparse_mla.DEFAULT_LAUNCH
+    with pytest.raises(KeyError, match="toy launch table: .*no Triton kernel module 'nope'.*indexer"):
+        launch_config(configs, "nope")
+    with pytest.raises(KeyError, match="toy launch table overrides 'nope', which is no Triton kernel module"):
+        launches(KernelConfigs(vendor="toy", overrides={"nope": mine}))
     with pytest.raises(TypeError, match="toy launch table: indexer: expected a LaunchConfig"):
-        KernelConfigs(vendor="toy", families={"indexer": {"num_warps": 4}})
+        KernelConfigs(vendor="toy", overrides={"indexer": {"num_warps": 4}})
 
 
 def test_rocm_table_runs_the_shared_kernels(device):

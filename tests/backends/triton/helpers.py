@@ -18,3 +18,25 @@ def kernel(op: str, backend: str = "cuda"):
     from glm5_core import registry
 
     return registry.resolve(op, backend).kernel
+
+
+def triton_vendor_configs():
+    """{vendor: its KernelConfigs} for every in-tree vendor whose folder has a ``launch.py`` declaring one (a new
+    Triton vendor is found without editing a test). Imports no triton: the launch tables are import-light."""
+    import importlib
+    import importlib.util
+
+    from glm5_core import registry
+    from glm5_core.backends.triton.launch import KernelConfigs
+
+    found = {}
+    for name in registry.builtin_backend_names():
+        module_name = f"glm5_core.backends.{name}.launch"
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        tables = [value for value in vars(importlib.import_module(module_name)).values()
+                  if isinstance(value, KernelConfigs)]
+        assert len(tables) == 1, f"{module_name} declares {len(tables)} KernelConfigs, expected one"
+        assert tables[0].vendor == name, f"{module_name}: its KernelConfigs' vendor is {tables[0].vendor!r}"
+        found[name] = tables[0]
+    return found

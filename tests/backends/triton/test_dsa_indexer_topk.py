@@ -20,10 +20,10 @@ def test_fused_topk_extra_memory_is_independent_of_the_key_count(device):
     if device != "cpu":
         pytest.skip("counts CPU allocations under the interpreter")
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
-    from glm5_core.backends.triton import indexer
+    from glm5_core.backends.triton import indexer, table
 
     topk = kernel("dsa_indexer_topk")
-    K, block, queries = 8, CUDA_CONFIGS["indexer"].block("keys"), 2
+    K, block, queries = 8, table.launch_config(CUDA_CONFIGS, "indexer").block("keys"), 2
     topk(*_inputs(512)[:3], topk=K, start_pos=510)  # warm the interpreter's caches outside the measurement
     peaks, ref_peaks = {}, {}
     for S in (128, 512):

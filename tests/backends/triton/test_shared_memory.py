@@ -1,5 +1,6 @@
-"""Every registered cuda / rocm launch fits its vendor's shared memory per block (the interpreter does not check
-it: a launch over gfx942's 64 KiB of LDS passes under TRITON_INTERPRET=1 and fails on an MI300X)."""
+"""Every registered launch of every Triton vendor (cuda, rocm, ...) fits its vendor's shared memory per block
+(the interpreter does not check it: a launch over gfx942's 64 KiB of LDS passes under TRITON_INTERPRET=1 and
+fails on an MI300X)."""
 import os
 import subprocess
 import sys
@@ -8,37 +9,37 @@ import pytest
 
 from glm5_core.backends.triton import shared_memory as smem
 from glm5_core.backends.triton.launch import LaunchConfig
+from tests.backends.triton.helpers import triton_vendor_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def _tables():
-    from glm5_core.backends.cuda.launch import CUDA_CONFIGS
-    from glm5_core.backends.rocm.launch import ROCM_CONFIGS
-
-    return {"cuda": CUDA_CONFIGS, "rocm": ROCM_CONFIGS}
-
-
-@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+@pytest.mark.parametrize("vendor", sorted(triton_vendor_configs()))
 def test_every_registered_launch_fits_the_vendor_shared_memory(vendor):
-    configs = _tables()[vendor]
-    assert configs.shared_memory_limit == smem.SHARED_MEMORY_LIMITS[vendor]
+    """Every launch of every Triton vendor, its overrides and the kernel modules' defaults it keeps."""
+    configs = triton_vendor_configs()[vendor]
+    assert isinstance(configs.shared_memory_limit, int) and configs.shared_memory_limit > 0  # declared, in bytes
     from glm5_core.backends.triton import table
 
-    assert set(configs.families) == set(table.KERNEL_MODULES)  # a launch configuration per kernel module
-    assert all(callable(smem.family_tiles(family)) for family in configs.families)  # each with its estimate
+    launches = table.launches(configs)
+    assert set(launches) == set(table.kernel_families())  # a launch configuration per kernel module
+    assert all(callable(smem.family_tiles(family)) for family in launches)  # each with its estimate
     too_big = {(family, kernel, itemsize): need
-               for family, config in configs.families.items()
+               for family, config in launches.items()
                for (kernel, itemsize), need in smem.estimate(family, config).items()
                if need > configs.shared_memory_limit}
     assert not too_big, f"{vendor}: launches over {configs.shared_memory_limit} bytes: {too_big}"
+
+
+def test_the_triton_vendors_are_found():
+    assert {"cuda", "rocm"} <= set(triton_vendor_configs())
 
 
 def test_the_estimate_flags_the_old_rocm_sparse_mla_backward():
     """heads 16 x keys 64 (the rocm table before) holds the [64, 512] fp32 key rows alone: 128 KiB."""
     old = LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "keys": 64})
     need = smem.estimate("sparse_mla", old)
-    assert need[("sparse_bwd_dkv", 4)] > smem.SHARED_MEMORY_LIMITS["rocm"]
+    assert need[("sparse_bwd_dkv", 4)] > triton_vendor_configs()["rocm"].shared_memory_limit
     assert need[("sparse_bwd_dkv", 4)] >= 64 * 512 * 4
 
 

@@ -117,12 +117,12 @@ def test_bf16_prefill_rounds_the_tensor_core_operands(device):
     """On bf16 inputs the kernels also round the probabilities to bf16 (a tensor-core operand of p @ c_kv): the
     result differs from the exact-fp32 path on the same bf16 values, by about one bf16 rounding."""
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
-    from glm5_core.backends.triton import sparse_mla
+    from glm5_core.backends.triton import sparse_mla, table
 
     x = _inputs(torch.bfloat16, device, K=9, seed=6)
     q_lat = mla.absorb_query(x["q_nope"].float(), x["w_uk"].float())
     operands = [t.to(torch.bfloat16).contiguous() for t in (q_lat, x["q_pe"], x["c_kv"], x["k_pe"])]  # bf16 values
-    config = CUDA_CONFIGS["sparse_mla"]
+    config = table.launch_config(CUDA_CONFIGS, "sparse_mla")
     exact, _ = sparse_mla.latent_forward(*(t.float() for t in operands), x["topk_idx"], 0.3, config)
     rounded, _ = sparse_mla.latent_forward(*operands, x["topk_idx"], 0.3, config, tensor_cores=True)
     diff = float((exact - rounded).abs().max())
