@@ -159,8 +159,7 @@ def parse_setting(setting, key: str = "speculative") -> Optional[int]:
     return d
 
 
-
-
+# -- the fields' own checks ---------------------------------------------------------------------------------------
 def check_betas(betas, key: str) -> None:
     if not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{key}: expected two values in [0, 1), got {list(betas)}")
