@@ -6,9 +6,10 @@
   ``integrations`` only those below them; ``rl`` is the top;
 - inside the core, the dispatch direction: ``backends/`` implement ``ops/``, so no module of ``ops/``,
   ``registry``, ``opspec``, ``kernel``, ``platform`` imports ``backends/``;
-- the layers ``glm5_core/rl/__init__.py`` states: ``device`` and ``plugins`` import nothing else of rl;
-  ``serving``, ``fleet``, ``rollout``, ``algorithm`` each import only the layers before them; the other top-level
-  rl modules (config, driver, cli, ...) may import any layer;
+- the layers ``glm5_core/rl/__init__.py`` states: ``device``, ``plugins`` and ``config`` are leaves that import
+  nothing else of rl (every layer may read them); ``serving``, ``fleet``, ``rollout``, ``algorithm`` each import
+  only the layers before them; the other top-level rl modules (config_loader, driver, cli, ...) may import any
+  layer;
 - no import circle, function-level imports included (a lazy import that closes a circle still ties the two
   modules together).
 
@@ -30,7 +31,7 @@ PACKAGE_RANK = {"core": 0, "model": 1, "optim": 1, "train": 2, "integrations": 2
 DISPATCH = ("ops", "registry", "opspec", "kernel", "platform")  # never import backends/
 
 # rl layers (glm5_core/rl/__init__.py): a module imports only layers of a lower rank, and its own layer.
-RL_LEAVES = ("device", "plugins")  # rank 0, and they import no other rl module, not even each other
+RL_LEAVES = ("device", "plugins", "config")  # rank 0, and they import no other rl module, not even each other
 RL_LAYERS = ("serving", "fleet", "rollout", "algorithm")  # ranks 1..4; everything else in rl is the top, rank 5
 
 # Import circles known today, each a set of modules. The lead empties this list when the branch that breaks them
@@ -212,8 +213,8 @@ def test_packages_import_only_the_layers_below_them(graph):
 
 def test_rl_layers_import_only_the_layers_before_them(graph):
     bad = forbidden_rl_arrows(graph)
-    assert not bad, "imports against glm5_core/rl/__init__.py's layering (device, plugins < serving < fleet < " \
-                    "rollout < algorithm < top level):\n" + "\n".join(f"  {a}" for a in bad)
+    assert not bad, "imports against glm5_core/rl/__init__.py's layering (device, plugins, config < serving < " \
+                    "fleet < rollout < algorithm < top level):\n" + "\n".join(f"  {a}" for a in bad)
 
 
 def test_no_import_circles_but_the_known_ones(graph):
@@ -260,3 +261,18 @@ def test_the_checks_report_forbidden_arrows_and_circles(tmp_path):
         ["glm5_core.rl.fleet.placement", "glm5_core.rl.serving.worker"]]
     assert "glm5_core/rl/serving/worker.py:2: glm5_core.rl.serving.worker -> glm5_core.rl.fleet.placement" in \
         map(str, forbidden_rl_arrows(graph))
+
+
+def test_rl_config_is_a_leaf_that_every_layer_reads(tmp_path):
+    package = _write(tmp_path, {
+        "glm5_core/__init__.py": "",
+        "glm5_core/rl/__init__.py": "",
+        "glm5_core/rl/config.py": "def check():\n    from glm5_core.rl.serving import sampling\n",
+        "glm5_core/rl/config_loader.py": "from glm5_core.rl import config\nfrom glm5_core.rl.algorithm import loss\n",
+        "glm5_core/rl/serving/__init__.py": "",
+        "glm5_core/rl/serving/sampling.py": "",
+        "glm5_core/rl/algorithm/__init__.py": "",
+        "glm5_core/rl/algorithm/loss.py": "from glm5_core.rl.config import RLConfig\n",
+    })
+    assert [str(a) for a in forbidden_rl_arrows(arrows(package))] == [
+        "glm5_core/rl/config.py:2: glm5_core.rl.config -> glm5_core.rl.serving.sampling"]

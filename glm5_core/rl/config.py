@@ -1,9 +1,12 @@
 """Typed run configuration of ``glm5 rl`` (YAML -> dataclasses declared with ``glm5_core.config_schema``).
 
 Every field declares its type and range; :meth:`RLConfig.rule_problems` holds the rules between fields and the
-``model`` and ``env`` sections (checked by GLM5Config's and the environment's own declarations). Every problem is
-one line naming its full key. This module declares; the components read their sections. Loading a file, and the
-checks against the policy's architecture and this machine's memory, are ``rl/config_loader``'s.
+``model`` section (checked by GLM5Config's own declaration). Every problem is one line naming its full key. This
+module declares; the components read their sections. It is a leaf of ``rl``: it imports no other rl module, so
+every layer may read it, and the value checks every layer shares (temperature, top-p, engine URLs, device strings,
+the speculative setting) live here. Loading a file, the checks that need a component (the environment, the reward,
+the tokenizer, the loss and advantage plug-ins) and the checks against the policy's architecture and this
+machine's memory are ``rl/config_loader``'s.
 
 ``rollout.temperature`` is the one sampling temperature of a run: the engines sample at it and the trainer
 recomputes log-probs at it (there is no separate trainer temperature; ``train.optim.temperature`` is
@@ -11,9 +14,13 @@ rejected). It must be > 0: greedy rollouts record log-probs no policy ratio refe
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import math
+import re
+import urllib.parse
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
-from glm5_core import config_paths
+from glm5_core import config_paths, device_kinds
 from glm5_core.config_schema import (
     ConfigError,
     check,
@@ -24,6 +31,7 @@ from glm5_core.config_schema import (
     shown,
     unknown_key,
 )
+from glm5_core.device_facts import DeviceFacts
 from glm5_core.device_kinds import DIST_BACKEND_NAMES
 from glm5_core.train.config import CheckpointConfig
 
@@ -40,26 +48,124 @@ WEIGHT_SYNCS = ("disk", "distributed")
 SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, ...), read when a config is checked
 
 
-def _check_temperature(value, key: str) -> None:
-    from glm5_core.rl.serving.sampling import check_training_temperature
-
-    check_training_temperature(value, key)
-
-
-def _check_top_p(value, key: str) -> None:
-    from glm5_core.rl.serving.sampling import check_top_p
-
-    check_top_p(value, key)
+# -- values every layer checks (the engines, the fleet and the trainer import them from here) ----------------------
+GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
+MAX_DRAFT_TOKENS = 16  # MTP drafts per decode step (rl/serving/speculative.py)
+_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}))?")
 
 
+def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
+    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float >= GREEDY_BELOW.
+
+    Temperature 0 (greedy) records temperature-1 log-probs of an argmax, which no policy ratio refers to."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < GREEDY_BELOW:
+        raise ValueError(f"{name}: expected a finite number >= {GREEDY_BELOW} for training rollouts (greedy "
+                         f"decoding, temperature 0, is for evaluation only), got {temperature!r}")
+    return float(temperature)
+
+
+def check_top_p(top_p, name: str = "top_p") -> float:
+    """A nucleus mass the engines accept: a number in (0, 1] (1 keeps the whole vocabulary)."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{name}: expected a number in (0, 1], got {top_p!r}")
+    return float(top_p)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_engine_url(url: Any, *, allow_remote: bool, where: str = "url") -> str:
+    """``url`` without a trailing slash; ``ValueError`` naming ``where`` unless it is ``http://HOST:PORT`` with a
+    loopback host (any host when ``allow_remote``)."""
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path.strip("/") or parsed.query:
+        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
+    if not allow_remote and not is_loopback(parsed.hostname):
+        raise ValueError(f"{where}: {parsed.hostname!r} is not a loopback host; list remote engines explicitly "
+                         f"(rollout.engine_urls or --engine-url), got {url!r:.80}")
+    return url.rstrip("/")
+
+
+def _examples(kinds: Dict[str, DeviceFacts]) -> str:
+    shown = [f"'{kind}'" if facts.is_host else f"'{kind}:0'" for kind, facts in kinds.items()]
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
+
+
+def _list_example(kinds: Dict[str, DeviceFacts]) -> str:
+    kind = next((k for k, facts in kinds.items() if not facts.is_host), next(iter(kinds)))
+    return f"'{kind}:1,{kind}:2'"
+
+
+def parse_device(text: Any, where: str) -> Tuple[str, Optional[int]]:
+    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
+    The device types are the vendors' (:func:`glm5_core.device_kinds.device_types`), read at each call."""
+    kinds = device_kinds.device_types()
+    match = _DEVICE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None or match.group(1) not in kinds:
+        raise ValueError(f"{where}: expected a device such as {_examples(kinds)}, got {text!r:.80}")
+    kind, index = match.group(1), match.group(2)
+    if not kinds[kind].is_host and index is None:
+        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'), got {text!r:.80}")
+    return kind, None if index is None else int(index)
+
+
+def parse_devices(value: Any, where: str) -> List[str]:
+    """A list of devices from ``"<type>:1,<type>:2"`` or ``["<type>:1", "<type>:2"]`` (normalised, checked)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{where}: expected devices such as {_list_example(device_kinds.device_types())} or a "
+                         f"list of them, got {value!r:.80}")
+    out = []
+    for i, item in enumerate(items):
+        kind, index = parse_device(item, f"{where}[{i}]")
+        out.append(kind if index is None else f"{kind}:{index}")
+    return out
+
+
+def check_engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> None:
+    """ValueError naming ``where`` unless ``devices`` gives one device per engine, one for all, or None; nothing
+    of ``num_engines``' size is built (a config is checked with this before its sizes are)."""
+    if devices is None:
+        return
+    parsed = parse_devices(devices, where)
+    if len(parsed) not in (1, num_engines):
+        raise ValueError(f"{where}: expected one device per engine (rollout.num_engines={num_engines}) or one for "
+                         f"all, got {len(parsed)}: {','.join(parsed)}")
+
+
+def parse_setting(setting, key: str = "speculative") -> Optional[int]:
+    """``speculative`` engine setting -> draft tokens per step, or None (off). Expected None or
+    ``{"draft_tokens": d}`` with an int d in [1, MAX_DRAFT_TOKENS]."""
+    if setting is None:
+        return None
+    if not isinstance(setting, dict) or set(setting) != {"draft_tokens"}:
+        raise ValueError(f"{key}: expected null or {{draft_tokens: d}}, got {setting!r:.120}")
+    d = setting["draft_tokens"]
+    if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"{key}.draft_tokens: expected an int in [1, {MAX_DRAFT_TOKENS}], got {d!r:.80}")
+    return d
+
+
+# -- the fields' own checks ---------------------------------------------------------------------------------------
 def check_betas(betas, key: str) -> None:
     if not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{key}: expected two values in [0, 1), got {list(betas)}")
 
 
 def _check_engine_urls(urls, key: str) -> None:
-    from glm5_core.rl.serving.client import check_engine_url
-
     if not urls:
         raise ValueError(f"{key}: expected a non-empty list of http://HOST:PORT, got []")
     for i, url in enumerate(urls):
@@ -72,42 +178,8 @@ def _check_api_key(key_value, key: str) -> None:
 
 
 def _check_devices(devices, key: str) -> None:
-    from glm5_core.rl.fleet.placement import parse_devices
-
     if devices is not None:
         parse_devices(devices, key)
-
-
-def _check_speculative(setting, key: str) -> None:
-    from glm5_core.rl.serving.speculative import parse_setting
-
-    parse_setting(setting, key)
-
-
-def _check_device(device, key: str) -> None:
-    from glm5_core.rl.fleet.placement import parse_device
-
-    parse_device(device, key)
-
-
-# -- rollout.tokenizer (rl/rollout/run_codec.py) ----------------------------------------------------------------
-def _check_tokenizer(path, key: str) -> None:
-    from glm5_core.rl.rollout.run_codec import load_run_tokenizer
-
-    config_paths.input_dir(path, key)
-    load_run_tokenizer(path, key)
-
-
-def _check_loss(value, key: str) -> None:
-    from glm5_core.rl.algorithm.loss import resolve_loss
-
-    resolve_loss(value, key)
-
-
-def _check_advantage(value, key: str) -> None:
-    from glm5_core.rl.algorithm.advantages import resolve_advantage
-
-    resolve_advantage(value, key)
 
 
 def _check_pass_k(values, key: str) -> None:
@@ -121,8 +193,8 @@ class RolloutConfig:
     max_batch: int = field(16, range=(1, None))
     max_len: int = field(128, range=(2, None))  # <= the model's max_position_embeddings
     group_size: int = field(8, range=(1, None))
-    temperature: float = field(1.0, check=_check_temperature)
-    top_p: float = field(1.0, check=_check_top_p)
+    temperature: float = field(1.0, check=check_training_temperature)
+    top_p: float = field(1.0, check=check_top_p)
     max_inflight_groups: int = field(8, range=(1, None))
     max_buffered: int = field(64, range=(1, None))  # async: pause new groups while this many trajectories wait
     engine_threads: int = field(1, range=(1, MAX_THREADS))
@@ -145,8 +217,8 @@ class RolloutConfig:
     sync_backend: str = field("gloo", choices=SYNC_BACKENDS)
     devices: Any = field(None, check=_check_devices)  # spawned engines: "<type>:1,<type>:2" or a list
     # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
-    tokenizer: Optional[str] = field(None, check=_check_tokenizer)
-    speculative: Optional[Dict[str, Any]] = field(None, check=_check_speculative)  # {draft_tokens: d}: MTP drafts
+    tokenizer: Optional[str] = field(None, check=config_paths.input_dir)  # loaded by rl/config_loader
+    speculative: Optional[Dict[str, Any]] = field(None, check=parse_setting)  # {draft_tokens: d}: MTP drafts
 
 
 @dataclasses.dataclass
@@ -184,15 +256,15 @@ class RLTrainConfig:
     batch_size: int = field(64, range=(1, None))
     max_staleness: Optional[int] = field(4, range=(0, None))
     teacher_checkpoint: Optional[str] = field(None, check=config_paths.input_dir)
-    device: Optional[str] = field(None, check=_check_device)  # the trainer's device, e.g. "<type>:0" (None: default)
+    device: Optional[str] = field(None, check=parse_device)  # the trainer's device, e.g. "<type>:0" (None: default)
     max_idle_minutes: float = field(10.0, range=(0, None), open=("lo",))  # no batch for this long ends the run
     # the policy's forward uses the experts / DSA keys the engines used (they record and return them per sample)
     routing_replay: bool = field(False)
     index_replay: bool = field(False)
     optim: TrainerConfig = field(factory=TrainerConfig)
-    # plug-ins (rl/plugins.py): a built-in name or an import path 'pkg.module:name', checked at start
-    loss: str = field("double_sided_is", check=_check_loss)
-    advantage: str = field("group_normalized", check=_check_advantage)
+    # plug-ins (rl/plugins.py): a built-in name or an import path 'pkg.module:name', resolved by rl/config_loader
+    loss: str = field("double_sided_is")
+    advantage: str = field("group_normalized")
     # a trajectory cut by rollout.max_len: trained as it is, masked out of the loss, or given truncation_reward
     truncation: str = field("as_is", choices=TRUNCATION_POLICIES)
     truncation_reward: float = field(-1.0)
@@ -247,7 +319,8 @@ class RLConfig:
     reward: Optional[Dict[str, Any]] = field(None)  # {path: ...} or {url: ...}: see rl/rollout/rewards.py
 
     def validate(self, source: str = "config") -> "RLConfig":
-        """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold."""
+        """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold (this
+        module's checks; ``rl/config_loader.check_config`` adds the ones that need a component)."""
         problems = check(self) or self.rule_problems()
         if problems:
             raise ConfigError(problems, source)
@@ -263,12 +336,47 @@ class RLConfig:
         return dataclasses.replace(GLM5Config.tiny(), **self.model.get("overrides", {}))
 
     def rule_problems(self) -> List[str]:
-        problems = _model_problems(self) + _env_problems(self.env) + _plugin_problems(self)
+        """The rules between fields this module can check alone (the ones that need a component, the environment,
+        the reward, the tokenizer and the plug-ins, are ``rl/config_loader.rule_problems``'s)."""
+        return self.model_problems() + self.sampling_problems() or self.run_problems()
+
+    def model_problems(self) -> List[str]:
+        """``model``: ``preset`` (a string) and ``overrides`` (GLM5Config fields, checked by its declaration); the
+        converted overrides replace the given ones."""
+        from glm5_core.model import GLM5Config
+
+        problems = [unknown_key("model.", str(k), ("preset", "overrides")) for k in self.model if k not in
+                    ("preset", "overrides")]
+        preset, overrides = self.model.get("preset", "tiny"), self.model.get("overrides", {})
+        if not isinstance(preset, str):
+            problems.append(f"model.preset: expected a string ('tiny', or any name with --checkpoint), "
+                            f"got {shown(preset)}")
+        if not isinstance(overrides, dict):
+            problems.append(f"model.overrides: expected a mapping of GLM5Config fields, got {shown(overrides)}")
         if problems:
             return problems
-        problems = _env_tokenizer_problems(self)
+        converted = convert_fields(GLM5Config, overrides, "model.overrides.", problems, exclude=("extra",))
         if problems:
             return problems
+        self.model = {**self.model, "overrides": converted}
+        model = self.model_config()
+        return model.problems("model.overrides.") if model is not None else []
+
+    def sampling_problems(self) -> List[str]:
+        """The rules between dynamic sampling, evaluation and the rollout."""
+        problems = []
+        if self.dynamic_sampling.enabled and self.rollout.group_size < 2:
+            problems.append(f"dynamic_sampling.enabled: expected rollout.group_size >= 2 (a group of one always has "
+                            f"equal rewards, so every group would be dropped), got "
+                            f"group_size={self.rollout.group_size}")
+        n = self.eval.samples_per_problem
+        problems += [f"eval.pass_k: expected each k <= eval.samples_per_problem={n} (pass@k estimates from n "
+                     f"samples), got {k}" for k in self.eval.pass_k if k > n]
+        return problems
+
+    def run_problems(self) -> List[str]:
+        """Batch and buffer sizes, the fleet, and distillation."""
+        problems = []
         r, t = self.rollout, self.train
         if t.batch_size % r.group_size:
             problems.append(f"train.batch_size: expected a multiple of rollout.group_size={r.group_size}, "
@@ -284,24 +392,8 @@ class RLConfig:
         return problems
 
 
-def _plugin_problems(cfg: "RLConfig") -> List[str]:
-    """``reward``, and the rules between dynamic sampling, evaluation and the rollout."""
-    from glm5_core.rl.rollout.rewards import reward_problems
-
-    problems = reward_problems(cfg.reward)
-    if cfg.dynamic_sampling.enabled and cfg.rollout.group_size < 2:
-        problems.append(f"dynamic_sampling.enabled: expected rollout.group_size >= 2 (a group of one always has "
-                        f"equal rewards, so every group would be dropped), got group_size={cfg.rollout.group_size}")
-    n = cfg.eval.samples_per_problem
-    problems += [f"eval.pass_k: expected each k <= eval.samples_per_problem={n} (pass@k estimates from n samples), "
-                 f"got {k}" for k in cfg.eval.pass_k if k > n]
-    return problems
-
-
 def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
     """External engines, placement, and pushes the staleness bound can keep up with."""
-    from glm5_core.rl.fleet.placement import check_engine_devices
-
     problems = []
     if r.engine_urls is not None and r.devices is not None:
         problems.append("rollout.devices: engines at rollout.engine_urls run where they were started; "
@@ -319,44 +411,3 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
                         f"(after the first push every sample would be too stale to train on; lower push_every or "
                         f"raise max_staleness), got {t.optim.push_every}")
     return problems
-
-
-def _model_problems(cfg: RLConfig) -> List[str]:
-    """``model``: ``preset`` (a string) and ``overrides`` (GLM5Config fields, checked by its declaration); the
-    converted overrides replace the given ones."""
-    from glm5_core.model import GLM5Config
-
-    problems = [unknown_key("model.", str(k), ("preset", "overrides")) for k in cfg.model if k not in
-                ("preset", "overrides")]
-    preset, overrides = cfg.model.get("preset", "tiny"), cfg.model.get("overrides", {})
-    if not isinstance(preset, str):
-        problems.append(f"model.preset: expected a string ('tiny', or any name with --checkpoint), got {shown(preset)}")
-    if not isinstance(overrides, dict):
-        problems.append(f"model.overrides: expected a mapping of GLM5Config fields, got {shown(overrides)}")
-    if problems:
-        return problems
-    converted = convert_fields(GLM5Config, overrides, "model.overrides.", problems, exclude=("extra",))
-    if problems:
-        return problems
-    cfg.model = {**cfg.model, "overrides": converted}
-    model = cfg.model_config()
-    return model.problems("model.overrides.") if model is not None else []
-
-
-def _env_problems(env: Dict[str, Any]) -> List[str]:
-    """``env``: a built-in ``name`` or a plug-in ``path`` and the keys of that environment (see
-    ``rl/rollout/envs/registry``)."""
-    from glm5_core.rl.rollout.envs.registry import env_problems
-
-    return env_problems(env)
-
-
-def _env_tokenizer_problems(cfg: RLConfig) -> List[str]:
-    """An environment that talks chat (the OpenAI proxy's, ``env.name: openai_agent``) needs ``rollout.tokenizer``."""
-    from glm5_core.rl.rollout.envs.registry import needs_chat_template
-
-    if cfg.rollout.tokenizer is None and needs_chat_template(cfg.env):
-        what = cfg.env.get("name") or cfg.env.get("path")
-        return [f"rollout.tokenizer: env {what!r} needs a tokenizer directory with a chat template (its agents' "
-                f"chat requests are rendered by it), got null"]
-    return []

@@ -1,15 +1,83 @@
-"""An RL config from YAML: the declarations of ``rl/config`` built and checked, then the run checked against
-the policy's architecture and this machine's memory (``rl/run_memory``) before anything is built.
+"""An RL config from YAML: the declarations of ``rl/config`` built and checked (the schema pass), then the checks
+that need a component (the second pass: ``rollout.tokenizer`` loaded, the ``train.loss`` / ``train.advantage``
+plug-ins resolved, the ``env`` and ``reward`` sections built on paper), then the run checked against the policy's
+architecture and this machine's memory (``rl/run_memory``) before anything is built. ``rl/config`` is a leaf that
+every layer reads; the checks that read a layer live here, at the top.
 
 Every problem is one line naming its full key; all of them are raised together as one :class:`ConfigError`."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from glm5_core.config_schema import ConfigError, build
+from glm5_core import config_paths
+from glm5_core.config_schema import ConfigError, build, check
 from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.rl.algorithm.advantages import resolve_advantage
+from glm5_core.rl.algorithm.loss import resolve_loss
 from glm5_core.rl.config import RLConfig
+from glm5_core.rl.rollout.envs.registry import env_problems, needs_chat_template
+from glm5_core.rl.rollout.rewards import reward_problems
+from glm5_core.rl.rollout.run_codec import load_run_tokenizer
 from glm5_core.rl.run_memory import memory_problems
+
+
+def _load_tokenizer(path: str, key: str) -> None:
+    """``rollout.tokenizer`` loads, with a chat template (a missing folder is the schema pass's problem)."""
+    try:
+        config_paths.input_dir(path, key)
+    except (ValueError, TypeError):
+        return
+    load_run_tokenizer(path, key)
+
+
+# (section, field, check(value, key)): the fields whose check needs a component, run where the schema pass
+# accepted the value's type (a string)
+COMPONENT_FIELDS = (("rollout", "tokenizer", _load_tokenizer), ("train", "loss", resolve_loss),
+                    ("train", "advantage", resolve_advantage))
+
+
+def component_field_problems(values: Dict[str, Any]) -> List[str]:
+    """The second pass: the problems of :data:`COMPONENT_FIELDS` in ``values`` (parsed YAML, or a config's
+    sections as mappings)."""
+    problems = []
+    for section, name, rule in COMPONENT_FIELDS:
+        given = values.get(section)
+        value = given.get(name) if isinstance(given, dict) else None
+        if isinstance(value, str):
+            try:
+                rule(value, f"{section}.{name}")
+            except (ValueError, TypeError) as exc:
+                problems.append(str(exc))
+    return problems
+
+
+def rule_problems(cfg: RLConfig) -> List[str]:
+    """The rules between sections: ``model``, ``env`` (the environment's declaration), ``reward``, dynamic sampling
+    and evaluation; then the chat template an environment needs; then the run's sizes and fleet."""
+    problems = cfg.model_problems() + env_problems(cfg.env) + reward_problems(cfg.reward) + cfg.sampling_problems()
+    if problems:
+        return problems
+    return _env_tokenizer_problems(cfg) or cfg.run_problems()
+
+
+def _env_tokenizer_problems(cfg: RLConfig) -> List[str]:
+    """An environment that talks chat (the OpenAI proxy's, ``env.name: openai_agent``) needs ``rollout.tokenizer``."""
+    if cfg.rollout.tokenizer is None and needs_chat_template(cfg.env):
+        what = cfg.env.get("name") or cfg.env.get("path")
+        return [f"rollout.tokenizer: env {what!r} needs a tokenizer directory with a chat template (its agents' "
+                f"chat requests are rendered by it), got null"]
+    return []
+
+
+def check_config(cfg: RLConfig, source: str = "config") -> RLConfig:
+    """:meth:`RLConfig.validate` of a config built in code, with the checks that need a component: raise
+    ConfigError (every problem, one line) unless they all hold."""
+    sections = {"rollout": {"tokenizer": cfg.rollout.tokenizer},
+                "train": {"loss": cfg.train.loss, "advantage": cfg.train.advantage}}
+    problems = (check(cfg) + component_field_problems(sections)) or rule_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
 
 
 def size_problems(cfg: RLConfig, model) -> List[str]:
@@ -47,9 +115,10 @@ def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:
         raise ConfigError([f"expected a mapping of sections at the top level, got {type(data).__name__}"], source)
     problems: List[str] = []
     cfg = build(RLConfig, data, "", problems)
+    problems += component_field_problems(data)
     if problems:
         raise ConfigError(problems, source)
-    problems = cfg.rule_problems()
+    problems = rule_problems(cfg)
     if not problems:
         model = cfg.model_config()
         problems = size_problems(cfg, model) if model is not None else []

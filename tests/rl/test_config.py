@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 
 from glm5_core.cli import main
+from glm5_core.config_schema import ConfigError
 from glm5_core.rl.config import RLConfig
-from glm5_core.rl.config_loader import config_from_dict, load_config, size_problems
+from glm5_core.rl.config_loader import check_config, config_from_dict, load_config, size_problems
 
 
 @pytest.fixture(autouse=True)
@@ -118,6 +119,23 @@ def test_validate_checks_an_instance_built_in_code():
     cfg.rollout.max_buffered = 0
     with pytest.raises(ValueError, match=r"rollout.max_buffered: expected an integer in \[1, inf\), got 0"):
         cfg.validate()
+
+
+def test_the_checks_that_need_a_component_come_with_the_schema_problems():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"rollout": {"max_batch": 0}, "train": {"loss": "nope", "advantage": 3}})
+    assert info.value.problems == [
+        "rollout.max_batch: expected an integer in [1, inf), got 0", "train.advantage: expected a string, got 3",
+        "train.loss: expected one of 'double_sided_is' or an import path 'pkg.module:name', got 'nope'"]
+
+
+def test_check_config_adds_the_component_checks_to_validate():
+    cfg = RLConfig()
+    cfg.train.advantage = "nope"
+    assert cfg.validate() is cfg  # rl/config checks what it can alone
+    with pytest.raises(ConfigError, match=r"^config: train.advantage: expected one of 'group_normalized'"):
+        check_config(cfg)
+    assert check_config(RLConfig()).train.advantage == "group_normalized"
 
 
 def test_values_are_converted_once_as_declared():

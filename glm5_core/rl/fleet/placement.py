@@ -10,12 +10,10 @@ imports a vendor SDK; :func:`probe_accelerators` asks the vendors' counts at cal
 """
 from __future__ import annotations
 
-import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from glm5_core.device_facts import DeviceFacts
-
-_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}))?")
+from glm5_core.rl.config import check_engine_devices, parse_device, parse_devices  # noqa: F401 (importable here too)
 
 Probe = Callable[[], Dict[str, int]]
 
@@ -24,41 +22,6 @@ def _device_types() -> Dict[str, DeviceFacts]:
     from glm5_core import device_kinds
 
     return device_kinds.device_types()
-
-
-def _examples(kinds: Dict[str, DeviceFacts]) -> str:
-    shown = [f"'{kind}'" if facts.is_host else f"'{kind}:0'" for kind, facts in kinds.items()]
-    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
-
-
-def _list_example(kinds: Dict[str, DeviceFacts]) -> str:
-    kind = next((k for k, facts in kinds.items() if not facts.is_host), next(iter(kinds)))
-    return f"'{kind}:1,{kind}:2'"
-
-
-def parse_device(text: Any, where: str) -> Tuple[str, Optional[int]]:
-    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``."""
-    kinds = _device_types()
-    match = _DEVICE.fullmatch(text.strip()) if isinstance(text, str) else None
-    if match is None or match.group(1) not in kinds:
-        raise ValueError(f"{where}: expected a device such as {_examples(kinds)}, got {text!r:.80}")
-    kind, index = match.group(1), match.group(2)
-    if not kinds[kind].is_host and index is None:
-        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'), got {text!r:.80}")
-    return kind, None if index is None else int(index)
-
-
-def parse_devices(value: Any, where: str) -> List[str]:
-    """A list of devices from ``"<type>:1,<type>:2"`` or ``["<type>:1", "<type>:2"]`` (normalised, checked)."""
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"{where}: expected devices such as {_list_example(_device_types())} or a list of them, "
-                         f"got {value!r:.80}")
-    out = []
-    for i, item in enumerate(items):
-        kind, index = parse_device(item, f"{where}[{i}]")
-        out.append(kind if index is None else f"{kind}:{index}")
-    return out
 
 
 def probe_accelerators() -> Dict[str, int]:
@@ -78,17 +41,6 @@ def check_visible(devices: List[str], where: str, probe: Probe) -> None:
             seen = counts.get(kind, 0)
             raise ValueError(f"{where}: {device} is not visible here: the platform probe sees {seen} {kind} "
                              f"device{'s' if seen != 1 else ''}" + (f" ({kind}:0..{kind}:{seen - 1})" if seen else ""))
-
-
-def check_engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> None:
-    """ValueError naming ``where`` unless ``devices`` gives one device per engine, one for all, or None; nothing
-    of ``num_engines``' size is built (a config is checked with this before its sizes are)."""
-    if devices is None:
-        return
-    parsed = parse_devices(devices, where)
-    if len(parsed) not in (1, num_engines):
-        raise ValueError(f"{where}: expected one device per engine (rollout.num_engines={num_engines}) or one for "
-                         f"all, got {len(parsed)}: {','.join(parsed)}")
 
 
 def engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> List[Optional[str]]:

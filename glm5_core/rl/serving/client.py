@@ -9,12 +9,13 @@ for most routes, plain text for ``/flush_cache``, empty for ``/health``; errors 
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Optional
+
+from glm5_core.rl.config import check_engine_url, is_loopback  # noqa: F401 (importable here too)
 
 
 class EngineUnavailable(RuntimeError):
@@ -65,33 +66,6 @@ def is_fleet_failure(exc: BaseException) -> bool:
     """The engines could not serve the request (unreachable, failed, timed out: 5xx), as opposed to the request's
     own fault (4xx, a bug on the caller's side that every replica would answer the same way)."""
     return isinstance(exc, EngineUnavailable) or (isinstance(exc, EngineRequestError) and exc.status >= 500)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_engine_url(url: Any, *, allow_remote: bool, where: str = "url") -> str:
-    """``url`` without a trailing slash; ``ValueError`` naming ``where`` unless it is ``http://HOST:PORT`` with a
-    loopback host (any host when ``allow_remote``)."""
-    if not isinstance(url, str):
-        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
-    parsed = urllib.parse.urlsplit(url)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path.strip("/") or parsed.query:
-        raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
-    if not allow_remote and not is_loopback(parsed.hostname):
-        raise ValueError(f"{where}: {parsed.hostname!r} is not a loopback host; list remote engines explicitly "
-                         f"(rollout.engine_urls or --engine-url), got {url!r:.80}")
-    return url.rstrip("/")
 
 
 DEFAULT_TIMEOUT_S = 630.0  # above the server's request_timeout (600 s): a slow request comes back as its 504

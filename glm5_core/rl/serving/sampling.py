@@ -9,31 +9,17 @@ value, so the trainer can recompute it from logits alone.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
 
-GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
+from glm5_core.rl.config import (  # noqa: F401 (importable here too)
+    GREEDY_BELOW,
+    check_top_p,
+    check_training_temperature,
+)
+
 FIRST_TOPK = 256  # top_p_filter's first partial sort width (a peaked nucleus fits; a wider one grows it 4x)
-
-
-def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
-    """A sampling temperature whose recorded log-probs the trainer can reproduce: a finite float >= GREEDY_BELOW.
-
-    Temperature 0 (greedy) records temperature-1 log-probs of an argmax, which no policy ratio refers to."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not math.isfinite(temperature) or temperature < GREEDY_BELOW:
-        raise ValueError(f"{name}: expected a finite number >= {GREEDY_BELOW} for training rollouts (greedy "
-                         f"decoding, temperature 0, is for evaluation only), got {temperature!r}")
-    return float(temperature)
-
-
-def check_top_p(top_p, name: str = "top_p") -> float:
-    """A nucleus mass the engines accept: a number in (0, 1] (1 keeps the whole vocabulary)."""
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"{name}: expected a number in (0, 1], got {top_p!r}")
-    return float(top_p)
 
 
 def token_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -43,24 +43,10 @@ from glm5_core.model.cache import KVCache, StartPos
 from glm5_core.model.rope import positions_of
 from glm5_core.model.state import ForwardState
 from glm5_core.ops import _checks
+from glm5_core.rl.config import MAX_DRAFT_TOKENS, parse_setting  # noqa: F401 (importable here too)
 from glm5_core.rl.serving import kv_slots
 from glm5_core.rl.serving.sampling import GREEDY_BELOW
 from glm5_core.rl.serving.speculative_sampling import accept_drafts, draw, full_logprobs, sampling_probs
-
-MAX_DRAFT_TOKENS = 16
-
-
-def parse_setting(setting, key: str = "speculative") -> Optional[int]:
-    """``speculative`` engine setting -> draft tokens per step, or None (off). Expected None or
-    ``{"draft_tokens": d}`` with an int d in [1, MAX_DRAFT_TOKENS]."""
-    if setting is None:
-        return None
-    if not isinstance(setting, dict) or set(setting) != {"draft_tokens"}:
-        raise ValueError(f"{key}: expected null or {{draft_tokens: d}}, got {setting!r:.120}")
-    d = setting["draft_tokens"]
-    if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"{key}.draft_tokens: expected an int in [1, {MAX_DRAFT_TOKENS}], got {d!r:.80}")
-    return d
 
 
 def check_draft_model(model, key: str = "speculative") -> None:
