@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
 import tokenize
 from pathlib import Path
 from typing import Iterator, List, Tuple
@@ -39,7 +40,15 @@ EXAMPLE_WORDS = {"foo", "myvendor"}  # the op and the vendor docs/writing-a-back
 
 
 def _folders(root: Path) -> set:
-    return {p.name for p in root.iterdir() if p.is_dir() and p.name not in (".git", "__pycache__")}
+    """The folders of ``root`` that belong to the repository: not ``.git``, not what git ignores (a run's ``runs/``,
+    a build folder), so a path into them is checked as the repository's own."""
+    names = {p.name for p in root.iterdir() if p.is_dir() and p.name not in (".git", "__pycache__")}
+    try:
+        ignored = subprocess.run(["git", "check-ignore", "--", *sorted(names)], cwd=root, capture_output=True,
+                                 text=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):  # no git: every folder counts
+        ignored = []
+    return names - {Path(name).name for name in ignored}
 
 
 TOP = _folders(REPO)
