@@ -12,11 +12,11 @@ inputs), ``gradients.py`` and ``determinism.py`` (the properties checked across 
 """
 from glm5_core.conformance.check import DTYPE_NAMES, Check, CheckFn, GradCase, Result
 from glm5_core.conformance.dsa import TOPK_REL_TOL
-from glm5_core.conformance.families import FAMILIES, PROPERTY_FAMILIES, checks, families, family_module
+from glm5_core.conformance.families import FAMILIES, PROPERTY_FAMILIES, checks, family_module, family_names
 from glm5_core.conformance.gradients import BF16_GRAD_OPS, GRAD_CASES, GRAD_EDGE_CASES, grad_ops
 from glm5_core.conformance.report import environment, write_reports
 from glm5_core.conformance.runner import assert_conforms, run_check
 
 __all__ = ["BF16_GRAD_OPS", "DTYPE_NAMES", "FAMILIES", "GRAD_CASES", "GRAD_EDGE_CASES", "PROPERTY_FAMILIES",
            "TOPK_REL_TOL", "Check", "CheckFn", "GradCase", "Result", "assert_conforms", "checks", "environment",
-           "families", "family_module", "grad_ops", "run_check", "write_reports"]
+           "family_module", "family_names", "grad_ops", "run_check", "write_reports"]

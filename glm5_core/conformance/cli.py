@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from glm5_core import registry
-from glm5_core.conformance.families import checks, families
+from glm5_core.conformance.families import checks, family_names
 from glm5_core.conformance.report import write_reports
 from glm5_core.conformance.runner import run_check
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_backend_argument(parser)
     parser.add_argument("--out", default="conformance-report", help="folder for the JSON and Markdown reports")
-    parser.add_argument("--family", choices=families(), action="append",
+    parser.add_argument("--family", choices=family_names(), action="append",
                         help="run only these op families (repeatable; default: all)")
     parser.add_argument("--strict", action="store_true", help="same as GLM5_STRICT=1: every reference fallback fails")
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out: cannot create the report folder {str(out_dir)!r}: {exc.strerror}") from exc
-    selected = [c for fam in (args.family or families()) for c in checks(fam)]
+    selected = [c for fam in (args.family or family_names()) for c in checks(fam)]
     results = []
     try:
         from tqdm import tqdm

@@ -24,12 +24,12 @@ def op_families() -> Tuple[str, ...]:
     return tuple(dict.fromkeys(spec.family for spec in registry.op_specs().values()))
 
 
-def families() -> Tuple[str, ...]:
+def family_names() -> Tuple[str, ...]:
     """Every conformance family: the ops' families, then :data:`PROPERTY_FAMILIES`."""
     return op_families() + PROPERTY_FAMILIES
 
 
-FAMILIES = families()
+FAMILIES = family_names()
 
 
 def family_module(family: str) -> ModuleType:
@@ -50,7 +50,7 @@ def family_module(family: str) -> ModuleType:
 
 def checks(family: Optional[str] = None) -> List[Check]:
     """All conformance checks, or those of one family."""
-    names = families()
+    names = family_names()
     if family is not None and family not in names:
         raise ValueError(f"family: expected one of {names}, got {family!r}")
     return [c for fam in ([family] if family else names) for c in family_module(fam).checks()]

@@ -13,7 +13,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.conformance.check import Result
-from glm5_core.conformance.families import families
+from glm5_core.conformance.families import family_names
 
 
 def environment(backend: str) -> Dict[str, str]:
@@ -46,7 +46,7 @@ def write_reports(results: List[Result], backend: str, out_dir: Path) -> Dict[st
              f"{counts['fallback']} ran the reference fallback.", "", "## Op coverage", "",
              "| op | implementation | why the reference |", "|---|---|---|"]
     lines += [f"| {c['op']} | `{c['implementation']}` | {c['reason']} |" for c in coverage]
-    for family in families():
+    for family in family_names():
         rows = [r for r in results if r.family == family]
         if not rows:
             continue
