@@ -13,7 +13,8 @@ from typing import List, Optional
 
 SUBCOMMANDS = {
     "backends": ("glm5_core.cli_backends", "list backends, whether each is available, and what every op resolves to"),
-    "conformance": ("glm5_core.conformance", "check a backend against the reference and write JSON + Markdown reports"),
+    "conformance": ("glm5_core.conformance.cli",
+                    "check a backend against the reference and write JSON + Markdown reports"),
     "pretrain": ("glm5_core.train.cli", "pretrain a GLM-5-style model from a YAML config"),
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),

@@ -19,7 +19,7 @@ count is padded to a multiple of ``_GEMM_ROW_BLOCK`` and whose key count to a mu
 (BLAS libraries switch to GEMV or small-matrix kernels, with another summation order, for few rows or few
 keys: a 4-slot prefill and a 40-slot decode cache used to round the same q.k differently, and near-tied keys
 swapped), and the head sum is an explicit loop in head order, so every score is computed by the same
-sequence of roundings whatever the batch shape and cache length. ``glm5_core.determinism`` checks it.
+sequence of roundings whatever the batch shape and cache length. ``glm5_core.conformance.determinism`` checks it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Determinism checks: what makes a backend's top-k RL-stable.
+"""The ``determinism`` conformance family: what makes a backend's top-k RL-stable.
 
 * repeatability: the same call twice gives the same bits;
 * batch invariance: a query row gives the same bits alone, in any batch, and in any chunking of the
@@ -19,6 +19,7 @@ from typing import Callable, Dict, List
 import torch
 
 from glm5_core import testing
+from glm5_core.conformance.check import Check
 from glm5_core.ops import dsa, moe
 
 DETERMINISM_SHAPE = testing.IndexerShape(B=3, T=11, S=29, H=4, D=16, K=6)
@@ -189,3 +190,9 @@ CHECK_OPS["route_batch_invariance"] = ["moe_route"]
 CHECK_OPS["sparse_prefill_backward_repeatability"] = ["dsa_sparse_prefill"]
 CHECK_OPS["sparse_expanded_backward_repeatability"] = ["dsa_sparse_prefill_expanded"]
 CHECK_OPS["fused_experts_backward_repeatability"] = ["moe_fused_experts"]
+
+
+def checks() -> List[Check]:
+    """The checks above as conformance checks (properties: run on the reference too)."""
+    return [Check("determinism", name, tuple(CHECK_OPS[name]), fn, against_reference=False)
+            for name, fn in CHECKS.items()]

@@ -1,4 +1,5 @@
-"""Malformed inputs to every public op raise ValueError / TypeError naming the argument (property tests)."""
+"""Malformed inputs to every public op raise ValueError / TypeError naming the argument (property tests): the
+argument and value checks of ``glm5_core.ops._checks`` as the entry points apply them."""
 import math
 
 import pytest

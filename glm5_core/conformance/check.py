@@ -1,0 +1,46 @@
+"""What a conformance check is (:class:`Check`), what running one gives (:class:`Result`), the form of a
+gradient case (:data:`GradCase`), and the helpers every family's checks share."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from glm5_core import testing
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+CheckFn = Callable[[str, str], testing.Comparison]  # (backend, device) -> comparison
+# A gradient case: (entry point call taking the backend first, reference call, float inputs to differentiate).
+GradCase = Tuple[Callable, Callable, Dict[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    family: str
+    name: str
+    ops: Sequence[str]
+    fn: CheckFn
+    # False: a property (determinism, two forms agreeing) worth checking on the reference too
+    against_reference: bool = True
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass
+class Result:
+    family: str
+    check: str
+    ops: List[str]
+    status: str  # "pass" | "fail" | "error" | "fallback"
+    max_error: Optional[float]
+    allowed: Optional[float]
+    detail: str
+    seconds: float
+
+
+def fp64(inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``inputs`` with every floating tensor in fp64 (integer tensors unchanged)."""
+    return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in inputs.items()}
