@@ -73,8 +73,8 @@ def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
         _, ids = _reference_routing(shape, device, seed=12)
         x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
         w = (x["w_gate"], x["w_up"], x["w_down"])
-        out = moe.grouped_swiglu(x_sorted, counts, *w, backend=backend)
-        ref = moe.grouped_swiglu_reference
+        out = moe.experts(x_sorted, counts, *w, backend=backend)
+        ref = moe.experts_reference
         return testing.compare_to_fp64(out, ref(x_sorted, counts, *w),
                                        ref(x_sorted.double(), counts, *(t.double() for t in w)), dtype)
 
@@ -158,8 +158,8 @@ def _combine_grad(device: str) -> GradCase:
 def _experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
     x, _, ids = _expert_grad_inputs(device, shape)
     x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
-    return (lambda be, **t: moe.grouped_swiglu(**t, counts=counts, backend=be),
-            lambda **t: moe.grouped_swiglu_reference(**t, counts=counts),
+    return (lambda be, **t: moe.experts(**t, counts=counts, backend=be),
+            lambda **t: moe.experts_reference(**t, counts=counts),
             {"x_sorted": x_sorted, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
 
 

@@ -1,5 +1,15 @@
 """DeepSeek Sparse Attention: the lightning indexer, its deterministic top-k, and sparse MLA attention.
 
+The ops of this family (``OPS`` at the end declares them), each ``dsa_<name>`` with entry point ``<name>``:
+
+  dsa_indexer_scores             indexer_scores             indexer_scores_reference
+  dsa_indexer_topk               indexer_topk               indexer_topk_reference
+  dsa_sparse_prefill             sparse_prefill             sparse_attention_reference   (absorbed, latent keys)
+  dsa_sparse_decode              sparse_decode              sparse_attention_reference
+  dsa_sparse_prefill_expanded    sparse_prefill_expanded    sparse_prefill_expanded_reference  (per-head keys)
+  dsa_selected_index_scores      selected_index_scores      ``ops/selected_index_scores.py``'s reference
+  dsa_selected_attention_target  selected_attention_target  ``ops/selected_attention_target.py``'s reference
+
 Legend (sizes):
   B batch, T queries, S key slots, H indexer heads, D index_head_dim, K top-k width,
   MLA sizes as in ``glm5_core.ops.mla`` (Dn, Dr, Dv, C; ``Hm`` attention heads).

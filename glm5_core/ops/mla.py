@@ -1,5 +1,8 @@
 """Multi-head latent attention (MLA): prefill in the expanded form, decode in the weight-absorbed form.
 
+The ops of this family (``OPS`` declares them): ``mla_prefill`` (entry point ``prefill``, reference
+``prefill_reference``) and ``mla_decode`` (``decode``, ``decode_reference``).
+
 Legend (sizes):
   B batch, T queries, S key slots (latent cache length), H heads,
   Dn = qk_nope_head_dim, Dr = qk_rope_head_dim, Dv = v_head_dim, C = kv_lora_rank (the latent width).

@@ -1,5 +1,8 @@
 """Muon's Newton-Schulz orthogonalisation, batched, and the per-head split used by Muon Split.
 
+The op of this family (``OPS`` declares it): ``muon_orthogonalize`` (entry point ``orthogonalize``, reference
+``orthogonalize_reference``).
+
 Legend: G [..., m, n] a batch of matrices; inside the iteration X is wide (m <= n; tall inputs are
 transposed) so the Gram matrix A = X X^T is the smaller m x m one.
 

@@ -42,7 +42,7 @@ def valid_args(op):
     if op == "moe.dispatch":
         return {"x": testing.make_expert_inputs(MOE_SHAPE)["x"],
                 "expert_ids": torch.randint(0, 8, (5, 2), dtype=torch.int32), "num_experts": 8}
-    if op == "moe.grouped_swiglu":
+    if op == "moe.experts":
         x = testing.make_expert_inputs(MOE_SHAPE)
         return {"x_sorted": x["x"], "counts": torch.tensor([2, 3, 0, 0, 0, 0, 0, 0]), "w_gate": x["w_gate"],
                 "w_up": x["w_up"], "w_down": x["w_down"]}
@@ -61,7 +61,7 @@ CALLS = {
     "moe.route": lambda **a: moe.route(a["logits"], a["bias"], top_k=a["top_k"], n_group=a["n_group"],
                                        topk_group=a["topk_group"], routed_scaling_factor=a["routed_scaling_factor"]),
     "moe.dispatch": lambda **a: moe.dispatch(a["x"], a["expert_ids"], num_experts=a["num_experts"]),
-    "moe.grouped_swiglu": lambda **a: moe.grouped_swiglu(a["x_sorted"], a["counts"], a["w_gate"], a["w_up"],
+    "moe.experts": lambda **a: moe.experts(a["x_sorted"], a["counts"], a["w_gate"], a["w_up"],
                                                          a["w_down"]),
     "muon.orthogonalize": lambda **a: muon.orthogonalize(a["G"], steps=a["steps"]),
 }
@@ -126,7 +126,7 @@ def test_malformed_tensor_arguments_are_rejected_by_name(op, how, which, dim_cho
     ("moe.route", "topk_group", 3), ("moe.route", "routed_scaling_factor", -1.0), ("moe.dispatch", "num_experts", 0),
     ("muon.orthogonalize", "steps", 0), ("dsa.sparse_decode", "topk_idx", torch.full((2, 3, 3), 7)),
     ("moe.dispatch", "expert_ids", torch.full((5, 2), 8)),
-    ("moe.grouped_swiglu", "counts", torch.ones(8, dtype=torch.int64)),
+    ("moe.experts", "counts", torch.ones(8, dtype=torch.int64)),
     # sizes an argument asks for that no machine holds: [B, T, topk] int32 outputs, [E] int64 counts
     ("dsa.indexer_topk", "topk", 2**45), ("moe.dispatch", "num_experts", 2**50),
 ])
