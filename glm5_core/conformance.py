@@ -20,10 +20,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from glm5_core import determinism, registry, testing
+from glm5_core import conformance_ep, determinism, registry, testing
 from glm5_core.ops import dsa, mla, moe, muon
 
-FAMILIES = ("mla", "dsa", "moe", "muon", "gradients", "determinism")
+FAMILIES = ("mla", "dsa", "moe", "ep", "muon", "gradients", "determinism")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 TOPK_REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -510,6 +510,7 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
     "moe_combine": _combine_grad,
     "moe_experts": _experts_grad,
     "moe_fused_experts": _fused_experts_grad,
+    **conformance_ep.GRAD_CASES,  # the expert-parallel family's (group=None)
 }
 
 
@@ -603,7 +604,11 @@ def _determinism_checks() -> List[Check]:
             for name, fn in determinism.CHECKS.items()]
 
 
-_BUILDERS = {"mla": _mla_checks, "dsa": _dsa_checks, "moe": _moe_checks, "muon": _muon_checks,
+def _ep_checks() -> List[Check]:
+    return [Check("ep", name, ops, fn) for name, ops, fn in conformance_ep.checks()]
+
+
+_BUILDERS = {"mla": _mla_checks, "dsa": _dsa_checks, "moe": _moe_checks, "ep": _ep_checks, "muon": _muon_checks,
              "gradients": _grad_checks, "determinism": _determinism_checks}
 
 
