@@ -101,7 +101,7 @@ def all_to_all_rows(rows: torch.Tensor, send_splits: Sequence[int], recv_splits:
                     group: dist.ProcessGroup) -> torch.Tensor:
     """Rows [sum(send_splits), ...] -> [sum(recv_splits), ...]: the i-th block of ``send_splits[i]`` rows goes to
     rank i, the block from rank i arrives i-th. The one transport of the family (``all_to_all_single`` with
-    uneven splits: gloo, nccl and hccl take it)."""
+    uneven splits, which every collective backend takes)."""
     out = rows.new_empty((int(sum(recv_splits)),) + tuple(rows.shape[1:]))
     dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=list(recv_splits),
                            input_split_sizes=list(send_splits), group=group)
