@@ -1,0 +1,97 @@
+"""Conformance checks of the expert-parallel family (``glm5_core.ops.ep``).
+
+Today they run in ONE process (``group=None``: expert parallelism of size 1): a backend's ``ep_dispatch`` /
+``ep_combine`` must then be bitwise the single-device reference (``moe.dispatch_reference`` /
+``moe.combine_reference``), and carry the reference's gradients. The multi-process contract (EP=N bitwise the
+concatenated batch on one device, bad arguments raised on every rank) is checked by ``tests/ops/test_ep.py`` on
+gloo processes; running it from ``glm5 conformance`` is still to come.
+
+The runner reads :func:`checks` (the ``ep`` family, found from ``OpSpec.family``) and :data:`GRAD_CASES` (the
+backward inputs, read by ``gradients.py``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import torch
+
+from glm5_core import testing
+from glm5_core.conformance.check import Check, GradCase
+from glm5_core.ops import ep, moe
+
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+GRAD_SHAPE = testing.MOE_SHAPES[2]
+
+
+def _inputs(shape: testing.MoEShape, dtype: torch.dtype, device: str, seed: int):
+    x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=seed)["x"]
+    logits = testing.make_route_inputs(shape, device=device, seed=seed + 1)["logits"]
+    weights, ids = moe.route_reference(logits, None, top_k=shape.K, routed_scaling_factor=2.5)
+    return x, weights, ids
+
+
+def _differs(what: str) -> testing.Comparison:
+    return testing.Comparison(False, float("inf"), 0.0, what)
+
+
+def _dispatch_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str, str], testing.Comparison]:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x, weights, ids = _inputs(shape, dtype, device, seed=40)
+        handle = ep.dispatch(x, ids, weights, group=None, num_experts=shape.E, backend=backend)
+        rows, _, counts = moe.dispatch_reference(x, ids, num_experts=shape.E)
+        for name, got, want in (("rows", handle.rows, rows), ("counts", handle.counts, counts)):
+            if got.dtype != want.dtype or not torch.equal(got.cpu(), want.cpu()):
+                return _differs(f"{name} differs from moe.dispatch_reference's")
+        return testing.Comparison(True, 0.0, 0.0, "rows and counts bitwise moe.dispatch_reference's (group=None)")
+
+    return fn
+
+
+def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str, str], testing.Comparison]:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x, weights, ids = _inputs(shape, dtype, device, seed=42)
+        handle = ep.dispatch_reference(x, ids, weights, group=None, num_experts=shape.E)
+        y = handle.rows * 1.5  # stands in for the experts' outputs
+        got = ep.combine(y, handle, backend=backend)
+        want = moe.combine_reference(y, handle.sort_idx, weights)
+        if got.dtype != want.dtype or not torch.equal(got.cpu(), want.cpu()):
+            return _differs("differs from moe.combine_reference's")
+        return testing.Comparison(True, 0.0, 0.0, "bitwise moe.combine_reference's (group=None)")
+
+    return fn
+
+
+def checks() -> List[Check]:
+    """Each check of the ``ep`` family."""
+    found = []
+    for shape in testing.MOE_SHAPES:
+        for dtype, tag in DTYPES.items():
+            found.append(Check("ep", f"ep_dispatch[{tag}-{shape}-group_None]", ("ep_dispatch",),
+                               _dispatch_check(shape, dtype)))
+            found.append(Check("ep", f"ep_combine[{tag}-{shape}-group_None]", ("ep_combine",),
+                               _combine_check(shape, dtype)))
+    return found
+
+
+def _dispatch_grad(device: str) -> GradCase:
+    x, weights, ids = _inputs(GRAD_SHAPE, torch.float32, device, seed=44)
+    E = GRAD_SHAPE.E
+    return (lambda be, **t: ep.dispatch(**t, expert_ids=ids, weights=weights, group=None, num_experts=E,
+                                        backend=be).rows,
+            lambda **t: ep.dispatch_reference(**t, expert_ids=ids, weights=weights, group=None, num_experts=E).rows,
+            {"x": x})
+
+
+def _combine_grad(device: str) -> GradCase:
+    x, weights, ids = _inputs(GRAD_SHAPE, torch.float32, device, seed=46)
+
+    def handle(w):
+        return ep.dispatch_reference(x, ids, w, group=None, num_experts=GRAD_SHAPE.E)
+
+    rows = handle(weights).rows
+    return (lambda be, rows, weights: ep.combine(rows, handle(weights), backend=be),
+            lambda rows, weights: ep.combine_reference(rows, weights, handle(weights)),
+            {"rows": rows, "weights": weights})
+
+
+GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {"ep_dispatch": _dispatch_grad, "ep_combine": _combine_grad}
