@@ -6,8 +6,8 @@ from typing import Dict
 from glm5_core import platform
 from glm5_core.backends.cuda.device import gpu_probe
 from glm5_core.backends.rocm.device import DEVICE
-from glm5_core.backends.triton.table import MISSING
-from glm5_core.registry import Backend, Kernel
+from glm5_core.backends.triton.vendor import triton_backend
+from glm5_core.registry import Kernel
 
 
 def aiter_available() -> bool:
@@ -29,14 +29,11 @@ def kernel_table() -> Dict[str, Kernel]:
     return table
 
 
-BACKEND = Backend(
+BACKEND = triton_backend(
     name="rocm",
     facts=DEVICE,
-    probe=functools.partial(platform.triton_backend_probe, functools.partial(gpu_probe, "rocm")),
+    device_probe=functools.partial(gpu_probe, "rocm"),
     kernel_table=kernel_table,
-    missing=MISSING,  # shared by every Triton vendor
-    runtime_device=functools.partial(platform.triton_runtime_device, DEVICE.device_type),
     description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
-    detect=lambda: gpu_probe("rocm")[0],
     priority=20,
 )

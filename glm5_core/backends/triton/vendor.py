@@ -1,0 +1,33 @@
+"""A Triton vendor's :class:`~glm5_core.registry.Backend`, from what the vendor brings: its device facts, its device
+probe, its kernel table (the shared kernels with its launch configs) and its priority. What every Triton vendor shares
+is filled in here once: the probe (the vendor's device and triton, or the interpreter on CPU tensors), the runtime
+device (``cpu`` under the interpreter), the missing-op reasons and detection by the device probe.
+
+Import-light: triton is imported by the vendor's ``kernel_table`` only.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping, Tuple, Union
+
+from glm5_core import platform
+from glm5_core.backends.triton.table import MISSING
+from glm5_core.device_facts import DeviceFacts
+from glm5_core.registry import Backend, Kernel
+
+
+def triton_backend(*, name: str, facts: DeviceFacts, device_probe: Callable[[], Tuple[bool, str]],
+                   kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]], description: str,
+                   priority: int) -> Backend:
+    """The backend of a Triton vendor named ``name``; ``device_probe()`` is its cached ``(available, reason)``."""
+    return Backend(
+        name=name,
+        facts=facts,
+        probe=functools.partial(platform.triton_backend_probe, device_probe),
+        kernel_table=kernel_table,
+        missing=MISSING,  # shared by every Triton vendor
+        runtime_device=functools.partial(platform.triton_runtime_device, facts.device_type),
+        description=description,
+        detect=lambda: device_probe()[0],
+        priority=priority,
+    )
