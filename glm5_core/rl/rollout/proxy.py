@@ -25,7 +25,10 @@ Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completion
   none is sampled at them. Without them the request's values are used (default 1).
 * The returned ``logprobs`` are the engine's, for the returned tokens (the end-of-turn token is not content).
 
-Requests are untrusted: bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
+Requests are untrusted: each must arrive whole within ``request_deadline`` seconds of its first byte (a client that
+stalls or trickles is dropped; ``socket_timeout`` bounds the wait for the next request on a keep-alive connection),
+a body a route does not read is discarded before the reply (``http_service.RequestHandler``, shared with the engine
+server), bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
 every field is checked (:mod:`openai_protocol`); errors are OpenAI's error body. Engine failures are 503 (the
 engines could not serve: retry), inconsistent engine answers 502.
 """
@@ -35,7 +38,6 @@ import contextlib
 import dataclasses
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
@@ -57,13 +59,14 @@ from glm5_core.rl.rollout.openai_protocol import (
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
-from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService
-from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
+from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService, RequestHandler
+from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_REQUEST_DEADLINE = 30.0  # seconds from a request's first byte to its last (the engine server's default)
 MAX_TRAJECTORY_ID_CHARS = 256
 
 
@@ -94,6 +97,7 @@ class OpenAIProxy(HTTPService):
                  model_name: str = "glm5-core", default_max_tokens: int = 256, max_new_tokens: int = 1024,
                  port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
+                 request_deadline: float = DEFAULT_REQUEST_DEADLINE,
                  max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
                  tool_parser: Optional[ToolCallParser] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, return_routed_experts: bool = False,
@@ -111,6 +115,9 @@ class OpenAIProxy(HTTPService):
         if not socket_timeout > 0:
             raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
         self.socket_timeout = float(socket_timeout)
+        if not request_deadline > 0:
+            raise ValueError(f"request_deadline: expected seconds > 0, got {request_deadline!r}")
+        self.request_deadline = float(request_deadline)
         self.temperature = None if temperature is None else check_training_temperature(temperature, "temperature")
         self.top_p = None if top_p is None else check_top_p(top_p)
         self.tokenizer = tokenizer
@@ -333,29 +340,27 @@ class OpenAIProxy(HTTPService):
     def _handler_class(self):
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = proxy.socket_timeout
-
-            def log_message(self, fmt, *args):  # quiet
-                return
+        class Handler(RequestHandler):
+            socket_timeout = proxy.socket_timeout
+            request_deadline = proxy.request_deadline
+            max_body_bytes = proxy.max_body_bytes
 
             def _body(self) -> Any:
-                return parse_json_body(read_body(self, proxy.max_body_bytes), proxy.max_json_depth)
+                return parse_json_body(self.body(), proxy.max_json_depth)
 
             def _serve(self, route) -> None:
                 try:
-                    write_reply(self, 200, route())
+                    self.reply(200, route())
                 except ClientStalledError:  # nobody to answer
                     self.close_connection = True
                 except BodyError as exc:  # 411 / 413 (the body unread: the connection closes), bad JSON
                     if exc.close:
                         self.close_connection = True
-                    write_reply(self, exc.status, OpenAIError(str(exc), status=exc.status).body())
+                    self.reply(exc.status, OpenAIError(str(exc), status=exc.status).body())
                 except OpenAIError as exc:
-                    write_reply(self, exc.status, exc.body())
+                    self.reply(exc.status, exc.body())
                 except Exception as exc:  # a bug here or in the engine path: report, keep serving
-                    write_reply(self, 500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
+                    self.reply(500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
                                                        type="server_error").body())
 
             def do_GET(self):
@@ -375,8 +380,7 @@ class OpenAIProxy(HTTPService):
                 elif path == "/v1/completions":
                     self._serve(lambda: proxy.handle_completion(self._body(), header))
                 else:
-                    self.close_connection = True  # the body is not read
-                    self._serve(self._not_found)
+                    self._serve(self._not_found)  # its body is discarded (or the connection closed) by reply
 
             def _not_found(self):
                 raise OpenAIError(f"unknown route {self.command} {self.path[:200]}", status=404, code="not_found")
