@@ -7,7 +7,10 @@ Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completion
 * Each request names its trajectory in the ``X-Trajectory-Id`` header or, without the header, the ``user`` field.
   The driver opens a trajectory (:meth:`OpenAIProxy.open_trajectory`) before starting its agent and closes it
   (:meth:`OpenAIProxy.close_trajectory`) when the episode is over, taking its recorded samples; a request for a
-  trajectory that is not open is refused (``auto_open`` opens them on first use instead, for standalone serving).
+  trajectory that is not open is refused (``auto_open`` opens them on first use instead, for standalone serving;
+  nobody closes those, so an auto-opened trajectory whose first request failed is closed at once, and one idle for
+  ``idle_trajectory_timeout`` seconds is closed, its record dropped, when ``max_trajectories`` are open and a new
+  one needs room).
   Requests of one trajectory are served one at a time, in arrival order.
 * Chat requests are turned into token ids by the trajectory's :class:`ChatTranscript` (appending to the recorded
   ids while the agent's messages extend them; see that module), completion requests from their ``prompt`` (token
@@ -79,6 +82,8 @@ class ProxyTrajectory:
     transcript: ChatTranscript
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     closed: bool = False
+    auto_opened: bool = False  # opened by a request (``auto_open``), not by the driver
+    last_used: float = dataclasses.field(default_factory=time.monotonic)  # when its last request ended
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -99,6 +104,7 @@ class OpenAIProxy(HTTPService):
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
                  request_deadline: float = DEFAULT_REQUEST_DEADLINE,
                  max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
+                 idle_trajectory_timeout: float = 600.0,
                  tool_parser: Optional[ToolCallParser] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, return_routed_experts: bool = False,
                  return_indexer_topk: bool = False):
@@ -112,6 +118,9 @@ class OpenAIProxy(HTTPService):
         self.max_body_bytes = _check_int("max_body_bytes", max_body_bytes, 1)
         self.max_json_depth = _check_int("max_json_depth", max_json_depth, 2)
         self.max_trajectories = _check_int("max_trajectories", max_trajectories, 1)
+        if not idle_trajectory_timeout > 0:
+            raise ValueError(f"idle_trajectory_timeout: expected seconds > 0, got {idle_trajectory_timeout!r}")
+        self.idle_trajectory_timeout = float(idle_trajectory_timeout)
         if not socket_timeout > 0:
             raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
         self.socket_timeout = float(socket_timeout)
@@ -147,11 +156,27 @@ class OpenAIProxy(HTTPService):
         self.stop_serving()
 
     # -- trajectories ----------------------------------------------------------------------------------------
-    def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:
+    def _evict_idle_locked(self) -> None:
+        """Close the auto-opened trajectories no request has used for ``idle_trajectory_timeout`` seconds (nobody
+        closes those; their records are dropped)."""
+        now = time.monotonic()
+        for trajectory_id, record in list(self._trajectories.items()):
+            if not record.auto_opened or now - record.last_used < self.idle_trajectory_timeout:
+                continue
+            if record.lock.acquire(blocking=False):  # a request in flight keeps it
+                try:
+                    record.closed = True
+                    del self._trajectories[trajectory_id]
+                finally:
+                    record.lock.release()
+
+    def _open_locked(self, trajectory_id: str, *, auto: bool = False) -> ProxyTrajectory:
+        if len(self._trajectories) >= self.max_trajectories:
+            self._evict_idle_locked()
         if len(self._trajectories) >= self.max_trajectories:
             raise ValueError(f"trajectory_id: {self.max_trajectories} trajectories already open (max_trajectories)")
         record = ProxyTrajectory(trajectory_id, TITOGateway(trajectory_id, self.generate_fn, **self.replay),
-                                 ChatTranscript(self.tokenizer))
+                                 ChatTranscript(self.tokenizer), auto_opened=auto)
         self._trajectories[trajectory_id] = record
         return record
 
@@ -189,7 +214,7 @@ class OpenAIProxy(HTTPService):
             record = self._trajectories.get(trajectory_id)
             if record is None and self.auto_open:
                 try:
-                    record = self._open_locked(trajectory_id)
+                    record = self._open_locked(trajectory_id, auto=True)
                 except ValueError as exc:
                     raise OpenAIError(str(exc), status=429, type="rate_limit_error", param=param) from None
         if record is None:
@@ -276,7 +301,15 @@ class OpenAIProxy(HTTPService):
             if record.closed:
                 raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
                                   code="trajectory_not_found")
-            yield record
+            try:
+                yield record
+            finally:
+                record.last_used = time.monotonic()
+                if record.auto_opened and record.gateway.num_requests == 0:  # its first request failed: nothing
+                    record.closed = True  # was generated, nobody will close it; a retry opens it afresh
+                    with self._lock:
+                        if self._trajectories.get(record.trajectory_id) is record:
+                            del self._trajectories[record.trajectory_id]
 
     def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
         request: ChatRequest = parse_chat_request(body)
@@ -296,7 +329,11 @@ class OpenAIProxy(HTTPService):
             content, calls = self.tool_parser.parse(text) if request.tools else (text, [])
             finish = response["meta_info"]["finish_reason"]["type"]
             reason = "length" if finish == "length" else "tool_calls" if calls else "stop"
-            assistant = parse_message({"role": "assistant", "content": content, "tool_calls": calls}, 0)
+            try:
+                assistant = parse_message({"role": "assistant", "content": content, "tool_calls": calls}, 0)
+            except OpenAIError:  # the model's output, not the client's request: its text, without tool calls
+                content, calls, reason = text, [], "stop" if finish != "length" else "length"
+                assistant = parse_message({"role": "assistant", "content": content}, 0)
             record.transcript.record(request.messages, request.tools, prompt_ids, assistant, response["output_ids"],
                                      None if stop is None else self.tokenizer.token_text(stop))
         token_logprobs = None
