@@ -142,3 +142,27 @@ def test_assign_takes_values_as_they_are():
     raw = {}
     assign(raw, "output_dir", "runs/a: b #c")  # a flag's value is not YAML
     assert raw == {"output_dir": "runs/a: b #c"}
+
+
+def _cli(capsys, *argv):
+    """(exit code, stderr) of ``glm5 ARGV`` run in this process."""
+    from glm5_core import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["pretrain", "rl"])
+@pytest.mark.parametrize("text,message", [
+    ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than"),  # past the composer's recursion limit
+    ("seed: 0\x00\n", "unacceptable character #x0000"),  # the reader refuses it before parsing
+], ids=["deep", "nul"])
+def test_deep_or_unprintable_yaml_is_one_line_naming_the_file_exit_2(tmp_path, capsys, command, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    code, err = _cli(capsys, command, "--config", str(path), "--check-config")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"{path}: " in err and message in err, err
