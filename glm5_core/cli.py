@@ -80,6 +80,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"glm5 {name}: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError as exc:  # the config check's estimate is a lower bound: an allocation can still fail
+        if os.environ.get("GLM5_DEBUG"):
+            raise
+        print(f"glm5 {name}: error: out of memory{f' ({exc})' if str(exc) else ''}: the run needs more than this "
+              "machine has; make the model, batch or sequence smaller (GLM5_DEBUG=1 shows where)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

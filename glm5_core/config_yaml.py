@@ -49,15 +49,21 @@ def read_config_file(path: str, flag: str = "--config") -> str:
 
 def load_yaml(text: str, source: str) -> Any:
     """One YAML document, parsed after the checks above; a problem raises ConfigError (one line)."""
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
-        node = loader.get_single_node()
+        loader = yaml.SafeLoader(text)  # its reader refuses unprintable characters (NUL, ...) at once
+        node = loader.get_single_node()  # composed recursively: a deep document exhausts the recursion limit
         if node is None:
             return None
         _check_nodes(node, source)
         return loader.construct_document(node)
     except ConfigError:
         raise
+    except RecursionError:
+        raise ConfigError([f"nested more than {MAX_DEPTH} levels deep"], source) from None
+    except yaml.reader.ReaderError as exc:
+        raise ConfigError([f"character {exc.position + 1}: not valid YAML: unacceptable character "
+                           f"#x{exc.character:04x} (control characters are not allowed)"], source) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -70,7 +76,8 @@ def load_yaml(text: str, source: str) -> Any:
         # of more digits than Python converts)
         raise ConfigError([f"not valid YAML: {str(exc).splitlines()[0]}"], source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_nodes(root: yaml.Node, source: str) -> None:

@@ -140,14 +140,21 @@ def dispatch_reference(x, expert_ids, *, num_experts: int):
 
 
 def combine_reference(y_sorted, sort_idx, weights):
-    """out[n] = sum_j weights[n, j] * y[row of (n, j)], summed in slot order. Returns [N, D]."""
+    """out[n] = sum_j weights[n, j] * y[row of (n, j)], summed in slot order. Returns [N, D].
+
+    Defined for any in-range ``sort_idx``, not only dispatch's permutations (``combine`` refuses others only while
+    value checks are on): the row of an assignment is the LAST sorted row naming it, and an assignment no row
+    names reads row 0. A max is order-independent, so this is deterministic on every device, at the cost of the
+    plain scatter it replaces (an ``empty`` inverse read uninitialised memory for such assignments)."""
     N, K = weights.shape
     D = y_sorted.shape[-1]
     if K == 0:  # no slots: the empty sum
         return y_sorted.new_zeros(N, D)
     ct = _checks.compute_dtype(y_sorted.dtype)
-    inverse = torch.empty_like(sort_idx, dtype=torch.int64)  # int64 whatever sort_idx is: arange below is int64
-    inverse[sort_idx] = torch.arange(sort_idx.numel(), device=sort_idx.device)  # flat assignment -> sorted row
+    M = sort_idx.numel()
+    rows = torch.arange(M, device=sort_idx.device)
+    inverse = torch.zeros(M, dtype=torch.int64, device=sort_idx.device).scatter_reduce_(
+        0, sort_idx.long(), rows, reduce="amax")  # flat assignment -> sorted row
     y = y_sorted.to(ct)[inverse].view(N, K, D)  # [N, K, D]
     w = weights.to(ct)
     out = w[:, 0, None] * y[:, 0]

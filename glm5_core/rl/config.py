@@ -91,6 +91,11 @@ def check_engine_url(url: Any, *, allow_remote: bool, where: str = "url") -> str
         port = parsed.port
     except ValueError:
         port = None
+    if parsed.username is not None or parsed.password is not None or parsed.fragment:
+        shown = parsed._replace(netloc=f"***@{parsed.netloc.rpartition('@')[2]}" if "@" in parsed.netloc
+                                else parsed.netloc).geturl()  # the credentials are not repeated into logs
+        raise ValueError(f"{where}: expected no credentials or fragment in the URL (use rollout.api_key), "
+                         f"got {shown!r:.80}")
     if parsed.scheme != "http" or not parsed.hostname or port is None or parsed.path.strip("/") or parsed.query:
         raise ValueError(f"{where}: expected an http://HOST:PORT address, got {url!r:.80}")
     if not allow_remote and not is_loopback(parsed.hostname):

@@ -60,6 +60,13 @@ class TrainerStarvedError(RuntimeError):
     """No training batch arrived for ``train.max_idle_minutes``: the run cannot make progress."""
 
 
+class FleetUnreachableError(RuntimeError):
+    """An external engine (``rollout.engine_urls``) did not answer ``/health`` within the run's budget."""
+
+
+FLEET_POLL_S = 0.5
+
+
 def build_environment(cfg: RLConfig, vocab_size: int):
     """``rollout.tokenizer`` (None: the byte codec) and the environment ``env`` names (rl/rollout/envs/registry),
     seeded with the run's seed; raises ValueError when the environment's codec does not fit ``vocab_size``."""
@@ -208,11 +215,12 @@ class RLRun:
 
     # -- the run, step by step ----------------------------------------------------------------------------
     def run(self) -> Dict:
+        budget_end = time.monotonic() + self.cfg.max_minutes * 60  # waiting for the fleet counts too
         try:
-            self._start_fleet()
+            self._start_fleet(budget_end)
             eval0 = self._evaluate_at_start()
             info_start = self.replicas.info()
-            progress = self._start_loop()
+            progress = self._start_loop(budget_end)
             while self.trainer.version < self.cfg.max_steps and time.monotonic() < progress.deadline:
                 batch = self._next_batch(progress)
                 if batch is None:
@@ -231,11 +239,20 @@ class RLRun:
         finally:
             self._teardown()
 
-    def _start_fleet(self) -> None:
-        """Start (or reach) the engines; external ones get the trainer's initial weights first, so every
-        engine samples from the policy the trainer starts from."""
+    def _start_fleet(self, budget_end: float) -> None:
+        """Start (or reach) the engines; external ones must answer ``/health`` before ``budget_end``
+        (:class:`FleetUnreachableError` naming the first that did not), then get the trainer's initial weights,
+        so every engine samples from the policy the trainer starts from."""
         self.replicas.start()
         if self.external:
+            for name in self.replicas.names:
+                client = self.replicas.clients[name]
+                while not client.health(timeout=FLEET_POLL_S):
+                    if time.monotonic() + FLEET_POLL_S > budget_end:
+                        raise FleetUnreachableError(
+                            f"rollout.engine_urls: {client.url} ({name}) did not answer /health within the run's "
+                            f"budget (max_minutes {self.cfg.max_minutes:g})")
+                    time.sleep(FLEET_POLL_S)
             self._push_weights()
 
     def _evaluate_at_start(self) -> Optional[Dict[str, float]]:
@@ -259,9 +276,9 @@ class RLRun:
             history=self._checkpoint_history)
         self._checkpointed_version = self.trainer.version
 
-    def _start_loop(self) -> _Progress:
+    def _start_loop(self, budget_end: float) -> _Progress:
         now = time.monotonic()
-        progress = _Progress(started=now, deadline=now + self.cfg.max_minutes * 60, last_batch=now)
+        progress = _Progress(started=now, deadline=budget_end, last_batch=now)
         if self.cfg.mode == "async":
             self._producer = threading.Thread(
                 target=self.runner.run_forever, name="rl-producer", daemon=True,

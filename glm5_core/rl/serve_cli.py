@@ -48,6 +48,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefix-cache-entries: expected an int >= 0, got {args.prefix_cache_entries}")
     if args.api_key == "":
         raise ValueError("--api-key: expected a non-empty key")
+    from glm5_core.rl.serving.client import is_loopback
+
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"glm5 serve: warning: --host {args.host} is reachable from other machines and no --api-key is set: "
+              "anyone who can connect may generate and replace the weights", file=sys.stderr)
     speculative_setting(args)  # a bad count is refused before the checkpoint is read
 
 

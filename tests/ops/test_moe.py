@@ -91,6 +91,25 @@ def test_combine_reference_takes_an_int32_sort_idx():
     torch.testing.assert_close(moe.combine_reference(y, sort_idx.int(), weights), expected, rtol=0, atol=0)
 
 
+def test_combine_reference_is_defined_when_sort_idx_repeats():
+    """Issue 35 item 7: with value checks off a repeated sort_idx reached the reference, whose inverse was
+    torch.empty: assignments no row named read whatever memory held. Now: the last row naming an assignment,
+    row 0 for one no row names, the same on every call."""
+    N, K, D = 4, 2, 3
+    y = torch.arange(N * K * D, dtype=torch.float64).view(N * K, D) + 1
+    weights = torch.ones(N, K, dtype=torch.float64)
+    sort_idx = torch.tensor([0, 1, 2, 3, 3, 5, 6, 7])  # row 4 names assignment 3 again; assignment 4: no row
+    rows = [0, 1, 2, 4, 0, 5, 6, 7]  # assignment -> row as documented
+    expected = y[rows].view(N, K, D).sum(1)
+    for _ in range(3):
+        poison = torch.full((N * K,), 6, dtype=torch.int64)  # freed memory the next empty() may return
+        del poison
+        torch.testing.assert_close(moe.combine_reference(y, sort_idx, weights), expected, rtol=0, atol=0)
+        torch.testing.assert_close(moe.combine_reference(y, sort_idx.int(), weights), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="permutation"):  # with value checks on, combine refuses it
+        moe.combine(y, sort_idx, weights, backend="cpu")
+
+
 @pytest.mark.parametrize("shape", testing.MOE_SHAPES, ids=str)
 def test_experts_matches_per_token_loop(shape):
     x = testing.make_expert_inputs(shape, dtype=torch.float64, seed=6)

@@ -7,7 +7,10 @@ Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completion
 * Each request names its trajectory in the ``X-Trajectory-Id`` header or, without the header, the ``user`` field.
   The driver opens a trajectory (:meth:`OpenAIProxy.open_trajectory`) before starting its agent and closes it
   (:meth:`OpenAIProxy.close_trajectory`) when the episode is over, taking its recorded samples; a request for a
-  trajectory that is not open is refused (``auto_open`` opens them on first use instead, for standalone serving).
+  trajectory that is not open is refused (``auto_open`` opens them on first use instead, for standalone serving;
+  nobody closes those, so an auto-opened trajectory whose first request failed is closed at once, and one idle for
+  ``idle_trajectory_timeout`` seconds is closed, its record dropped, when ``max_trajectories`` are open and a new
+  one needs room).
   Requests of one trajectory are served one at a time, in arrival order.
 * Chat requests are turned into token ids by the trajectory's :class:`ChatTranscript` (appending to the recorded
   ids while the agent's messages extend them; see that module), completion requests from their ``prompt`` (token
@@ -25,7 +28,10 @@ Routes (on 127.0.0.1 only): ``POST /v1/chat/completions``, ``POST /v1/completion
   none is sampled at them. Without them the request's values are used (default 1).
 * The returned ``logprobs`` are the engine's, for the returned tokens (the end-of-turn token is not content).
 
-Requests are untrusted: bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
+Requests are untrusted: each must arrive whole within ``request_deadline`` seconds of its first byte (a client that
+stalls or trickles is dropped; ``socket_timeout`` bounds the wait for the next request on a keep-alive connection),
+a body a route does not read is discarded before the reply (``http_service.RequestHandler``, shared with the engine
+server), bodies are capped (``max_body_bytes``, 413), JSON nesting is bounded (``max_json_depth``),
 every field is checked (:mod:`openai_protocol`); errors are OpenAI's error body. Engine failures are 503 (the
 engines could not serve: retry), inconsistent engine answers 502.
 """
@@ -35,7 +41,6 @@ import contextlib
 import dataclasses
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
@@ -57,13 +62,14 @@ from glm5_core.rl.rollout.openai_protocol import (
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable
-from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService
-from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
+from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService, RequestHandler
+from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_JSON_DEPTH = 64
+DEFAULT_REQUEST_DEADLINE = 30.0  # seconds from a request's first byte to its last (the engine server's default)
 MAX_TRAJECTORY_ID_CHARS = 256
 
 
@@ -76,6 +82,8 @@ class ProxyTrajectory:
     transcript: ChatTranscript
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     closed: bool = False
+    auto_opened: bool = False  # opened by a request (``auto_open``), not by the driver
+    last_used: float = dataclasses.field(default_factory=time.monotonic)  # when its last request ended
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -94,7 +102,9 @@ class OpenAIProxy(HTTPService):
                  model_name: str = "glm5-core", default_max_tokens: int = 256, max_new_tokens: int = 1024,
                  port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  max_json_depth: int = DEFAULT_MAX_JSON_DEPTH, socket_timeout: float = 30.0,
+                 request_deadline: float = DEFAULT_REQUEST_DEADLINE,
                  max_connections: int = 256, max_trajectories: int = 4096, auto_open: bool = False,
+                 idle_trajectory_timeout: float = 600.0,
                  tool_parser: Optional[ToolCallParser] = None, temperature: Optional[float] = None,
                  top_p: Optional[float] = None, return_routed_experts: bool = False,
                  return_indexer_topk: bool = False):
@@ -108,9 +118,15 @@ class OpenAIProxy(HTTPService):
         self.max_body_bytes = _check_int("max_body_bytes", max_body_bytes, 1)
         self.max_json_depth = _check_int("max_json_depth", max_json_depth, 2)
         self.max_trajectories = _check_int("max_trajectories", max_trajectories, 1)
+        if not idle_trajectory_timeout > 0:
+            raise ValueError(f"idle_trajectory_timeout: expected seconds > 0, got {idle_trajectory_timeout!r}")
+        self.idle_trajectory_timeout = float(idle_trajectory_timeout)
         if not socket_timeout > 0:
             raise ValueError(f"socket_timeout: expected seconds > 0, got {socket_timeout!r}")
         self.socket_timeout = float(socket_timeout)
+        if not request_deadline > 0:
+            raise ValueError(f"request_deadline: expected seconds > 0, got {request_deadline!r}")
+        self.request_deadline = float(request_deadline)
         self.temperature = None if temperature is None else check_training_temperature(temperature, "temperature")
         self.top_p = None if top_p is None else check_top_p(top_p)
         self.tokenizer = tokenizer
@@ -140,11 +156,27 @@ class OpenAIProxy(HTTPService):
         self.stop_serving()
 
     # -- trajectories ----------------------------------------------------------------------------------------
-    def _open_locked(self, trajectory_id: str) -> ProxyTrajectory:
+    def _evict_idle_locked(self) -> None:
+        """Close the auto-opened trajectories no request has used for ``idle_trajectory_timeout`` seconds (nobody
+        closes those; their records are dropped)."""
+        now = time.monotonic()
+        for trajectory_id, record in list(self._trajectories.items()):
+            if not record.auto_opened or now - record.last_used < self.idle_trajectory_timeout:
+                continue
+            if record.lock.acquire(blocking=False):  # a request in flight keeps it
+                try:
+                    record.closed = True
+                    del self._trajectories[trajectory_id]
+                finally:
+                    record.lock.release()
+
+    def _open_locked(self, trajectory_id: str, *, auto: bool = False) -> ProxyTrajectory:
+        if len(self._trajectories) >= self.max_trajectories:
+            self._evict_idle_locked()
         if len(self._trajectories) >= self.max_trajectories:
             raise ValueError(f"trajectory_id: {self.max_trajectories} trajectories already open (max_trajectories)")
         record = ProxyTrajectory(trajectory_id, TITOGateway(trajectory_id, self.generate_fn, **self.replay),
-                                 ChatTranscript(self.tokenizer))
+                                 ChatTranscript(self.tokenizer), auto_opened=auto)
         self._trajectories[trajectory_id] = record
         return record
 
@@ -182,7 +214,7 @@ class OpenAIProxy(HTTPService):
             record = self._trajectories.get(trajectory_id)
             if record is None and self.auto_open:
                 try:
-                    record = self._open_locked(trajectory_id)
+                    record = self._open_locked(trajectory_id, auto=True)
                 except ValueError as exc:
                     raise OpenAIError(str(exc), status=429, type="rate_limit_error", param=param) from None
         if record is None:
@@ -269,7 +301,15 @@ class OpenAIProxy(HTTPService):
             if record.closed:
                 raise OpenAIError(f"trajectory {record.trajectory_id!r} is closed", status=404,
                                   code="trajectory_not_found")
-            yield record
+            try:
+                yield record
+            finally:
+                record.last_used = time.monotonic()
+                if record.auto_opened and record.gateway.num_requests == 0:  # its first request failed: nothing
+                    record.closed = True  # was generated, nobody will close it; a retry opens it afresh
+                    with self._lock:
+                        if self._trajectories.get(record.trajectory_id) is record:
+                            del self._trajectories[record.trajectory_id]
 
     def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
         request: ChatRequest = parse_chat_request(body)
@@ -289,7 +329,11 @@ class OpenAIProxy(HTTPService):
             content, calls = self.tool_parser.parse(text) if request.tools else (text, [])
             finish = response["meta_info"]["finish_reason"]["type"]
             reason = "length" if finish == "length" else "tool_calls" if calls else "stop"
-            assistant = parse_message({"role": "assistant", "content": content, "tool_calls": calls}, 0)
+            try:
+                assistant = parse_message({"role": "assistant", "content": content, "tool_calls": calls}, 0)
+            except OpenAIError:  # the model's output, not the client's request: its text, without tool calls
+                content, calls, reason = text, [], "stop" if finish != "length" else "length"
+                assistant = parse_message({"role": "assistant", "content": content}, 0)
             record.transcript.record(request.messages, request.tools, prompt_ids, assistant, response["output_ids"],
                                      None if stop is None else self.tokenizer.token_text(stop))
         token_logprobs = None
@@ -333,29 +377,27 @@ class OpenAIProxy(HTTPService):
     def _handler_class(self):
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = proxy.socket_timeout
-
-            def log_message(self, fmt, *args):  # quiet
-                return
+        class Handler(RequestHandler):
+            socket_timeout = proxy.socket_timeout
+            request_deadline = proxy.request_deadline
+            max_body_bytes = proxy.max_body_bytes
 
             def _body(self) -> Any:
-                return parse_json_body(read_body(self, proxy.max_body_bytes), proxy.max_json_depth)
+                return parse_json_body(self.body(), proxy.max_json_depth)
 
             def _serve(self, route) -> None:
                 try:
-                    write_reply(self, 200, route())
+                    self.reply(200, route())
                 except ClientStalledError:  # nobody to answer
                     self.close_connection = True
                 except BodyError as exc:  # 411 / 413 (the body unread: the connection closes), bad JSON
                     if exc.close:
                         self.close_connection = True
-                    write_reply(self, exc.status, OpenAIError(str(exc), status=exc.status).body())
+                    self.reply(exc.status, OpenAIError(str(exc), status=exc.status).body())
                 except OpenAIError as exc:
-                    write_reply(self, exc.status, exc.body())
+                    self.reply(exc.status, exc.body())
                 except Exception as exc:  # a bug here or in the engine path: report, keep serving
-                    write_reply(self, 500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
+                    self.reply(500, OpenAIError(f"{type(exc).__name__}: {exc}", status=500,
                                                        type="server_error").body())
 
             def do_GET(self):
@@ -375,8 +417,7 @@ class OpenAIProxy(HTTPService):
                 elif path == "/v1/completions":
                     self._serve(lambda: proxy.handle_completion(self._body(), header))
                 else:
-                    self.close_connection = True  # the body is not read
-                    self._serve(self._not_found)
+                    self._serve(self._not_found)  # its body is discarded (or the connection closed) by reply
 
             def _not_found(self):
                 raise OpenAIError(f"unknown route {self.command} {self.path[:200]}", status=404, code="not_found")

@@ -4,8 +4,9 @@ The model writes a call as the chat template renders one (Hermes / Qwen style, t
 ``<tool_call>{"name": "calc", "arguments": {"expression": "3+4"}}</tool_call>``. :meth:`ToolCallParser.parse`
 turns sampled text into the assistant message's ``content`` and OpenAI tool calls
 ``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}``. A block that is not a JSON object
-with a string ``name`` and object ``arguments`` is not a call: it stays in ``content`` as the model wrote it, so the
-agent sees it (and the trajectory trains on it as sampled either way).
+with a string ``name`` (1 to ``MAX_ID_CHARS`` characters: what a request's ``tool_calls`` may carry back) and object
+``arguments`` is not a call: it stays in ``content`` as the model wrote it, so the agent sees it (and the trajectory
+trains on it as sampled either way). An invalid call is the model's output, never the client's error.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import re
 import uuid
 from typing import Callable, Dict, List, Optional, Tuple
+
+from glm5_core.rl.rollout.openai_protocol import MAX_ID_CHARS
 
 
 def new_call_id() -> str:
@@ -37,7 +40,7 @@ class ToolCallParser:
         if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
             return None
         name, arguments = value["name"], value["arguments"]
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_ID_CHARS or not isinstance(arguments, dict):
             return None
         return name, arguments
 

@@ -73,7 +73,8 @@ def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def write_reply(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> None:
-    """Answer ``status`` with ``payload``: None an empty body, a str plain text, anything else JSON."""
+    """Answer ``status`` with ``payload``: None an empty body, a str plain text, anything else JSON; with
+    ``Connection: close`` when the handler will close the connection after it."""
     if payload is None:
         data, kind = b"", None
     elif isinstance(payload, str):
@@ -84,5 +85,7 @@ def write_reply(handler: BaseHTTPRequestHandler, status: int, payload: Any) -> N
     if kind is not None:
         handler.send_header("Content-Type", kind)
     handler.send_header("Content-Length", str(len(data)))
+    if getattr(handler, "close_connection", False):
+        handler.send_header("Connection", "close")
     handler.end_headers()
     handler.wfile.write(data)

@@ -23,7 +23,8 @@ Fault handling:
   too (the request never ran: safe to send elsewhere). A request that failed *inside* the engine is a 500.
 * A connection may wait ``socket_timeout`` for its next request, and must then send the whole of it within
   ``request_deadline`` seconds (see ``connections.DeadlineReader``): a client that stalls, or trickles bytes,
-  is dropped, not served by a thread forever.
+  is dropped, not served by a thread forever. A body the route does not read (a 401, a 404, a GET with a body)
+  is discarded before the reply, or the connection closes (``http_service.RequestHandler``).
 * At most ``max_connections`` connections are served at once (one thread each); past that a new connection
   is answered ``503`` with ``Retry-After: 1`` at once and closed (clients treat it as "busy, retry later").
 * While a ``/generate`` runs, the server watches its connection: a client that hung up has its request
@@ -34,16 +35,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import hmac
-import io
 import os
 import threading
-from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from glm5_core.rl.serving.connections import DeadlineReader, peer_closed
+from glm5_core.rl.serving.connections import peer_closed
 from glm5_core.rl.serving.engine import RolloutEngine
-from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService
-from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body, read_body, write_reply
+from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService, RequestHandler
+from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body
 from glm5_core.rl.serving.protocol import parse_generate_request
 from glm5_core.rl.serving.weight_updates import DistributedReceiver, VersionLabels, load_disk_weights
 
@@ -301,29 +300,16 @@ class EngineServer(HTTPService):
             "/end_trajectories": server.handle_end_trajectories,
         }
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self):
-                super().setup()
-                self.connection.settimeout(server.socket_timeout)
-                self.reader = DeadlineReader(self.connection, idle_timeout=server.socket_timeout,
-                                             request_deadline=server.request_deadline)
-                self.rfile = io.BufferedReader(self.reader)
-
-            def handle_one_request(self):
-                self.reader.begin_request()
-                super().handle_one_request()
-
-            def log_message(self, fmt, *args):  # quiet
-                return
+        class Handler(RequestHandler):
+            socket_timeout = server.socket_timeout
+            request_deadline = server.request_deadline
+            max_body_bytes = server.max_body_bytes
 
             def _reply(self, status: int, payload: Any) -> None:
-                write_reply(self, status, payload)
+                self.reply(status, payload)
 
             def _body(self) -> Any:
-                raw = read_body(self, server.max_body_bytes)
-                self.reader.end_request()
+                raw = self.body()
                 return parse_json_body(raw) if raw else {}
 
             def _route(self, routes: Dict, call: Callable) -> None:
@@ -351,7 +337,6 @@ class EngineServer(HTTPService):
                     self._reply(500, {"error": f"{type(exc).__name__}: {exc}"})
 
             def do_GET(self):
-                self.reader.end_request()
                 self._route(get_routes, lambda handler: handler())
 
             def do_POST(self):
