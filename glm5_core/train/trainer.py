@@ -33,6 +33,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.model import GLM5ForCausalLM, save_pretrained
+from glm5_core.model.checkpoint import RUN_EXPORT_DIR
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
@@ -45,7 +46,7 @@ from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot
 from glm5_core.train.schedule import StageSchedule
 
 SUMMARY_FILE = "summary.json"
-EXPORT_DIR = "final"  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
+EXPORT_DIR = RUN_EXPORT_DIR  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
 LAST_LOSS_WINDOW = 50  # the summary's end loss: mean LM loss of this many last steps (batches vary a lot)
 SCHEDULED_KEYS = ("lr", "initial_lr")  # optimizer-group keys the schedule sets every step
 
