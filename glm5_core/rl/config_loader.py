@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from glm5_core.config_schema import ConfigError, build
-from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.run_memory import memory_problems
 
@@ -64,4 +64,7 @@ def load_config(path: str, sets: Sequence[str] = (), values: Optional[Dict[str, 
     data = apply_overrides(load_mapping(path, empty={}), sets)
     for key, value in (values or {}).items():
         assign(data, key, value)
-    return config_from_dict(data, str(path))
+    try:
+        return config_from_dict(data, str(path))
+    except ConfigError as exc:
+        raise blame_overrides(exc, sets) from None
