@@ -75,9 +75,8 @@ def test_glm5_rl_async_on_glm5_serve_trains_and_pushes_every_version(tmp_path, c
         (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
         rc = main(["rl", "--config", str(tmp_path / "rl.yaml"), "--checkpoint", str(checkpoint),
                    "--engine-url", url, "--api-key", "k", "--backend", "cpu"])
-        out = capsys.readouterr().out
         assert rc == 0
-        summary = json.loads(out[out.index("{\n"):])
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["steps"] == 30 and summary["producer_errors"] == []
         assert summary["trained_trajectories"] == 30 * 16 and summary["eval_reward_end"] is not None
         assert EngineClient(url, api_key="k").info()["weight_version"] == "30"
