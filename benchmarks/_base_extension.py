@@ -23,8 +23,6 @@ _REGISTRATION = re.compile(r"TORCH_LIBRARY_(FRAGMENT|IMPL)\(\s*" + extension.NAM
 
 def build(base_tree: Path) -> None:
     """Compile (if needed) and load the base tree's extension as ``torch.ops.glm5_cpu_base``."""
-    from torch.utils import cpp_extension
-
     csrc = Path(base_tree) / "glm5_core" / "backends" / "cpu" / "csrc"
     sources, headers = sorted(csrc.glob("cpu_*.cpp")), sorted(csrc.glob("cpu_*.h"))
     if not sources:
@@ -43,10 +41,9 @@ def build(base_tree: Path) -> None:
         target = renamed / path.name
         if not target.exists() or target.read_text() != text:
             target.write_text(text)
-    with jit_build.exclusive_build(build_dir):
-        cpp_extension.load(name=build_dir.name, sources=[str(renamed / p.name) for p in sources],
-                           extra_cflags=list(flags), extra_ldflags=["-fopenmp"], extra_include_paths=[str(renamed)],
-                           build_directory=str(build_dir), is_python_module=False)
+    jit_build.load_library(build_dir, [renamed / p.name for p in sources], cflags=flags, ldflags=["-fopenmp"],
+                           include_paths=[str(renamed)], what="the base tree's cpu extension",
+                           minutes=extension.BUILD_MINUTES)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ silently), and the document may expand to at most ``MAX_NODES`` nodes counting e
 "billion laughs" file is a few hundred bytes) and nest at most ``MAX_DEPTH`` deep.
 
 ``--set a.b=value`` (``stages[1].steps=20`` for list entries) puts ``value``, read as YAML, at that key of the
-parsed file; the config's schema then checks it as if the file had said it.
+parsed file; the config's schema then checks it as if the file had said it, and :func:`blame_overrides` makes
+a problem with a key that ``--set`` gave name ``--set``, not the file.
 """
 from __future__ import annotations
 
@@ -182,3 +183,23 @@ def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, 
             raise ConfigError([f"expected KEY=VALUE (e.g. data.batch_size=16), got {_shown_text(text)}"], "--set")
         assign(raw, key, load_yaml(value_text, f"--set {key}"))
     return raw
+
+
+def blame_overrides(error: ConfigError, overrides: Sequence[str]) -> ConfigError:
+    """``error`` (the schema's verdict on a file plus ``overrides``) with the problems about keys an override
+    gave blamed on ``--set``: its source when they all are, else each such problem marked ``(from --set)``.
+    A problem is an override's when its leading key is the override's key, inside it, or a section it made."""
+    keys = [text.partition("=")[0].strip() for text in overrides]
+
+    def from_override(problem: str) -> bool:
+        head = problem.split(":", 1)[0]
+        return any(head == key or head.startswith((key + ".", key + "[")) or key.startswith((head + ".", head + "["))
+                   for key in keys if key)
+
+    blamed = [from_override(problem) for problem in error.problems]
+    if not any(blamed):
+        return error
+    if all(blamed):
+        return ConfigError(error.problems, f"--set (over {error.source})")
+    return ConfigError([f"{problem} (from --set)" if by_set else problem
+                        for problem, by_set in zip(error.problems, blamed)], error.source)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -283,8 +284,14 @@ def reset() -> None:
 def get_backend(name: str) -> Backend:
     known = backends()
     if name not in known:
-        raise ValueError(f"backend: expected 'auto' or one of {', '.join(known)}, got {name!r}")
+        raise ValueError(_unknown_backend("backend", name, known))
     return known[name]
+
+
+def _unknown_backend(source: str, name: object, known: Mapping[str, Backend]) -> str:
+    close = difflib.get_close_matches(str(name).lower(), list(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{source}: expected 'auto' or one of {', '.join(known)}, got {name!r}{hint}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -321,7 +328,7 @@ def resolve_backend_name(backend: Optional[str] = None) -> str:
             if not isinstance(candidate, str):
                 raise TypeError(f"{source}: expected a str, got {type(candidate).__name__}")
             if candidate not in backends():
-                raise ValueError(f"{source}: expected 'auto' or one of {', '.join(backends())}, got {candidate!r}")
+                raise ValueError(_unknown_backend(source, candidate, backends()))
             return candidate
     return _auto_backend()
 

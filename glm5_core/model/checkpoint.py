@@ -264,15 +264,32 @@ def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tens
     return tensors
 
 
+RUN_EXPORT_DIR = "final"  # where glm5 pretrain writes a run's weights in this layout (its trainer's EXPORT_DIR)
+
+
+def check_checkpoint_dir(path: PathLike, what: str) -> str:
+    """``path`` as a string when it is a directory holding ``config.json``; else FileNotFoundError naming
+    ``what`` (an argument or flag), suggesting ``<path>/final`` when ``path`` is a pretraining run folder."""
+    path = os.fspath(path)
+    expected = f"{what}: expected a checkpoint directory (config.json + safetensors, as save_pretrained writes)"
+    if not os.path.isdir(path):
+        state = "is not a directory" if os.path.lexists(path) else "does not exist"
+        raise FileNotFoundError(f"{expected}, got {path!r}, which {state}")
+    if not os.path.lexists(os.path.join(path, CONFIG_NAME)):
+        final = os.path.join(path, RUN_EXPORT_DIR)
+        hint = (f"; it looks like a pretraining run folder: did you mean {final!r}?"
+                if os.path.isfile(os.path.join(final, CONFIG_NAME)) else "")
+        raise FileNotFoundError(f"{expected}, got {path!r}, which has no {CONFIG_NAME}{hint}")
+    return path
+
+
 def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCausalLM:
     """Build a GLM5ForCausalLM from a checkpoint directory, in the checkpoint's dtype; eval mode not set.
 
     Order: config values, index, shard headers (names, shapes, dtypes) against a ``meta``-device model of
     the config; only then is tensor data read, once, and assigned to the model (nothing is allocated twice
     and nothing is sized by config.json alone)."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"path: expected a checkpoint directory, got {path!r}")
+    path = check_checkpoint_dir(path, "path")
     raw = _read_config(path)
     weight_map = _weight_map(path)
     specs = hf_layout.drop_empty(hf_layout.split_fused_specs(_read_headers(path, weight_map)))

@@ -10,13 +10,15 @@ data-dependent.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import sys
 import warnings
 
 import torch
 from torch import nn
 
-from glm5_core.model.checkpoint import load_pretrained
+from glm5_core.model.checkpoint import check_checkpoint_dir, load_pretrained
 from glm5_core.model.modeling import GLM5ForCausalLM
 
 DEFAULT_OPSET = 17
@@ -33,6 +35,16 @@ class PrefillLogits(nn.Module):
         return self.model(input_ids, attention="dense").logits
 
 
+def require_onnx() -> None:
+    """ModuleNotFoundError in one line, with the install command, when the ``onnx`` package (the ``[onnx]``
+    extra, which torch.onnx writes the graph with) cannot be imported."""
+    try:
+        importlib.import_module("onnx")
+    except ImportError as exc:
+        raise ModuleNotFoundError(f"the onnx package is not installed ({exc}); install the extra: "
+                                  "pip install 'glm5-core[onnx]'", name="onnx") from None
+
+
 def export_onnx(model: GLM5ForCausalLM, out_path: str, *, seq_len: int = 16, opset: int = DEFAULT_OPSET) -> str:
     """Trace ``model``'s prefill forward with an example of ``seq_len`` tokens and write ``out_path``."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
@@ -40,6 +52,7 @@ def export_onnx(model: GLM5ForCausalLM, out_path: str, *, seq_len: int = 16, ops
     if seq_len > model.config.max_position_embeddings:
         raise ValueError(f"seq_len: expected <= max_position_embeddings={model.config.max_position_embeddings}, "
                          f"got {seq_len}")
+    require_onnx()
     wrapper = PrefillLogits(model).eval()
     # an example that is not all one token, so no routing decision is degenerate while tracing
     example = (torch.arange(2 * seq_len, dtype=torch.int64) % model.config.vocab_size).view(2, seq_len)
@@ -63,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        require_onnx()  # before the checkpoint is read
+    except ModuleNotFoundError as exc:
+        print(f"glm5 export-onnx: error: {exc}", file=sys.stderr)
+        return 2
+    check_checkpoint_dir(args.checkpoint, "--checkpoint")
     model = load_pretrained(args.checkpoint, backend="cpu").float()
     path = export_onnx(model, args.out, seq_len=args.seq_len, opset=args.opset)
     print(f"wrote {path} (input_ids int64 [batch, seq] -> logits float32 [batch, seq, {model.config.vocab_size}])")

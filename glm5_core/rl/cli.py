@@ -86,7 +86,36 @@ def run(args: argparse.Namespace) -> int:
     except (TrainerStarvedError, FleetUnreachableError, RewardError, AgentError) as exc:
         print(f"glm5 rl: error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=2))
+    print(summary_line(summary, cfg.output_dir))
     if summary.get("metrics_skipped"):
         print(f"rl: skipped {', '.join(summary['metrics_skipped'])}: pip install 'glm5-core[metrics]'", file=sys.stderr)
     return 0
+
+
+FAILURE_COUNTS = ("env_failures", "rollout_failures", "reward_failures", "failed_requests", "failed_pushes",
+                  "failed_restarts", "dropped_stale")
+
+
+def summary_line(summary: dict, output_dir: str) -> str:
+    """The run in one human line (as pretraining ends): steps, the eval reward from start to end, throughput,
+    the failures when there were any, where the results are. The whole summary is in ``summary.json``."""
+    parts = [f"{summary['steps']} steps ({summary['mode']})"]
+    start, end = summary.get("eval_reward_start"), summary.get("eval_reward_end")
+    if end is None:
+        parts.append("no evaluation")
+    elif start is None:
+        parts.append(f"eval reward {end:.3f} (end)")
+    else:
+        parts.append(f"eval reward {start:.3f} (step 0) -> {end:.3f} (step {summary['steps']})")
+    parts.append(f"{summary['trained_tokens_per_s']:.0f} trained tokens/s")
+    counts = {name: summary.get(name) for name in FAILURE_COUNTS}
+    failures = [f"{name} {count}" for name, count in counts.items() if isinstance(count, int) and count > 0]
+    agent = summary.get("agent_failures")
+    if isinstance(agent, dict) and any(agent.values()):
+        failures.append(f"agent_failures {sum(agent.values())}")
+    if summary.get("producer_errors"):
+        failures.append(f"producer errors {len(summary['producer_errors'])}")
+    if failures:
+        parts.append(", ".join(failures))
+    parts.append(f"{summary['elapsed_s']:.0f} s; results in {output_dir} (summary.json)")
+    return "rl: " + "; ".join(parts)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from glm5_core import config_paths
 from glm5_core.config_schema import ConfigError, build, check
-from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
 from glm5_core.rl.algorithm.advantages import resolve_advantage
 from glm5_core.rl.algorithm.loss import resolve_loss
 from glm5_core.rl.config import RLConfig
@@ -133,4 +133,7 @@ def load_config(path: str, sets: Sequence[str] = (), values: Optional[Dict[str, 
     data = apply_overrides(load_mapping(path, empty={}), sets)
     for key, value in (values or {}).items():
         assign(data, key, value)
-    return config_from_dict(data, str(path))
+    try:
+        return config_from_dict(data, str(path))
+    except ConfigError as exc:
+        raise blame_overrides(exc, sets) from None

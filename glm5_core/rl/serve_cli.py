@@ -73,6 +73,7 @@ def build(args: argparse.Namespace):
     import torch
 
     from glm5_core.model import load_pretrained
+    from glm5_core.model.checkpoint import check_checkpoint_dir
     from glm5_core.registry import require_available, resolve_backend_name
     from glm5_core.rl.device import runtime_device
     from glm5_core.rl.fleet.placement import check_visible, parse_device, probe_accelerators
@@ -80,6 +81,7 @@ def build(args: argparse.Namespace):
     from glm5_core.rl.serving.server import EngineServer
 
     _check(args)
+    check_checkpoint_dir(args.checkpoint, "--checkpoint")
     backend = resolve_backend_name(args.backend)
     require_available(backend)
     if args.device is not None:
@@ -92,15 +94,15 @@ def build(args: argparse.Namespace):
                            prefix_cache_entries=args.prefix_cache_entries, seed=args.seed,
                            reuse_stacked_weights=True,  # the server owns its model
                            speculative=speculative_setting(args))
-    return EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key, weight_version="default",
-                        model_path=args.checkpoint, weights_dir=args.weights_dir)
+    try:
+        return EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key, weight_version="default",
+                            model_path=args.checkpoint, weights_dir=args.weights_dir)
+    except OSError as exc:  # the port is taken, the address is not ours (only binding is blamed on them)
+        raise ValueError(f"--host/--port: cannot bind {args.host}:{args.port} ({exc.strerror or exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        server = build(args)
-    except OSError as exc:  # the port is taken, the address is not ours
-        raise ValueError(f"--host/--port: cannot bind {args.host}:{args.port} ({exc.strerror or exc})") from None
+    server = build(args)
 
     def stop(signum, frame):
         raise KeyboardInterrupt

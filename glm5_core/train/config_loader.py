@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from glm5_core.config_schema import ConfigError, build
-from glm5_core.config_yaml import apply_overrides, assign, load_mapping
+from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
 from glm5_core.train.config import TrainConfig
 from glm5_core.train.step_memory import memory_problems
 
@@ -32,4 +32,7 @@ def load_config(path, sets: Sequence[str] = (), values: Optional[Dict[str, Any]]
     raw = apply_overrides(load_mapping(str(path)), sets)
     for key, value in (values or {}).items():
         assign(raw, key, value)
-    return parse_config(raw, str(path))
+    try:
+        return parse_config(raw, str(path))
+    except ConfigError as exc:
+        raise blame_overrides(exc, sets) from None

@@ -19,6 +19,7 @@ shards. Both save whole-tensor checkpoints in one format (``checkpoint.py``).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import importlib.util
@@ -27,12 +28,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from glm5_core import registry
 from glm5_core.model import GLM5ForCausalLM, save_pretrained
+from glm5_core.model.checkpoint import RUN_EXPORT_DIR
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
@@ -45,7 +47,7 @@ from glm5_core.train.metrics import PLOT_FILE, MetricsLogger, load_balance, plot
 from glm5_core.train.schedule import StageSchedule
 
 SUMMARY_FILE = "summary.json"
-EXPORT_DIR = "final"  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
+EXPORT_DIR = RUN_EXPORT_DIR  # HF glm_moe_dsa layout of the weights at the end of the run (for glm5 rl / export-onnx)
 LAST_LOSS_WINDOW = 50  # the summary's end loss: mean LM loss of this many last steps (batches vary a lot)
 SCHEDULED_KEYS = ("lr", "initial_lr")  # optimizer-group keys the schedule sets every step
 
@@ -244,6 +246,7 @@ class PretrainTrainer:
         bar = _progress(cfg, d, self.start_step, self.stop_step)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
         rates: List[float] = []
+        recent_lm: Deque[float] = collections.deque(maxlen=LAST_LOSS_WINDOW)  # the bar's smoothed LM loss
         started = time.perf_counter()
         self.model.train()
         for step in range(self.start_step, self.stop_step):
@@ -252,8 +255,10 @@ class PretrainTrainer:
             rates.append(tokens_per_step / (time.perf_counter() - t0))
             record.update(tokens_per_s=rates[-1], tokens=(step + 1) * tokens_per_step)
             logger.log(record)
+            if record.get("lm_loss") is not None:
+                recent_lm.append(record["lm_loss"])
             if bar is not None:
-                bar.set_postfix(stage=record["stage"], loss=f"{record['loss']:.3f}", refresh=False)
+                bar.set_postfix(bar_postfix(record, recent_lm), refresh=False)
                 bar.update(1)
             if _checkpoint_due(cfg, step + 1, self.stop_step):
                 self._save(step + 1)
@@ -327,6 +332,19 @@ class PretrainTrainer:
         gc.collect()
         dist_utils.shutdown(self.dist)
         return summary
+
+
+def bar_postfix(record: dict, recent_lm: Sequence[float]) -> Dict[str, str]:
+    """The progress bar's fields: the stage, and the LM loss averaged over the last ``LAST_LOSS_WINDOW`` steps
+    (what the summary's ``last_lm_loss`` reports at the end), labelled so; before any LM step (an indexer warm-up
+    first) the step's indexer KL, labelled so. Never the step's total loss: it adds the MTP and KL terms (the
+    KL alone in a warm-up), so it is not comparable across stages or with the summary."""
+    fields = {"stage": record["stage"]}
+    if recent_lm:
+        fields[f"lm_loss_mean{LAST_LOSS_WINDOW}"] = f"{sum(recent_lm) / len(recent_lm):.3f}"
+    elif record.get("indexer_kl") is not None:
+        fields["indexer_kl"] = f"{record['indexer_kl']:.3f}"
+    return fields
 
 
 def _progress(cfg: TrainConfig, d, start: int, stop: int):

@@ -172,6 +172,15 @@ def test_unavailable_backend_is_refused_with_its_reason():
         kernelize(hf_model(hf_config()), backend="no-such-backend")
 
 
+def test_a_misspelled_backend_gets_a_did_you_mean():
+    with pytest.raises(ValueError, match=r"^backend: expected 'auto' or one of .*got 'cdua'; did you mean 'cuda'\?$"):
+        kernelize(hf_model(hf_config()), backend="cdua")
+    with pytest.raises(ValueError, match=r"got 'CPU'; did you mean 'cpu'\?$"):
+        registry.get_backend("CPU")
+    with pytest.raises(ValueError, match=r"got 'metal'$"):  # nothing close: no guess
+        registry.get_backend("metal")
+
+
 def test_static_cache_runs_transformers_own_attention(op_calls):
     """A static cache returns its whole preallocated buffer: those calls run transformers' attention."""
     hf = hf_model(hf_config())

@@ -43,3 +43,34 @@ def test_export_onnx_cli_reports_bad_arguments(checkpoint, capsys):
     assert rc == 2 and "seq_len" in capsys.readouterr().err
     rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "missing"), "--out", str(checkpoint / "m.onnx")])
     assert rc == 2 and "checkpoint directory" in capsys.readouterr().err
+
+
+NO_ONNX = """
+import sys
+sys.modules["onnx"] = None  # what an install without the [onnx] extra imports
+from glm5_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_export_onnx_without_the_onnx_extra_is_one_line(checkpoint):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", NO_ONNX, "export-onnx", "--checkpoint", str(checkpoint / "ckpt"),
+                             "--out", str(checkpoint / "m.onnx")], capture_output=True, text=True, timeout=300)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, result.stderr[-3000:]
+    assert "pip install 'glm5-core[onnx]'" in err[0], err
+    assert not (checkpoint / "m.onnx").exists()
+
+
+def test_export_onnx_points_a_run_folder_to_its_final_weights(checkpoint, capsys):
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint), "--out", str(checkpoint / "m.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--checkpoint" in err[0], err
+    assert "which has no config.json" in err[0] and "did you mean" not in err[0], err  # no final/ there
+    (checkpoint / "ckpt").rename(checkpoint / "final")
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint), "--out", str(checkpoint / "m.onnx")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and f"did you mean {str(checkpoint / 'final')!r}" in err[0], err

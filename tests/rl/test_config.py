@@ -157,6 +157,7 @@ def test_the_cli_takes_set_and_refuses_in_one_line(tmp_path, capsys):
         assert main(["rl", "--config", "configs/rl_tiny.yaml", "--check-config", "--set", override]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
+        assert err.startswith("glm5 rl: error: --set (over configs/rl_tiny.yaml): "), err  # not the file's fault
 
 
 def test_the_cli_sizes_the_checkpoint_it_will_load(tmp_path, capsys):

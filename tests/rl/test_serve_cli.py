@@ -75,9 +75,8 @@ def test_glm5_rl_async_on_glm5_serve_trains_and_pushes_every_version(tmp_path, c
         (tmp_path / "rl.yaml").write_text(yaml.safe_dump(cfg))
         rc = main(["rl", "--config", str(tmp_path / "rl.yaml"), "--checkpoint", str(checkpoint),
                    "--engine-url", url, "--api-key", "k", "--backend", "cpu"])
-        out = capsys.readouterr().out
         assert rc == 0
-        summary = json.loads(out[out.index("{\n"):])
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
         assert summary["steps"] == 30 and summary["producer_errors"] == []
         assert summary["trained_trajectories"] == 30 * 16 and summary["eval_reward_end"] is not None
         assert EngineClient(url, api_key="k").info()["weight_version"] == "30"
@@ -192,3 +191,26 @@ def test_glm5_serve_refuses_bad_flags_with_one_line(tmp_path, capsys):
     assert main(["serve", "--checkpoint", str(tmp_path / "missing"), "--port", "0", "--backend", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing" in err[0]
+    assert "--checkpoint" in err[0] and "--host" not in err[0], err  # it once blamed --host/--port
+
+
+def test_glm5_serve_points_a_run_folder_to_its_final_weights(tmp_path, capsys):
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "final" / "config.json").write_text("{}")
+    assert main(["serve", "--checkpoint", str(tmp_path / "run"), "--port", "0", "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--checkpoint" in err[0] and "did you mean" in err[0], err
+    assert repr(str(tmp_path / "run" / "final")) in err[0], err
+
+
+def test_glm5_serve_blames_the_address_only_when_binding_fails(tmp_path, capsys):
+    import socket
+
+    checkpoint = digit_policy(tmp_path / "policy")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--checkpoint", str(checkpoint), "--port", str(port), "--backend", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--host/--port: cannot bind" in err[0], err

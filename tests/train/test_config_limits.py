@@ -1,5 +1,7 @@
 """Pretraining configs that used to pass the schema and then crash (issue 19, item 8) are refused when the config
 is read, before anything is built or allocated: one line naming the key, exit code 2 from the CLI."""
+from pathlib import Path
+
 import pytest
 
 from glm5_core.cli import main
@@ -166,6 +168,21 @@ def test_set_overrides_are_checked_like_the_file(capsys):
     assert "model.hiden_size: unknown key; did you mean 'hidden_size'?" in capsys.readouterr().err
     assert main(["pretrain", "--config", "configs/tiny.yaml", "--check-config", "--set", "data.batch_size=0"]) == 2
     assert "data.batch_size: expected an integer in [1, inf), got 0" in capsys.readouterr().err
+
+
+def test_a_problem_an_override_gave_blames_set_not_the_file(tmp_path, capsys):
+    assert main(["pretrain", "--config", "configs/tiny.yaml", "--check-config", "--set", "schedule.lr=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glm5 pretrain: error: --set (over configs/tiny.yaml): schedule.lr: expected"), err
+    assert main(["pretrain", "--config", "configs/tiny.yaml", "--check-config", "--set", "optim.lr=1"]) == 2
+    assert "error: --set (over configs/tiny.yaml): optim: unknown key" in capsys.readouterr().err  # a section it made
+    path = tmp_path / "c.yaml"  # a file problem and an override's: each blamed on its own source
+    path.write_text(Path("configs/tiny.yaml").read_text().replace("seed: 0", "seed: -1"))
+    assert main(["pretrain", "--config", str(path), "--check-config", "--set", "schedule.lr=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"error: {path}: 2 problems" in err, err
+    assert "expected a finite number in (0, inf), got 'abc' (from --set)" in err, err
+    assert "seed: expected an integer" in err and "got -1 (from --set)" not in err, err
 
 
 def test_set_and_the_flags_give_the_values_the_file_would(tmp_path):

@@ -51,3 +51,28 @@ def test_an_empty_folder_is_a_fresh_run_and_only_rank_0_checks(tmp_path, monkeyp
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     monkeypatch.setenv("RANK", "1")  # rank 0 may already have written there: only it decides
     pretrain_cli.check_fresh_output_dir(str(tmp_path / "empty"))
+
+
+def test_the_progress_bar_shows_the_smoothed_lm_loss_the_summary_ends_on(small_raw, tmp_path, capsys):
+    """The bar once showed ``loss=``, the step's total loss (LM + MTP + KL; the KL alone in a warm-up): the
+    Quickstart's bar ended on loss=4.352 while the summary said 1.958."""
+    small_raw["logging"]["progress_bar"] = True
+    small_raw["stages"] = [dict(kind="dense", steps=3)]
+    path = tmp_path / "small.yaml"
+    path.write_text(yaml.safe_dump(small_raw))
+    assert main(["pretrain", "--config", str(path), "--backend", "cpu", "--output-dir", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert f"lm_loss_mean50={summary['last_lm_loss']:.3f}" in err, err
+    assert " loss=" not in err and ",loss=" not in err, err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and f"{records[-1]['lm_loss']:.3f}" != f"{summary['last_lm_loss']:.3f}"  # smoothed
+
+
+def test_a_warmup_before_any_lm_step_shows_the_indexer_kl_by_name():
+    from glm5_core.train.trainer import bar_postfix
+
+    assert bar_postfix({"stage": "indexer_warmup", "loss": 0.7, "indexer_kl": 0.35}, []) == \
+        {"stage": "indexer_warmup", "indexer_kl": "0.350"}
+    assert bar_postfix({"stage": "sparse", "loss": 9.0, "lm_loss": 3.0}, [1.0, 2.0, 3.0]) == \
+        {"stage": "sparse", "lm_loss_mean50": "2.000"}

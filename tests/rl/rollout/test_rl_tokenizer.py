@@ -54,7 +54,9 @@ def test_glm5_rl_trains_on_the_token_ids_the_engine_sampled_through_the_tokenize
     rc = main(["rl", "--config", config, "--backend", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert json.loads(out[out.index("{\n"):])["steps"] == 3
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    last = out.strip().splitlines()[-1]  # after the [rl] progress lines, one human line, no JSON
+    assert last.startswith("rl: 3 steps (sync); eval reward ") and "results in " in last and "{" not in out, out
     assert len(trained) == 3 * 8
     outputs = []
     for trajectory in trained:
