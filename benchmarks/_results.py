@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict
 
 
-def write_json(path: str, result: Dict, shown: Dict = None) -> None:
+def write_json(path: str, result: dict, shown: dict = None) -> None:
     """Save ``result`` at ``path`` (folders created) and print ``shown`` (default: the whole result)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:

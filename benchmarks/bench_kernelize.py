@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for kind, fn in (("prefill", prefill), ("generate", generate)):
             for name, model in (("before", before), ("after", after)):
-                times[kind][name].append(_seconds(lambda: fn(model)))
+                times[kind][name].append(_seconds(lambda fn=fn, model=model: fn(model)))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {times[k]['before'][-1]:.2f}s -> {times[k]['after'][-1]:.2f}s" for k in times), file=sys.stderr)
 

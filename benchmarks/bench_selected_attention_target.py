@@ -14,11 +14,11 @@ BATCHxTOKENS (one top-k width each, ``--topk``). Timed, in an order that rotates
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
 import time
-from typing import Tuple
 
 import torch
 from _results import write_json  # benchmarks/, the script's folder
@@ -26,7 +26,7 @@ from _results import write_json  # benchmarks/, the script's folder
 HEADS, NOPE, ROPE, LATENT, INDEX_HEADS, INDEX_DIM = 8, 32, 16, 128, 8, 64
 
 
-def _case(text: str) -> Tuple[int, int]:
+def _case(text: str) -> tuple[int, int]:
     try:
         batch, tokens = (int(v) for v in text.lower().split("x"))
     except ValueError:
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             parser.error(f"--{name}: expected >= 1, got {getattr(args, name)}")
     if len(args.topk) != len(args.cases):
         parser.error(f"--topk: expected one width per case ({len(args.cases)}), got {len(args.topk)}")
-    for (batch, tokens), topk in zip(args.cases, args.topk):
+    for (_, tokens), topk in zip(args.cases, args.topk):
         if not 1 <= topk <= tokens:
             parser.error(f"--topk: expected 1 <= topk <= tokens ({tokens}), got {topk}")
     from glm5_core import registry
@@ -93,14 +93,15 @@ def main(argv=None) -> int:
         start = torch.zeros(batch, dtype=torch.int64)
         causal = dict(kw, normaliser="causal")
         selected = dict(kw, normaliser="selected")
-        impls = {"reference": lambda: selected_attention_target_reference(**x, **causal),
-                 "cpu": lambda: native.selected_attention_target(**x, **causal),
-                 "cpu_lse_pass": lambda: native.dense_lse(x["q_nope"], x["q_pe"], k_nope, x["k_pe"], scale=scale,
-                                                          start_pos=0),
-                 "cpu_selected_pass": lambda: torch.ops.glm5_cpu.selected_attention_target(
-                     x["q_nope"], x["q_pe"], k_nope, x["k_pe"], lse, x["topk_idx"], start, scale),
-                 "reference_selected": lambda: selected_attention_target_reference(**x, **selected),
-                 "cpu_selected": lambda: native.selected_attention_target(**x, **selected)}
+        impls = {"reference": functools.partial(selected_attention_target_reference, **x, **causal),
+                 "cpu": functools.partial(native.selected_attention_target, **x, **causal),
+                 "cpu_lse_pass": functools.partial(native.dense_lse, x["q_nope"], x["q_pe"], k_nope, x["k_pe"],
+                                                   scale=scale, start_pos=0),
+                 "cpu_selected_pass": functools.partial(torch.ops.glm5_cpu.selected_attention_target,
+                                                        x["q_nope"], x["q_pe"], k_nope, x["k_pe"], lse,
+                                                        x["topk_idx"], start, scale),
+                 "reference_selected": functools.partial(selected_attention_target_reference, **x, **selected),
+                 "cpu_selected": functools.partial(native.selected_attention_target, **x, **selected)}
         ref, got = impls["reference"](), impls["cpu"]()
         max_abs = float((got - ref).abs().max())
         max_abs_selected = float((impls["cpu_selected"]() - impls["reference_selected"]()).abs().max())

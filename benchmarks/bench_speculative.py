@@ -84,11 +84,11 @@ def forward_costs(model, rounds: int = 30):
             model(torch.randint(0, 256, (batch, 100), generator=g), cache=cache, start_pos=0)
         pos = 100 if batch == 1 else torch.full((batch,), 100, dtype=torch.long)  # as the engine passes it
 
-        def main_forward(T):
+        def main_forward(T, batch=batch, cache=cache, pos=pos):
             with _checks.skip_value_checks():
                 model(torch.randint(0, 256, (batch, T), generator=g), cache=cache, start_pos=pos)
 
-        def mtp(T):
+        def mtp(T, batch=batch, draft_cache=draft_cache, pos=pos):
             h = mtp_forward(model, draft_cache, torch.randn(batch, T, model.config.hidden_size, generator=g),
                             torch.randint(0, 256, (batch, T), generator=g), pos)
             mtp_logits(model, h[:, -1])

@@ -34,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +52,11 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _parse_case(text: str) -> Tuple[int, int]:
+def _parse_case(text: str) -> tuple[int, int]:
     try:
         batch, tokens = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"case: expected BATCHxTOKENS such as 2x512, got {text!r}")
+        raise argparse.ArgumentTypeError(f"case: expected BATCHxTOKENS such as 2x512, got {text!r}") from None
     if batch < 1 or tokens < 2:
         raise argparse.ArgumentTypeError(f"case: expected batch >= 1 and tokens >= 2, got {text!r}")
     return batch, tokens
@@ -77,7 +77,7 @@ def _build(topk: int, folder: str):
 
 
 def _steps(hf, ours, ids: torch.Tensor, kl_target: str,
-           compare_causal: bool) -> Dict[str, Callable[[], List[Tuple[str, str]]]]:
+           compare_causal: bool) -> dict[str, Callable[[], list[tuple[str, str]]]]:
     from glm5_core import registry
 
     optimizers = {"transformers": torch.optim.AdamW(hf.parameters(), lr=1e-4),
@@ -109,7 +109,7 @@ def _steps(hf, ours, ids: torch.Tensor, kl_target: str,
     return steps
 
 
-def _check_path(name: str, ran: List[Tuple[str, str]]) -> None:
+def _check_path(name: str, ran: list[tuple[str, str]]) -> None:
     """Exit loudly when a glm5-core step computed an op with the reference it should not have."""
     allowed = DENSE_REFERENCE_OK if name == "glm5_dense" else set()
     wrong = sorted({f"{op} ({why})" for op, why in ran if op not in allowed})
@@ -125,7 +125,7 @@ def _time_case(hf, ours, batch: int, tokens: int, rounds: int, kl_target: str, c
     names = list(steps)
     for name in names:  # warm-up, and the path check
         _check_path(name, steps[name]())
-    times: Dict[str, List[float]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
             start = time.perf_counter()

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 from _results import write_json  # benchmarks/, the script's folder
@@ -49,9 +49,9 @@ def seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(sides: Dict[str, Callable[[], object]], rounds: int, label: str) -> Dict[str, List[float]]:
+def interleaved(sides: dict[str, Callable[[], object]], rounds: int, label: str) -> dict[str, list[float]]:
     """Time each side once per round, in the same order every round: {side: [seconds per round]}."""
-    times: Dict[str, List[float]] = {name: [] for name in sides}
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
         for name, fn in sides.items():
             times[name].append(seconds(fn))
@@ -60,8 +60,8 @@ def interleaved(sides: Dict[str, Callable[[], object]], rounds: int, label: str)
     return times
 
 
-def summary(times: Dict[str, List[float]], work: int, baseline: str = "transformers",
-            candidate: str = "glm5_core") -> Dict:
+def summary(times: dict[str, list[float]], work: int, baseline: str = "transformers",
+            candidate: str = "glm5_core") -> dict:
     """Medians, work units per second, speedup of the medians and per-round speedups (baseline / candidate)."""
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     return {
@@ -77,7 +77,7 @@ def summary(times: Dict[str, List[float]], work: int, baseline: str = "transform
 class Models:
     """The transformers model and glm5-core's load of its checkpoint (built once, shared by the parts)."""
 
-    def __init__(self, model_overrides: Dict = None):
+    def __init__(self, model_overrides: dict = None):
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
         from glm5_core.model import load_pretrained
@@ -91,7 +91,7 @@ class Models:
 
 
 # ---- part: generate ---------------------------------------------------------------------------------------
-def part_generate(models: Models, args) -> Dict:
+def part_generate(models: Models, args) -> dict:
     from glm5_core.rl.serving.engine import RolloutEngine
     from glm5_core.rl.serving.protocol import GenerateRequest
 
@@ -103,11 +103,11 @@ def part_generate(models: Models, args) -> Dict:
         requests = [GenerateRequest(rid=f"r{i}", input_ids=prompt[i].tolist(), temperature=0.0,
                                     max_new_tokens=args.new_tokens) for i in range(batch)]
 
-        def hf_generate():
+        def hf_generate(prompt=prompt):
             return models.transformers.generate(prompt, max_new_tokens=args.new_tokens,
                                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
 
-        def engine_generate():
+        def engine_generate(engine=engine, requests=requests):
             results = engine.generate(requests)
             for request in requests:  # each round a fresh trajectory: no prefix-cache reuse between rounds
                 engine.end_trajectory(request.rid)
@@ -122,7 +122,7 @@ def part_generate(models: Models, args) -> Dict:
             variant = RolloutEngine(models.glm5, decode_threads=args.also_decode_threads)
             name = f"glm5_core_decode_threads_{args.also_decode_threads}"
 
-            def variant_generate(variant=variant):
+            def variant_generate(variant=variant, requests=requests):
                 results = variant.generate(requests)
                 for request in requests:
                     variant.end_trajectory(request.rid)
@@ -141,7 +141,7 @@ def part_generate(models: Models, args) -> Dict:
 
 
 # ---- part: prefill ----------------------------------------------------------------------------------------
-def part_prefill(models: Models, args) -> Dict:
+def part_prefill(models: Models, args) -> dict:
     vocab = models.spec["vocab_size"]
     out = {"logits_of": "last", "shapes": {}}
     for shape in args.prefill_shapes:
@@ -149,11 +149,11 @@ def part_prefill(models: Models, args) -> Dict:
         ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(T))
 
         @torch.no_grad()
-        def hf_prefill():
+        def hf_prefill(ids=ids):
             return models.transformers(ids, logits_to_keep=1).logits[:, -1]
 
         @torch.no_grad()
-        def glm5_prefill():
+        def glm5_prefill(ids=ids):
             return models.glm5(ids).logits[:, -1]
 
         want, got = hf_prefill(), glm5_prefill()
@@ -164,13 +164,13 @@ def part_prefill(models: Models, args) -> Dict:
 
 
 # ---- parts table: another part adds itself here ------------------------------------------------------------
-PARTS: Dict[str, Callable[[Models, argparse.Namespace], Dict]] = {
+PARTS: dict[str, Callable[[Models, argparse.Namespace], dict]] = {
     "generate": part_generate,
     "prefill": part_prefill,
 }
 
 
-def _shown(result: Dict) -> Dict:
+def _shown(result: dict) -> dict:
     """The speedups only, for the terminal."""
     if isinstance(result, dict):
         if "speedup_of_medians" in result:

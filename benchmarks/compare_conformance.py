@@ -7,7 +7,6 @@ summary and the op coverage equal too. For changes that must not touch what conf
 import json
 import sys
 from pathlib import Path
-from typing import List
 
 COMPARED = ("family", "ops", "status", "max_error", "allowed", "detail")
 
@@ -23,7 +22,7 @@ def load(path: str) -> dict:
     return json.loads(p.read_text(encoding="utf-8"))
 
 
-def differences(before: dict, after: dict) -> List[str]:
+def differences(before: dict, after: dict) -> list[str]:
     """One line per difference between the two reports (empty: they report the same)."""
     out = []
     names = [[r["check"] for r in report["results"]] for report in (before, after)]

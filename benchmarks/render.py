@@ -12,12 +12,11 @@ import argparse
 import collections
 import json
 from pathlib import Path
-from typing import Dict, List
 
 
-def load_groups(path: Path) -> Dict[str, List[dict]]:
+def load_groups(path: Path) -> dict[str, list[dict]]:
     data = json.loads(path.read_text())
-    groups: Dict[str, List[dict]] = collections.OrderedDict()
+    groups: dict[str, list[dict]] = collections.OrderedDict()
     for bench in data.get("benchmarks", []):
         groups.setdefault(bench.get("group") or bench["name"], []).append(bench)
     return groups
@@ -37,7 +36,7 @@ def _fmt_extra(extra: dict) -> str:
     return ", ".join(shown)
 
 
-def markdown(groups: Dict[str, List[dict]], baselines: List[str]) -> str:
+def markdown(groups: dict[str, list[dict]], baselines: list[str]) -> str:
     lines = []
     for group, benches in groups.items():
         by_impl = {b["extra_info"].get("impl", b["name"]): b for b in benches}
@@ -53,7 +52,7 @@ def markdown(groups: Dict[str, List[dict]], baselines: List[str]) -> str:
     return "\n".join(lines)
 
 
-def plot(groups: Dict[str, List[dict]], out: Path) -> None:
+def plot(groups: dict[str, list[dict]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

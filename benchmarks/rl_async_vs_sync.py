@@ -33,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 KEEP = ("steps", "elapsed_s", "trained_tokens", "trained_tokens_per_s", "context_tokens_per_s",
         "trainer_idle_ratio", "rollout_idle_ratio", "staleness_histogram", "dropped_stale", "prefill_tokens",
@@ -80,7 +80,7 @@ class TrainerClock:
 
         setattr(owner, name, timed)
 
-    def breakdown(self, summary: Dict) -> Dict[str, float]:
+    def breakdown(self, summary: dict) -> dict[str, float]:
         """The trainer's loop time split into take-wait / compute / push / eval / other, and both idle ratios."""
         elapsed = max(summary["elapsed_s"], 1e-9)
         take_wait = summary["trainer_idle_ratio"] * elapsed  # the driver's own measure: time in take() / rollout
@@ -92,10 +92,10 @@ class TrainerClock:
         return parts
 
 
-def load_sections(path: str) -> Dict:
+def load_sections(path: str) -> dict:
     import yaml
 
-    with open(path, "r", encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         try:
             data = yaml.safe_load(f) or {}
         except yaml.YAMLError as exc:
@@ -105,7 +105,7 @@ def load_sections(path: str) -> Dict:
     return data
 
 
-def run_config(base: Dict, args, mode: str, steps: int, output_dir: str):
+def run_config(base: dict, args, mode: str, steps: int, output_dir: str):
     """The benchmark's config for ``mode``: equal in-flight count, the batch size and staleness flags applied."""
     from glm5_core.rl.config_loader import config_from_dict
 
@@ -121,7 +121,7 @@ def run_config(base: Dict, args, mode: str, steps: int, output_dir: str):
     return config_from_dict(dict(data, mode=mode, max_steps=steps, output_dir=output_dir))
 
 
-def measure(base: Dict, args, mode: str, steps: int) -> Dict:
+def measure(base: dict, args, mode: str, steps: int) -> dict:
     from glm5_core.rl.driver import RLRun
 
     load_before = os.getloadavg()[0]
@@ -139,12 +139,12 @@ def measure(base: Dict, args, mode: str, steps: int) -> Dict:
     return row
 
 
-def round_orders(repeats: int) -> List[Tuple[str, ...]]:
+def round_orders(repeats: int) -> list[tuple[str, ...]]:
     """Mode order of each repeat: sync first, then async first, alternating."""
     return [MODES if repeat % 2 == 0 else MODES[::-1] for repeat in range(repeats)]
 
 
-def median(values: List[float]) -> float:
+def median(values: list[float]) -> float:
     values = sorted(values)
     n = len(values)
     return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2

@@ -20,13 +20,13 @@ import json
 import os
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def first_step_reaching(history: List[Dict], key: str, target: float) -> Optional[int]:
+def first_step_reaching(history: list[dict], key: str, target: float) -> Optional[int]:
     """The first evaluated step whose ``key`` is >= the first evaluation's + ``target``."""
     rows = [r for r in history if key in r]
     if not rows:
@@ -35,8 +35,8 @@ def first_step_reaching(history: List[Dict], key: str, target: float) -> Optiona
     return next((r["step"] for r in rows[1:] if r[key] >= goal), None)
 
 
-def _elapsed_at(metrics_path: str) -> Dict[int, float]:
-    out: Dict[int, float] = {}
+def _elapsed_at(metrics_path: str) -> dict[int, float]:
+    out: dict[int, float] = {}
     with open(metrics_path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
@@ -45,7 +45,7 @@ def _elapsed_at(metrics_path: str) -> Dict[int, float]:
     return out
 
 
-def run_once(args, dynamic: bool, out_dir: str) -> Dict:
+def run_once(args, dynamic: bool, out_dir: str) -> dict:
     command = [sys.executable, "-m", "glm5_core.cli", "rl", "--config", args.config, "--checkpoint", args.checkpoint,
                "--output-dir", out_dir, "--max-steps", str(args.max_steps), "--max-minutes", str(args.max_minutes),
                *[a for item in args.set for a in ("--set", item)],

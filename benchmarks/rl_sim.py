@@ -38,7 +38,8 @@ import math
 import random
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Optional
 
 COST_KEYS = ("dec_fixed", "dec_per_seq", "train_per_token")
 
@@ -57,7 +58,7 @@ class Cluster:
     push_pause_seconds: float = 0.0  # engine time lost when new weights land
 
 
-def calibrate(engine_batch: int) -> Dict[str, float]:
+def calibrate(engine_batch: int) -> dict[str, float]:
     import torch
 
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
@@ -90,7 +91,7 @@ def calibrate(engine_batch: int) -> Dict[str, float]:
             "measured": {"decode_b1_s": t1, f"decode_b{engine_batch}_s": tb, "train_fwd_bwd_8x128_s": sorted(times)[2]}}
 
 
-def lengths(rng: random.Random, n: int, median: float, sigma: float, cap: int) -> List[int]:
+def lengths(rng: random.Random, n: int, median: float, sigma: float, cap: int) -> list[int]:
     return [max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
@@ -103,9 +104,9 @@ class Trajectory:
 class Engine:
     """Continuous batching: up to ``slots`` sequences decode together, one token each per step."""
 
-    def __init__(self, slots: int, cost: Dict[str, float]):
+    def __init__(self, slots: int, cost: dict[str, float]):
         self.slots, self.cost = slots, cost
-        self.active: List[Trajectory] = []
+        self.active: list[Trajectory] = []
         self.occupied_time = 0.0  # integral of (active / slots) dt while decoding
 
     def add(self, length: int) -> None:
@@ -117,7 +118,7 @@ class Engine:
     def tokens_to_next_finish(self) -> int:
         return min(t.remaining for t in self.active)
 
-    def decode(self, steps: int) -> Tuple[float, List[int]]:
+    def decode(self, steps: int) -> tuple[float, list[int]]:
         """Run ``steps`` decode steps (at most :meth:`tokens_to_next_finish`): (duration, lengths of the
         trajectories that finished, in slot order)."""
         duration = steps * self.step_time()
@@ -128,12 +129,12 @@ class Engine:
         self.active = [t for t in self.active if t.remaining > 0]
         return duration, finished
 
-    def advance(self) -> Tuple[float, List[int]]:
+    def advance(self) -> tuple[float, list[int]]:
         """Decode until the shortest active sequence finishes."""
         return self.decode(self.tokens_to_next_finish())
 
 
-def simulate_sync(c: Cluster, cost: Dict[str, float], batches: Sequence[Sequence[int]]) -> Dict:
+def simulate_sync(c: Cluster, cost: dict[str, float], batches: Sequence[Sequence[int]]) -> dict:
     """``batches``: the generated-token counts of each iteration's trajectories (``c.iterations`` lists)."""
     engines = [Engine(c.slots, cost) for _ in range(c.rollout)]
     clock = train_busy = trained = 0.0
@@ -159,8 +160,8 @@ def simulate_sync(c: Cluster, cost: Dict[str, float], batches: Sequence[Sequence
     return _report(engines, c, clock, trained, train_busy, steps)
 
 
-def _report(engines: List[Engine], c: Cluster, clock: float, trained: float, train_busy: float,
-            steps: List[Dict]) -> Dict:
+def _report(engines: list[Engine], c: Cluster, clock: float, trained: float, train_busy: float,
+            steps: list[dict]) -> dict:
     return {"wall_s": clock, "trained_tokens": trained, "trained_tokens_per_s": trained / clock,
             "rollout_utilisation": sum(e.occupied_time for e in engines) / (c.rollout * clock),
             "trainer_utilisation": train_busy / clock,
@@ -173,7 +174,7 @@ class AsyncSimulation:
     staleness bound: it waits for the next trainer step). Events carry the engine's epoch; rescheduling an
     engine bumps it, so its older event is skipped."""
 
-    def __init__(self, c: Cluster, cost: Dict[str, float], pool: Sequence[int]):
+    def __init__(self, c: Cluster, cost: dict[str, float], pool: Sequence[int]):
         self.c, self.cost, self.pool = c, cost, list(pool)
         self.engines = [Engine(c.slots, cost) for _ in range(c.rollout)]
         self.state = ["idle"] * c.rollout
@@ -182,13 +183,13 @@ class AsyncSimulation:
         self.segment_steps = [0] * c.rollout  # decode steps the scheduled event completes
         self.pause_after = [0.0] * c.rollout  # decoding engine: pause owed once the step in progress ends
         self.resume_at = [0.0] * c.rollout
-        self.events: List[Tuple[float, int, str, int, int]] = []  # (time, order, kind, engine, epoch)
+        self.events: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, engine, epoch)
         self._order = itertools.count()  # ties: first scheduled, first handled
         self.started = self.version = self.steps_done = 0
-        self.ready: List[int] = []  # lengths of finished, untrained trajectories, in finishing order
+        self.ready: list[int] = []  # lengths of finished, untrained trajectories, in finishing order
         self.training = False
         self.train_busy = self.trained = 0.0
-        self.steps: List[Dict] = []
+        self.steps: list[dict] = []
 
     def _schedule(self, at: float, kind: str, i: int = -1) -> None:
         heapq.heappush(self.events, (at, next(self._order), kind, i, self.epoch[i] if i >= 0 else 0))
@@ -244,7 +245,7 @@ class AsyncSimulation:
         self.steps.append({"start_s": now, "end_s": end, "tokens": sum(batch)})
         self._schedule(end, "train-done")
 
-    def run(self) -> Dict:
+    def run(self) -> dict:
         for i in range(self.c.rollout):
             self._admit_and_decode(i, 0.0)
         clock = 0.0
@@ -276,15 +277,15 @@ class AsyncSimulation:
         return _report(self.engines, self.c, clock, self.trained, self.train_busy, self.steps)
 
 
-def simulate_async(c: Cluster, cost: Dict[str, float], pool: Sequence[int]) -> Dict:
+def simulate_async(c: Cluster, cost: dict[str, float], pool: Sequence[int]) -> dict:
     """``pool``: generated-token counts of the trajectories, in the order engines admit them."""
     return AsyncSimulation(c, cost, pool).run()
 
 
-def load_cost(path: str) -> Dict[str, float]:
+def load_cost(path: str) -> dict[str, float]:
     """A cost JSON (``dec_fixed``, ``dec_per_seq``, ``train_per_token``) or an earlier result of this script."""
     try:
-        with open(path, "r", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"--cost: cannot read {path!r}: {exc}") from None
@@ -326,7 +327,7 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rollout", type=_positive_int, default=64, help="rollout accelerators (one engine each)")
     parser.add_argument("--train", type=_positive_int, default=64, help="training accelerators (data parallel)")

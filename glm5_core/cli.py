@@ -9,7 +9,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import List, Optional
+from typing import Optional
 
 SUBCOMMANDS = {
     "backends": ("glm5_core.cli_backends", "list backends, whether each is available, and what every op resolves to"),
@@ -46,12 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5",
                                      description="glm5-core: portable kernels and drivers for GLM-5-class models")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in SUBCOMMANDS.items():
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, List, Optional
+from typing import Optional
 
 from glm5_core import registry
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                     "(auto: the one this machine resolves to; default: all)")
 
 
-def backend_report(names: Optional[List[str]] = None) -> List[Dict]:
+def backend_report(names: Optional[list[str]] = None) -> list[dict]:
     """One record per backend (all, or ``names``): availability, devices and the per-op resolution."""
     records = []
     for name, be in registry.backends().items():
@@ -44,15 +44,15 @@ def backend_report(names: Optional[List[str]] = None) -> List[Dict]:
     return records
 
 
-def _table(rows: List[List[str]], header: List[str]) -> str:
+def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [line.format(*header), line.format(*("-" * w for w in widths))]
     out += [line.format(*map(str, r)) for r in rows]
     return "\n".join(out)
 
 
-def render(records: List[Dict]) -> str:
+def render(records: list[dict]) -> str:
     summary = [[r["backend"], "yes" if r["available"] else "no", r["device_type"], r["dist_backend"], r["reason"]]
                for r in records]
     parts = [_table(summary, ["backend", "available", "device", "dist", "status / reason"])]

@@ -24,7 +24,8 @@ import difflib
 import math
 import re
 import typing
-from typing import Any, Dict, Iterable, List, Type, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 SHOWN_CHARS = 80  # a value quoted in a problem is cut to this many characters (a config is untrusted input)
@@ -34,7 +35,7 @@ _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")  # 5e-3: a
 class ConfigError(ValueError):
     """Every problem of a config (``key.path: expected ..., got ...``), reported on one line."""
 
-    def __init__(self, problems: List[str], source: str = "config"):
+    def __init__(self, problems: list[str], source: str = "config"):
         self.problems = list(problems)
         self.source = source
         body = self.problems[0] if len(self.problems) == 1 else \
@@ -73,12 +74,12 @@ def field(default: Any = dataclasses.MISSING, *, factory=dataclasses.MISSING, **
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def positive(**extra) -> Dict[str, Any]:
+def positive(**extra) -> dict[str, Any]:
     """``metadata`` for a value > 0."""
     return dict(range=(0, None), open=("lo",), **extra)
 
 
-def non_negative(**extra) -> Dict[str, Any]:
+def non_negative(**extra) -> dict[str, Any]:
     return dict(range=(0, None), **extra)
 
 
@@ -116,12 +117,12 @@ def _in_range(value, meta, integer: bool) -> bool:
 # ------------------------------------------------------------------------------------------- one value
 
 
-def convert_value(path: str, value: Any, tp, problems: List[str]) -> Any:
+def convert_value(path: str, value: Any, tp, problems: list[str]) -> Any:
     """One parsed-YAML value of type ``tp`` (no field metadata), converted as :func:`build` converts fields."""
     return _value(path, value, tp, {}, problems, convert=True)
 
 
-def _value(path: str, value: Any, tp, meta, problems: List[str], convert: bool) -> Any:
+def _value(path: str, value: Any, tp, meta, problems: list[str], convert: bool) -> Any:
     """``value`` checked against type ``tp`` and ``meta`` (converted when ``convert``); problems appended."""
     before = len(problems)
     value = _typed(path, value, tp, meta, problems, convert)
@@ -130,11 +131,11 @@ def _value(path: str, value: Any, tp, meta, problems: List[str], convert: bool) 
     return value
 
 
-def _mismatch(problems: List[str], path: str, what: str, value: Any) -> None:
+def _mismatch(problems: list[str], path: str, what: str, value: Any) -> None:
     problems.append(TypeProblem(f"{path}: expected {what}, got {shown(value)}"))
 
 
-def _typed(path: str, value: Any, tp, meta, problems: List[str], convert: bool) -> Any:
+def _typed(path: str, value: Any, tp, meta, problems: list[str], convert: bool) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         if value is None and type(None) in args:
@@ -186,7 +187,7 @@ def _typed(path: str, value: Any, tp, meta, problems: List[str], convert: bool) 
     raise AssertionError(f"config_schema: unsupported field type {tp!r} at {path}")
 
 
-def _sequence(path: str, value: Any, origin, args, problems: List[str], convert: bool) -> Any:
+def _sequence(path: str, value: Any, origin, args, problems: list[str], convert: bool) -> Any:
     if not isinstance(value, (list, tuple)):
         _mismatch(problems, path, "a list", value)
         return None
@@ -200,7 +201,7 @@ def _sequence(path: str, value: Any, origin, args, problems: List[str], convert:
     return items if origin is list else tuple(items)
 
 
-def _constraints(path: str, value: Any, tp, meta, problems: List[str]) -> None:
+def _constraints(path: str, value: Any, tp, meta, problems: list[str]) -> None:
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         problems.append(f"{path}: expected one of {', '.join(repr(c) for c in choices)}, got {shown(value)}"
@@ -229,8 +230,8 @@ def _base_type(tp):
 # ------------------------------------------------------------------------------------------- dataclasses
 
 
-def convert_fields(cls: type, data: Dict[str, Any], prefix: str, problems: List[str], *,
-                   also_known: Iterable[str] = (), exclude: Iterable[str] = ()) -> Dict[str, Any]:
+def convert_fields(cls: type, data: dict[str, Any], prefix: str, problems: list[str], *,
+                   also_known: Iterable[str] = (), exclude: Iterable[str] = ()) -> dict[str, Any]:
     """The values of ``data`` for fields of ``cls``, converted and checked; keys in ``also_known`` are skipped
     (their owner reads them), any other key that is not a field (or is in ``exclude``) is an unknown key."""
     hints = typing.get_type_hints(cls)
@@ -238,7 +239,7 @@ def convert_fields(cls: type, data: Dict[str, Any], prefix: str, problems: List[
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in excluded}
     also_known = set(also_known)
     moved = getattr(cls, "MOVED_KEYS", {})  # ClassVar: key -> where its setting lives now
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         if key in also_known:
             continue
@@ -255,15 +256,15 @@ def convert_fields(cls: type, data: Dict[str, Any], prefix: str, problems: List[
     return out
 
 
-def build(cls: Type[T], data: Dict[str, Any], prefix: str, problems: List[str]) -> T:
+def build(cls: type[T], data: dict[str, Any], prefix: str, problems: list[str]) -> T:
     """Build dataclass ``cls`` from parsed YAML ``data``; append problems (with ``prefix`` as key path)."""
     return cls(**convert_fields(cls, data, prefix, problems))
 
 
-def check(obj: Any, prefix: str = "", *, exclude: Iterable[str] = ()) -> List[str]:
+def check(obj: Any, prefix: str = "", *, exclude: Iterable[str] = ()) -> list[str]:
     """The problems of an existing dataclass instance, in field order; nothing is converted."""
     hints = typing.get_type_hints(type(obj))
-    problems: List[str] = []
+    problems: list[str] = []
     for f in dataclasses.fields(obj):
         if f.name not in exclude:
             _value(f"{prefix}{f.name}", getattr(obj, f.name), hints[f.name], f.metadata, problems, convert=False)

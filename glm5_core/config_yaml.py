@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import yaml
 
@@ -85,7 +86,7 @@ def _check_nodes(root: yaml.Node, source: str) -> None:
     """Duplicate keys, expanded size and depth, walked with an explicit stack (no recursion to exhaust)."""
     expanded = 0
     checked = set()  # mappings already searched for duplicates (an alias reuses its anchor's node)
-    stack: List[tuple] = [(root, "", 1)]
+    stack: list[tuple] = [(root, "", 1)]
     while stack:
         node, path, depth = stack.pop()
         expanded += 1
@@ -107,7 +108,7 @@ def _check_nodes(root: yaml.Node, source: str) -> None:
 
 
 def _check_duplicates(node: yaml.MappingNode, path: str, source: str) -> None:
-    seen: Dict[tuple, int] = {}
+    seen: dict[tuple, int] = {}
     for key, _ in node.value:
         if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
             continue
@@ -119,7 +120,7 @@ def _check_duplicates(node: yaml.MappingNode, path: str, source: str) -> None:
         seen[ident] = key.start_mark.line + 1
 
 
-def load_mapping(path: str, *, empty: Optional[dict] = None) -> Dict[str, Any]:
+def load_mapping(path: str, *, empty: Optional[dict] = None) -> dict[str, Any]:
     """A config file's top-level mapping; an empty file gives ``empty`` (None: an empty file is an error)."""
     raw = load_yaml(read_config_file(path), str(path))
     if raw is None and empty is not None:
@@ -136,7 +137,7 @@ def _shown_text(text: str) -> str:
     return repr(text if len(text) <= 80 else text[:77] + "...")
 
 
-def parse_key(key: str) -> List[Tuple[str, List[int]]]:
+def parse_key(key: str) -> list[tuple[str, list[int]]]:
     """``"a.b[1].c"`` -> [("a", []), ("b", [1]), ("c", [])]."""
     segments = []
     for part in key.split("."):
@@ -148,7 +149,7 @@ def parse_key(key: str) -> List[Tuple[str, List[int]]]:
     return segments
 
 
-def assign(raw: Dict[str, Any], key: str, value: Any) -> None:
+def assign(raw: dict[str, Any], key: str, value: Any) -> None:
     """Put ``value`` at dotted ``key`` of ``raw`` (missing sections are created; list entries must exist)."""
     steps = [(name, index) for name, indices in parse_key(key) for index in [None, *indices]]
     node: Any = raw
@@ -174,7 +175,7 @@ def assign(raw: Dict[str, Any], key: str, value: Any) -> None:
                 node = node[index]
 
 
-def apply_overrides(raw: Dict[str, Any], overrides: Sequence[str]) -> Dict[str, Any]:
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """``raw`` with each ``KEY=VALUE`` (VALUE read as YAML) assigned in order."""
     for text in overrides:
         key, sep, value_text = text.partition("=")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Any, Callable, FrozenSet, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 import torch
 
 # Tensor dtypes every torch device type holds (a vendor may declare fewer or more).
-COMMON_DTYPES: FrozenSet[torch.dtype] = frozenset({
+COMMON_DTYPES: frozenset[torch.dtype] = frozenset({
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
 })
@@ -57,7 +58,7 @@ class DeviceFacts:
     dist_backend: str
     visible_devices_env: Optional[str] = None
     ray_resource: Optional[str] = None
-    dtypes: FrozenSet[torch.dtype] = COMMON_DTYPES
+    dtypes: frozenset[torch.dtype] = COMMON_DTYPES
     count: Optional[Callable[[], int]] = None
     native_bf16_gemm: Callable[[torch.device], bool] = _never
     process_group: Optional[ProcessGroupFactory] = None

@@ -7,20 +7,21 @@ first, in the registry's order, whose ``this_torch()`` holds speaks for it; when
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Optional
 
 from glm5_core import registry
 from glm5_core.device_facts import DeviceFacts
 
 
-def _declared() -> List[DeviceFacts]:
+def _declared() -> list[DeviceFacts]:
     # a backend whose declaration failed to load has no device type of its own ("?")
     return [b.facts for b in registry.backends().values() if b.facts.device_type.isidentifier()]
 
 
-def device_types() -> Dict[str, DeviceFacts]:
+def device_types() -> dict[str, DeviceFacts]:
     """The facts of each known device type, by device type (the host type ``cpu`` first)."""
-    by_type: Dict[str, List[DeviceFacts]] = {}
+    by_type: dict[str, list[DeviceFacts]] = {}
     for facts in _declared():
         by_type.setdefault(facts.device_type, []).append(facts)
     return {kind: next((f for f in candidates if f.this_torch()), candidates[0])
@@ -32,9 +33,9 @@ def facts_for(device_type: str) -> Optional[DeviceFacts]:
     return device_types().get(device_type)
 
 
-def dist_backends() -> Dict[str, DeviceFacts]:
+def dist_backends() -> dict[str, DeviceFacts]:
     """The facts that build each known distributed backend's process group, by backend name (``gloo``, ...)."""
-    found: Dict[str, DeviceFacts] = {}
+    found: dict[str, DeviceFacts] = {}
     for facts in _declared():
         if facts.dist_backend not in found or (found[facts.dist_backend].process_group is None):
             found[facts.dist_backend] = facts

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
-Decision = Tuple[bool, str]  # (the kernel takes the call, why not)
+Decision = tuple[bool, str]  # (the kernel takes the call, why not)
 
 NO_BACKWARD = "the kernel has no backward and this call needs gradients"
 
@@ -47,7 +47,7 @@ class Kernel:
             raise TypeError(f"differentiable: expected a bool, got {type(self.differentiable).__name__}")
 
     @classmethod
-    def of(cls, entry) -> "Kernel":
+    def of(cls, entry) -> Kernel:
         """``entry`` as a record. A bare callable (the form out-of-tree tables used before records) is wrapped,
         its ``supports`` / ``differentiable`` function attributes read once, when the kernel table is loaded."""
         if isinstance(entry, Kernel):

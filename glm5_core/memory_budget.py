@@ -8,7 +8,8 @@ When a run does not fit, the problem names the key whose value, put back to its 
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Callable, Optional
 
 MEMORY_ENV = "GLM5_MEMORY_BYTES"
 FLOAT_BYTES = 4  # fp32 weights, gradients, optimizer state and activations
@@ -52,7 +53,7 @@ def fit_problem(parts: Mapping[str, int], levers: Mapping[str, Callable[[], Mapp
     need, have = sum(parts.values()), machine_memory_bytes()
     if need <= have:
         return None
-    saved: Dict[str, int] = {key: need - sum(parts_at_default().values()) for key, parts_at_default in levers.items()}
+    saved: dict[str, int] = {key: need - sum(parts_at_default().values()) for key, parts_at_default in levers.items()}
     key = max(saved, key=saved.get) if saved and max(saved.values()) > 0 else default_key
     return (f"{key}: the run needs at least {gib(need)} GiB ({describe(parts)}), more than this machine's "
             f"{gib(have)} GiB of memory (counted before allocating; {MEMORY_ENV} overrides the machine's size)")

@@ -8,7 +8,7 @@ checks). Nothing is registered by import side effects.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class OpSpec:
     differentiable: bool = False
     gradient_free: bool = False
     composite: Optional[Callable] = None
-    parts: Tuple[str, ...] = ()
+    parts: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():

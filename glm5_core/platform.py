@@ -13,9 +13,9 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Callable, Tuple
+from typing import Callable
 
-Probe = Tuple[bool, str]
+Probe = tuple[bool, str]
 
 
 def triton_interpreter_enabled() -> bool:
@@ -26,7 +26,7 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def triton_probe() -> Probe:
     if importlib.util.find_spec("triton") is None:
         return False, "triton is not installed (pip install 'triton>=3.0', or a Triton vendor's extra of glm5-core)"

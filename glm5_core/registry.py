@@ -48,8 +48,9 @@ import importlib.util
 import os
 import pkgutil
 import types
+from collections.abc import Iterator, Mapping
 from importlib import metadata
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -65,11 +66,11 @@ OPS_PACKAGE = "glm5_core.ops"  # its FAMILY_MODULES declare the ops, each in a t
 
 _ACTIVE_BACKEND: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("glm5_backend", default=None)
 # (op, why) of each call a backend kernel declined inside ``record_fallbacks()``; None when nobody records.
-_DECLINED_LOG: contextvars.ContextVar[Optional[List[Tuple[str, str]]]] = contextvars.ContextVar(
+_DECLINED_LOG: contextvars.ContextVar[Optional[list[tuple[str, str]]]] = contextvars.ContextVar(
     "glm5_declined_log", default=None)
 # (op, why) of each call that computed with the reference inside ``record_reference_runs()`` (declined calls and
 # ops without a kernel alike); None when nobody records.
-_REFERENCE_LOG: contextvars.ContextVar[Optional[List[Tuple[str, str]]]] = contextvars.ContextVar(
+_REFERENCE_LOG: contextvars.ContextVar[Optional[list[tuple[str, str]]]] = contextvars.ContextVar(
     "glm5_reference_log", default=None)
 
 
@@ -110,7 +111,7 @@ class Backend:
     name: str
     device_type: Optional[str] = None  # derived from ``facts`` when not given
     dist_backend: Optional[str] = None  # derived from ``facts`` when not given
-    probe: Callable[[], Tuple[bool, str]] = dataclasses.field(kw_only=True)
+    probe: Callable[[], tuple[bool, str]] = dataclasses.field(kw_only=True)
     kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]] = dataclasses.field(kw_only=True)
     missing: Mapping[str, str] = dataclasses.field(default_factory=dict)
     runtime_device: Optional[Callable[[], str]] = None
@@ -135,7 +136,7 @@ class Backend:
                                  f"got {given!r}")
             object.__setattr__(self, field_name, declared)
 
-    def available(self) -> Tuple[bool, str]:
+    def available(self) -> tuple[bool, str]:
         return self.probe()
 
     def device(self) -> str:
@@ -176,7 +177,7 @@ def _import_target(target: str) -> Callable:
 def op_specs() -> Mapping[str, OpSpec]:
     """Every dispatchable op by name, in declaration order: the ``OPS`` tuples of ``glm5_core.ops``'s
     ``FAMILY_MODULES``."""
-    specs: Dict[str, OpSpec] = {}
+    specs: dict[str, OpSpec] = {}
     for module in importlib.import_module(OPS_PACKAGE).FAMILY_MODULES:
         for spec in module.OPS:
             if not isinstance(spec, OpSpec):
@@ -223,7 +224,7 @@ def __getattr__(name: str):
 
 # --------------------------------------------------------------------------------------------- backends
 @functools.lru_cache(maxsize=1)
-def builtin_backend_names() -> Tuple[str, ...]:
+def builtin_backend_names() -> tuple[str, ...]:
     """The vendor folders of ``glm5_core/backends/`` that declare a backend (``backend.py``), sorted."""
     package = importlib.import_module(BUILTIN_PACKAGE)
     return tuple(sorted(info.name for info in pkgutil.iter_modules(package.__path__)
@@ -238,8 +239,8 @@ def _entry_points():
 
 
 @functools.lru_cache(maxsize=1)
-def _discover() -> Dict[str, Backend]:
-    found: Dict[str, Backend] = {}
+def _discover() -> dict[str, Backend]:
+    found: dict[str, Backend] = {}
     for name in builtin_backend_names():
         found[name] = _import_target(f"{BUILTIN_PACKAGE}.{name}.backend:BACKEND")
     for ep in _entry_points():
@@ -261,7 +262,7 @@ def _broken_backend(name: str, reason: str) -> Backend:
     return Backend(name=name, device_type="?", dist_backend="?", probe=lambda: (False, reason), kernel_table=dict)
 
 
-def backends() -> Dict[str, Backend]:
+def backends() -> dict[str, Backend]:
     """All known backends by name: built-in ones by priority (cpu first), then third-party ones by name."""
     found = _discover()
     builtin = set(builtin_backend_names())
@@ -294,7 +295,7 @@ def _unknown_backend(source: str, name: object, known: Mapping[str, Backend]) ->
     return f"{source}: expected 'auto' or one of {', '.join(known)}, got {name!r}{hint}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_table(name: str) -> Mapping[str, Kernel]:
     table = {op: Kernel.of(entry) for op, entry in get_backend(name).kernel_table().items()}
     known = op_specs()
@@ -378,7 +379,7 @@ def _resolve_in(spec: OpSpec, name: str, backend: Backend, table: Mapping[str, K
     return Resolution(spec.name, name, spec.reference, "reference", reason, spec=spec)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolution(op: str, name: str) -> Resolution:
     """The resolution of ``op`` on the backend named ``name`` (an explicit name: unknown or unavailable raise)."""
     spec = op_spec(op)
@@ -416,10 +417,10 @@ class Binding:
     def __repr__(self) -> str:
         return f"Binding({self.backend!r})"
 
-    def __copy__(self) -> "Binding":
+    def __copy__(self) -> Binding:
         return self
 
-    def __deepcopy__(self, memo) -> "Binding":
+    def __deepcopy__(self, memo) -> Binding:
         return self
 
     def __reduce__(self):
@@ -452,9 +453,9 @@ def _lookup(op: str, backend: BackendArg) -> Resolution:
 
 # --------------------------------------------------------------------------------------------- dispatch
 @contextlib.contextmanager
-def _collecting(log: contextvars.ContextVar) -> Iterator[List[Tuple[str, str]]]:
+def _collecting(log: contextvars.ContextVar) -> Iterator[list[tuple[str, str]]]:
     """A fresh list that ``log`` (a context variable of (op, why) lists) points at inside the block."""
-    collected: List[Tuple[str, str]] = []
+    collected: list[tuple[str, str]] = []
     token = log.set(collected)
     try:
         yield collected
@@ -463,7 +464,7 @@ def _collecting(log: contextvars.ContextVar) -> Iterator[List[Tuple[str, str]]]:
 
 
 @contextlib.contextmanager
-def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
+def record_fallbacks() -> Iterator[list[tuple[str, str]]]:
     """Collect ``(op, why)`` for every call in the block that a backend kernel declined (its ``supports`` hook,
     or gradients it cannot give), so that the reference ran instead. Static fallbacks (ops a backend does not
     implement) are not calls a kernel declined: :func:`runs_reference` answers for those. Calls traced by
@@ -473,7 +474,7 @@ def record_fallbacks() -> Iterator[List[Tuple[str, str]]]:
 
 
 @contextlib.contextmanager
-def record_reference_runs() -> Iterator[List[Tuple[str, str]]]:
+def record_reference_runs() -> Iterator[list[tuple[str, str]]]:
     """Collect ``(op, why)`` for every call in the block that computed with the reference: calls a kernel
     declined and calls of ops the backend has no kernel for (a composite without a fused kernel records its
     parts' calls). What a training step's ``reference_ops`` metric and the benchmarks' path checks read.
@@ -531,7 +532,7 @@ def call(op: str, *args, backend: BackendArg = None, **kwargs):
 
 
 # --------------------------------------------------------------------------------------------- reports
-def explain(backend: Optional[str] = None, *, require: bool = True) -> List[Resolution]:
+def explain(backend: Optional[str] = None, *, require: bool = True) -> list[Resolution]:
     """One :class:`Resolution` per op for ``backend`` (strict mode is not applied here).
 
     With ``require=False`` an unavailable backend is explained too (what its kernel table declares),
@@ -551,6 +552,6 @@ def runs_reference(op: str, backend: Optional[str] = None) -> bool:
     return res.is_reference
 
 
-def missing_ops(backend: str) -> List[str]:
+def missing_ops(backend: str) -> list[str]:
     """Ops that ``backend`` leaves to the reference."""
     return [op for op in op_specs() if runs_reference(op, backend)]

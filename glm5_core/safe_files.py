@@ -17,7 +17,8 @@ import json
 import os
 import re
 import stat
-from typing import Any, Dict, Iterator, List, Optional, Union
+from collections.abc import Iterator
+from typing import Any, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 MAX_JSON_DEPTH = 64
@@ -136,10 +137,10 @@ class SafetensorsFile:
         except Exception as exc:  # SafetensorError, OSError, RuntimeError from a file that lies about itself
             raise ValueError(f"{self.path}: {what}: {type(exc).__name__}: {exc}") from None
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return self._call("cannot list tensors", self._handle.keys)
 
-    def metadata(self) -> Dict[str, str]:
+    def metadata(self) -> dict[str, str]:
         return self._call("cannot read the metadata", self._handle.metadata) or {}
 
     def get_slice(self, name: str):

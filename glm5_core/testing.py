@@ -7,12 +7,13 @@ the per-dtype ``atol`` of :data:`TOLERANCES` (which also covers outputs that are
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 # dtype -> (atol, rtol) for outputs compared directly; also the additive slack of ``assert_close_to_fp64``.
-TOLERANCES: Dict[torch.dtype, Tuple[float, float]] = {
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-10),
     torch.float32: (2e-5, 1e-4),
     torch.float16: (2e-3, 2e-3),
@@ -70,7 +71,7 @@ VENDOR_MLA_SHAPES = (
 )
 
 
-def make_mla_inputs(shape: MLAShape, *, dtype=torch.float32, device="cpu", seed: int = 0) -> Dict[str, torch.Tensor]:
+def make_mla_inputs(shape: MLAShape, *, dtype=torch.float32, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
     s = shape
     return {
         "q_nope": randn((s.B, s.T, s.H, s.Dn), seed=seed, dtype=dtype, device=device),
@@ -118,7 +119,7 @@ VENDOR_INDEXER_SHAPE = IndexerShape(B=2, T=5, S=300, H=32, D=128, K=64)
 
 
 def make_indexer_inputs(shape: IndexerShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                        ties: Optional[str] = None, weights_dtype=torch.float32) -> Dict[str, torch.Tensor]:
+                        ties: Optional[str] = None, weights_dtype=torch.float32) -> dict[str, torch.Tensor]:
     """q [B,T,H,D], k [B,S,D], w [B,T,H] (w in ``weights_dtype``). ``ties`` makes tie-heavy inputs:
 
     - ``zero_relu``: q . k <= 0 everywhere (k >= 0, q <= 0), so every score is exactly 0;
@@ -150,7 +151,7 @@ def make_indexer_inputs(shape: IndexerShape, *, dtype=torch.float32, device="cpu
 
 
 def make_sparse_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                       start_pos=None) -> Dict[str, torch.Tensor]:
+                       start_pos=None) -> dict[str, torch.Tensor]:
     """MLA inputs plus causal top-k style indices [B, T, K]: distinct visible keys, -1 padded, and one
     query row (the first of batch row 0) with no key at all."""
     inputs = make_mla_inputs(shape, dtype=dtype, device=device, seed=seed)
@@ -171,7 +172,7 @@ def make_sparse_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="
 
 
 def make_sparse_expanded_inputs(shape: MLAShape, K: int, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                                start_pos=None) -> Dict[str, torch.Tensor]:
+                                start_pos=None) -> dict[str, torch.Tensor]:
     """The inputs of ``dsa.sparse_prefill_expanded``: those of ``make_sparse_inputs`` with the latent rows expanded
     (k_nope [B, S, H, Dn] = c_kv W_UK^T, v [B, S, H, Dv] = c_kv W_UV^T, computed in fp32, rounded to ``dtype``)."""
     x = make_sparse_inputs(shape, K, dtype=dtype, device=device, seed=seed, start_pos=start_pos)
@@ -206,7 +207,7 @@ VENDOR_MOE_SHAPE = MoEShape(N=64, E=256, K=8, G=1, TG=1, D=64, F=32)  # GLM-5's 
 
 
 def make_route_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
-                      ties: Optional[str] = None) -> Dict[str, torch.Tensor]:
+                      ties: Optional[str] = None) -> dict[str, torch.Tensor]:
     """logits [N, E] and bias [E]; ``ties='integer'`` gives few distinct logits (many exact score ties)."""
     s = shape
     if ties == "integer":
@@ -218,7 +219,7 @@ def make_route_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", see
     return {"logits": logits, "bias": bias}
 
 
-def make_expert_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", seed: int = 0) -> Dict[str, torch.Tensor]:
+def make_expert_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
     s = shape
     return {
         "x": randn((s.N, s.D), seed=seed, dtype=dtype, device=device),

@@ -18,9 +18,10 @@ A failure prints each offending arrow as ``file:line: importer -> imported``.
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Optional
 
 import pytest
 
@@ -36,7 +37,7 @@ RL_LAYERS = ("serving", "fleet", "rollout", "algorithm")  # ranks 1..4; everythi
 
 # Import circles known today, each a set of modules. The lead empties this list when the branch that breaks them
 # merges; an entry that is no longer a circle fails the test, so the list cannot go stale.
-KNOWN_CIRCLES: List[Set[str]] = []
+KNOWN_CIRCLES: list[set[str]] = []
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Arrow:
         return f"{self.where}: {self.importer} -> {self.imported}"
 
 
-def modules(package: Path) -> Dict[str, Tuple[Path, bool]]:
+def modules(package: Path) -> dict[str, tuple[Path, bool]]:
     """Dotted module name -> (file, is a package ``__init__``) for every ``.py`` file under ``package``."""
     out = {}
     for path in sorted(package.rglob("*.py")):
@@ -59,14 +60,14 @@ def modules(package: Path) -> Dict[str, Tuple[Path, bool]]:
     return out
 
 
-def _known(name: str, known: Dict[str, Tuple[Path, bool]]) -> Optional[str]:
+def _known(name: str, known: dict[str, tuple[Path, bool]]) -> Optional[str]:
     """The longest prefix of ``name`` that is a module of the tree (``a.b.func`` -> ``a.b``)."""
     while name and name not in known:
         name = name.rpartition(".")[0]
     return name or None
 
 
-def arrows(package: Path) -> List[Arrow]:
+def arrows(package: Path) -> list[Arrow]:
     """Every import of one module of ``package`` by another, wherever in the file it is written."""
     known = modules(package)
     root = package.name
@@ -118,7 +119,7 @@ def rl_rank(module: str) -> Optional[int]:
     return 1 + len(RL_LAYERS)
 
 
-def forbidden_package_arrows(graph: List[Arrow]) -> List[Arrow]:
+def forbidden_package_arrows(graph: list[Arrow]) -> list[Arrow]:
     out = []
     for arrow in graph:
         source, target = package_of(arrow.importer), package_of(arrow.imported)
@@ -129,7 +130,7 @@ def forbidden_package_arrows(graph: List[Arrow]) -> List[Arrow]:
     return out
 
 
-def forbidden_rl_arrows(graph: List[Arrow]) -> List[Arrow]:
+def forbidden_rl_arrows(graph: list[Arrow]) -> list[Arrow]:
     out = []
     for arrow in graph:
         source, target = rl_rank(arrow.importer), rl_rank(arrow.imported)
@@ -140,20 +141,20 @@ def forbidden_rl_arrows(graph: List[Arrow]) -> List[Arrow]:
     return out
 
 
-def circles(graph: List[Arrow]) -> List[Set[str]]:
+def circles(graph: list[Arrow]) -> list[set[str]]:
     """The import circles of ``graph``: its strongly connected components of more than one module (Tarjan)."""
-    edges: Dict[str, Set[str]] = {}
+    edges: dict[str, set[str]] = {}
     for arrow in graph:
         edges.setdefault(arrow.importer, set()).add(arrow.imported)
         edges.setdefault(arrow.imported, set())
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on_stack: Set[str] = set()
-    found: List[Set[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
 
     def visit(start: str) -> None:  # iterative: a deep chain of imports must not hit the recursion limit
-        work: List[Tuple[str, Iterator[str]]] = [(start, iter(sorted(edges[start])))]
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(edges[start])))]
         index[start] = low[start] = len(index)
         stack.append(start)
         on_stack.add(start)
@@ -188,12 +189,12 @@ def circles(graph: List[Arrow]) -> List[Set[str]]:
     return found
 
 
-def _arrows_within(graph: List[Arrow], component: Set[str]) -> str:
+def _arrows_within(graph: list[Arrow], component: set[str]) -> str:
     return "\n".join(f"  {a}" for a in graph if a.importer in component and a.imported in component)
 
 
 @pytest.fixture(scope="module")
-def graph() -> List[Arrow]:
+def graph() -> list[Arrow]:
     return arrows(PACKAGE)
 
 
@@ -226,7 +227,7 @@ def test_no_import_circles_but_the_known_ones(graph):
     assert not stale, f"no longer circles, remove them from KNOWN_CIRCLES: {stale}"
 
 
-def _write(root: Path, files: Dict[str, str]) -> Path:
+def _write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,8 @@ import io
 import re
 import subprocess
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "glm5_core"
@@ -55,7 +55,7 @@ TOP = _folders(REPO)
 SUB = _folders(PACKAGE)
 
 
-def _expand(token: str) -> List[str]:
+def _expand(token: str) -> list[str]:
     match = re.search(r"\{([^{}]*)\}", token)
     if not match:
         return [token]
@@ -86,7 +86,7 @@ def _exists(path: str) -> bool:
     return target.is_dir() if path.endswith("/") else target.exists()
 
 
-def references(text: str, first_line: int = 1) -> Iterator[Tuple[int, str]]:
+def references(text: str, first_line: int = 1) -> Iterator[tuple[int, str]]:
     """(line, path) for every repository path named in ``text`` (whose first line is ``first_line``)."""
     for offset, line in enumerate(text.splitlines()):
         line = _URL.sub(" ", line)
@@ -97,7 +97,7 @@ def references(text: str, first_line: int = 1) -> Iterator[Tuple[int, str]]:
                     yield first_line + offset, path
 
 
-def _python_prose(source: str) -> Iterator[Tuple[int, str]]:
+def _python_prose(source: str) -> Iterator[tuple[int, str]]:
     """(first line, text) of every comment and docstring of a Python source."""
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -110,13 +110,13 @@ def _python_prose(source: str) -> Iterator[Tuple[int, str]]:
                 yield first.lineno, first.value.value
 
 
-def _yaml_comments(source: str) -> Iterator[Tuple[int, str]]:
+def _yaml_comments(source: str) -> Iterator[tuple[int, str]]:
     for number, line in enumerate(source.splitlines(), 1):
         if "#" in line:
             yield number, line[line.index("#"):]
 
 
-def scanned_files() -> List[Path]:
+def scanned_files() -> list[Path]:
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "benchmarks").rglob("*.md")),
              *sorted((REPO / "configs").glob("*.yaml"))]
     for folder in ("glm5_core", "benchmarks", "tests"):
@@ -124,7 +124,7 @@ def scanned_files() -> List[Path]:
     return [p for p in files if p.is_file()]
 
 
-def broken_references() -> List[str]:
+def broken_references() -> list[str]:
     broken = []
     for path in scanned_files():
         source = path.read_text(encoding="utf-8")
@@ -164,7 +164,7 @@ def test_a_missing_path_is_reported_with_its_line():
     assert not _exists(refs[0][1])
 
 
-def _status_rows() -> List[Tuple[int, List[str]]]:
+def _status_rows() -> list[tuple[int, list[str]]]:
     """(line, cells) of each row of the README's status table (the table under "## Status")."""
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("## Status"))

@@ -419,7 +419,7 @@ def test_the_registry_tables_derive_from_the_op_declarations():
     assert dict(registry.COMPOSITE_PARTS) == {"moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine")}
     assert registry._import_target(registry.COMPOSITES["moe_fused_experts"]) is specs["moe_fused_experts"].composite
     with pytest.raises(AttributeError, match="NO_SUCH_TABLE"):
-        registry.NO_SUCH_TABLE
+        _ = registry.NO_SUCH_TABLE
 
 
 def test_op_declarations_are_checked(monkeypatch, fresh_registry):

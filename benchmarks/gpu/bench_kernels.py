@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -31,7 +31,7 @@ DEVICE_PEAKS = {
 }
 
 
-def device_peaks(device: str) -> Dict[str, float]:
+def device_peaks(device: str) -> dict[str, float]:
     if device != "cuda":
         return {}
     name = torch.cuda.get_device_name(0)
@@ -68,7 +68,7 @@ def time_call(fn, device: str, reps: int, warmup: int, target_ms: float = 1500.0
     return statistics.median(samples)
 
 
-def measured_peaks(device: str) -> Dict[str, float]:
+def measured_peaks(device: str) -> dict[str, float]:
     """What this device reaches on a large bf16 GEMM and a large copy (a sanity anchor for the table)."""
     if device != "cuda":
         return {}
@@ -80,7 +80,7 @@ def measured_peaks(device: str) -> Dict[str, float]:
     return {"bf16_gemm": 2 * 8192 ** 3 / (gemm_ms * 1e-3), "copy": 2 * buf.numel() / (copy_ms * 1e-3)}
 
 
-def run_case(build, device: str, tiny: bool, reps: int, peaks: Dict[str, float]) -> Dict:
+def run_case(build, device: str, tiny: bool, reps: int, peaks: dict[str, float]) -> dict:
     case = build(device, tiny)
     row = {"case": case.name, "shape": case.shape, "flops": case.flops, "bytes": case.bytes, "impls": {}}
     for label, fn in case.impls.items():
@@ -102,7 +102,7 @@ def run_case(build, device: str, tiny: bool, reps: int, peaks: Dict[str, float])
     return row
 
 
-def markdown(rows: List[Dict], header: Dict) -> str:
+def markdown(rows: list[dict], header: dict) -> str:
     lines = [f"# cuda backend kernels on {header.get('device_name', header['device'])}", "",
              f"command: `{header['command']}`", f"peaks: {header['peaks']}", f"measured: {header['measured']}", "",
              "| case | shape | implementation | ms | TFLOP/s | GB/s | % FLOP peak | % HBM peak | ours is x faster |",
@@ -122,7 +122,7 @@ def markdown(rows: List[Dict], header: Dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU interpreter smoke run)")

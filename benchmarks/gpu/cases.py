@@ -8,7 +8,7 @@ CPU interpreter smoke test). FLOPs count multiply-adds as 2; bytes are the compu
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ class Case:
     shape: str
     flops: float
     bytes: float
-    impls: Dict[str, Callable[[], object]]
+    impls: dict[str, Callable[[], object]]
     compute_dtype: str = "bf16"  # which peak the FLOP rate is judged against
 
 
@@ -250,7 +250,7 @@ def muon_case(device, tiny: bool) -> Case:
                 compute_dtype="fp32")
 
 
-ALL_CASES: List[Callable[[str, bool], Case]] = [indexer_case, sparse_decode_case, sparse_prefill_forward_case,
+ALL_CASES: list[Callable[[str, bool], Case]] = [indexer_case, sparse_decode_case, sparse_prefill_forward_case,
                                                 sparse_prefill_case, route_case, permute_case, experts_case,
                                                 experts_backward_case, attention_target_case,
                                                 attention_target_causal_case, muon_case]

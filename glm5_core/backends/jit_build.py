@@ -29,8 +29,8 @@ import os
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 TORCH_BATON = "lock"  # the FileBaton name torch.utils.cpp_extension uses inside build_directory
 BUILD_LOCK = "glm5-build.flock"

@@ -3,7 +3,8 @@ gradient case (:data:`GradCase`), and the helpers every family's checks share.""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -13,7 +14,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 CheckFn = Callable[[str, str], testing.Comparison]  # (backend, device) -> comparison
 # A gradient case: (entry point call taking the backend first, reference call, float inputs to differentiate).
-GradCase = Tuple[Callable, Callable, Dict[str, torch.Tensor]]
+GradCase = tuple[Callable, Callable, dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Check:
 class Result:
     family: str
     check: str
-    ops: List[str]
+    ops: list[str]
     status: str  # "pass" | "fail" | "error" | "fallback"
     max_error: Optional[float]
     allowed: Optional[float]
@@ -41,6 +42,6 @@ class Result:
     seconds: float
 
 
-def fp64(inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def fp64(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``inputs`` with every floating tensor in fp64 (integer tensors unchanged)."""
     return {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in inputs.items()}

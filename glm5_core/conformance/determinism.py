@@ -14,7 +14,7 @@ Each check returns a :class:`glm5_core.testing.Comparison` and runs on the tenso
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 
@@ -33,7 +33,7 @@ def _ok(what: str) -> testing.Comparison:
     return testing.Comparison(True, 0.0, 0.0, what)
 
 
-def _inputs(device: str, ties=None, dtype=torch.float32) -> Dict[str, torch.Tensor]:
+def _inputs(device: str, ties=None, dtype=torch.float32) -> dict[str, torch.Tensor]:
     return testing.make_indexer_inputs(DETERMINISM_SHAPE, dtype=dtype, device=device, seed=11, ties=ties)
 
 
@@ -75,7 +75,7 @@ def topk_batch_invariance(backend: str, device: str, ties=None) -> testing.Compa
     return _ok("rows, query chunks (1, 4, 7) and ragged batches bitwise identical to the batched call")
 
 
-def _near_tied_inputs(device: str) -> Dict[str, torch.Tensor]:
+def _near_tied_inputs(device: str) -> dict[str, torch.Tensor]:
     """Key t = key t-1 + a nudge orthogonal to every head of query t (t >= 1): the two index scores are equal
     in exact arithmetic, so query t's order between them is decided by rounding alone. Random inputs almost
     never have such pairs; a kernel whose rounding depends on the cache length flips them."""
@@ -126,7 +126,7 @@ def route_batch_invariance(backend: str, device: str) -> testing.Comparison:
 
 
 def _sparse_grads(op: Callable, make_inputs: Callable, shape: testing.MLAShape, k: int, backend: str, device: str,
-                  dtype: torch.dtype) -> List[torch.Tensor]:
+                  dtype: torch.dtype) -> list[torch.Tensor]:
     """The input gradients of one sparse-attention call (``op`` over ``make_inputs(shape, k)``), sorted by name."""
     x = make_inputs(shape, k, dtype=dtype, device=device, seed=13)
     idx = x.pop("topk_idx")
@@ -136,18 +136,18 @@ def _sparse_grads(op: Callable, make_inputs: Callable, shape: testing.MLAShape, 
     return [leaves[n].grad for n in sorted(leaves)]
 
 
-def _sparse_prefill_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+def _sparse_prefill_grads(backend: str, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     shape = testing.MLAShape(B=1, T=4, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
     return _sparse_grads(dsa.sparse_prefill, testing.make_sparse_inputs, shape, 3, backend, device, dtype)
 
 
-def _sparse_expanded_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+def _sparse_expanded_grads(backend: str, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     shape = testing.MLAShape(B=2, T=5, S=9, H=3, Dn=8, Dr=4, Dv=6, C=20)
     return _sparse_grads(dsa.sparse_prefill_expanded, testing.make_sparse_expanded_inputs, shape, 4, backend, device,
                          dtype)
 
 
-def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> List[torch.Tensor]:
+def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> list[torch.Tensor]:
     shape = testing.MoEShape(N=7, E=5, K=2, G=1, TG=1, D=12, F=10)
     x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=15)
     logits = testing.make_route_inputs(shape, device=device, seed=16)["logits"]
@@ -159,7 +159,7 @@ def _fused_experts_grads(backend: str, device: str, dtype: torch.dtype) -> List[
     return [leaves[k].grad for k in sorted(leaves)]
 
 
-def backward_repeatability(grads: Callable[[str, str, torch.dtype], List[torch.Tensor]], dtype: torch.dtype,
+def backward_repeatability(grads: Callable[[str, str, torch.dtype], list[torch.Tensor]], dtype: torch.dtype,
                            backend: str, device: str, runs: int = 2) -> testing.Comparison:
     first = grads(backend, device, dtype)
     for i in range(1, runs):
@@ -168,7 +168,7 @@ def backward_repeatability(grads: Callable[[str, str, torch.dtype], List[torch.T
     return _ok(f"{runs} backward runs bitwise identical ({len(first)} gradients, {dtype})")
 
 
-CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
+CHECKS: dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_repeatability": topk_repeatability,
     "topk_batch_invariance": topk_batch_invariance,
     "topk_batch_invariance_ties": lambda be, dev: topk_batch_invariance(be, dev, ties="duplicate_keys"),
@@ -185,14 +185,14 @@ CHECKS: Dict[str, Callable[[str, str], testing.Comparison]] = {
 }
 
 # Ops each check exercises (used to report fallbacks).
-CHECK_OPS: Dict[str, List[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
+CHECK_OPS: dict[str, list[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
 CHECK_OPS["route_batch_invariance"] = ["moe_route"]
 CHECK_OPS["sparse_prefill_backward_repeatability"] = ["dsa_sparse_prefill"]
 CHECK_OPS["sparse_expanded_backward_repeatability"] = ["dsa_sparse_prefill_expanded"]
 CHECK_OPS["fused_experts_backward_repeatability"] = ["moe_fused_experts"]
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     """The checks above as conformance checks (properties: run on the reference too)."""
     return [Check("determinism", name, tuple(CHECK_OPS[name]), fn, against_reference=False)
             for name, fn in CHECKS.items()]

@@ -3,7 +3,7 @@ ties are exact, by the set rule elsewhere), the selected-key scores, sparse MLA 
 prefill, the selected-attention target, and the backward inputs of the family's differentiable ops."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -120,7 +120,7 @@ def _selected_target_check(shape: testing.MLAShape, K: int, dtype: torch.dtype, 
     return fn
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     checks = []
     for shape in testing.INDEXER_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
@@ -216,7 +216,7 @@ def _selected_index_scores_grad(device: str, shape: testing.IndexerShape = testi
 
 
 # Inputs of the backward check of each differentiable op of the family (see ``gradients.py``).
-GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {
     "dsa_indexer_scores": _indexer_scores_grad,
     "dsa_sparse_prefill": _sparse_prefill_grad,
     "dsa_selected_index_scores": _selected_index_scores_grad,
@@ -224,7 +224,7 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
 }
 # Edge cases of the backward checks: (op, tag, inputs). Sparse prefill: K = 1, and K past the visible keys
 # (queries at positions 0..T-1: -1 padded rows).
-GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (
+GRAD_EDGE_CASES: tuple[tuple[str, str, Callable[[str], GradCase]], ...] = (
     ("dsa_sparse_prefill", "K1", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA, K=1)),
     ("dsa_sparse_prefill", "padded", lambda dev: _sparse_prefill_grad(dev, _GRAD_MLA_PADDED, K=9, start_pos=0)),
     ("dsa_selected_index_scores", "K1", lambda dev: _selected_index_scores_grad(dev, _GRAD_INDEXER_K1)),

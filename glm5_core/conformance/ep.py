@@ -11,7 +11,7 @@ backward inputs, read by ``gradients.py``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str
     return fn
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     """Each check of the ``ep`` family."""
     found = []
     for shape in testing.MOE_SHAPES:
@@ -94,4 +94,4 @@ def _combine_grad(device: str) -> GradCase:
             {"rows": rows, "weights": weights})
 
 
-GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {"ep_dispatch": _dispatch_grad, "ep_combine": _combine_grad}
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"ep_dispatch": _dispatch_grad, "ep_combine": _combine_grad}

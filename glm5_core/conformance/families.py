@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from glm5_core import registry
 from glm5_core.conformance.check import Check
@@ -19,12 +19,12 @@ from glm5_core.conformance.check import Check
 PROPERTY_FAMILIES = ("gradients", "determinism")
 
 
-def op_families() -> Tuple[str, ...]:
+def op_families() -> tuple[str, ...]:
     """The ``family`` of every declared op, once each, in declaration order."""
     return tuple(dict.fromkeys(spec.family for spec in registry.op_specs().values()))
 
 
-def family_names() -> Tuple[str, ...]:
+def family_names() -> tuple[str, ...]:
     """Every conformance family: the ops' families, then :data:`PROPERTY_FAMILIES`."""
     return op_families() + PROPERTY_FAMILIES
 
@@ -48,7 +48,7 @@ def family_module(family: str) -> ModuleType:
     return module
 
 
-def checks(family: Optional[str] = None) -> List[Check]:
+def checks(family: Optional[str] = None) -> list[Check]:
     """All conformance checks, or those of one family."""
     names = family_names()
     if family is not None and family not in names:

@@ -9,7 +9,7 @@ tables here are their union.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 import torch
 
@@ -17,15 +17,15 @@ from glm5_core import registry, testing
 from glm5_core.conformance.check import DTYPE_NAMES, Check, CheckFn, GradCase
 from glm5_core.conformance.families import family_module, op_families
 
-GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {
     op: case for family in op_families() for op, case in getattr(family_module(family), "GRAD_CASES", {}).items()}
-GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = tuple(  # (op, tag, inputs)
+GRAD_EDGE_CASES: tuple[tuple[str, str, Callable[[str], GradCase]], ...] = tuple(  # (op, tag, inputs)
     case for family in op_families() for case in getattr(family_module(family), "GRAD_EDGE_CASES", ()))
-BF16_GRAD_OPS: Tuple[str, ...] = tuple(
+BF16_GRAD_OPS: tuple[str, ...] = tuple(
     op for family in op_families() for op in getattr(family_module(family), "BF16_GRAD_OPS", ()))
 
 
-def grad_ops() -> Tuple[str, ...]:
+def grad_ops() -> tuple[str, ...]:
     """The ops whose declaration (``OpSpec.differentiable``) says training needs their gradient."""
     return tuple(name for name, spec in registry.op_specs().items() if spec.differentiable)
 
@@ -79,7 +79,7 @@ def _grad_check(op: str, case: Callable[[str], GradCase], dtype: torch.dtype = t
     return fn
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     checks = []
     for op in grad_ops():
         variants = [("", lambda dev, op=op: _grad_case(op, dev))]

@@ -2,7 +2,7 @@
 expanded and absorbed forms agreeing, and the backward inputs of ``mla_prefill``."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 
@@ -41,7 +41,7 @@ def _mla_forms_agree(shape: testing.MLAShape) -> CheckFn:
     return fn
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     checks = []
     for op in ("mla_prefill", "mla_decode"):
         for shape in testing.MLA_SHAPES:
@@ -70,4 +70,4 @@ def _prefill_grad(device: str) -> GradCase:
 
 
 # Inputs of the backward check of each differentiable op of the family (see ``gradients.py``).
-GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {"mla_prefill": _prefill_grad}
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"mla_prefill": _prefill_grad}

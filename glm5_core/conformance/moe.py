@@ -3,7 +3,7 @@ fp64), dispatch (bitwise), combine, the grouped experts, the fused experts, and 
 family's differentiable ops."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 
@@ -94,7 +94,7 @@ def _fused_experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn
     return fn
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     checks = []
     for shape in testing.MOE_SHAPES + (testing.VENDOR_MOE_SHAPE,):
         for ties in (None, "integer"):
@@ -164,7 +164,7 @@ def _experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
 
 
 # Inputs of the backward check of each differentiable op of the family (see ``gradients.py``).
-GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {
     "moe_route": _route_grad,
     "moe_dispatch": _dispatch_grad,
     "moe_combine": _combine_grad,
@@ -173,7 +173,7 @@ GRAD_CASES: Dict[str, Callable[[str], GradCase]] = {
 }
 # Edge cases of the backward checks: (op, tag, inputs). Experts: K = 1 with more experts than tokens (most
 # receive none).
-GRAD_EDGE_CASES: Tuple[Tuple[str, str, Callable[[str], GradCase]], ...] = (
+GRAD_EDGE_CASES: tuple[tuple[str, str, Callable[[str], GradCase]], ...] = (
     ("moe_experts", "K1-empty_experts", lambda dev: _experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
     ("moe_fused_experts", "K1-empty_experts", lambda dev: _fused_experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
 )

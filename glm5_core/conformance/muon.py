@@ -2,7 +2,7 @@
 reference at the same compute dtype and the fp64 iteration."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -32,7 +32,7 @@ def _muon_name(shape: Sequence[int], dtype: torch.dtype, coefficients: str, suff
     return f"muon_orthogonalize[{DTYPE_NAMES[dtype]}-{'x'.join(map(str, shape))}-{coefficients}{suffix}]"
 
 
-def checks() -> List[Check]:
+def checks() -> list[Check]:
     fp32_compute = [Check("muon", _muon_name(shape, dtype, coef), ("muon_orthogonalize",),
                           _muon_check(shape, dtype, coef))
                     for shape in testing.MUON_SHAPES for dtype in testing.FLOAT_DTYPES_UNDER_TEST

@@ -7,7 +7,6 @@ import datetime
 import json
 import platform as py_platform
 from pathlib import Path
-from typing import Dict, List
 
 import torch
 
@@ -16,7 +15,7 @@ from glm5_core.conformance.check import Result
 from glm5_core.conformance.families import family_names
 
 
-def environment(backend: str) -> Dict[str, str]:
+def environment(backend: str) -> dict[str, str]:
     be = registry.get_backend(backend)
     ok, reason = be.available()
     return {
@@ -31,7 +30,7 @@ def environment(backend: str) -> Dict[str, str]:
     }
 
 
-def write_reports(results: List[Result], backend: str, out_dir: Path) -> Dict[str, Path]:
+def write_reports(results: list[Result], backend: str, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "fallback")}
     coverage = [{"op": r.op, "implementation": r.label, "reason": r.reason} for r in registry.explain(backend)]

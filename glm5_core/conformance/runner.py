@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Dict
 
 from glm5_core import registry
 from glm5_core.conformance.check import Check, Result
 
 
-def _fell_back(op: str, backend: str, declined: Dict[str, str]) -> bool:
+def _fell_back(op: str, backend: str, declined: dict[str, str]) -> bool:
     """``op`` ran the reference in this check: it has no kernel on ``backend``, its kernel declined a call, or
     (a composite whose fused kernel declined) every part did."""
     if op in declined or registry.runs_reference(op, backend):

@@ -25,7 +25,7 @@ whole preallocated buffer) run transformers' own forward.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -144,7 +144,7 @@ def _runs_here(cache, layer_idx: int) -> bool:
     return layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicIndexedLayer
 
 
-def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tuple[torch.Tensor, torch.Tensor],
+def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                       attention_mask: Optional[torch.Tensor] = None, cache=None, position_ids=None,
                       prev_topk_indices: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
     """GlmMoeDsaAttention.forward: returns (output [B, T, D], None, the top-k of the queries that needed

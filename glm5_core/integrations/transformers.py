@@ -18,7 +18,7 @@ transformers is imported only when ``kernelize`` runs; glm5-core does not need i
 from __future__ import annotations
 
 import types
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ _EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, 
                    "has_post_expert_norm": False, "_is_expert_parallel": False}
 
 
-def _transformers_classes() -> Dict[str, type]:
+def _transformers_classes() -> dict[str, type]:
     try:
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
     except ImportError as exc:
@@ -51,7 +51,7 @@ def _check_config(config) -> None:
                          f"no dropout), got {config.attention_dropout!r}")
 
 
-def _check_layers(model, classes: Dict[str, type]) -> None:
+def _check_layers(model, classes: dict[str, type]) -> None:
     """Every decoder layer must be made of the modules this integration has forwards for."""
     for i, layer in enumerate(model.model.layers):
         where = f"model.layers.{i}"

@@ -22,7 +22,7 @@ The kernels are bound when the layer is built (``registry.bind``): a forward doe
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from glm5_core.model.state import ForwardState
 from glm5_core.ops import dsa, mla
 
 # (q [B, T, Hi, Di], keys [B, S, Di], w [B, T, Hi], start_pos of the first query)
-IndexInputs = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]
+IndexInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, Union[int, torch.Tensor]]
 
 
 class MLA(nn.Module):
@@ -66,7 +66,7 @@ class MLA(nn.Module):
         self.expanded_sparse_native = (not self.kernels.resolution("dsa_sparse_prefill_expanded").is_reference
                                        or self.kernels.resolution("dsa_sparse_prefill").is_reference)
 
-    def absorbed_weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of kv_b_proj: w_uk [H, Dn, C], w_uv [H, Dv, C]."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)  # [H, Dn+Dv, C]
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
@@ -119,7 +119,7 @@ class MLA(nn.Module):
             heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, v_dim=self.v_dim,
             kv_rank=self.kv_rank, queries=queries, keys=keys, topk=topk)
 
-    def _expand_keys(self, c_kv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _expand_keys(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj over the latent rows, once: views k_nope [B, S, H, Dn] and v [B, S, H, Dv] of one tensor, in the
         compute dtype (fp32 for bf16 / fp16 layers: the absorbed form also applies w_uk / w_uv in fp32, and a bf16
         rounding of the expanded keys doubles the bf16 model's error against an fp32 run)."""
@@ -132,7 +132,7 @@ class MLA(nn.Module):
 
     # ---- DSA -------------------------------------------------------------------------------------------
     def _select_keys(self, x: torch.Tensor, q_latent: torch.Tensor, state: ForwardState
-                     ) -> Tuple[Optional[torch.Tensor], Optional[IndexInputs]]:
+                     ) -> tuple[Optional[torch.Tensor], Optional[IndexInputs]]:
         """Run (or reuse) the indexer. Returns (top-k int32 [B, T, K] or None when not needed, the indexer's
         (q, keys, w, start) or None when this layer has no indexer or did not run it).
 

@@ -16,7 +16,7 @@ the causal mask, so right-padded prompts can be prefilled together.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -29,16 +29,16 @@ StartPos = Union[int, torch.Tensor]
 
 @dataclasses.dataclass
 class KVCache:
-    c_kv: List[torch.Tensor]
-    k_pe: List[torch.Tensor]
-    index_k: List[Optional[torch.Tensor]]
-    expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer (if recorded)
-    index_topk: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)  # per layer, None: shared
+    c_kv: list[torch.Tensor]
+    k_pe: list[torch.Tensor]
+    index_k: list[Optional[torch.Tensor]]
+    expert_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer (if recorded)
+    index_topk: list[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)  # per layer, None: shared
 
     @classmethod
     def new(cls, cfg: GLM5Config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
             device: Union[str, torch.device] = "cpu", record_routing: bool = False,
-            record_index_topk: bool = False) -> "KVCache":
+            record_index_topk: bool = False) -> KVCache:
         for name, value in (("batch_size", batch_size), ("max_len", max_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -102,7 +102,7 @@ class KVCache:
         return store[:, :end]
 
     def write_latent(self, layer: int, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     start_pos: StartPos) -> Tuple[torch.Tensor, torch.Tensor]:
+                     start_pos: StartPos) -> tuple[torch.Tensor, torch.Tensor]:
         return self._write(self.c_kv[layer], c_kv, start_pos), self._write(self.k_pe[layer], k_pe, start_pos)
 
     def write_index_keys(self, layer: int, index_k: torch.Tensor, start_pos: StartPos) -> torch.Tensor:

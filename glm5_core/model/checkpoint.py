@@ -18,7 +18,8 @@ import json
 import logging
 import os
 import re
-from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
+from collections.abc import Iterable
+from typing import Optional, Union
 
 import torch
 
@@ -45,7 +46,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _LOG = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
-TensorSpec = Tuple[Tuple[int, ...], torch.dtype]  # (shape, dtype) from a safetensors header
+TensorSpec = tuple[tuple[int, ...], torch.dtype]  # (shape, dtype) from a safetensors header
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
@@ -66,7 +67,7 @@ def _read_json(path: str, what: str) -> dict:
     return value
 
 
-def checkpoint_state(model: GLM5ForCausalLM) -> Dict[str, torch.Tensor]:
+def checkpoint_state(model: GLM5ForCausalLM) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint stores, by HF name (a tied lm_head is stored once, as the embedding)."""
     state = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -75,7 +76,7 @@ def checkpoint_state(model: GLM5ForCausalLM) -> Dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                    transformers_form: bool = True) -> List[str]:
+                    transformers_form: bool = True) -> list[str]:
     """Write ``path/config.json``, ``model-0000i-of-0000n.safetensors`` shards and the index; return shard names.
 
     The directory is in transformers' form (``hf_layout.to_transformers_form``): a model whose latent norms use
@@ -98,7 +99,7 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     else:
         cfg = model.config
 
-    groups: List[List[str]] = [[]]
+    groups: list[list[str]] = [[]]
     group_bytes = 0
     for name, t in state.items():  # module order; a tensor larger than the limit gets a shard of its own
         nbytes = t.numel() * t.element_size()
@@ -109,7 +110,7 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
         group_bytes += nbytes
     n = len(groups)
     files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    weight_map: Dict[str, str] = {}
+    weight_map: dict[str, str] = {}
     for file, names in zip(files, groups):
         _atomic_write_bytes(os.path.join(path, file), save({k: state[k] for k in names}, metadata={"format": "pt"}))
         weight_map.update({k: file for k in names})
@@ -132,7 +133,7 @@ def _read_config(path: str) -> dict:
     return _read_json(os.path.join(path, CONFIG_NAME), "config.json")
 
 
-def _config_for_shards(raw: dict, names: Iterable[str]) -> Tuple[GLM5Config, Optional[str]]:
+def _config_for_shards(raw: dict, names: Iterable[str]) -> tuple[GLM5Config, Optional[str]]:
     """The config to build, and why there is no MTP module when config.json declares one the shards lack
     (transformers runs no MTP and writes none: its checkpoints of GLM-5's config all declare one)."""
     main = GLM5Config.from_hf_dict(dict(raw, num_nextn_predict_layers=0))  # every other value checked here
@@ -150,7 +151,7 @@ def _config_for_shards(raw: dict, names: Iterable[str]) -> Tuple[GLM5Config, Opt
     return main, reason
 
 
-def _weight_map(path: str) -> Dict[str, str]:
+def _weight_map(path: str) -> dict[str, str]:
     index_path = os.path.join(path, INDEX_NAME)
     if not os.path.exists(index_path):
         if os.path.isfile(os.path.join(path, SINGLE_NAME)):
@@ -167,7 +168,7 @@ def _weight_map(path: str) -> Dict[str, str]:
     return weight_map
 
 
-def _shard_files(path: str, weight_map: Dict[str, str]) -> List[str]:
+def _shard_files(path: str, weight_map: dict[str, str]) -> list[str]:
     files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
     for file in files:
         if not os.path.lexists(os.path.join(path, file)):
@@ -175,9 +176,9 @@ def _shard_files(path: str, weight_map: Dict[str, str]) -> List[str]:
     return files
 
 
-def header_specs(handle, file: str) -> Dict[str, TensorSpec]:
+def header_specs(handle, file: str) -> dict[str, TensorSpec]:
     """{name: (shape, dtype)} of an open ``safetensors.safe_open`` handle, from its header only."""
-    specs: Dict[str, TensorSpec] = {}
+    specs: dict[str, TensorSpec] = {}
     for name in sorted(handle.keys()):
         tensor_slice = handle.get_slice(name)
         dtype_name = tensor_slice.get_dtype()
@@ -188,9 +189,9 @@ def header_specs(handle, file: str) -> Dict[str, TensorSpec]:
     return specs
 
 
-def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec]:
+def _read_headers(path: str, weight_map: dict[str, str]) -> dict[str, TensorSpec]:
     """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
-    specs: Dict[str, TensorSpec] = {}
+    specs: dict[str, TensorSpec] = {}
     for file in _shard_files(path, weight_map):
         with open_safetensors(os.path.join(path, file), root=checkpoint_root(path)) as f:
             names = set(f.keys())
@@ -207,9 +208,9 @@ def _read_headers(path: str, weight_map: Dict[str, str]) -> Dict[str, TensorSpec
     return specs
 
 
-def _indices(names: Iterable[str], pattern: "re.Pattern[str]") -> Dict[int, Set[int]]:
+def _indices(names: Iterable[str], pattern: re.Pattern[str]) -> dict[int, set[int]]:
     """{first captured index: set of second captured indices (empty when the pattern has one group)}."""
-    out: Dict[int, Set[int]] = {}
+    out: dict[int, set[int]] = {}
     for name in names:
         match = pattern.match(name)
         if match:
@@ -237,7 +238,7 @@ def _check_layout(cfg: GLM5Config, names: Iterable[str]) -> None:
                              f"{layer}, the shards hold {len(got)} experts there")
 
 
-def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tensor]) -> None:
+def _check_tensors(specs: dict[str, TensorSpec], expected: dict[str, torch.Tensor]) -> None:
     """Names, shapes and dtypes; a tensor transformers keeps in fp32 (hf_layout.keeps_fp32) may be fp32."""
     unknown = sorted(set(specs) - set(expected))
     missing = sorted(set(expected) - set(specs))
@@ -253,9 +254,9 @@ def _check_tensors(specs: Dict[str, TensorSpec], expected: Dict[str, torch.Tenso
             raise ValueError(f"checkpoint: {name}: expected dtype {want.dtype}, got {dtype}")
 
 
-def _read_tensors(path: str, weight_map: Dict[str, str]) -> Dict[str, torch.Tensor]:
+def _read_tensors(path: str, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
     """Every tensor's data; NaN / Inf weights are refused here, naming the tensor."""
-    tensors: Dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for file in _shard_files(path, weight_map):
         with open_safetensors(os.path.join(path, file), root=checkpoint_root(path)) as f:
             for name in f.keys():

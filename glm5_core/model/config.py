@@ -19,7 +19,7 @@ HF interop policy (``from_hf_dict`` / ``to_hf_dict``):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 from glm5_core.config_schema import TypeProblem, check, field, shown
 
@@ -28,7 +28,7 @@ ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 INDEXER_TYPES = ("full", "shared")
 
 # Keys whose value must equal what this implementation computes (the key -> (accepted values, why)).
-_FIXED_KEYS: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+_FIXED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
     "model_type": ((MODEL_TYPE,), "only glm_moe_dsa checkpoints are understood"),
     "hidden_act": (("silu",), "experts and dense MLPs are SwiGLU"),
     "scoring_func": (("sigmoid",), "the router uses sigmoid scores"),
@@ -88,14 +88,14 @@ class GLM5Config:
     index_head_dim: int = field(128, **_SIZE)
     index_topk: int = field(2048, **_SIZE)
     indexer_rope_interleave: bool = True
-    indexer_types: Optional[List[str]] = None  # per main layer; None = all "full"
+    indexer_types: Optional[list[str]] = None  # per main layer; None = all "full"
     num_nextn_predict_layers: int = field(1, range=(0, 1))  # one MTP module, shared across depths
     max_position_embeddings: int = field(202752, **_SIZE)
     rms_norm_eps: float = field(1e-5, **_POSITIVE)
     latent_norm_eps: float = field(TRANSFORMERS_LATENT_NORM_EPS, **_POSITIVE)  # q_a_layernorm and kv_a_layernorm
     tie_word_embeddings: bool = False
     initializer_range: float = field(0.02, **_POSITIVE)
-    extra: Dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
@@ -106,28 +106,28 @@ class GLM5Config:
     def softmax_scale(self) -> float:
         return self.qk_head_dim ** -0.5
 
-    def layer_indexer_types(self) -> List[str]:
+    def layer_indexer_types(self) -> list[str]:
         return list(self.indexer_types) if self.indexer_types is not None else ["full"] * self.num_hidden_layers
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 
     # ---- validation ----------------------------------------------------------------------------------
-    def validate(self) -> "GLM5Config":
+    def validate(self) -> GLM5Config:
         """Raise one ValueError (TypeError for a value of the wrong type) naming the first bad field; return self."""
         problems = self.problems()
         if problems:
             raise (TypeError if isinstance(problems[0], TypeProblem) else ValueError)(problems[0])
         return self
 
-    def problems(self, prefix: str = "") -> List[str]:
+    def problems(self, prefix: str = "") -> list[str]:
         """Every problem of the fields (declared above), else of the rules between them; keys start with ``prefix``."""
         problems = check(self, prefix)
         if problems:
             return problems
         return [f"{prefix}{problem}" for problem in self._rule_problems()]
 
-    def _rule_problems(self) -> List[str]:
+    def _rule_problems(self) -> list[str]:
         experts_kept = (self.n_routed_experts // self.n_group) * self.topk_group
         rules = [
             (self.first_k_dense_replace <= self.num_hidden_layers,
@@ -165,11 +165,11 @@ class GLM5Config:
 
     # ---- HF config.json ------------------------------------------------------------------------------
     @classmethod
-    def field_names(cls) -> Tuple[str, ...]:
+    def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "extra")
 
     @classmethod
-    def from_hf_dict(cls, d: Dict[str, Any]) -> "GLM5Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> GLM5Config:
         """Build from a ``config.json`` dict (see the module docstring for the key policy)."""
         if not isinstance(d, dict):
             raise TypeError(f"config: expected a dict (parsed config.json), got {type(d).__name__}")
@@ -180,7 +180,7 @@ class GLM5Config:
             d.pop(key, None)
         if d.get("architectures") == list(ARCHITECTURES):
             d.pop("architectures")  # to_hf_dict writes it
-        kwargs: Dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
         rope = d.pop("rope_parameters", None)
         if rope is not None:
             if not isinstance(rope, dict):
@@ -210,7 +210,7 @@ class GLM5Config:
         cfg._check_derived(derived)
         return cfg
 
-    def transformers_derived(self) -> Dict[str, Any]:
+    def transformers_derived(self) -> dict[str, Any]:
         """The keys transformers' GlmMoeDsaConfig derives from the fields, as it derives them."""
         n_dense = self.first_k_dense_replace
         return {"num_key_value_heads": self.num_attention_heads,
@@ -218,7 +218,7 @@ class GLM5Config:
                 "layer_types": ["indexed_attention"] * self.num_hidden_layers,
                 "head_dim": self.qk_rope_head_dim, "qk_head_dim": self.qk_head_dim}
 
-    def _check_derived(self, given: Dict[str, Any]) -> None:
+    def _check_derived(self, given: dict[str, Any]) -> None:
         """ValueError for a derived key transformers would run with a value this config does not compute."""
         want = self.transformers_derived()
         why = {"num_key_value_heads": f"MLA expands every head from the shared latent: expected "
@@ -233,9 +233,9 @@ class GLM5Config:
                                         or any(t not in DSA_LAYER_TYPES for t in layer_types)):
             raise ValueError(f"layer_types: {why['layer_types']}, got {layer_types!r}")
 
-    def to_hf_dict(self) -> Dict[str, Any]:
+    def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
-        out: Dict[str, Any] = {"architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE}
+        out: dict[str, Any] = {"architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE}
         out.update(self.extra)
         out["model_type"] = MODEL_TYPE
         out.update({key: accepted[0] for key, (accepted, _) in _FIXED_KEYS.items()})  # what is implemented
@@ -253,7 +253,7 @@ class GLM5Config:
 
     # ---- presets -------------------------------------------------------------------------------------
     @classmethod
-    def tiny(cls, **overrides: Any) -> "GLM5Config":
+    def tiny(cls, **overrides: Any) -> GLM5Config:
         """A CPU training preset: byte-level vocab (256 + 8 specials), 4 layers (1 dense + 3 MoE), sparse at seq 128.
 
         Its latent norms use 1e-5 like its other norms (the Quickstart's numerics since the first release);
@@ -272,12 +272,12 @@ class GLM5Config:
         return cls(**base).validate()
 
     @classmethod
-    def glm5(cls) -> "GLM5Config":
+    def glm5(cls) -> GLM5Config:
         """GLM-5's published architecture (HF zai-org/GLM-5 config.json).
         For config round-trips only: never instantiate a model."""
         return cls().validate()
 
-    def replace(self, **changes: Any) -> "GLM5Config":
+    def replace(self, **changes: Any) -> GLM5Config:
         return dataclasses.replace(self, **changes).validate()
 
 

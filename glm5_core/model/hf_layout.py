@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Dict, Tuple
 
 import torch
 
 from glm5_core.model.config import MAX_EXPERTS, TRANSFORMERS_LATENT_NORM_EPS, GLM5Config
 
-TensorSpec = Tuple[Tuple[int, ...], torch.dtype]
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
 _FUSED_RE = re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _FP32_KEPT_SUFFIXES = (".mlp.gate.weight", ".self_attn.indexer.weights_proj.weight")
 _SHARED_EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
@@ -44,7 +43,7 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_KEPT_SUFFIXES)
 
 
-def drop_empty(entries: Dict[str, "TensorSpec | torch.Tensor"]) -> Dict[str, "TensorSpec | torch.Tensor"]:
+def drop_empty(entries: dict[str, TensorSpec | torch.Tensor]) -> dict[str, TensorSpec | torch.Tensor]:
     """Specs or tensors without the zero-width shared-expert weights of an ``n_shared_experts: 0`` model."""
     def empty(entry) -> bool:
         shape = entry.shape if isinstance(entry, torch.Tensor) else entry[0]
@@ -52,7 +51,7 @@ def drop_empty(entries: Dict[str, "TensorSpec | torch.Tensor"]) -> Dict[str, "Te
     return {name: entry for name, entry in entries.items() if not (_SHARED_EXPERT_RE.match(name) and empty(entry))}
 
 
-def _split_names(prefix: str, kind: str, shape: Tuple[int, ...]) -> Dict[str, Tuple[int, ...]]:
+def _split_names(prefix: str, kind: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     """Per-expert names and shapes of one fused tensor (ValueError for a shape that cannot be one)."""
     name = f"{prefix}.{kind}"
     if len(shape) != 3 or (kind == "gate_up_proj" and shape[1] % 2):
@@ -66,9 +65,9 @@ def _split_names(prefix: str, kind: str, shape: Tuple[int, ...]) -> Dict[str, Tu
     return {f"{prefix}.{e}.{proj}.weight": half for e in range(shape[0]) for proj in ("gate_proj", "up_proj")}
 
 
-def split_fused_specs(specs: Dict[str, TensorSpec]) -> Dict[str, TensorSpec]:
+def split_fused_specs(specs: dict[str, TensorSpec]) -> dict[str, TensorSpec]:
     """Header specs with every fused expert tensor replaced by its per-expert entries."""
-    out: Dict[str, TensorSpec] = {}
+    out: dict[str, TensorSpec] = {}
     for name, (shape, dtype) in specs.items():
         match = _FUSED_RE.match(name)
         parts = _split_names(match.group(1), match.group(2), shape) if match else {name: shape}
@@ -79,9 +78,9 @@ def split_fused_specs(specs: Dict[str, TensorSpec]) -> Dict[str, TensorSpec]:
     return out
 
 
-def split_fused_tensors(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def split_fused_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors with every fused expert tensor replaced by per-expert views of it (no copy)."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         match = _FUSED_RE.match(name)
         if not match:
@@ -118,8 +117,8 @@ def _scale_rows(weight: torch.Tensor, rows: int, factor: float) -> torch.Tensor:
     return out
 
 
-def to_transformers_form(cfg: GLM5Config, state: Dict[str, torch.Tensor]
-                         ) -> Tuple[GLM5Config, Dict[str, torch.Tensor]]:
+def to_transformers_form(cfg: GLM5Config, state: dict[str, torch.Tensor]
+                         ) -> tuple[GLM5Config, dict[str, torch.Tensor]]:
     """(config, tensors) computing the same function the way transformers computes: latent_norm_eps 1e-6 and
     interleaved RoPE. Tensors already in that form are returned as they are (a bitwise round trip)."""
     scale = math.sqrt(TRANSFORMERS_LATENT_NORM_EPS / cfg.latent_norm_eps)

@@ -9,8 +9,6 @@ Scores and top-k are computed by ``glm5_core.ops.dsa``.
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 from torch import nn
 
@@ -36,7 +34,7 @@ class Indexer(nn.Module):
         return torch.cat((roped, x[..., self.rope_dim:]), dim=-1)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D], q_latent [B, T, Q] -> q [B, T, Hi, Di], k [B, T, Di], w [B, T, Hi]."""
         B, T, _ = x.shape
         q = self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim)  # [B, T, Hi, Di]

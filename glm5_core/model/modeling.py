@@ -8,7 +8,8 @@ Parameter names follow HF ``glm_moe_dsa``: ``model.embed_tokens``, ``model.layer
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, List, Optional, Union
+from collections.abc import Iterator
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -34,13 +35,13 @@ StartPos = Union[int, torch.Tensor]
 @dataclasses.dataclass
 class GLM5Output:
     logits: Optional[torch.Tensor]  # float32 [B, T, V] (float64 for a float64 model); None with return_logits=False
-    mtp_logits: List[torch.Tensor]  # per depth d: [B, T, V], predicts token t + 1 + d (none with return_logits=False)
+    mtp_logits: list[torch.Tensor]  # per depth d: [B, T, V], predicts token t + 1 + d (none with return_logits=False)
     indexer_kl: Optional[torch.Tensor]  # scalar, mean over the layers that ran an indexer
     expert_counts: torch.Tensor  # int64 [num_moe_layers, E] (rows as model.router_biases())
-    topk_idx: List[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
+    topk_idx: list[torch.Tensor]  # sparse mode: per full-indexer main layer, int32 [B, T, K]
     topk_recall: Optional[torch.Tensor]  # scalar, with indexer_loss=True and measure_recall=True
     hidden: Optional[torch.Tensor] = None  # [B, T, D] last main layer's output (before model.norm): the MTP input
-    expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
+    expert_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
 
 
 class GLM5Model(nn.Module):
@@ -51,7 +52,7 @@ class GLM5Model(nn.Module):
         self.num_main_layers = cfg.num_hidden_layers
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         types = cfg.layer_indexer_types()
-        layers: List[nn.Module] = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
+        layers: list[nn.Module] = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
         if cfg.num_nextn_predict_layers:
             layers.append(MTPLayer(cfg, backend))
         self.layers = nn.ModuleList(layers)
@@ -62,7 +63,7 @@ class GLM5Model(nn.Module):
     def mtp(self) -> Optional[MTPLayer]:
         return self.layers[self.num_main_layers] if len(self.layers) > self.num_main_layers else None
 
-    def main_layers(self) -> List[DecoderLayer]:
+    def main_layers(self) -> list[DecoderLayer]:
         return list(self.layers[:self.num_main_layers])
 
 
@@ -108,7 +109,7 @@ class GLM5ForCausalLM(nn.Module):
                 module.gate.weight.copy_(torch.randn(module.gate.weight.shape, generator=generator) * std)
                 module.gate.e_score_correction_bias.zero_()
 
-    def bind_backend(self, backend: Optional[str] = None) -> "GLM5ForCausalLM":
+    def bind_backend(self, backend: Optional[str] = None) -> GLM5ForCausalLM:
         """Resolve every layer's kernels again, on ``backend`` (the resolution order applied now). Returns self."""
         if backend is not None and not isinstance(backend, str):
             raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
@@ -119,11 +120,11 @@ class GLM5ForCausalLM(nn.Module):
         self.backend = backend
         return self
 
-    def moe_layers(self) -> List[MoE]:
+    def moe_layers(self) -> list[MoE]:
         """MoE layers in expert_counts row order (main layers, then the MTP layer)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def reuse_stacked_expert_weights(self, enabled: bool = True) -> "GLM5ForCausalLM":
+    def reuse_stacked_expert_weights(self, enabled: bool = True) -> GLM5ForCausalLM:
         """Inference servers: keep each MoE layer's stacked expert weights between no-grad forwards
         (see ``MoE._stacked``; weights written through ``param.data`` are not detected). Returns self."""
         if not isinstance(enabled, bool):
@@ -145,7 +146,7 @@ class GLM5ForCausalLM(nn.Module):
             if layer.self_attn.indexer is not None:
                 yield from layer.self_attn.indexer.parameters()
 
-    def router_biases(self) -> List[torch.Tensor]:
+    def router_biases(self) -> list[torch.Tensor]:
         return [m.gate.e_score_correction_bias for m in self.moe_layers()]
 
     @torch.no_grad()
@@ -271,7 +272,7 @@ class GLM5ForCausalLM(nn.Module):
         main_hidden = hidden
         logits = self._logits(self.model.norm(hidden)) if return_logits else None
 
-        mtp_logits: List[torch.Tensor] = []
+        mtp_logits: list[torch.Tensor] = []
         if mtp_depths:
             mtp = self.model.mtp
             state.record_topk = False

@@ -15,7 +15,7 @@ built (``registry.bind``).
 from __future__ import annotations
 
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class Gate(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights fp32 [N, K], expert ids int32 [N, K]); router logits in fp32 (fp64 for fp64).
 
         ``replay_ids`` int [N, K] (routing replay): rows holding expert ids use exactly those experts, with
@@ -69,7 +69,7 @@ class Gate(nn.Module):
         return torch.where(differs, forced_weights, weights), forced
 
 
-    def route_for_export(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def route_for_export(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """moe.route's contract written with torch.topk, which exports to ONNX TopK (whose spec breaks ties
         to the lower index, as the contract does); the stable sort of the reference has no ONNX export."""
         N, E = logits.shape
@@ -96,7 +96,7 @@ class MoE(nn.Module):
         self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, self.kernels)
         self.reuse_stacked_weights = False  # see _stacked
-        self._stacked_cache: Dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
+        self._stacked_cache: dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts > 0 else None)
@@ -126,13 +126,13 @@ class MoE(nn.Module):
         """Forget the kept stacked expert weights (see :meth:`_stacked`); the next forward stacks them again."""
         self._stacked_cache.clear()
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, D] -> (y [B, T, D], tokens per expert int64 [E], detached)."""
         y, counts, _ = self.route_and_run(x)
         return y, counts
 
     def route_and_run(self, x: torch.Tensor, replay_ids: Optional[torch.Tensor] = None
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` that also returns the chosen expert ids int32 [B, T, K]; ``replay_ids`` int [B, T, K]
         forces them (routing replay, see ``Gate.forward``)."""
         B, T, D = x.shape
@@ -159,7 +159,7 @@ class MoE(nn.Module):
         return zeros.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
 
     def _all_experts(self, flat: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Export path: every expert on every token, weighted by the scattered routing weights."""
         dense_w = torch.zeros(flat.shape[0], self.n_experts, dtype=flat.dtype, device=flat.device)  # [N, E]
         dense_w = dense_w.scatter(1, ids.long(), weights.to(flat.dtype))

@@ -21,13 +21,11 @@ raises); under torch.compile the composition itself is traced.
 """
 from __future__ import annotations
 
-from typing import Tuple
-
 import torch
 from torch import nn
 
 
-def _normalise(x: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _normalise(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x in the compute dtype, rsqrt(mean(x^2) + eps) [R, 1], normalised x in x's dtype)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x.to(compute)

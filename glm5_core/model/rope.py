@@ -7,7 +7,7 @@ Legend: B batch, T tokens, H heads, R rotary width (even), R/2 rotated pairs.
 """
 from __future__ import annotations
 
-from typing import Tuple, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = exact.to(self.inv_freq.device)
         return self
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         angles = positions.to(angle_dtype).unsqueeze(-1) * self.inv_freq.to(angle_dtype)  # [B, T, R/2]
         return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -26,14 +26,14 @@ class ForwardState:
     record_topk: bool = True  # False while the MTP module runs (no recording, no replay there)
     # replay (RL): per main MoE layer int [B, T, K] expert ids / per full-indexer layer int32 [B, T, K] top-k;
     # a row of -1 is not replayed (checked by glm5_core.model.replay before the forward)
-    routing_replay: Optional[List[torch.Tensor]] = None
-    index_replay: Optional[List[torch.Tensor]] = None
+    routing_replay: Optional[list[torch.Tensor]] = None
+    index_replay: Optional[list[torch.Tensor]] = None
     shared_topk: Optional[torch.Tensor] = None  # the last full layer's top-k, int32 [B, T, K]
-    topk_idx: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    kl_terms: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    recall_terms: List[torch.Tensor] = dataclasses.field(default_factory=list)
-    expert_counts: List[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
-    expert_ids: List[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
+    topk_idx: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    kl_terms: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    recall_terms: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    expert_counts: list[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
+    expert_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer, int32 [B, T, K]
 
     @property
     def fresh(self) -> bool:

@@ -6,7 +6,8 @@ import contextlib
 import contextvars
 import math
 import os
-from typing import Dict, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Optional, Union
 
 import torch
 
@@ -21,7 +22,7 @@ def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
 
 
 def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
-           sizes: Optional[Dict[str, int]] = None, legend: str = "") -> torch.Tensor:
+           sizes: Optional[dict[str, int]] = None, legend: str = "") -> torch.Tensor:
     """Check that ``value`` is a tensor of rank ``len(dims)`` with an allowed dtype.
 
     Named dims (strings) are bound in ``sizes`` on first sight and must agree afterwards, so shape
@@ -252,5 +253,5 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def shape_of(sizes: Dict[str, int], *names: str) -> Tuple[int, ...]:
+def shape_of(sizes: dict[str, int], *names: str) -> tuple[int, ...]:
     return tuple(sizes[n] for n in names)

@@ -33,7 +33,7 @@ sequence of roundings whatever the batch shape and cache length. ``glm5_core.con
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -51,8 +51,8 @@ _GEMM_KEY_BLOCK = 128  # MKL: fp32 GEMMs agree from 16 keys up, fp64 ones only p
 _SPARSE_QUERY_CHUNK = 64  # bounds the reference's gathered [chunk, K, C] working set
 
 
-def _validate_indexer(q, k, w, start_pos) -> Dict[str, int]:
-    sizes: Dict[str, int] = {}
+def _validate_indexer(q, k, w, start_pos) -> dict[str, int]:
+    sizes: dict[str, int] = {}
     _checks.tensor("q", q, dims=("B", "T", "H", "D"), sizes=sizes, legend="[B, T, H, D]")
     _checks.tensor("k", k, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
     _checks.tensor("w", w, dims=("B", "T", "H"), sizes=sizes, legend="[B, T, H]")
@@ -205,7 +205,7 @@ def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, top
     """The indexer scores at the selected keys only (the sparse stage's indexer KL): [B, T, K] in the compute
     dtype (fp32, fp64 for fp64 inputs), -inf at the -1 slots of ``topk_idx`` [B, T, K]; differentiable in q, k
     and w, in O(T K) memory (never [B, T, S])."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("q", q, dims=("B", "T", "H", "D"), sizes=sizes, legend="[B, T, H, D]")
     _checks.tensor("k", k, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
     _checks.tensor("w", w, dims=("B", "T", "H"), sizes=sizes, legend="[B, T, H]")
@@ -302,7 +302,7 @@ def prefers_expanded(*, heads: int, nope_dim: int, rope_dim: int, v_dim: int, kv
 
 
 def _validate_sparse_expanded(q_nope, q_pe, k_nope, k_pe, v, topk_idx, scale) -> None:
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
     _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
     _checks.tensor("k_nope", k_nope, dims=("B", "S", "H", "Dn"), sizes=sizes, legend="[B, S, H, Dn]")

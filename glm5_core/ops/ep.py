@@ -41,7 +41,8 @@ the one used on every collective backend.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -68,8 +69,8 @@ class DispatchHandle:
     counts: torch.Tensor
     weights: torch.Tensor
     sort_idx: torch.Tensor
-    send_splits: Tuple[int, ...]
-    recv_splits: Tuple[int, ...]
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
     rank_order: Optional[torch.Tensor]
     group: Optional[dist.ProcessGroup]
     num_experts: int
@@ -87,7 +88,7 @@ class DispatchHandle:
         return self.rank * self.local_experts
 
 
-def group_rank_size(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+def group_rank_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     """(rank, world size) of this process in ``group``; (0, 1) for None (no expert parallelism)."""
     if group is None:
         return 0, 1
@@ -178,10 +179,10 @@ OPS = (
 
 
 # --------------------------------------------------------------------------------------------- argument checks
-def _group_device_types(group: dist.ProcessGroup) -> Optional[Tuple[str, ...]]:
+def _group_device_types(group: dist.ProcessGroup) -> Optional[tuple[str, ...]]:
     """The device types ``group``'s backend serves (``"cpu:gloo,dev:x"`` names them; a plain backend name is
     looked up in the vendors' device facts), or None when unknown."""
-    types: List[str] = []
+    types: list[str] = []
     for part in str(dist.get_backend(group)).split(","):
         if ":" in part:
             types.append(part.split(":", 1)[0].strip())
@@ -196,7 +197,7 @@ def _group_device_types(group: dist.ProcessGroup) -> Optional[Tuple[str, ...]]:
 def _local_problem(x, expert_ids, weights, num_experts, world: int, group) -> Optional[Exception]:
     """This rank's argument error (not raised yet: the ranks first agree), or None."""
     try:
-        sizes: Dict[str, int] = {}
+        sizes: dict[str, int] = {}
         _checks.tensor("x", x, dims=("T", "D"), sizes=sizes, legend="[T, D]")
         _checks.tensor("expert_ids", expert_ids, dims=("T", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                        legend="[T, K] int32")

@@ -18,7 +18,7 @@ The two are the same function of their inputs; the conformance suite checks they
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -47,10 +47,10 @@ def causal_mask(start_pos: StartPos, batch: int, num_queries: int, num_keys: int
     return keys.view(1, 1, num_keys) <= pos.unsqueeze(-1)  # [B, T, S]
 
 
-def validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale) -> Dict[str, int]:
+def validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale) -> dict[str, int]:
     """Shapes, dtypes, devices and scale of the six MLA inputs (shared with DSA's sparse attention, and with its
     indexer-KL target, which has no values: ``w_uv`` None)."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("q_nope", q_nope, dims=("B", "T", "H", "Dn"), sizes=sizes, legend="[B, T, H, Dn]")
     _checks.tensor("q_pe", q_pe, dims=("B", "T", "H", "Dr"), sizes=sizes, legend="[B, T, H, Dr]")
     _checks.tensor("c_kv", c_kv, dims=("B", "S", "C"), sizes=sizes, legend="[B, S, C]")
@@ -66,7 +66,7 @@ def validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale) -> Dict[st
     return sizes
 
 
-def _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos) -> Dict[str, int]:
+def _validate(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, start_pos) -> dict[str, int]:
     sizes = validate_mla_tensors(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale)
     device = q_nope.device
     if sizes["S"] < 1 or sizes["T"] < 1:

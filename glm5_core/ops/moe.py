@@ -32,7 +32,7 @@ one with a fused kernel (cpu) skips materialising the [M, D] routed copy of the 
 from __future__ import annotations
 
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ def _stable_desc_order(values: torch.Tensor) -> torch.Tensor:
 
 def route_reference(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int = 1,
                     topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0
-                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weights fp32 [N, K], expert ids int32 [N, K])."""
     N, E = logits.shape
     ct = _checks.compute_dtype(logits.dtype)
@@ -112,7 +112,7 @@ def route_weights(logits: torch.Tensor, expert_ids: torch.Tensor, *, score_func:
     Differentiable in ``logits``: the router learns through the replayed experts' weights (Megatron's R3 /
     slime's ``--use-rollout-routing-replay`` gather the scores at the replayed ids the same way). Pure torch on
     every backend (a gather and a sum). ``expert_ids`` must hold K distinct ids in ``[0, E)`` per row."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
     _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                    legend="[N, K] int32")
@@ -207,9 +207,9 @@ OPS = (
 
 def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: int, score_func: str = "sigmoid",
           n_group: int = 1, topk_group: int = 1, renormalize: bool = True, routed_scaling_factor: float = 1.0,
-          backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor]:
+          backend: registry.BackendArg = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Select ``top_k`` experts per token. Returns (weights fp32 [N, K], ids int32 [N, K])."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("logits", logits, dims=("N", "E"), sizes=sizes, legend="[N, E]")
     if bias is not None:
         _checks.tensor("bias", bias, dims=("E",), sizes=sizes, legend="[E]")
@@ -238,9 +238,9 @@ def route(logits: torch.Tensor, bias: Optional[torch.Tensor] = None, *, top_k: i
 
 
 def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
-             backend: registry.BackendArg = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             backend: registry.BackendArg = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort token copies by expert. Returns (x_sorted [N*K, D], sort_idx int64 [N*K], counts int64 [E])."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
     _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
                    legend="[N, K] int32")
@@ -254,7 +254,7 @@ def dispatch(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
 def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tensor, *,
             backend: registry.BackendArg = None) -> torch.Tensor:
     """Weighted sum of each token's expert outputs (inverse of ``dispatch``). Returns [N, D]."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
     _checks.tensor("y_sorted", y_sorted, dims=(sizes["N"] * sizes["K"], None), legend="[N*K, D]")
     _checks.tensor("sort_idx", sort_idx, dims=(sizes["N"] * sizes["K"],), dtypes=_checks.INDEX_DTYPES,
@@ -270,7 +270,7 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
 def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
     _checks.tensor("counts", counts, dims=("E",), dtypes=_checks.INDEX_DTYPES, sizes=sizes, legend="[E] int64")
     _checks.tensor("w_gate", w_gate, dims=("E", "F", "D"), sizes=sizes, legend="[E, F, D]")
@@ -288,7 +288,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
                   w_up: torch.Tensor, w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
     """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
     in slot order. Equals ``combine(experts(dispatch(x)), weights)``. Returns [N, D]."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
     _checks.tensor("expert_ids", expert_ids, dims=("N", "K"), dtypes=_checks.INDEX_DTYPES, sizes=sizes,
@@ -318,7 +318,7 @@ def grouped_swiglu_reference(*args, **kwargs) -> torch.Tensor:
 
 def update_bias(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:
     """Aux-loss-free balancing step: bias + gamma * sign(mean(load) - load). Returns a new [E] tensor."""
-    sizes: Dict[str, int] = {}
+    sizes: dict[str, int] = {}
     _checks.tensor("bias", bias, dims=("E",), sizes=sizes, legend="[E]")
     _checks.tensor("load", load, dims=("E",), dtypes=_checks.FLOAT_DTYPES + _checks.INDEX_DTYPES, sizes=sizes,
                    legend="[E]")

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Union
 
 import torch
 
@@ -30,7 +31,7 @@ from glm5_core import registry
 from glm5_core.ops import _checks
 from glm5_core.opspec import OpSpec
 
-Coeff = Tuple[float, float, float]
+Coeff = tuple[float, float, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +39,10 @@ class NSCoefficients:
     """A Newton-Schulz schedule: per-step (a, b, c), the last one repeated past the end."""
 
     name: str
-    steps: Tuple[Coeff, ...]
+    steps: tuple[Coeff, ...]
     norm_scale: float = 1.0
 
-    def schedule(self, num_steps: int) -> Tuple[Coeff, ...]:
+    def schedule(self, num_steps: int) -> tuple[Coeff, ...]:
         return tuple(self.steps[min(i, len(self.steps) - 1)] for i in range(num_steps))
 
 

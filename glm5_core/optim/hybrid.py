@@ -8,7 +8,7 @@ leaves its weights and optimizer state untouched.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -40,12 +40,12 @@ class MuonConfig:
 @dataclasses.dataclass
 class OptimizerConfig:
     weight_decay: float = _field(0.1, range=(0.0, None))
-    betas: Tuple[float, float] = _field((0.9, 0.95))
+    betas: tuple[float, float] = _field((0.9, 0.95))
     eps: float = _field(1e-8, range=(0.0, None), open=("lo",))
     grad_clip: float = _field(1.0, range=(0.0, None))  # max global grad norm; 0 disables clipping
     muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)
 
-    def check(self) -> List[str]:
+    def check(self) -> list[str]:
         """Problems the per-field ranges cannot express, one line each."""
         if not all(0.0 <= b < 1.0 for b in self.betas):
             return [f"optimizer.betas: expected two values in [0, 1), got {list(self.betas)}"]
@@ -55,12 +55,12 @@ class OptimizerConfig:
 class HybridOptimizer:
     """A Muon and an AdamW behind one ``step`` / ``zero_grad`` / ``state_dict`` / ``param_groups``."""
 
-    def __init__(self, optimizers: Dict[str, torch.optim.Optimizer], assignments: List[Assignment]):
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer], assignments: list[Assignment]):
         self.optimizers = optimizers
         self.assignments = assignments
 
     @property
-    def param_groups(self) -> List[dict]:
+    def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def step(self) -> None:
@@ -71,10 +71,10 @@ class HybridOptimizer:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> Dict[str, dict]:
+    def state_dict(self) -> dict[str, dict]:
         return {name: opt.state_dict() for name, opt in self.optimizers.items()}
 
-    def load_state_dict(self, state: Dict[str, dict]) -> None:
+    def load_state_dict(self, state: dict[str, dict]) -> None:
         if set(state) != set(self.optimizers):
             raise ValueError(f"optimizer state: expected parts {sorted(self.optimizers)}, got {sorted(state)}")
         for name, opt in self.optimizers.items():
@@ -89,8 +89,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, num_heads: 
     ``lr`` is the initial learning rate of every group (the driver's schedule overwrites it each step).
     """
     assignments = assign_parameters(model, split_heads=cfg.muon.split_heads)
-    muon_groups: Dict[Optional[int], List[torch.nn.Parameter]] = {}
-    adamw_groups: Dict[Tuple[str, bool], List[torch.nn.Parameter]] = {}
+    muon_groups: dict[Optional[int], list[torch.nn.Parameter]] = {}
+    adamw_groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
     for a in assignments:
         if a.optimizer == "muon":
             muon_groups.setdefault(a.split_dim, []).append(a.param)
@@ -108,7 +108,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, *, num_heads: 
              weight_decay=cfg.weight_decay if decay else 0.0)
         for (role, decay), params in sorted(adamw_groups.items())
     ]
-    optimizers: Dict[str, torch.optim.Optimizer] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
     if muon_param_groups:
         optimizers["muon"] = Muon(muon_param_groups, lr=lr, momentum=m.momentum, nesterov=m.nesterov,
                                   weight_decay=cfg.weight_decay, ns_steps=m.ns_steps, coefficients=m.coefficients,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -148,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         return muon_ops.split_heads(matrix, group["split_heads"], dim=group["split_dim"])  # [H, d, n] or [H, m, d]
 
     @staticmethod
-    def _block_shape(shape: torch.Size, group: dict) -> Tuple[int, int]:
+    def _block_shape(shape: torch.Size, group: dict) -> tuple[int, int]:
         """The shape of the matrices ``_blocks`` cuts a parameter of ``shape`` into (no tensor needed)."""
         rows, cols = shape[0], math.prod(shape[1:])
         heads = group["split_heads"]
@@ -156,8 +156,8 @@ class Muon(torch.optim.Optimizer):
             return rows, cols
         return (rows // heads, cols) if group["split_dim"] == 0 else (rows, cols // heads)
 
-    def _orthogonalized(self, members: List[Tuple[torch.Tensor, torch.Tensor]], group: dict
-                        ) -> Dict[int, torch.Tensor]:
+    def _orthogonalized(self, members: list[tuple[torch.Tensor, torch.Tensor]], group: dict
+                        ) -> dict[int, torch.Tensor]:
         """Whole updates [(param, update in param's shape)] of one block shape -> {id(param): orthogonalised
         update in the param's shape and dtype}, all blocks stacked into one batched call."""
         if not members:
@@ -166,7 +166,7 @@ class Muon(torch.optim.Optimizer):
         stacked = torch.cat(blocks, dim=0)  # [sum of blocks, m, n]
         ortho = muon_ops.orthogonalize(stacked, steps=group["ns_steps"], coefficients=group["coefficients"],
                                        compute_dtype=group["ns_dtype"], backend=self.kernels)
-        out: Dict[int, torch.Tensor] = {}
+        out: dict[int, torch.Tensor] = {}
         for (p, _), mine in zip(members, torch.split(ortho, [b.shape[0] for b in blocks])):  # mine [n, m, n_cols]
             matrix = mine[0] if group["split_heads"] is None else muon_ops.merge_heads(mine, dim=group["split_dim"])
             out[id(p)] = matrix.reshape(p.shape).to(p.dtype)
@@ -186,7 +186,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             # One bucket per block shape (and dtype/device): its blocks are orthogonalised in one batched call.
-            buckets: Dict[Tuple, List[Tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+            buckets: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
             for p in params:
                 if p.grad.is_sparse:
                     raise ValueError("params: Muon does not support sparse gradients")
@@ -196,12 +196,12 @@ class Muon(torch.optim.Optimizer):
                 self._step_bucket(members, group, update_scale(shape[0], shape[1], group["scale_mode"]))
         return loss
 
-    def _step_bucket(self, members: List[Tuple[torch.Tensor, torch.Tensor]], group: dict, scale: float) -> None:
+    def _step_bucket(self, members: list[tuple[torch.Tensor, torch.Tensor]], group: dict, scale: float) -> None:
         """Orthogonalise and apply the updates of one bucket: plain parameters here; parameters sharded on
         dim 0 (FSDP2) by owner ranks, each orthogonalising whole matrices of its share (:class:`RowShards`);
         other DTensor layouts gathered whole on every rank."""
         plain, other = [], []
-        sharded: Dict[int, RowShards] = {}  # per process group
+        sharded: dict[int, RowShards] = {}  # per process group
         for p, update in members:
             layout = ShardedRows.of(p)
             if layout is not None:
@@ -261,7 +261,7 @@ class ShardedRows:
         assert local_rows == expected, f"shard of {local_rows} rows, torch.chunk layout gives {expected}"
 
     @classmethod
-    def of(cls, p: torch.Tensor) -> Optional["ShardedRows"]:
+    def of(cls, p: torch.Tensor) -> Optional[ShardedRows]:
         if not _is_dtensor(p) or p.device_mesh.ndim != 1 or len(p.placements) != 1:
             return None
         placement = p.placements[0]
@@ -297,7 +297,7 @@ class RowShards:
     Legend: W world size, S_k the numel of owner k's matrices padded to ``chunk`` rows (same on every rank)."""
 
     def __init__(self):
-        self.members: List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]] = []  # (param, local update, layout)
+        self.members: list[tuple[torch.Tensor, torch.Tensor, ShardedRows]] = []  # (param, local update, layout)
 
     def add(self, p: torch.Tensor, local_update: torch.Tensor, layout: ShardedRows) -> None:
         self.members.append((p, local_update, layout))
@@ -306,14 +306,14 @@ class RowShards:
     def _layout(self) -> ShardedRows:
         return self.members[0][2]
 
-    def _owned_by(self, owner: int) -> List[Tuple[torch.Tensor, torch.Tensor, ShardedRows]]:
+    def _owned_by(self, owner: int) -> list[tuple[torch.Tensor, torch.Tensor, ShardedRows]]:
         return self.members[owner::self._layout.world_size]
 
-    def _owned_sizes(self, owner: int) -> List[int]:
+    def _owned_sizes(self, owner: int) -> list[int]:
         """Padded numel of each matrix ``owner`` owns."""
         return [layout.padded_numel for _, _, layout in self._owned_by(owner)]
 
-    def _all_to_all(self, send: torch.Tensor, send_sizes: List[int], recv_sizes: List[int]) -> torch.Tensor:
+    def _all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
         import torch.distributed as dist
 
         recv = send.new_empty(sum(recv_sizes))
@@ -321,7 +321,7 @@ class RowShards:
                                group=self._layout.group)
         return recv
 
-    def gather_to_owners(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def gather_to_owners(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(param, whole update [rows, ...])] for the parameters this rank owns."""
         first = self._layout
         world, me = first.world_size, first.rank
@@ -331,13 +331,13 @@ class RowShards:
         recv = self._all_to_all(send, [sum(self._owned_sizes(k)) for k in range(world)],
                                 [sum(mine_sizes)] * world)  # [W * S_me]: every rank's shards of my matrices
         per_rank = [part.split(mine_sizes) for part in recv.split(sum(mine_sizes))] if mine_sizes else []
-        mine: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        mine: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, (p, _, layout) in enumerate(self._owned_by(me)):
             whole = torch.cat([pieces[i].view((layout.chunk,) + layout.trailing) for pieces in per_rank])
             mine.append((p, whole[:layout.rows]))  # [W * chunk, ...] -> [rows, ...]
         return mine
 
-    def scatter_from_owners(self, ortho: Dict[int, torch.Tensor]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def scatter_from_owners(self, ortho: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``ortho``: {id(param): whole result} for the parameters this rank owns -> [(param, this rank's
         rows of its result [local_rows, ...])] for every parameter of the bucket."""
         first = self._layout
@@ -349,7 +349,7 @@ class RowShards:
         owner_sizes = [self._owned_sizes(k) for k in range(world)]
         recv = self._all_to_all(send, [sum(owner_sizes[me])] * world,
                                 [sum(sizes) for sizes in owner_sizes])  # [S_0 + ... + S_{W-1}]: my rows, by owner
-        out: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
         for owner, from_owner in enumerate(recv.split([sum(sizes) for sizes in owner_sizes])):
             for (p, _, layout), piece in zip(self._owned_by(owner), from_owner.split(owner_sizes[owner])):
                 out.append((p, piece.view((layout.chunk,) + layout.trailing)[:layout.local_rows]))
@@ -359,7 +359,7 @@ class RowShards:
 def muon_reference_step(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, lr: float, momentum: float,
                         nesterov: bool, weight_decay: float, ns_steps: int, coefficients, scale_mode: str,
                         split_heads: Optional[int] = None, split_dim: int = 0,
-                        ns_dtype="float32") -> Tuple[torch.Tensor, torch.Tensor]:
+                        ns_dtype="float32") -> tuple[torch.Tensor, torch.Tensor]:
     """One Muon step on one parameter, written plainly (one head at a time, no batching): the spec the
     optimizer is tested against. Returns (new p, new momentum buffer)."""
     schedule = muon_ops.coefficients_for(coefficients)

@@ -13,7 +13,8 @@ Rules, first match wins:
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, List, Optional, Set
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 
@@ -41,7 +42,7 @@ def _is_embedding(name: str) -> bool:
 
 
 def assign_parameters(model: torch.nn.Module, *, split_heads: bool = True,
-                      indexer_params: Optional[Iterable[torch.nn.Parameter]] = None) -> List[Assignment]:
+                      indexer_params: Optional[Iterable[torch.nn.Parameter]] = None) -> list[Assignment]:
     """One :class:`Assignment` per named parameter of ``model`` (shared parameters counted once).
 
     ``indexer_params`` defaults to ``model.indexer_parameters()`` when the model has it, else to every
@@ -49,8 +50,8 @@ def assign_parameters(model: torch.nn.Module, *, split_heads: bool = True,
     """
     if indexer_params is None and hasattr(model, "indexer_parameters"):
         indexer_params = model.indexer_parameters()
-    indexer_ids: Optional[Set[int]] = None if indexer_params is None else {id(p) for p in indexer_params}
-    out: List[Assignment] = []
+    indexer_ids: Optional[set[int]] = None if indexer_params is None else {id(p) for p in indexer_params}
+    out: list[Assignment] = []
     for name, p in model.named_parameters():  # named_parameters() already drops duplicates (tied weights)
         is_indexer = INDEXER_MARKER in f".{name}" if indexer_ids is None else id(p) in indexer_ids
         if not p.requires_grad:

@@ -18,7 +18,7 @@ import ipaddress
 import math
 import re
 import urllib.parse
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Optional
 
 from glm5_core import config_paths, device_kinds
 from glm5_core.config_schema import (
@@ -104,17 +104,17 @@ def check_engine_url(url: Any, *, allow_remote: bool, where: str = "url") -> str
     return url.rstrip("/")
 
 
-def _examples(kinds: Dict[str, DeviceFacts]) -> str:
+def _examples(kinds: dict[str, DeviceFacts]) -> str:
     shown = [f"'{kind}'" if facts.is_host else f"'{kind}:0'" for kind, facts in kinds.items()]
     return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} or {shown[-1]}"
 
 
-def _list_example(kinds: Dict[str, DeviceFacts]) -> str:
+def _list_example(kinds: dict[str, DeviceFacts]) -> str:
     kind = next((k for k, facts in kinds.items() if not facts.is_host), next(iter(kinds)))
     return f"'{kind}:1,{kind}:2'"
 
 
-def parse_device(text: Any, where: str) -> Tuple[str, Optional[int]]:
+def parse_device(text: Any, where: str) -> tuple[str, Optional[int]]:
     """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
     The device types are the vendors' (:func:`glm5_core.device_kinds.device_types`), read at each call."""
     kinds = device_kinds.device_types()
@@ -127,7 +127,7 @@ def parse_device(text: Any, where: str) -> Tuple[str, Optional[int]]:
     return kind, None if index is None else int(index)
 
 
-def parse_devices(value: Any, where: str) -> List[str]:
+def parse_devices(value: Any, where: str) -> list[str]:
     """A list of devices from ``"<type>:1,<type>:2"`` or ``["<type>:1", "<type>:2"]`` (normalised, checked)."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not items:
@@ -210,7 +210,7 @@ class RolloutConfig:
     prefix_cache_tokens: Optional[int] = field(None, range=(1, None))  # per engine: cached KV positions (None: any)
     episode_threads: int = field(64, range=(1, MAX_THREADS))
     # external engines (SGLang, glm5 serve): glm5 rl starts none and routes over these
-    engine_urls: Optional[List[str]] = field(None, check=_check_engine_urls)
+    engine_urls: Optional[list[str]] = field(None, check=_check_engine_urls)
     api_key: Optional[str] = field(None, check=_check_api_key)  # bearer token the engines were started with
     # per-request sampling_seed (SGLang's field) from the run's seed: None sends it to spawned engines only
     # (an SGLang server may ignore or refuse it, see docs/rl-resume.md); true / false: to every engine / none
@@ -223,7 +223,7 @@ class RolloutConfig:
     devices: Any = field(None, check=_check_devices)  # spawned engines: "<type>:1,<type>:2" or a list
     # the environments' tokenizer: a tokenizer directory with a chat template (None: the byte codec)
     tokenizer: Optional[str] = field(None, check=config_paths.input_dir)  # loaded by rl/config_loader
-    speculative: Optional[Dict[str, Any]] = field(None, check=parse_setting)  # {draft_tokens: d}: MTP drafts
+    speculative: Optional[dict[str, Any]] = field(None, check=parse_setting)  # {draft_tokens: d}: MTP drafts
 
 
 @dataclasses.dataclass
@@ -233,7 +233,7 @@ class TrainerConfig:
 
     lr: float = field(1e-4, **positive())
     weight_decay: float = field(0.0, **non_negative())
-    betas: Tuple[float, float] = field((0.9, 0.99), check=check_betas)
+    betas: tuple[float, float] = field((0.9, 0.99), check=check_betas)
     eps_low: float = field(0.2, range=(0.0, 1.0), open=("lo",))  # checked with the config, not at the first loss
     eps_high: float = field(0.28, **positive())
     micro_batch_size: int = field(16, range=(1, None))
@@ -245,11 +245,11 @@ class TrainerConfig:
     entropy_coef: float = field(0.0, **non_negative())
 
     # keys that moved elsewhere (the config loader tells where instead of "unknown key")
-    MOVED_KEYS: ClassVar[Dict[str, str]] = {
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
         "temperature": "the trainer recomputes log-probs at rollout.temperature (the importance ratio needs both "
                        "at one temperature); set rollout.temperature instead"}
 
-    def validate(self) -> "TrainerConfig":
+    def validate(self) -> TrainerConfig:
         problems = check(self, "train.optim.")
         if problems:
             raise ValueError(problems[0])
@@ -282,7 +282,7 @@ class EvalConfig:
 
     every: int = field(0, range=(0, None))  # trainer steps between evaluations (0: only at start and end)
     samples_per_problem: int = field(4, range=(1, None))  # n of pass@k, sampled at rollout.temperature
-    pass_k: List[int] = field(factory=lambda: [1], check=_check_pass_k)  # each k <= samples_per_problem
+    pass_k: list[int] = field(factory=lambda: [1], check=_check_pass_k)  # each k <= samples_per_problem
     greedy: bool = field(True)  # also one greedy (temperature 0) answer per problem
     correct_reward: float = field(1.0)  # a sample counts as correct (pass@k, accuracy) when its reward >= this
 
@@ -314,16 +314,16 @@ class RLConfig:
     max_minutes: float = field(14.0, **positive())
     max_steps: int = field(1000, range=(1, None))
     torch_threads: int = field(1, range=(1, MAX_THREADS))
-    env: Dict[str, Any] = field(factory=lambda: {"name": "arithmetic"})  # checked by the environment's signature
-    model: Dict[str, Any] = field(factory=lambda: {"preset": "tiny", "overrides": {}})  # preset + GLM5Config fields
+    env: dict[str, Any] = field(factory=lambda: {"name": "arithmetic"})  # checked by the environment's signature
+    model: dict[str, Any] = field(factory=lambda: {"preset": "tiny", "overrides": {}})  # preset + GLM5Config fields
     rollout: RolloutConfig = field(factory=RolloutConfig)
     train: RLTrainConfig = field(factory=RLTrainConfig)
     eval: EvalConfig = field(factory=EvalConfig)
     checkpoint: RLCheckpointConfig = field(factory=RLCheckpointConfig)  # resume points (glm5 rl --resume)
     dynamic_sampling: DynamicSamplingConfig = field(factory=DynamicSamplingConfig)
-    reward: Optional[Dict[str, Any]] = field(None)  # {path: ...} or {url: ...}: see rl/rollout/rewards.py
+    reward: Optional[dict[str, Any]] = field(None)  # {path: ...} or {url: ...}: see rl/rollout/rewards.py
 
-    def validate(self, source: str = "config") -> "RLConfig":
+    def validate(self, source: str = "config") -> RLConfig:
         """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold (this
         module's checks; ``rl/config_loader.check_config`` adds the ones that need a component)."""
         problems = check(self) or self.rule_problems()
@@ -340,12 +340,12 @@ class RLConfig:
             return None
         return dataclasses.replace(GLM5Config.tiny(), **self.model.get("overrides", {}))
 
-    def rule_problems(self) -> List[str]:
+    def rule_problems(self) -> list[str]:
         """The rules between fields this module can check alone (the ones that need a component, the environment,
         the reward, the tokenizer and the plug-ins, are ``rl/config_loader.rule_problems``'s)."""
         return self.model_problems() + self.sampling_problems() or self.run_problems()
 
-    def model_problems(self) -> List[str]:
+    def model_problems(self) -> list[str]:
         """``model``: ``preset`` (a string) and ``overrides`` (GLM5Config fields, checked by its declaration); the
         converted overrides replace the given ones."""
         from glm5_core.model import GLM5Config
@@ -367,7 +367,7 @@ class RLConfig:
         model = self.model_config()
         return model.problems("model.overrides.") if model is not None else []
 
-    def sampling_problems(self) -> List[str]:
+    def sampling_problems(self) -> list[str]:
         """The rules between dynamic sampling, evaluation and the rollout."""
         problems = []
         if self.dynamic_sampling.enabled and self.rollout.group_size < 2:
@@ -379,7 +379,7 @@ class RLConfig:
                      f"samples), got {k}" for k in self.eval.pass_k if k > n]
         return problems
 
-    def run_problems(self) -> List[str]:
+    def run_problems(self) -> list[str]:
         """Batch and buffer sizes, the fleet, and distillation."""
         problems = []
         r, t = self.rollout, self.train
@@ -397,7 +397,7 @@ class RLConfig:
         return problems
 
 
-def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> List[str]:
+def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> list[str]:
     """External engines, placement, and pushes the staleness bound can keep up with."""
     problems = []
     if r.engine_urls is not None and r.devices is not None:

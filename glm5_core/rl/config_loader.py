@@ -7,7 +7,8 @@ every layer reads; the checks that read a layer live here, at the top.
 Every problem is one line naming its full key; all of them are raised together as one :class:`ConfigError`."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from glm5_core import config_paths
 from glm5_core.config_schema import ConfigError, build, check
@@ -36,7 +37,7 @@ COMPONENT_FIELDS = (("rollout", "tokenizer", _load_tokenizer), ("train", "loss",
                     ("train", "advantage", resolve_advantage))
 
 
-def component_field_problems(values: Dict[str, Any]) -> List[str]:
+def component_field_problems(values: dict[str, Any]) -> list[str]:
     """The second pass: the problems of :data:`COMPONENT_FIELDS` in ``values`` (parsed YAML, or a config's
     sections as mappings)."""
     problems = []
@@ -51,7 +52,7 @@ def component_field_problems(values: Dict[str, Any]) -> List[str]:
     return problems
 
 
-def rule_problems(cfg: RLConfig) -> List[str]:
+def rule_problems(cfg: RLConfig) -> list[str]:
     """The rules between sections: ``model``, ``env`` (the environment's declaration), ``reward``, dynamic sampling
     and evaluation; then the chat template an environment needs; then the run's sizes and fleet."""
     problems = cfg.model_problems() + env_problems(cfg.env) + reward_problems(cfg.reward) + cfg.sampling_problems()
@@ -60,7 +61,7 @@ def rule_problems(cfg: RLConfig) -> List[str]:
     return _env_tokenizer_problems(cfg) or cfg.run_problems()
 
 
-def _env_tokenizer_problems(cfg: RLConfig) -> List[str]:
+def _env_tokenizer_problems(cfg: RLConfig) -> list[str]:
     """An environment that talks chat (the OpenAI proxy's, ``env.name: openai_agent``) needs ``rollout.tokenizer``."""
     if cfg.rollout.tokenizer is None and needs_chat_template(cfg.env):
         what = cfg.env.get("name") or cfg.env.get("path")
@@ -80,7 +81,7 @@ def check_config(cfg: RLConfig, source: str = "config") -> RLConfig:
     return cfg
 
 
-def size_problems(cfg: RLConfig, model) -> List[str]:
+def size_problems(cfg: RLConfig, model) -> list[str]:
     """Problems of run ``cfg`` with policy architecture ``model`` (a GLM5Config: the preset's, or the one a
     ``--checkpoint`` holds): sequence length, MTP drafts, the codec's vocabulary and the memory the run needs
     on this machine."""
@@ -93,7 +94,7 @@ def size_problems(cfg: RLConfig, model) -> List[str]:
     return _codec_problems(cfg, model.vocab_size) or memory_problems(cfg, model)
 
 
-def _codec_problems(cfg: RLConfig, vocab_size: int) -> List[str]:
+def _codec_problems(cfg: RLConfig, vocab_size: int) -> list[str]:
     """The environments' codec (``rollout.tokenizer``, else bytes at ``env.byte_offset``) fits ``vocab_size``."""
     from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, run_codec, vocab_problem
 
@@ -108,12 +109,12 @@ def _codec_problems(cfg: RLConfig, vocab_size: int) -> List[str]:
     return [problem] if problem else []
 
 
-def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:
+def config_from_dict(data: dict[str, Any], source: str = "config") -> RLConfig:
     """The config of parsed YAML ``data``: its fields, the rules between them, and (for a ``model.preset``
     architecture) :func:`size_problems`; raises :class:`ConfigError` listing the problems."""
     if not isinstance(data, dict):
         raise ConfigError([f"expected a mapping of sections at the top level, got {type(data).__name__}"], source)
-    problems: List[str] = []
+    problems: list[str] = []
     cfg = build(RLConfig, data, "", problems)
     problems += component_field_problems(data)
     if problems:
@@ -127,7 +128,7 @@ def config_from_dict(data: Dict[str, Any], source: str = "config") -> RLConfig:
     return cfg
 
 
-def load_config(path: str, sets: Sequence[str] = (), values: Optional[Dict[str, Any]] = None) -> RLConfig:
+def load_config(path: str, sets: Sequence[str] = (), values: Optional[dict[str, Any]] = None) -> RLConfig:
     """A YAML file (an empty one: every default), then ``--set KEY=VALUE`` overrides ``sets`` (VALUE read as
     YAML), then ``values`` (dotted key -> value, as command-line flags give them)."""
     data = apply_overrides(load_mapping(path, empty={}), sets)

@@ -26,7 +26,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -94,8 +94,8 @@ class _Progress:
 
 class RLRun:
     def __init__(self, cfg: RLConfig, *, checkpoint: Optional[str] = None, backend: Optional[str] = None,
-                 output_dir: Optional[str] = None, hooks: List[StepHook] = (), log: Callable[[str], None] = print,
-                 probe: Callable[[], Dict[str, int]] = probe_accelerators, resume: bool = False):
+                 output_dir: Optional[str] = None, hooks: list[StepHook] = (), log: Callable[[str], None] = print,
+                 probe: Callable[[], dict[str, int]] = probe_accelerators, resume: bool = False):
         """``resume``: continue the run in the output dir (see ``run_state``); without it the output dir must be
         new or empty."""
         self.cfg = cfg
@@ -124,10 +124,10 @@ class RLRun:
         self.trainer = build_trainer(cfg, self.model, self.backend)
         resumed = run_state.start(self.out_dir, cfg, checkpoint, self.trainer, self.model, resume, log)
         self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
-        self._checkpoint_history: List[str] = resumed[1] if resumed else []
+        self._checkpoint_history: list[str] = resumed[1] if resumed else []
         self._checkpointed_version = self.trainer.version if resumed else None
         self._resumed_at = self.trainer.version if resume else None
-        self.eval_history: List[Dict] = list(self.resumed_state.eval_history) if resumed else []
+        self.eval_history: list[dict] = list(self.resumed_state.eval_history) if resumed else []
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
@@ -147,9 +147,9 @@ class RLRun:
             self._restore(self.resumed_state)
         self.metrics = MetricsLogger(self.out_dir, resume_step=(self.trainer.version if resumed else -1)
                                      if resume else None)
-        self.summary: Dict = {}
+        self.summary: dict = {}
         self._producer: Optional[threading.Thread] = None
-        self._producer_errors: List[BaseException] = []
+        self._producer_errors: list[BaseException] = []
 
     # -- construction -------------------------------------------------------------------------------------
     def _restore(self, state: RunState) -> None:
@@ -188,7 +188,7 @@ class RLRun:
                           record_routing=self.cfg.train.routing_replay, record_index_topk=self.cfg.train.index_replay)
 
     # -- evaluation ---------------------------------------------------------------------------------------
-    def evaluate(self) -> Optional[Dict[str, float]]:
+    def evaluate(self) -> Optional[dict[str, float]]:
         """Greedy accuracy, pass@k and mean sampled reward on the environment's held-out eval set (see
         ``rl/evaluation``), recorded in ``eval_history``; None if the environment has no eval set."""
         if self.evaluator is None:
@@ -214,7 +214,7 @@ class RLRun:
             self.weight_sync.push(self.latest_weights, self.latest_version)
 
     # -- the run, step by step ----------------------------------------------------------------------------
-    def run(self) -> Dict:
+    def run(self) -> dict:
         budget_end = time.monotonic() + self.cfg.max_minutes * 60  # waiting for the fleet counts too
         try:
             self._start_fleet(budget_end)
@@ -255,7 +255,7 @@ class RLRun:
                     time.sleep(FLEET_POLL_S)
             self._push_weights()
 
-    def _evaluate_at_start(self) -> Optional[Dict[str, float]]:
+    def _evaluate_at_start(self) -> Optional[dict[str, float]]:
         if self.resumed_state is not None:  # evaluated when the run started: its step-0 entry
             return next(({k: v for k, v in e.items() if k != "step"} for e in self.eval_history if e["step"] == 0),
                         None)
@@ -338,7 +338,7 @@ class RLRun:
                 + (f"; last engine error: {self.replicas.last_error}" if self.replicas.last_error else "")
                 + (f"; last weight-sync error: {sync_error}" if sync_error else ""))
 
-    def _train_on(self, batch, progress: _Progress) -> Dict:
+    def _train_on(self, batch, progress: _Progress) -> dict:
         """One optimizer step on ``batch`` (and a weight push when due); the step's metrics row."""
         ages = staleness(batch, self.trainer.version)  # versions behind the trainer
         stats = self.trainer.train_step(for_training(batch, self.cfg.train.truncation))
@@ -362,7 +362,7 @@ class RLRun:
             row.update(self.evaluate() or {})
         return row
 
-    def _plugin_counters(self) -> Dict:
+    def _plugin_counters(self) -> dict:
         """Dynamic sampling, truncation and reward-plug-in counters, run totals so far."""
         out = {"truncated_trajectories": self.truncated_trajectories}
         if self.buffer.dynamic is not None:
@@ -374,7 +374,7 @@ class RLRun:
             out["agent_failures"] = agent_failures()
         return out
 
-    def _log_step(self, row: Dict) -> None:
+    def _log_step(self, row: dict) -> None:
         step = self.trainer.version
         self.metrics.log(step, row)
         if step % 10 == 0 or step == 1:
@@ -393,7 +393,7 @@ class RLRun:
                 self._producer_errors.append(
                     TimeoutError(f"rollout producer still draining after {PRODUCER_DRAIN_S} s"))
 
-    def _finish(self, eval0: Optional[Dict[str, float]], info_start: Dict, progress: _Progress, elapsed: float) -> Dict:
+    def _finish(self, eval0: Optional[dict[str, float]], info_start: dict, progress: _Progress, elapsed: float) -> dict:
         """Final evaluation, the summary (written to summary.json), the reward curve."""
         info_end = self.replicas.info()
         eval_end = self.evaluate()
@@ -442,13 +442,13 @@ class RLRun:
         self.replicas.shutdown()
         self.metrics.close()
 
-    def accounting(self) -> Dict[str, List[str]]:
+    def accounting(self) -> dict[str, list[str]]:
         """Where every issued trajectory ended up (for exactly-once checks)."""
         return {"issued": list(self.runner.issued_ids), "trained": list(self.buffer.taken_ids),
                 "dropped": list(self.buffer.dropped_ids), "buffered": self.buffer.leftover_ids()}
 
 
-def _eval_text(result: Dict) -> str:
+def _eval_text(result: dict) -> str:
     """One evaluation's figures for the log line: greedy accuracy, pass@k, mean sampled reward."""
     keys = [k for k in ("eval_greedy", *sorted(k for k in result if k.startswith("eval_pass@")), "eval_reward")
             if k in result]

@@ -14,13 +14,14 @@ of pass@k).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
+from typing import Callable, Optional
 
 from glm5_core.rl.rollout.envs.base import Episode
 from glm5_core.rl.rollout.turn_request import next_turn
 from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
 
-GenerateFn = Callable[[str, Dict], Dict]
+GenerateFn = Callable[[str, dict], dict]
 MapFn = Callable[[Callable, Iterable], Iterable]
 
 
@@ -36,7 +37,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class Evaluator:
     """Plays the eval set through ``generate`` (the fleet) and returns the metrics of one evaluation."""
 
-    def __init__(self, problems: List[Callable[[str], Episode]], *, generate: GenerateFn, forget: Callable[[str], None],
+    def __init__(self, problems: list[Callable[[str], Episode]], *, generate: GenerateFn, forget: Callable[[str], None],
                  map_fn: MapFn, temperature: float, top_p: float, max_len: int, samples_per_problem: int,
                  pass_k: Iterable[int], greedy: bool, correct_reward: float, seed: Optional[int] = None):
         self.problems = list(problems)
@@ -70,7 +71,7 @@ class Evaluator:
             self.forget(tid)
         return float(episode.reward)
 
-    def _jobs(self, tag: str) -> List[Tuple[int, bool, Episode, str]]:
+    def _jobs(self, tag: str) -> list[tuple[int, bool, Episode, str]]:
         jobs = []
         for p, make in enumerate(self.problems):
             kinds = ([True] if self.greedy else []) + [False] * self.n
@@ -79,7 +80,7 @@ class Evaluator:
                 jobs.append((p, greedy, make(f"eval-{p}"), tid))
         return jobs
 
-    def run(self, tag: str) -> Dict[str, float]:
+    def run(self, tag: str) -> dict[str, float]:
         """One evaluation: ``eval_reward`` (mean sampled reward), ``eval_greedy`` (greedy accuracy),
         ``eval_pass@k`` for each k, ``eval_problems`` and ``eval_failed`` (samples the fleet gave up on)."""
         self.count += 1
@@ -88,8 +89,8 @@ class Evaluator:
             p, greedy, episode, tid = job
             return p, greedy, self._play(episode, tid, 0.0 if greedy else self.temperature)
 
-        sampled: Dict[int, List[float]] = {p: [] for p in range(len(self.problems))}
-        greedy: Dict[int, float] = {}
+        sampled: dict[int, list[float]] = {p: [] for p in range(len(self.problems))}
+        greedy: dict[int, float] = {}
         failed = 0
         for p, is_greedy, reward in self.map_fn(one, self._jobs(tag)):
             if reward is None:
@@ -99,7 +100,7 @@ class Evaluator:
             else:
                 sampled[p].append(reward)
         rewards = [r for rs in sampled.values() for r in rs]
-        out: Dict[str, float] = {"eval_problems": float(len(self.problems)), "eval_failed": float(failed)}
+        out: dict[str, float] = {"eval_problems": float(len(self.problems)), "eval_failed": float(failed)}
         if rewards:
             out["eval_reward"] = sum(rewards) / len(rewards)
         if greedy:

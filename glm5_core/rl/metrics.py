@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Optional
 
 from glm5_core.safe_files import parse_json, read_bytes
 
 MAX_METRICS_BYTES = 1 << 28  # metrics.jsonl a resume reads back: ~1 KB a step
 
 
-def rows_up_to(path: str, step: int) -> List[Dict]:
+def rows_up_to(path: str, step: int) -> list[dict]:
     """The step rows of an earlier run's ``metrics.jsonl`` (``path``, untrusted) at steps <= ``step``, summaries
     left out; a last line cut short by a kill is skipped, any other bad line is a ValueError naming it."""
     if not os.path.lexists(path):
@@ -46,7 +46,7 @@ class MetricsLogger:
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-        self.rows: List[Dict] = []
+        self.rows: list[dict] = []
         if resume_step is not None:
             self.rows = rows_up_to(self.jsonl_path, resume_step)
             tmp = f"{self.jsonl_path}.tmp-{os.getpid()}"
@@ -55,7 +55,7 @@ class MetricsLogger:
             os.replace(tmp, self.jsonl_path)
         self._file = open(self.jsonl_path, "a", encoding="utf-8")
         self._tb = None
-        self.skipped: List[str] = []
+        self.skipped: list[str] = []
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -65,7 +65,7 @@ class MetricsLogger:
             except ImportError:
                 self.skipped.append("tensorboard (not installed)")
 
-    def log(self, step: int, values: Dict) -> None:
+    def log(self, step: int, values: dict) -> None:
         row = {"step": step, **values}
         self.rows.append(row)
         self._file.write(json.dumps(row, sort_keys=True) + "\n")
@@ -120,7 +120,7 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _moving_average(values: List[float], window: int) -> List[float]:
+def _moving_average(values: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, v in enumerate(values):
         acc += v
@@ -130,7 +130,7 @@ def _moving_average(values: List[float], window: int) -> List[float]:
     return out
 
 
-def idle_ratio_from_engines(before: Dict[str, Dict], after: Dict[str, Dict]) -> Optional[float]:
+def idle_ratio_from_engines(before: dict[str, dict], after: dict[str, dict]) -> Optional[float]:
     """1 - (busy time / wall time) summed over engines between two ``/get_server_info`` snapshots.
     Engines replaced in between (pid changed), and engines that report no glm5 counters (SGLang has no
     ``busy_seconds``), are left out; None when no engine reports them."""
@@ -145,7 +145,7 @@ def idle_ratio_from_engines(before: Dict[str, Dict], after: Dict[str, Dict]) -> 
     return None if wall <= 0 else max(0.0, 1.0 - busy / wall)
 
 
-def prefill_counters(infos: Dict[str, Dict]) -> Dict[str, float]:
+def prefill_counters(infos: dict[str, dict]) -> dict[str, float]:
     """Engine totals since start: prefill tokens computed / reused, busy and prefill seconds."""
     return {"prefill_tokens": sum(int(i.get("prefill_tokens", 0)) for i in infos.values()),
             "cached_tokens": sum(int(i.get("cached_tokens", 0)) for i in infos.values()),

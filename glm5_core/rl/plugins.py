@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 from glm5_core.config_schema import did_you_mean, shown
 

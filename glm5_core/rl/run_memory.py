@@ -8,7 +8,7 @@ plus the token lists of the trajectories in flight and buffered.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any
 
 from glm5_core.memory_budget import FLOAT_BYTES, fit_problem
 from glm5_core.rl.config import RLConfig
@@ -28,7 +28,7 @@ class RunSize:
     micro_batch_size: int
     trajectories: int  # in flight and buffered at most
 
-    def memory_parts(self) -> Dict[str, int]:
+    def memory_parts(self) -> dict[str, int]:
         from glm5_core.model import sizing
 
         params = sizing.parameter_count(self.model)
@@ -48,13 +48,13 @@ def _size(cfg: RLConfig, model) -> RunSize:
                    cfg.train.optim.micro_batch_size, r.max_inflight_groups * r.group_size + r.max_buffered)
 
 
-def memory_problems(cfg: RLConfig, model) -> List[str]:
+def memory_problems(cfg: RLConfig, model) -> list[str]:
     """[] when ``cfg`` (an RLConfig) with policy ``model`` (a GLM5Config) fits; else one line naming the key
     that, back at its default, saves the most."""
     default_cfg = RLConfig()
     size = _size(cfg, model)
     preset = type(model).tiny()
-    levers: Dict[str, RunSize] = {
+    levers: dict[str, RunSize] = {
         f"model.overrides.{key}": dataclasses.replace(size, model=dataclasses.replace(model, **{key: value}))
         for key, value in ((k, getattr(preset, k)) for k in cfg.model.get("overrides", {}))
         if getattr(model, key) != value}

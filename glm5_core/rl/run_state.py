@@ -28,7 +28,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 from glm5_core.config_schema import as_plain
 from glm5_core.rl import starting_policy
@@ -45,7 +45,7 @@ RESUMABLE_KEYS = ("output_dir", "max_steps", "max_minutes", "torch_threads", "tr
                   "rollout.engine_urls", "rollout.api_key", "checkpoint", "eval")
 
 
-def plain_config(cfg) -> Dict[str, Any]:
+def plain_config(cfg) -> dict[str, Any]:
     """The config as JSON types, without the engines' bearer token (never written to disk)."""
     plain = json.loads(json.dumps(as_plain(cfg)))
     plain.get("rollout", {}).pop("api_key", None)
@@ -117,7 +117,7 @@ def check_output_dir(out_dir: str, resume: bool) -> None:
                          f"pick a new or empty folder")
 
 
-def write_run_file(out_dir: str, cfg, policy_checkpoint: Optional[str], policy: Optional[Dict] = None) -> None:
+def write_run_file(out_dir: str, cfg, policy_checkpoint: Optional[str], policy: Optional[dict] = None) -> None:
     """``policy``: what a resume rebuilds the policy from (``starting_policy.describe``)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUN_FILE)
@@ -136,7 +136,7 @@ def _abs(path: Optional[str]) -> Optional[str]:
     return None if path is None else os.path.abspath(path)
 
 
-def read_run_file(out_dir: str) -> Dict[str, Any]:
+def read_run_file(out_dir: str) -> dict[str, Any]:
     """``rl_run.json`` of the run in ``out_dir``, its top-level types checked (ValueError, one line)."""
     path = os.path.join(out_dir, RUN_FILE)
     saved = read_json(path, root=out_dir, max_bytes=MAX_RUN_FILE_BYTES)
@@ -168,7 +168,7 @@ def _counter(value: Any, key: str) -> int:
     return value
 
 
-def _section(state: Dict, key: str) -> Dict:
+def _section(state: dict, key: str) -> dict:
     value = state.get(key)
     if not isinstance(value, dict):
         raise ValueError(f"{key}: expected an object, got {type(value).__name__}")
@@ -179,18 +179,18 @@ def _section(state: Dict, key: str) -> Dict:
 class RunState:
     """What a resume restores besides weights, optimizer and RNG (``trainer_state.json``'s ``data``)."""
 
-    env: Dict[str, Any]
-    runner: Dict[str, int]
-    buffer: Dict[str, Any]
-    eval_history: List[Dict[str, Any]]
+    env: dict[str, Any]
+    runner: dict[str, int]
+    buffer: dict[str, Any]
+    eval_history: list[dict[str, Any]]
     eval_start: Optional[float]
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {"format": RL_STATE_FORMAT, "env": self.env, "runner": self.runner, "buffer": self.buffer,
                 "eval": {"history": self.eval_history, "start": self.eval_start}}
 
     @classmethod
-    def from_json(cls, state: Any, where: str) -> "RunState":
+    def from_json(cls, state: Any, where: str) -> RunState:
         """The run state of a checkpoint, its types checked (values a component restores it checks itself)."""
         try:
             if not isinstance(state, dict) or state.get("format") != RL_STATE_FORMAT:
@@ -222,7 +222,7 @@ def _optimizer_parts(trainer):
     return HybridOptimizer({"adamw": trainer.optimizer}, [])
 
 
-def save_resume_point(out_dir: str, trainer, state: RunState, *, keep_last: int, history: List[str]) -> List[str]:
+def save_resume_point(out_dir: str, trainer, state: RunState, *, keep_last: int, history: list[str]) -> list[str]:
     """Write ``checkpoints/step_<version>`` (atomically, see ``checkpoint_folders``); returns the new history."""
     from glm5_core.rl.device import module_device
     from glm5_core.train import checkpoint as ckpt
@@ -247,7 +247,7 @@ def resume_point_weights(out_dir: str, log) -> Optional[Path]:
     return folders.resolve_checkpoint(root, log=log) / "model.safetensors"
 
 
-def load_resume_point(out_dir: str, trainer, log) -> Optional[Tuple[RunState, List[str]]]:
+def load_resume_point(out_dir: str, trainer, log) -> Optional[tuple[RunState, list[str]]]:
     """Restore weights, optimizer state, RNG and version from the newest resume point of ``out_dir`` (what a
     killed writer left is recovered first); None when the run wrote none yet (it then starts over, which
     repeats it exactly). Returns the run state and the checkpoint history the run continues."""
@@ -268,7 +268,7 @@ def load_resume_point(out_dir: str, trainer, log) -> Optional[Tuple[RunState, Li
 
 
 def start(out_dir: str, cfg, checkpoint: Optional[str], trainer, model, resume: bool,
-          log) -> Optional[Tuple[RunState, List[str]]]:
+          log) -> Optional[tuple[RunState, list[str]]]:
     """A fresh run records itself (``rl_run.json``, with what ``starting_policy`` needs of ``model``); a resumed
     one loads its latest resume point into ``trainer``: (its state, the checkpoint history), None if it has none
     yet (the run starts over from step 0, and says so)."""

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def checkpoint_files(checkpoint: Optional[str]) -> Optional[Dict[str, Dict[str, int]]]:
+def checkpoint_files(checkpoint: Optional[str]) -> Optional[dict[str, dict[str, int]]]:
     """{file name: {"size", "mtime_ns"}} of the regular files at the top of the ``checkpoint`` folder (links
     are not followed); None without a checkpoint."""
     if checkpoint is None:
@@ -38,7 +38,7 @@ def checkpoint_files(checkpoint: Optional[str]) -> Optional[Dict[str, Dict[str, 
     return dict(sorted(files.items()))
 
 
-def describe(model, checkpoint: Optional[str]) -> Dict[str, Any]:
+def describe(model, checkpoint: Optional[str]) -> dict[str, Any]:
     """The record a fresh run writes (``rl_run.json``'s ``policy``) for the policy built from ``checkpoint``."""
     from_config = checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json"))
     dtype = model.model.embed_tokens.weight.dtype
@@ -48,7 +48,7 @@ def describe(model, checkpoint: Optional[str]) -> Dict[str, Any]:
             "files": checkpoint_files(checkpoint)}
 
 
-def _checked(record: Any, where: str) -> Dict[str, Any]:
+def _checked(record: Any, where: str) -> dict[str, Any]:
     """The record's types (the run file is read as untrusted); the config's values GLM5Config checks itself."""
     if not isinstance(record, dict):
         raise ValueError(f"--resume: {where}: policy: expected an object, got {type(record).__name__}")
@@ -88,7 +88,7 @@ def check_unchanged(record: Any, checkpoint: Optional[str], out_dir: str, where:
                              f"started; restore that checkpoint, or start a new run")
 
 
-def recorded_config(record: Any, where: str) -> Optional[Dict[str, Any]]:
+def recorded_config(record: Any, where: str) -> Optional[dict[str, Any]]:
     """The config.json dict the policy was built from; None: ``model.preset`` built it."""
     return _checked(record, where)["config"]
 

@@ -27,8 +27,9 @@ import json
 import math
 import random
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -42,7 +43,7 @@ from glm5_core.train.fsdp import full_state_dict, full_tensor, is_dtensor, local
 
 FORMAT_VERSION = 1
 MAX_RNG_BYTES = 16 * 1024 * 1024  # rng.safetensors: a few KB per device
-TensorSpec = Tuple[Tuple[int, ...], torch.dtype]
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -52,11 +53,11 @@ def _write_json(path: Path, obj: Any) -> None:
 # ---------------------------------------------------------------------------------- optimizer state
 
 
-def _flatten_optimizer(state: Dict[str, dict], keep: bool = True):
+def _flatten_optimizer(state: dict[str, dict], keep: bool = True):
     """Optimizer state as flat whole tensors + JSON metadata. A collective when the state holds DTensors
     (every rank calls it; ``keep=False`` gathers and drops, for the ranks that do not write)."""
-    tensors: Dict[str, torch.Tensor] = {}
-    groups: Dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, Any] = {}
     for part, sd in state.items():
         groups[part] = sd["param_groups"]
         for pid, entries in sd["state"].items():
@@ -83,7 +84,7 @@ def _json_kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _check_groups(part: str, got: Any, want: List[dict]) -> None:
+def _check_groups(part: str, got: Any, want: list[dict]) -> None:
     """Saved param groups (JSON) against this optimizer's: same ids and identity, same kinds of values."""
     if not isinstance(got, list) or len(got) != len(want) or not all(isinstance(g, dict) for g in got):
         sizes = [len(g.get("params", ())) for g in got if isinstance(g, dict)] if isinstance(got, list) else got
@@ -115,7 +116,7 @@ def _check_adamw_hyper(group: dict) -> None:
         raise ValueError(f"betas: expected two numbers in [0, 1), got {betas!r}")
 
 
-def _check_hyper(part: str, saved_groups: List[dict], opt: torch.optim.Optimizer) -> None:
+def _check_hyper(part: str, saved_groups: list[dict], opt: torch.optim.Optimizer) -> None:
     """The saved hyper-parameters, which ``load_state_dict`` puts in place of this run's, under the rules the
     optimizer's constructor applies: a crafted momentum of 1.5 or a negative weight decay is refused at load,
     not trained with."""
@@ -138,7 +139,7 @@ def _state_keys(opt: torch.optim.Optimizer, group: dict) -> Optional[set]:
     return None
 
 
-def _check_state(where: str, specs: Dict[str, TensorSpec], param: torch.Tensor, keys: Optional[set]) -> None:
+def _check_state(where: str, specs: dict[str, TensorSpec], param: torch.Tensor, keys: Optional[set]) -> None:
     """One parameter's saved state, from the file's header (before any of it is read): the keys its
     optimizer keeps, a scalar step, the rest shaped like the parameter."""
     if keys is not None and set(specs) != keys:
@@ -153,7 +154,7 @@ def _check_state(where: str, specs: Dict[str, TensorSpec], param: torch.Tensor, 
                              f"{tuple(param.shape)}, got {dtype} of shape {shape}")
 
 
-def _check_state_values(where: str, entries: Dict[str, torch.Tensor], path: Path) -> None:
+def _check_state_values(where: str, entries: dict[str, torch.Tensor], path: Path) -> None:
     """The values read: a step >= 0, every state tensor finite (a NaN moment would poison every later step)."""
     for key, value in entries.items():
         if key == "step":
@@ -164,8 +165,8 @@ def _check_state_values(where: str, entries: Dict[str, torch.Tensor], path: Path
             check_finite(f"{where} {key}", value, f"checkpoint: {path.name}")
 
 
-def _read_part(f, part: str, sd: dict, stored: Dict[int, Dict[str, str]], specs: Dict[str, TensorSpec],
-               want: List[dict], opt: torch.optim.Optimizer, param_names: Dict[int, str], path: Path) -> None:
+def _read_part(f, part: str, sd: dict, stored: dict[int, dict[str, str]], specs: dict[str, TensorSpec],
+               want: list[dict], opt: torch.optim.Optimizer, param_names: dict[int, str], path: Path) -> None:
     """One optimizer part of an open ``optimizer.safetensors``: its groups, then each parameter's state from
     the header, then read (and cut to this rank's shard) into ``sd["state"]``."""
     if isinstance(opt, Muon) and isinstance(sd["param_groups"], list):  # an older Muon checkpoint: its values
@@ -189,7 +190,7 @@ def _read_part(f, part: str, sd: dict, stored: Dict[int, Dict[str, str]], specs:
         sd["state"][pid] = entries
 
 
-def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> Dict[str, dict]:
+def _unflatten_optimizer(path: Path, optimizer, param_names: dict[int, str]) -> dict[str, dict]:
     """Read and validate ``optimizer.safetensors`` against ``optimizer`` (a HybridOptimizer) before any of it is
     loaded: group ids and identity, state keys, and each state tensor's shape and dtype against its parameter.
 
@@ -206,7 +207,7 @@ def _unflatten_optimizer(path: Path, optimizer, param_names: Dict[int, str]) -> 
             raise ValueError(f"checkpoint: {path} param_groups metadata: expected an object, "
                              f"got {type(groups).__name__}")
         out = {part: {"state": {}, "param_groups": groups.get(part)} for part in expected}
-        stored: Dict[str, Dict[int, Dict[str, str]]] = {part: {} for part in expected}  # part -> pid -> key -> name
+        stored: dict[str, dict[int, dict[str, str]]] = {part: {} for part in expected}  # part -> pid -> key -> name
         specs = header_specs(f, path.name)
         for name in specs:
             part, pid, key = (name.split("/") + ["", ""])[:3]
@@ -243,7 +244,7 @@ def _check_model_file(path: Path, model: torch.nn.Module, root: Path) -> None:
                              f"shape {tuple(want.shape)}, got {dtype} of shape {shape}) in {path}")
 
 
-def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torch.Tensor]:
+def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """The whole model tensors a checkpoint stores: one name per tied group (its :func:`stored_name`).
     A collective under FSDP2 (see :func:`full_state_dict`); empty with ``keep=False``."""
     state = full_state_dict(model, keep=keep)
@@ -255,12 +256,12 @@ def _model_tensors_to_save(model: torch.nn.Module, keep: bool) -> Dict[str, torc
 
 
 @torch.no_grad()
-def _load_model(model: torch.nn.Module, path: Path, root: Path) -> Tuple[List[str], List[str]]:
+def _load_model(model: torch.nn.Module, path: Path, root: Path) -> tuple[list[str], list[str]]:
     """Copy each whole tensor of ``path`` into the model: into this rank's shard for a DTensor, whole into a
     plain tensor. A tied group is filled from whichever of its names the file holds (one, as saved; several
     only if they are equal). Returns (missing, unexpected) names; reads nothing when either is non-empty."""
     targets = model.state_dict(keep_vars=True)  # Parameters and buffers themselves: tied names share one
-    groups: Dict[int, List[str]] = {}
+    groups: dict[int, list[str]] = {}
     for name, t in targets.items():
         groups.setdefault(id(t), []).append(name)
     with open_safetensors(path, root=root) as f:
@@ -308,7 +309,7 @@ def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = Fa
                          f"unexpected {sorted(unexpected)[:3]}) in {path}")
 
 
-def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
+def _rng_tensors(device_type: str) -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     module = getattr(torch, device_type, None) if device_type != "cpu" else None
     if module is not None and hasattr(module, "get_rng_state_all"):
@@ -317,13 +318,13 @@ def _rng_tensors(device_type: str) -> Dict[str, torch.Tensor]:
     return out
 
 
-def _device_rng_states(states: Dict[str, torch.Tensor], device_type: str, device_count: int) -> List[torch.Tensor]:
+def _device_rng_states(states: dict[str, torch.Tensor], device_type: str, device_count: int) -> list[torch.Tensor]:
     """The saved RNG states of devices 0, 1, ... (keys ``<device_type>_<index>``, ordered by the integer
     index: ``<device_type>_2`` before ``<device_type>_10``) that this node can take: the first
     ``min(saved, device_count)``. A checkpoint written on a node with more devices restores those and warns
     about the rest."""
     prefix = f"{device_type}_"
-    by_index: Dict[int, torch.Tensor] = {}
+    by_index: dict[int, torch.Tensor] = {}
     for key, state in states.items():
         if not key.startswith(prefix):
             continue
@@ -419,7 +420,7 @@ def _python_rng_state(value: Any, path: Path) -> tuple:
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer, total_steps: int, world_size: int,
-                    device_type: str) -> Dict[str, Any]:
+                    device_type: str) -> dict[str, Any]:
     """Restore model, optimizer and RNG from checkpoint folder ``path``; return the trainer state
     (``step``, ``data``). ``world_size`` is this run's; the checkpoint's may differ (see the module
     docstring). Everything read is validated before use: the model file's header and the whole

@@ -35,8 +35,9 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Optional
 
 from glm5_core.safe_files import read_bytes, read_json
 
@@ -111,7 +112,7 @@ def _writer_running(pid: int) -> bool:
 # ---------------------------------------------------------------------------------- history
 
 
-def read_history(root: Path) -> List[str]:
+def read_history(root: Path) -> list[str]:
     """The folder names ``root/latest`` lists, newest first ([] without the file). ValueError naming the file
     when it holds anything but checkpoint folder names."""
     path = root / LATEST
@@ -140,7 +141,7 @@ def _write_latest(root: Path, names: Sequence[str]) -> None:
     fsync_path(root)
 
 
-def lineage(root: Path, folder: Path) -> List[str]:
+def lineage(root: Path, folder: Path) -> list[str]:
     """The history a run resumed from ``folder`` continues in ``root``: ``folder`` and the checkpoints written
     before it, when ``folder`` is in ``root``; [] for a checkpoint elsewhere (that run's folders are not ours)."""
     if not root.is_dir() or os.path.realpath(folder.parent) != os.path.realpath(root):
@@ -196,9 +197,9 @@ def _fully_written(folder: Path, name: str) -> bool:
     return isinstance(state, dict) and state.get("step") == int(name[len("step_"):])
 
 
-def _stopped_writers(root: Path) -> Dict[Tuple[str, str], Dict[str, Path]]:
+def _stopped_writers(root: Path) -> dict[tuple[str, str], dict[str, Path]]:
     """What writers that are not running left: {(step folder, writer pid): {"tmp" / "old": folder}}."""
-    leftovers: Dict[Tuple[str, str], Dict[str, Path]] = {}
+    leftovers: dict[tuple[str, str], dict[str, Path]] = {}
     for entry in sorted(root.iterdir()):
         match = _LEFTOVER.fullmatch(entry.name)
         if match and not _writer_running(int(match.group(3))):
@@ -206,7 +207,7 @@ def _stopped_writers(root: Path) -> Dict[Tuple[str, str], Dict[str, Path]]:
     return leftovers
 
 
-def _stand_in(name: str, found: Dict[str, Path]) -> Optional[Path]:
+def _stand_in(name: str, found: dict[str, Path]) -> Optional[Path]:
     """What stands in for a missing step folder a stopped writer was replacing or writing: its new folder if
     fully written, else the complete folder it set aside."""
     new, old = found.get("tmp"), found.get("old")

@@ -14,7 +14,7 @@ Stage kinds follow the DSA recipe (DeepSeek-V3.2 paper, section 2.1; GLM-5 repor
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from glm5_core import config_paths
 from glm5_core.config_schema import convert_fields, field, non_negative, positive
@@ -37,7 +37,7 @@ class DataConfig:
     source: str = field("stdlib", choices=("stdlib", "path"))
     path: Optional[str] = field(None, check=config_paths.input_path)  # source "path": a .txt/.jsonl file or a folder
     text_key: str = "text"  # jsonl: the field holding the document text
-    extensions: List[str] = field(factory=lambda: [".txt", ".md", ".py", ".jsonl"])  # folder: files to read
+    extensions: list[str] = field(factory=lambda: [".txt", ".md", ".py", ".jsonl"])  # folder: files to read
     tokenizer: str = field("byte", check=_tokenizer_path)  # "byte" or the path of an HF tokenizer.json
     eos_token: Optional[str] = None  # HF tokenizer: the token appended after each document
     shuffle: bool = True  # read documents in a seeded permutation (per epoch) instead of corpus order
@@ -115,11 +115,11 @@ class TrainConfig:
     # CPU threads for torch's intra-op pool (0: torch's default). Small models on a few shared cores run
     # faster on 1 thread; a resumed run must use the same count to repeat the uninterrupted one bitwise.
     torch_threads: int = field(0, range=(0, 4096))
-    model: Dict[str, Any] = field(factory=lambda: {"preset": "tiny"})
+    model: dict[str, Any] = field(factory=lambda: {"preset": "tiny"})
     data: DataConfig = field(factory=DataConfig)
     optimizer: OptimizerConfig = field(factory=OptimizerConfig)
     schedule: ScheduleConfig = field(factory=ScheduleConfig)
-    stages: List[StageConfig] = field(factory=lambda: [StageConfig()])
+    stages: list[StageConfig] = field(factory=lambda: [StageConfig()])
     loss: LossConfig = field(factory=LossConfig)
     router: RouterConfig = field(factory=RouterConfig)
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig)
@@ -137,18 +137,18 @@ class TrainConfig:
         overrides = {k: v for k, v in self.model.items() if k != "preset"}
         return getattr(GLM5Config, self.model.get("preset", "tiny"))(**overrides)
 
-    def rule_problems(self) -> List[str]:
+    def rule_problems(self) -> list[str]:
         """The ``model`` section (GLM5Config's own declaration; its converted values replace the given ones),
         then the rules between sections."""
         return _model_problems(self) or _cross_problems(self)
 
 
-def _model_problems(cfg: TrainConfig) -> List[str]:
+def _model_problems(cfg: TrainConfig) -> list[str]:
     """``model``: a preset plus GLM5Config fields, each converted and checked by GLM5Config's own declaration;
     ``cfg.model`` keeps the converted values."""
     from glm5_core.model import GLM5Config
 
-    problems: List[str] = []
+    problems: list[str] = []
     overrides = convert_fields(GLM5Config, cfg.model, "model.", problems, also_known=("preset",), exclude=("extra",))
     preset = cfg.model.get("preset", "tiny")
     if preset not in MODEL_PRESETS:
@@ -159,7 +159,7 @@ def _model_problems(cfg: TrainConfig) -> List[str]:
     return dataclasses.replace(getattr(GLM5Config, preset)(), **overrides).problems("model.")
 
 
-def _cross_problems(cfg: TrainConfig) -> List[str]:
+def _cross_problems(cfg: TrainConfig) -> list[str]:
     problems = cfg.optimizer.check()
     if not cfg.stages:
         problems.append("stages: expected at least one stage, got an empty list")

@@ -4,7 +4,8 @@ against this machine's memory (``train/step_memory``) before the model is built.
 Every problem is one line naming its full key; all of them are raised together as one :class:`ConfigError`."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from glm5_core.config_schema import ConfigError, build
 from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
@@ -17,7 +18,7 @@ def parse_config(raw: Any, source: str = "config") -> TrainConfig:
     listing every problem, one per line."""
     if not isinstance(raw, dict):
         raise ConfigError([f"expected a mapping of sections at the top level, got {type(raw).__name__}"], source)
-    problems: List[str] = []
+    problems: list[str] = []
     cfg = build(TrainConfig, raw, "", problems)
     if not problems:
         problems = cfg.rule_problems() or memory_problems(cfg)
@@ -26,7 +27,7 @@ def parse_config(raw: Any, source: str = "config") -> TrainConfig:
     return cfg
 
 
-def load_config(path, sets: Sequence[str] = (), values: Optional[Dict[str, Any]] = None) -> TrainConfig:
+def load_config(path, sets: Sequence[str] = (), values: Optional[dict[str, Any]] = None) -> TrainConfig:
     """A YAML file (see ``glm5_core.config_yaml`` for what is refused) with ``--set KEY=VALUE`` overrides ``sets``,
     then ``values`` (dotted key -> value, as command-line flags give them) assigned as they are."""
     raw = apply_overrides(load_mapping(str(path)), sets)

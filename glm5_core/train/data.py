@@ -22,8 +22,9 @@ import itertools
 import json
 import random
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -37,7 +38,7 @@ class ByteTokenizer:
     eos_id = 256
     name = "byte"
 
-    def encode(self, doc: bytes) -> List[int]:
+    def encode(self, doc: bytes) -> list[int]:
         return list(doc) + [self.eos_id]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -67,7 +68,7 @@ class HFTokenizer:
                 raise ValueError(f"data.eos_token: {eos_token!r} is not in the vocabulary of {path!r}")
         self.name = str(path)
 
-    def encode(self, doc: bytes) -> List[int]:
+    def encode(self, doc: bytes) -> list[int]:
         ids = self._tok.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
         return ids + ([self.eos_id] if self.eos_id is not None else [])
 
@@ -85,7 +86,7 @@ def make_tokenizer(spec: str, eos_token: Optional[str] = None):
 class FileCorpus:
     """Each file is one document."""
 
-    def __init__(self, files: List[Path], description: str):
+    def __init__(self, files: list[Path], description: str):
         if not files:
             raise ValueError(f"data: {description} holds no documents")
         self.files = files
@@ -103,7 +104,7 @@ class JsonlCorpus:
 
     def __init__(self, path: Path, text_key: str, *, allow_empty: bool = False):
         self.path, self.text_key = path, text_key
-        self.offsets: List[int] = []  # byte offset of each non-empty line
+        self.offsets: list[int] = []  # byte offset of each non-empty line
         with path.open("rb") as f:
             offset = 0
             for line in f:
@@ -160,7 +161,7 @@ def _folder_corpus(root: Path, extensions: Sequence[str], text_key: str):
     return ConcatCorpus(parts, description)
 
 
-def _sorted_files(root: Path, extensions: Sequence[str], exclude_dirs: Sequence[str] = ()) -> List[Path]:
+def _sorted_files(root: Path, extensions: Sequence[str], exclude_dirs: Sequence[str] = ()) -> list[Path]:
     found = [p for p in root.rglob("*")
              if p.is_file() and p.suffix in extensions and not set(p.relative_to(root).parts[:-1]) & set(exclude_dirs)]
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
@@ -207,7 +208,7 @@ class TokenStream:
         self.position = position or StreamPosition()
         self.shuffle_seed = shuffle_seed
         self._order_epoch: Optional[int] = None
-        self._order: List[int] = []
+        self._order: list[int] = []
         self._cached_doc: Optional[int] = None
         self._cached: Optional[torch.Tensor] = None
 

@@ -13,7 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,7 @@ def all_reduce_sum(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return t
 
 
-def mean_across_ranks(values: List[float], ctx: DistContext) -> List[float]:
+def mean_across_ranks(values: list[float], ctx: DistContext) -> list[float]:
     """Average a few Python floats over the ranks (NaN-free inputs)."""
     if not ctx.enabled:
         return values
@@ -102,25 +102,25 @@ def parameter_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def gather_strings(value: str, ctx: DistContext) -> List[str]:
+def gather_strings(value: str, ctx: DistContext) -> list[str]:
     if not ctx.enabled:
         return [value]
-    out: List[str] = [""] * ctx.world_size
+    out: list[str] = [""] * ctx.world_size
     dist.all_gather_object(out, value)
     return out
 
 
-def _flat(value: Any, prefix: str = "") -> Dict[str, Any]:
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     """A nested JSON value as {dotted key: leaf}."""
     if isinstance(value, dict) and value:
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for key, item in value.items():
             out.update(_flat(item, f"{prefix}.{key}" if prefix else str(key)))
         return out
     return {prefix: value}
 
 
-def check_same_on_every_rank(what: str, value: Dict[str, Any], ctx: DistContext) -> None:
+def check_same_on_every_rank(what: str, value: dict[str, Any], ctx: DistContext) -> None:
     """Raise ValueError on every rank unless ``value`` (a JSON-able mapping, e.g. the run's config) is the same
     on all of them, naming the first rank that differs from rank 0 and the keys. A collective.
 

@@ -32,7 +32,7 @@ All of ``torch.distributed`` is imported inside the functions: ``import glm5_cor
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List
+from typing import Callable
 
 import torch
 from torch import nn
@@ -95,32 +95,32 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full.to(like.device), like.device_mesh, like.placements)
 
 
-def tied_groups(model: nn.Module) -> List[List[str]]:
+def tied_groups(model: nn.Module) -> list[list[str]]:
     """The names of ``model.state_dict()`` that hold one tensor (tied weights), each group in state-dict order.
 
     Found from ``state_dict(keep_vars=True)``, whose values are the Parameter and buffer objects themselves,
     shared by tied names (FSDP2 sets one sharded Parameter on every module that shares it); plain
     ``state_dict()`` detaches every entry into a fresh tensor, so identities there never match."""
-    by_object: Dict[int, List[str]] = {}
+    by_object: dict[int, list[str]] = {}
     for name, t in model.state_dict(keep_vars=True).items():  # the dict keeps every object alive: ids are unique
         by_object.setdefault(id(t), []).append(name)
     return [names for names in by_object.values() if len(names) > 1]
 
 
-def stored_name(group: List[str]) -> str:
+def stored_name(group: list[str]) -> str:
     """The one name a checkpoint stores a tied group under: the first in sorted order (the name
     ``safetensors.torch.save_model`` keeps, so the file also loads with ``safetensors.torch.load_model``)."""
     return min(group)
 
 
-def full_state_dict(model: nn.Module, *, keep: bool = True) -> Dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered to its whole tensor, detached, on the CPU.
 
     A collective under FSDP2: every rank must call it, in the same order. ``keep=False`` (the ranks that do
     not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Every
     name is present; tied names (see :func:`tied_groups`) map to one gathered tensor, gathered once."""
-    gathered: Dict[int, torch.Tensor] = {}
-    out: Dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in gathered:  # the same collectives on every rank, kept or not
             whole = full_tensor(t.detach()).cpu()
@@ -130,11 +130,11 @@ def full_state_dict(model: nn.Module, *, keep: bool = True) -> Dict[str, torch.T
     return out
 
 
-def sharding_units(model: nn.Module) -> List[nn.Module]:
+def sharding_units(model: nn.Module) -> list[nn.Module]:
     """The submodules that get their own ``fully_shard``, innermost first (the root comes last, separately)."""
     layers = model.model.main_layers()
     mtp = model.model.mtp
-    units: List[nn.Module] = []
+    units: list[nn.Module] = []
     for layer in layers + ([mtp] if mtp is not None else []):
         if layer.self_attn.indexer is not None:
             units.append(layer.self_attn.indexer)
@@ -198,7 +198,7 @@ def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Modul
     return model
 
 
-def clip_grad_norm(params: List[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``clip_grad_norm_`` over plain or DTensor gradients; returns the global 2-norm as a plain tensor.
 
     With sharded gradients each rank holds part of every gradient: each per-gradient norm is a partial

@@ -6,7 +6,7 @@ position t predicts ``row[t + 1]``; MTP depth d (1-based, ``out.mtp_logits[d - 1
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1))
 
 
-def mtp_loss(mtp_logits: List[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
+def mtp_loss(mtp_logits: list[torch.Tensor], rows: torch.Tensor) -> Optional[torch.Tensor]:
     """Mean over depths of the MTP cross-entropy; rows int64 [B, T + 1]. None without MTP logits."""
     T = rows.shape[1] - 1
     losses = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -27,7 +27,7 @@ def load_balance(expert_counts: torch.Tensor) -> Optional[float]:
     return float((counts.max(dim=-1).values / mean).mean())
 
 
-def read_records(path: Path) -> List[dict]:
+def read_records(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -39,7 +39,7 @@ class MetricsLogger:
         self.path = output_dir / METRICS_FILE
         self.output_dir = output_dir
         self._tb = None
-        self.skipped: List[str] = []  # optional outputs whose package is missing (the [metrics] extra)
+        self.skipped: list[str] = []  # optional outputs whose package is missing (the [metrics] extra)
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +55,7 @@ class MetricsLogger:
             if SummaryWriter is not None:
                 self._tb = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step + 1)
 
-    def log(self, record: Dict) -> None:
+    def log(self, record: dict) -> None:
         if not self.enabled:
             return
         self._file.write(json.dumps(record) + "\n")
@@ -73,7 +73,7 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _moving_mean(values: List[float], window: int) -> List[float]:
+def _moving_mean(values: list[float], window: int) -> list[float]:
     """Mean of the last ``window`` values (fewer at the start); NaN where the value itself is NaN."""
     out = []
     for i, v in enumerate(values):
@@ -82,9 +82,9 @@ def _moving_mean(values: List[float], window: int) -> List[float]:
     return out
 
 
-def _stage_segments(records: List[dict]) -> List[tuple]:
+def _stage_segments(records: list[dict]) -> list[tuple]:
     """(stage, first step, last step) of each run of consecutive records in one stage."""
-    segments: List[list] = []
+    segments: list[list] = []
     for r in records:
         if segments and segments[-1][0] == r["stage"]:
             segments[-1][2] = r["step"]

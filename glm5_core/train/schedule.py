@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional
+from typing import Optional
 
 from glm5_core.train.config import ScheduleConfig, StageConfig
 
@@ -29,7 +29,7 @@ def _cosine(start: float, end: float, frac: float) -> float:
 
 
 class StageSchedule:
-    def __init__(self, stages: List[StageConfig], schedule: ScheduleConfig):
+    def __init__(self, stages: list[StageConfig], schedule: ScheduleConfig):
         self.stages, self.cfg = stages, schedule
         self.total_steps = sum(s.steps for s in stages)
         self.main_steps = sum(s.steps for s in stages if s.kind in MAIN_STAGE_KINDS)

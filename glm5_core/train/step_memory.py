@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List
+from typing import Any
 
 from glm5_core.memory_budget import FLOAT_BYTES, fit_problem
 from glm5_core.train.config import DataConfig, LossConfig, TrainConfig
@@ -29,7 +29,7 @@ class StepSize:
     mtp_depths: int
     strategy: str
 
-    def memory_parts(self) -> Dict[str, int]:
+    def memory_parts(self) -> dict[str, int]:
         from glm5_core.model import sizing
 
         world, here = _env_count("WORLD_SIZE"), _env_count("LOCAL_WORLD_SIZE")
@@ -41,13 +41,13 @@ class StepSize:
                 "logits": FLOAT_BYTES * tokens * sizing.logit_floats_per_token(self.model, self.mtp_depths)}
 
 
-def memory_problems(cfg: TrainConfig) -> List[str]:
+def memory_problems(cfg: TrainConfig) -> list[str]:
     """[] when a step of ``cfg`` (a TrainConfig) fits; else one line naming the key that saves the most."""
     model = cfg.model_config()
     preset = getattr(type(model), cfg.model.get("preset", "tiny"))()
     size = StepSize(model, cfg.data.batch_size, cfg.data.seq_len, cfg.loss.mtp_depths, cfg.parallel.strategy)
     default = StepSize(preset, DataConfig().batch_size, DataConfig().seq_len, LossConfig().mtp_depths, size.strategy)
-    levers: Dict[str, StepSize] = {
+    levers: dict[str, StepSize] = {
         f"model.{key}": dataclasses.replace(size, model=dataclasses.replace(model, **{key: getattr(preset, key)}))
         for key in cfg.model if key != "preset" and getattr(model, key) != getattr(preset, key)}
     for name, key in (("batch_size", "data.batch_size"), ("seq_len", "data.seq_len"),

@@ -27,8 +27,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 
@@ -68,9 +69,9 @@ def _quiet(message: str) -> None:
     """Ranks other than 0 stay silent (rank 0 says it once)."""
 
 
-def _reference_report(ran: List[Tuple[str, str]]) -> Dict[str, Dict[str, int]]:
+def _reference_report(ran: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
     """{op: {why: calls}} of the ops that computed with the reference during one step (empty: kernels only)."""
-    report: Dict[str, Dict[str, int]] = {}
+    report: dict[str, dict[str, int]] = {}
     for op, why in ran:
         report.setdefault(op, {})
         report[op][why] = report[op].get(why, 0) + 1
@@ -90,7 +91,7 @@ def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
             p.requires_grad_(True)
 
 
-def _restore_configured_hyperparameters(groups: List[dict], configured: List[dict]) -> List[str]:
+def _restore_configured_hyperparameters(groups: list[dict], configured: list[dict]) -> list[str]:
     """Loading an optimizer's state dict also loads the hyper-parameters saved with it. The config wins, as
     it does for the learning rate (set every step by the schedule): put its values back into ``groups`` and
     return ``"group.key: checkpoint -> config"`` for each one that differed."""
@@ -108,7 +109,7 @@ def _as_list(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def _set_learning_rates(optimizer, lrs: Dict[str, float], muon_lr_ratio: float) -> None:
+def _set_learning_rates(optimizer, lrs: dict[str, float], muon_lr_ratio: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lrs[group["role"]] * (muon_lr_ratio if group["optimizer"] == "muon" else 1.0)
 
@@ -156,7 +157,7 @@ class PretrainTrainer:
         if self.dist.is_main:  # what a killed earlier run left there, before any rank reads it
             ckpt_folders.recover(checkpoints)
         dist_utils.barrier(self.dist)
-        self._history: List[str] = []  # this run's checkpoints, newest first: the only ones it prunes
+        self._history: list[str] = []  # this run's checkpoints, newest first: the only ones it prunes
         if options.resume:
             configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             folder = ckpt.resolve_checkpoint(Path(options.resume), log=_stderr if self.dist.is_main else _quiet)
@@ -245,8 +246,8 @@ class PretrainTrainer:
                                resume_step=self.start_step)
         bar = _progress(cfg, d, self.start_step, self.stop_step)
         tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        rates: List[float] = []
-        recent_lm: Deque[float] = collections.deque(maxlen=LAST_LOSS_WINDOW)  # the bar's smoothed LM loss
+        rates: list[float] = []
+        recent_lm: collections.deque[float] = collections.deque(maxlen=LAST_LOSS_WINDOW)  # the bar's smoothed LM loss
         started = time.perf_counter()
         self.model.train()
         for step in range(self.start_step, self.stop_step):
@@ -291,7 +292,7 @@ class PretrainTrainer:
         whole.load_state_dict(state, strict=True)
         return whole
 
-    def _memory_per_rank(self) -> Dict[str, int]:
+    def _memory_per_rank(self) -> dict[str, int]:
         """Bytes this rank holds for parameters and optimizer state (its shards under fsdp2)."""
         def local_bytes(t: torch.Tensor) -> int:
             t = t.to_local() if fsdp.is_dtensor(t) else t
@@ -302,7 +303,7 @@ class PretrainTrainer:
         return {"parameter_bytes_per_rank": sum(local_bytes(p) for p in self.model.parameters()),
                 "optimizer_state_bytes_per_rank": sum(local_bytes(v) for v in states)}
 
-    def _finish(self, wall_s: float, rates: List[float], skipped: List[str]) -> dict:
+    def _finish(self, wall_s: float, rates: list[float], skipped: list[str]) -> dict:
         digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
         export = self._export_model()
         summary = {"backend": self.backend.name, "world_size": self.dist.world_size,
@@ -334,7 +335,7 @@ class PretrainTrainer:
         return summary
 
 
-def bar_postfix(record: dict, recent_lm: Sequence[float]) -> Dict[str, str]:
+def bar_postfix(record: dict, recent_lm: Sequence[float]) -> dict[str, str]:
     """The progress bar's fields: the stage, and the LM loss averaged over the last ``LAST_LOSS_WINDOW`` steps
     (what the summary's ``last_lm_loss`` reports at the end), labelled so; before any LM step (an indexer warm-up
     first) the step's indexer KL, labelled so. Never the step's total loss: it adds the MTP and KL terms (the

@@ -9,12 +9,12 @@ LayerNorm bias and the router's selection bias are randomised too, so a swapped 
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-BASE: Dict[str, Any] = dict(
+BASE: dict[str, Any] = dict(
     vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
     first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=6,
     num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,

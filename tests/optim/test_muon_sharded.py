@@ -93,7 +93,7 @@ def _compare(mesh, dtype: torch.dtype, nesterov: bool) -> None:
     for i, (p, q) in enumerate(zip(plain, sharded)):
         assert p.shape == q.shape
         torch.testing.assert_close(q.detach().full_tensor(), p.detach(), atol=tol, rtol=tol,
-                                   msg=lambda m: f"param {i} {PARAMS[i]}: {m}")
+                                   msg=lambda m, i=i: f"param {i} {PARAMS[i]}: {m}")
         torch.testing.assert_close(opt_sharded.state[q]["momentum_buffer"].full_tensor(),
                                    opt_plain.state[p]["momentum_buffer"], atol=tol, rtol=tol)
         assert not torch.equal(p.detach(), starts[i]), f"param {i} did not move"

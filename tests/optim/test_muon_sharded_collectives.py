@@ -81,7 +81,7 @@ def _compare(mesh) -> None:
         assert calls == {"all_to_all_single": 2 * BUCKETS}, calls
     for i, (p, q) in enumerate(zip(plain, sharded)):
         torch.testing.assert_close(q.detach().full_tensor(), p.detach(), atol=TOL, rtol=TOL,
-                                   msg=lambda m: f"param {i} {PARAMS[i]}: {m}")
+                                   msg=lambda m, i=i: f"param {i} {PARAMS[i]}: {m}")
         torch.testing.assert_close(opt_sharded.state[q]["momentum_buffer"].full_tensor(),
                                    opt_plain.state[p]["momentum_buffer"], atol=TOL, rtol=TOL)
         assert not torch.equal(p.detach(), starts[i]), f"param {i} did not move"

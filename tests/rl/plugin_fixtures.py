@@ -1,5 +1,4 @@
 """Plug-ins the plug-in tests name by import path (``tests.rl.plugin_fixtures:...``)."""
-from typing import List
 
 from glm5_core.rl.algorithm.loss import double_sided_is_loss
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
@@ -16,7 +15,7 @@ class ConstantEnv(Environment):
         self._inner = ArithmeticEnv(max_operand=max(a, b), max_new_tokens=1, held_out=0.0, codec=codec, seed=seed)
         self.codec, self.a, self.b, self.seed = self._inner.codec, a, b, seed
 
-    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+    def new_group(self, group_id: str, group_size: int) -> list[Episode]:
         return [self._inner.episode(group_id, self.a, self.b) for _ in range(group_size)]
 
 

@@ -1,7 +1,6 @@
 """Declaration of the ``ascend`` backend. Import-light: torch_npu is imported by the probe
 (``glm5_core.backends.ascend.device.npu_probe``) and, for the operators, on the first kernel call; the kernel
 modules are imported by ``kernel_table`` only once the backend is available."""
-from typing import Dict
 
 from glm5_core.backends.ascend.device import DEVICE, npu_probe
 from glm5_core.registry import Backend, Kernel
@@ -24,7 +23,7 @@ MISSING = {
 }
 
 
-def kernel_table() -> Dict[str, Kernel]:
+def kernel_table() -> dict[str, Kernel]:
     from glm5_core.backends.ascend import dsa, mla, moe
 
     return {**dsa.KERNELS, **mla.KERNELS, **moe.KERNELS}

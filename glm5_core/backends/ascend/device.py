@@ -8,16 +8,15 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Tuple
 
 import torch
 
 from glm5_core.device_facts import COMMON_DTYPES, DeviceFacts
 
-Probe = Tuple[bool, str]
+Probe = tuple[bool, str]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def npu_probe() -> Probe:
     """Ascend NPU: find torch_npu, import it once, then ask ``torch.npu.is_available()`` (cached).
 

@@ -17,7 +17,8 @@ Our top-k contract vs the vendor op, and how the difference is bridged:
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 

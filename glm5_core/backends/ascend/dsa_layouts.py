@@ -19,7 +19,7 @@ Vendor contracts used here (Ascend ``op-plugin/docs/context/torch_npu-npu_lightn
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple, Union
+from typing import Union
 
 import torch
 
@@ -42,7 +42,7 @@ def prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(lengths.to(torch.int64), dim=0).to(torch.int32)
 
 
-def pad_query_heads(q: torch.Tensor, w: torch.Tensor, heads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def pad_query_heads(q: torch.Tensor, w: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pad H heads to ``heads`` with zero queries and zero weights: each padded head adds w * ReLU(0) = +0.0,
     which leaves every score bit-identical. q [B, T, H, D] -> [B, T, heads, D]; w [B, T, H] -> [B, T, heads]."""
     B, T, H, D = q.shape
@@ -68,7 +68,7 @@ class IndexerCall:
     batch: int
     queries: int
 
-    def kwargs(self) -> Dict[str, object]:
+    def kwargs(self) -> dict[str, object]:
         return dict(actual_seq_lengths_query=self.actual_seq_lengths_query,
                     actual_seq_lengths_key=self.actual_seq_lengths_key, block_table=None,
                     layout_query=self.layout, layout_key=self.layout, sparse_count=self.sparse_count,
@@ -145,7 +145,7 @@ def rescore(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cand: torch.Tenso
     return torch.cat(out, dim=1)
 
 
-def canonical_order(cand: torch.Tensor, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def canonical_order(cand: torch.Tensor, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort candidates [B, T, R] by score descending, ties to the LOWER key index, -1 entries last.
 
     Two stable sorts: by index first, then by score; equal scores keep the index order of the first sort."""
@@ -166,7 +166,7 @@ def boundary_ties(scores_sorted: torch.Tensor, cand_sorted: torch.Tensor, topk: 
 
 
 # ----------------------------------------------------------------------------- sparse flash attention
-def compact_indices(topk_idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def compact_indices(topk_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Our topk_idx [B, T, K] may hold -1 anywhere; the vendor wants valid entries first. Attention over a
     set of keys does not depend on their order, so a stable partition (valid first) changes nothing but
     the summation order. A row without any key gets the dummy index 0 (its output is zeroed afterwards,
@@ -193,7 +193,7 @@ class SparseAttentionCall:
     def args(self):
         return (self.query, self.key, self.key, self.sparse_indices, self.scale)
 
-    def kwargs(self) -> Dict[str, object]:
+    def kwargs(self) -> dict[str, object]:
         # sparse_mode 0: attend to exactly the given keys (our contract); causality is the indexer's job.
         return dict(block_table=None, actual_seq_lengths_query=None, actual_seq_lengths_kv=None,
                     query_rope=self.query_rope, key_rope=self.key_rope, sparse_block_size=1,

@@ -10,7 +10,8 @@ becomes actual_seq_lengths_kv = start_pos + T with the bottom-right causal mode 
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 

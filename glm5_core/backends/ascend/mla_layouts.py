@@ -13,7 +13,7 @@ right) with the 2048 x 2048 compressed mask.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
@@ -27,7 +27,7 @@ NO_MASK = 0
 CAUSAL_BOTTOM_RIGHT = 3
 
 
-def paged_cache(cache: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def paged_cache(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cut a contiguous cache [B, S, X] into blocks: ([B * NB, BS, X], block_table int32 [B, NB]).
 
     S is zero-padded up to NB * BS; the padding is never read because the lengths stop at L[b] <= S."""
@@ -46,7 +46,7 @@ def compressed_causal_mask(device: torch.device) -> torch.Tensor:
     return torch.triu(ones, diagonal=1)
 
 
-def key_lengths(start_pos: StartPos, batch: int, queries: int) -> List[int]:
+def key_lengths(start_pos: StartPos, batch: int, queries: int) -> list[int]:
     """L[b] = start_pos[b] + T as host ints (the op takes SymInt[] lengths)."""
     if isinstance(start_pos, torch.Tensor):
         return [int(p) + queries for p in start_pos.tolist()]
@@ -60,8 +60,8 @@ class DecodeCall:
     key_cache: torch.Tensor  # [B * NB, BS, C]; also the value cache
     key_rope_cache: torch.Tensor  # [B * NB, BS, Dr]
     block_table: torch.Tensor  # int32 [B, NB]
-    actual_seq_lengths: List[int]  # T per row
-    actual_seq_lengths_kv: List[int]  # L[b]
+    actual_seq_lengths: list[int]  # T per row
+    actual_seq_lengths_kv: list[int]  # L[b]
     sparse_mode: int
     atten_mask: Optional[torch.Tensor]
     scale: float
@@ -69,7 +69,7 @@ class DecodeCall:
     def args(self):
         return (self.query, self.key_cache, self.key_cache)
 
-    def kwargs(self) -> Dict[str, object]:
+    def kwargs(self) -> dict[str, object]:
         return dict(query_rope=self.query_rope, key_rope=self.key_rope_cache, atten_mask=self.atten_mask,
                     actual_seq_lengths=self.actual_seq_lengths, actual_seq_lengths_kv=self.actual_seq_lengths_kv,
                     block_table=self.block_table, block_size=BLOCK_SIZE, num_heads=self.query.shape[2],

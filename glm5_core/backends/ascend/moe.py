@@ -20,7 +20,8 @@ Where our contract and the vendor ops differ:
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

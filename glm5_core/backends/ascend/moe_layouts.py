@@ -23,7 +23,7 @@ formulas in CANN ops-transformer ``moe/moe_gating_top_k/docs/aclnnMoeGatingTopK.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -54,7 +54,7 @@ class GatingCall:
     bias: Optional[torch.Tensor]  # fp32 [E]
     routed_scaling_factor: float
 
-    def kwargs(self) -> Dict[str, object]:
+    def kwargs(self) -> dict[str, object]:
         return dict(bias=self.bias, k_group=1, group_count=ONE_GROUP, group_select_mode=TOP2_SUM_GROUPS,
                     renorm=0, norm_type=SIGMOID, out_flag=False,
                     routed_scaling_factor=self.routed_scaling_factor, eps=RENORM_EPS)
@@ -68,7 +68,7 @@ def gating_call(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
                       routed_scaling_factor=float(routed_scaling_factor))
 
 
-def canonical_experts(ids: torch.Tensor, select: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def canonical_experts(ids: torch.Tensor, select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates [N, R] ordered by selection score desc, ties to the LOWER expert id.
     Returns (ids int64 [N, R], their selection scores [N, R])."""
     ids = torch.sort(ids.to(torch.int64), dim=-1).values  # by id first
@@ -91,7 +91,7 @@ def route_weights(scores: torch.Tensor, ids: torch.Tensor, routed_scaling_factor
 
 
 # ------------------------------------------------------------------------------------------ dispatch
-def init_routing_kwargs(num_rows: int, top_k: int, num_experts: int) -> Dict[str, object]:
+def init_routing_kwargs(num_rows: int, top_k: int, num_experts: int) -> dict[str, object]:
     return dict(active_num=num_rows * top_k, expert_capacity=0, expert_num=num_experts,
                 drop_pad_mode=DROPLESS, expert_tokens_num_type=COUNT_MODE, expert_tokens_num_flag=True,
                 quant_mode=NO_QUANT, active_expert_range=[0, num_experts], row_idx_type=SCATTER_ROW_INDEX)

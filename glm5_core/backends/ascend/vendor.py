@@ -15,13 +15,14 @@ the differentiable reference for every call that needs gradients.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Iterable, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 
 from glm5_core.kernel import Kernel
 
-Decision = Tuple[bool, str]
+Decision = tuple[bool, str]
 OK: Decision = (True, "")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 

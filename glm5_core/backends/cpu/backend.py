@@ -7,7 +7,7 @@ give the reason for each op. The kernels built on torch's own fused CPU ops (``T
 MLA prefill through ``scaled_dot_product_attention``) need no extension and are always in the table.
 """
 import importlib
-from typing import Dict, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from glm5_core.backends.cpu.device import DEVICE
 from glm5_core.registry import Backend, Kernel
@@ -20,19 +20,19 @@ KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.dsa_sele
 TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla",)
 
 
-def _kernels_of(module_names) -> Dict[str, Kernel]:
-    table: Dict[str, Kernel] = {}
+def _kernels_of(module_names) -> dict[str, Kernel]:
+    table: dict[str, Kernel] = {}
     for module_name in module_names:
         table.update(importlib.import_module(module_name).KERNELS)
     return table
 
 
-def native_kernels() -> Dict[str, Kernel]:
+def native_kernels() -> dict[str, Kernel]:
     """Every extension kernel record, by op (whether or not the extension is built)."""
     return _kernels_of(KERNEL_MODULES)
 
 
-def torch_kernels() -> Dict[str, Kernel]:
+def torch_kernels() -> dict[str, Kernel]:
     """The kernel records that need no extension, by op."""
     return _kernels_of(TORCH_KERNEL_MODULES)
 
@@ -51,7 +51,7 @@ def status():
     return extension.load()
 
 
-def kernel_table() -> Dict[str, Kernel]:
+def kernel_table() -> dict[str, Kernel]:
     return {**torch_kernels(), **(native_kernels() if status().built else {})}
 
 

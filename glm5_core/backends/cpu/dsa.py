@@ -14,7 +14,7 @@ sparse stage's KL) have a native forward and backward over the selected rows
 """
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from collections.abc import Mapping
 
 import torch
 
@@ -23,7 +23,7 @@ from glm5_core.ops import _checks
 from glm5_core.ops.mla import absorb_query, project_output
 
 
-def _on_cpu(*tensors) -> Tuple[bool, str]:
+def _on_cpu(*tensors) -> tuple[bool, str]:
     devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if devices != {"cpu"}:
         return False, f"native CPU kernels need CPU tensors, got {sorted(devices)}"

@@ -20,7 +20,8 @@ Both are deterministic: the result is bitwise repeatable whatever the thread cou
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
@@ -37,7 +38,7 @@ def _lse(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.
     return flash(q, k, k, 0.0, causal, scale=scale)[1]
 
 
-def _starts(start_pos, batch: int) -> List[int]:
+def _starts(start_pos, batch: int) -> list[int]:
     if isinstance(start_pos, torch.Tensor):
         return [int(s) for s in start_pos.tolist()]
     return [int(start_pos)] * batch
@@ -83,7 +84,7 @@ def selected_attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, scale
 
 
 def _supports(q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, *, scale: float, start_pos,
-              k_nope: Optional[torch.Tensor] = None, normaliser: str = "selected") -> Tuple[bool, str]:
+              k_nope: Optional[torch.Tensor] = None, normaliser: str = "selected") -> tuple[bool, str]:
     devices = {t.device.type for t in (q_nope, q_pe, c_kv, k_pe, w_uk, topk_idx, k_nope, start_pos)
                if isinstance(t, torch.Tensor)}
     if devices != {"cpu"}:

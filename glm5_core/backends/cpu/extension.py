@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Optional
 
 from glm5_core.backends import jit_build
 
@@ -57,19 +57,19 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0") not in ("", "0")
 
 
-def _sources() -> Tuple[List[Path], List[Path]]:
+def _sources() -> tuple[list[Path], list[Path]]:
     root = SOURCE_DIR
     return sorted(root.glob("cpu_*.cpp")), sorted(root.glob("cpu_*.h"))
 
 
-def _isa() -> Tuple[str, Tuple[str, ...]]:
+def _isa() -> tuple[str, tuple[str, ...]]:
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
     return capability, _ISA_FLAGS.get(capability, ())
 
 
-def _build_key(files: List[Path], flags: Tuple[str, ...], isa: str) -> str:
+def _build_key(files: list[Path], flags: tuple[str, ...], isa: str) -> str:
     import torch
 
     return jit_build.build_key(files, (torch.__version__, str(torch.version.git_version), sys.version, isa,

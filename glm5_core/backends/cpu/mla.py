@@ -17,7 +17,7 @@ once, at the end), fp64 in fp64 (the flash kernel has an fp64 instantiation). Le
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F

@@ -15,7 +15,7 @@ Legend as in ``glm5_core.ops.moe``.
 """
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from collections.abc import Mapping
 
 import torch
 
@@ -51,7 +51,7 @@ def route(logits, bias, *, top_k: int, score_func: str = "sigmoid", n_group: int
     return weights, ids.to(torch.int32)
 
 
-def _on_cpu(t: torch.Tensor) -> Tuple[bool, str]:
+def _on_cpu(t: torch.Tensor) -> tuple[bool, str]:
     if t.device.type != "cpu":
         return False, f"native CPU kernels need CPU tensors, got {t.device}"
     return True, ""

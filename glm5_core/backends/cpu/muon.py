@@ -17,7 +17,7 @@ kept only for very large matrices (untested territory, where one GEMM already fi
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

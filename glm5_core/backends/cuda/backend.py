@@ -1,13 +1,12 @@
 """Declaration of the ``cuda`` backend. Import-light: triton is imported only by ``kernel_table``."""
 import functools
-from typing import Dict
 
 from glm5_core.backends.cuda.device import DEVICE, gpu_probe
 from glm5_core.backends.triton.vendor import triton_backend
 from glm5_core.registry import Kernel
 
 
-def kernel_table() -> Dict[str, Kernel]:
+def kernel_table() -> dict[str, Kernel]:
     """Triton kernels with NVIDIA launch configs (triton is imported here, not at import time)."""
     from glm5_core.backends.cuda.launch import CUDA_CONFIGS
     from glm5_core.backends.triton.table import build_kernel_table

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import datetime
 import functools
-from typing import Tuple
 
 import torch
 
 from glm5_core.device_facts import DeviceFacts
 
-Probe = Tuple[bool, str]
+Probe = tuple[bool, str]
 
 
 def is_rocm_build() -> bool:
@@ -18,7 +17,7 @@ def is_rocm_build() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_probe(vendor: str) -> Probe:
     """Probe an NVIDIA (``vendor='cuda'``) or AMD (``vendor='rocm'``) GPU through torch (cached)."""
     if vendor not in ("cuda", "rocm"):

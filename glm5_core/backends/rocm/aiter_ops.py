@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 import torch
 
@@ -32,7 +32,7 @@ AITER_EXPERT_GROUPS = (1, 2, 4, 8)  # num_expert_group values biased_grouped_top
 
 # ---------------------------------------------------------------------------------------------- routing
 
-def selection_order(weights, ids, select_scores) -> Tuple[torch.Tensor, torch.Tensor]:
+def selection_order(weights, ids, select_scores) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder each token's K picks by (biased score descending, expert id ascending)."""
     picked = select_scores.gather(1, ids.long())  # [N, K]
     by_id = torch.sort(ids, dim=1, stable=True)  # ascending id first ...
@@ -149,7 +149,7 @@ def sparse_decode_supports(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, **kwa
 
 # --------------------------------------------------------------------------------------------- binding
 
-def aiter_kernels(configs) -> Dict[str, Kernel]:
+def aiter_kernels(configs) -> dict[str, Kernel]:
     """The ops aiter replaces. A call aiter cannot take (dtype, head count, no bias) goes to the Triton
     launcher inside the wrapper, not to the reference; ``supports`` is the Triton kernel's own."""
     aiter = importlib.import_module("aiter")

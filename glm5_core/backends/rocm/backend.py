@@ -1,7 +1,6 @@
 """Declaration of the ``rocm`` backend. Import-light: triton / aiter are imported only by ``kernel_table``."""
 import functools
 import importlib.util
-from typing import Dict
 
 from glm5_core import platform
 from glm5_core.backends.cuda.device import gpu_probe
@@ -15,7 +14,7 @@ def aiter_available() -> bool:
     return importlib.util.find_spec("aiter") is not None
 
 
-def kernel_table() -> Dict[str, Kernel]:
+def kernel_table() -> dict[str, Kernel]:
     """The shared Triton kernels with AMD launch configs; aiter's operators where aiter is installed
     (not under the Triton interpreter: aiter needs a GPU)."""
     from glm5_core.backends.rocm.launch import ROCM_CONFIGS

@@ -1,12 +1,12 @@
 """Small helpers shared by the launchers (no triton import here)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 SUPPORTED_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-Verdict = Tuple[bool, str]
+Verdict = tuple[bool, str]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

@@ -7,7 +7,6 @@ The ops take ``start_pos`` as an int32 [B] tensor (a fixed schema); the table's 
 from __future__ import annotations
 
 import functools
-from typing import Dict, Tuple
 
 import torch
 
@@ -16,15 +15,15 @@ from glm5_core.backends.triton.launch import KernelConfigs
 from glm5_core.kernel import Kernel
 
 
-@functools.lru_cache(maxsize=None)
-def register(configs: KernelConfigs) -> Dict[str, Kernel]:
+@functools.cache
+def register(configs: KernelConfigs) -> dict[str, Kernel]:
     ns = f"glm5_{configs.vendor}"
     indexer_config = configs.get(indexer.FAMILY, indexer.DEFAULT_LAUNCH)
     sparse_mla_config = configs.get(sparse_mla.FAMILY, sparse_mla.DEFAULT_LAUNCH)
 
     @torch.library.custom_op(f"{ns}::indexer_topk", mutates_args=())
     def indexer_topk_op(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: torch.Tensor,
-                        topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                        topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         return indexer.indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start, config=indexer_config)
 
     @indexer_topk_op.register_fake

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, List
 
 import torch
 import triton
@@ -160,7 +159,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1,  # unless the vendor ov
 ITEMSIZES = (4,)  # every operand is widened to fp32 before its dot, whatever the input dtype
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     BH, BK, BM, BS = blocks["heads"], blocks["keys"], blocks["rows"], blocks["cols"]
     C, DR = _util.next_pow2(dims.latent, 16), _util.next_pow2(dims.rope, 16)
     heads = [Tile("q_lat", (BH, C), 4), Tile("q_pe", (BH, DR), 4)]
@@ -176,6 +175,6 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     config = configs.get(FAMILY, DEFAULT_LAUNCH)
     return {"dsa_selected_attention_target": bind(selected_attention_target, config, fitting(configs))}

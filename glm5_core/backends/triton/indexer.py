@@ -25,7 +25,6 @@ never O(Q * S).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
 
 import torch
 import triton
@@ -261,7 +260,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=2, blocks={"keys": 64})  #
 ITEMSIZES = (4, 2)  # fp32 and 16-bit inputs
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     BS = blocks["keys"]
     H_PAD, D_PAD = _util.next_pow2(dims.indexer_heads, 16), _util.next_pow2(dims.indexer_head_dim, 16)
     KP = _util.next_pow2(dims.index_topk, BS)
@@ -274,7 +273,7 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_indexer_topk as a torch.library op)."""
     return {"dsa_indexer_scores": bind(indexer_scores, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
             "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

@@ -6,12 +6,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import types
-from typing import List, Tuple
 
 PACKAGE = __name__.rpartition(".")[0]
 
 
-def kernel_families() -> Tuple[str, ...]:
+def kernel_families() -> tuple[str, ...]:
     """The names of this package's modules that declare ``FAMILY``, sorted (imports every module: triton)."""
     package = importlib.import_module(PACKAGE)
     names = sorted(info.name for info in pkgutil.iter_modules(package.__path__))
@@ -28,5 +27,5 @@ def kernel_module(family: str) -> types.ModuleType:
     return module
 
 
-def kernel_modules() -> List[types.ModuleType]:
+def kernel_modules() -> list[types.ModuleType]:
     return [kernel_module(family) for family in kernel_families()]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 from glm5_core.kernel import Kernel
 
@@ -38,7 +39,7 @@ class LaunchConfig:
     def block(self, name: str) -> int:
         return self.blocks[name]
 
-    def launch_kwargs(self) -> Dict[str, Any]:
+    def launch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``kernel[grid](..., **kwargs)``."""
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra}
 

@@ -13,8 +13,6 @@ and gives the gradients of the rows and of the three weight stacks.
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 import triton
 import triton.language as tl
@@ -126,7 +124,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 6
 ITEMSIZES = (4,)  # every tile is widened to fp32 before its dot, whatever the input dtype
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
     rows = lambda name: Tile(name, (BM, BK), 4, pipelined=True)  # noqa: E731
     cols = lambda name: Tile(name, (BN, BK), 4, pipelined=True)  # noqa: E731
@@ -141,6 +139,6 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     return {"moe_experts": bind(experts, configs.get(FAMILY, DEFAULT_LAUNCH), supports,
                                 differentiable=True)}  # backward through _GroupedSwiGLU (moe_experts_bwd)

@@ -16,8 +16,6 @@ Both are differentiable (``_Dispatch``, ``_Combine``), with backwards made of th
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 import triton
 import triton.language as tl
@@ -208,7 +206,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 256, "c
 ITEMSIZES = (4,)
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     BR, BD = blocks["rows"], blocks["cols"]
     return {
         "count": [Tile("ids", (BR,), 8, scratch=True)],
@@ -219,7 +217,7 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     """op -> kernel: this module serves both halves of the permutation (backwards: _Dispatch / _Combine)."""
     config = configs.get(FAMILY, DEFAULT_LAUNCH)
     return {"moe_dispatch": bind(dispatch, config, differentiable=True),

@@ -14,8 +14,6 @@ Per token (one row of a [BN, E_PAD] tile):
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 import triton
 import triton.language as tl
@@ -132,10 +130,10 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}) 
 ITEMSIZES = (4,)
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     E_PAD = _util.next_pow2(dims.experts)
     return {"route": [Tile("scores", (blocks["tokens"], E_PAD), 4, scratch=True)]}  # argmax / max / sum over experts
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     return {"moe_route": bind(route, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

@@ -17,8 +17,6 @@ fp32) and the rounding is done by ``_round_to_bf16`` (the GPU's cast, bit for bi
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 import triton
 import triton.language as tl
@@ -163,7 +161,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=3, blocks={"m": 64, "n": 6
 ITEMSIZES = (4, 2)  # fp32 or bf16 compute
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     BM, BN, BK = blocks["m"], blocks["n"], blocks["k"]
     return {
         "symmetric": [Tile("y_i", (BM, BK), itemsize, True), Tile("y_j", (BM, BK), itemsize, True),
@@ -173,5 +171,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     return {"muon_orthogonalize": bind(orthogonalize, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}

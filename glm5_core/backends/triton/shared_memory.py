@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Tile:
     """A tile a kernel holds in shared memory: a tl.dot operand (or a cross-warp reduction's input)."""
 
     name: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     itemsize: int  # bytes per element, as the tile enters the dot
     pipelined: bool = False  # loaded inside a loop the software pipeliner multi-buffers
     scratch: bool = False  # a reduction's / layout change's staging, not a dot operand
@@ -54,7 +54,7 @@ class Tile:
         return math.prod(self.shape) * self.itemsize
 
 
-def launch_bytes(tiles: List[Tile], num_stages: int) -> int:
+def launch_bytes(tiles: list[Tile], num_stages: int) -> int:
     """The estimate: every dot operand once (a pipelined one ``num_stages`` times), plus the largest scratch."""
     operands = sum(t.nbytes * (max(1, num_stages) if t.pipelined else 1) for t in tiles if not t.scratch)
     return operands + max([t.nbytes for t in tiles if t.scratch], default=0)
@@ -77,7 +77,7 @@ GLM5_DIMS = ModelDims(latent=512, rope=64, indexer_heads=32, indexer_head_dim=12
                       experts_per_token=8)
 
 
-def family_tiles(family: str) -> Callable[..., Dict[str, List[Tile]]]:
+def family_tiles(family: str) -> Callable[..., dict[str, list[Tile]]]:
     """The ``tiles`` function of the kernel module of ``family`` (imports it, so triton)."""
     from glm5_core.backends.triton import kernel_modules
 
@@ -88,14 +88,14 @@ def family_tiles(family: str) -> Callable[..., Dict[str, List[Tile]]]:
                        f"defines it (they are: {', '.join(kernel_modules.kernel_families())})") from None
 
 
-def itemsizes(family: str) -> Tuple[int, ...]:
+def itemsizes(family: str) -> tuple[int, ...]:
     """The input element sizes (bytes) the kernels of ``family`` are launched with."""
     from glm5_core.backends.triton import kernel_modules
 
     return kernel_modules.kernel_module(family).ITEMSIZES
 
 
-def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> Dict[Tuple[str, int], int]:
+def estimate(family: str, config, dims: ModelDims = GLM5_DIMS) -> dict[tuple[str, int], int]:
     """{(kernel, input itemsize): estimated bytes} for every kernel of ``family`` launched with ``config``."""
     tiles_of = family_tiles(family)
     out = {}

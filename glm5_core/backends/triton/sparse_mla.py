@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, List
 
 import torch
 import triton
@@ -393,7 +392,7 @@ DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 16, "k
 ITEMSIZES = (4, 2)  # the fp32 path and the bf16 tensor-core path
 
 
-def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
+def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     """itemsize 4: the fp32 path (keys widened to fp32); 2: the bf16 tensor-core path (every operand bf16)."""
     BH, BK = blocks["heads"], blocks["keys"]
     C, DR = _util.next_pow2(dims.latent, 16), _util.next_pow2(dims.rope, 16)
@@ -412,7 +411,7 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> Dict[str, List[Tile]]:
     }
 
 
-def kernels(configs: KernelConfigs) -> Dict[str, Kernel]:
+def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_sparse_decode as a torch.library op)."""
     config = configs.get(FAMILY, DEFAULT_LAUNCH)
     return {

@@ -16,8 +16,6 @@ names it only to launch it differently). Imported without triton (the kernel mod
 """
 from __future__ import annotations
 
-from typing import Dict
-
 from glm5_core.backends.triton.kernel_modules import kernel_families, kernel_module, kernel_modules
 from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
 from glm5_core.kernel import Kernel
@@ -42,7 +40,7 @@ def launch_config(configs: KernelConfigs, family: str) -> LaunchConfig:
         raise KeyError(f"the {configs.vendor} launch table: {error.args[0]}") from None
 
 
-def launches(configs: KernelConfigs) -> Dict[str, LaunchConfig]:
+def launches(configs: KernelConfigs) -> dict[str, LaunchConfig]:
     """{family: effective launch configuration} of ``configs``' vendor for every kernel module; an override of a
     family that is no kernel module is a KeyError naming the vendor and the family."""
     families = kernel_families()
@@ -53,13 +51,13 @@ def launches(configs: KernelConfigs) -> Dict[str, LaunchConfig]:
     return {family: launch_config(configs, family) for family in families}
 
 
-def build_kernel_table(configs: KernelConfigs) -> Dict[str, Kernel]:
+def build_kernel_table(configs: KernelConfigs) -> dict[str, Kernel]:
     """Every kernel module's entries with ``configs``' launch configurations, then the inference ops as
     torch.library custom ops (``custom_ops``: torch.compile sees one node per op)."""
     from glm5_core.backends.triton import custom_ops
 
     launches(configs)  # every override names a kernel module
-    table: Dict[str, Kernel] = {}
+    table: dict[str, Kernel] = {}
     for module in kernel_modules():
         for op, kernel in module.kernels(configs).items():
             assert op not in table, f"{op}: served by two Triton kernel modules"

@@ -8,7 +8,8 @@ Import-light: triton is imported by the vendor's ``kernel_table`` only.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping, Tuple, Union
+from collections.abc import Mapping
+from typing import Callable, Union
 
 from glm5_core import platform
 from glm5_core.backends.triton.table import MISSING
@@ -16,7 +17,7 @@ from glm5_core.device_facts import DeviceFacts
 from glm5_core.registry import Backend, Kernel
 
 
-def triton_backend(*, name: str, facts: DeviceFacts, device_probe: Callable[[], Tuple[bool, str]],
+def triton_backend(*, name: str, facts: DeviceFacts, device_probe: Callable[[], tuple[bool, str]],
                    kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]], description: str,
                    priority: int) -> Backend:
     """The backend of a Triton vendor named ``name``; ``device_probe()`` is its cached ``(available, reason)``."""

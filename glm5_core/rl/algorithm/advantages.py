@@ -8,19 +8,20 @@ An advantage estimator maps (rewards, group ids) of a batch to one advantage per
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 import torch
 
-AdvantageFn = Callable[[Sequence[float], Sequence[str]], List[float]]
+AdvantageFn = Callable[[Sequence[float], Sequence[str]], list[float]]
 
 
-def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: float = 1e-6) -> List[float]:
+def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: float = 1e-6) -> list[float]:
     """A_i = (R_i - mean_g) / (std_g + eps) within each group g (population std). A group whose rewards are
     all equal carries no signal and gets zeros."""
     if len(rewards) != len(group_ids):
         raise ValueError(f"rewards / group_ids: expected equal lengths, got {len(rewards)} and {len(group_ids)}")
-    by_group: Dict[str, List[int]] = {}
+    by_group: dict[str, list[int]] = {}
     for i, g in enumerate(group_ids):
         by_group.setdefault(g, []).append(i)
     out = [0.0] * len(rewards)
@@ -35,18 +36,18 @@ def group_normalized(rewards: Sequence[float], group_ids: Sequence[str], eps: fl
     return out
 
 
-def group_centred(rewards: Sequence[float], group_ids: Sequence[str]) -> List[float]:
+def group_centred(rewards: Sequence[float], group_ids: Sequence[str]) -> list[float]:
     """A_i = R_i - mean_g (Dr. GRPO: no division by the group's std, which up-weights near-uniform groups)."""
     if len(rewards) != len(group_ids):
         raise ValueError(f"rewards / group_ids: expected equal lengths, got {len(rewards)} and {len(group_ids)}")
-    by_group: Dict[str, List[float]] = {}
+    by_group: dict[str, list[float]] = {}
     for r, g in zip(rewards, group_ids):
         by_group.setdefault(g, []).append(float(r))
     means = {g: math.fsum(rs) / len(rs) for g, rs in by_group.items()}
     return [float(r) - means[g] for r, g in zip(rewards, group_ids)]
 
 
-def advantage_estimators() -> Dict[str, AdvantageFn]:
+def advantage_estimators() -> dict[str, AdvantageFn]:
     return {"group_normalized": group_normalized, "group_centred": group_centred}
 
 

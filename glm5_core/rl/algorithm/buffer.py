@@ -17,13 +17,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Optional
 
 from glm5_core.rl.algorithm.dynamic_sampling import DynamicSampler
 from glm5_core.rl.rollout.trajectory import Trajectory
 
 
-def staleness(trajectories: List[Trajectory], policy_version: int) -> List[int]:
+def staleness(trajectories: list[Trajectory], policy_version: int) -> list[int]:
     """Policy versions each trajectory's oldest sampled token is behind ``policy_version``. A trajectory that
     sampled nothing (``oldest_version`` -1) has no age and is left out."""
     return [max(0, policy_version - t.oldest_version) for t in trajectories if t.oldest_version >= 0]
@@ -42,14 +42,14 @@ class TrajectoryBuffer:
         self.group_size = group_size
         self.max_staleness = max_staleness
         self._cond = threading.Condition()
-        self._pending: Dict[str, List[Trajectory]] = collections.OrderedDict()  # group id -> members so far
-        self._ready: List[List[Trajectory]] = []  # complete groups, oldest first
+        self._pending: dict[str, list[Trajectory]] = collections.OrderedDict()  # group id -> members so far
+        self._ready: list[list[Trajectory]] = []  # complete groups, oldest first
         self._seen: set = set()
-        self.taken_ids: List[str] = []
+        self.taken_ids: list[str] = []
         self.dropped_stale = 0
-        self.dropped_ids: List[str] = []
+        self.dropped_ids: list[str] = []
         self.dropped_env_failures = 0
-        self.staleness_histogram: Dict[int, int] = collections.Counter()
+        self.staleness_histogram: dict[int, int] = collections.Counter()
         self._closed = False
         self._trained_before = 0  # trajectories trained before a resume
         self.dynamic = (DynamicSampler(max_rounds=dynamic_max_rounds, groups_per_batch=batch_size // group_size)
@@ -77,7 +77,7 @@ class TrajectoryBuffer:
             self._closed = True
             self._cond.notify_all()
 
-    def _is_stale(self, group: List[Trajectory], policy_version: int) -> bool:
+    def _is_stale(self, group: list[Trajectory], policy_version: int) -> bool:
         return self.max_staleness is not None and any(  # oldest_version -1: no sampled token, never stale
             t.oldest_version >= 0 and policy_version - t.oldest_version > self.max_staleness for t in group)
 
@@ -115,7 +115,7 @@ class TrajectoryBuffer:
         return True
 
     def take(self, policy_version: int, timeout: Optional[float] = None, *,
-             fill_held: bool = False) -> Optional[List[Trajectory]]:
+             fill_held: bool = False) -> Optional[list[Trajectory]]:
         """Block until ``batch_size`` fresh trajectories are ready; None on timeout or close. ``fill_held``
         (dynamic sampling, sync mode): the last sampling round for this batch is done, held-back groups may
         fill it."""
@@ -129,7 +129,7 @@ class TrajectoryBuffer:
                 if self._closed or (remaining is not None and remaining <= 0):
                     return None
                 self._cond.wait(remaining if remaining is not None else 0.5)
-            batch: List[Trajectory] = []
+            batch: list[Trajectory] = []
             while len(batch) < self.batch_size:
                 batch.extend(self._ready.pop(0))
             self.taken_ids.extend(t.trajectory_id for t in batch)
@@ -145,13 +145,13 @@ class TrajectoryBuffer:
         with self._cond:
             return self._trained_before + len(self.taken_ids)
 
-    def state_dict(self) -> Dict:
+    def state_dict(self) -> dict:
         with self._cond:
             return {"trained": self._trained_before + len(self.taken_ids), "dropped_stale": self.dropped_stale,
                     "dropped_env_failures": self.dropped_env_failures,
                     "staleness_histogram": {str(k): n for k, n in sorted(self.staleness_histogram.items())}}
 
-    def load_state_dict(self, state: Dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """Continue the counters of :meth:`state_dict`; ValueError naming the key for anything but counts."""
         counts = {key: state.get(key, 0) for key in ("trained", "dropped_stale", "dropped_env_failures")}
         histogram = state.get("staleness_histogram", {})
@@ -168,7 +168,7 @@ class TrajectoryBuffer:
             self.dropped_env_failures = counts["dropped_env_failures"]
             self.staleness_histogram = collections.Counter({int(k): v for k, v in histogram.items()})
 
-    def leftover_ids(self) -> List[str]:
+    def leftover_ids(self) -> list[str]:
         with self._cond:
             ids = [t.trajectory_id for g in self._ready for t in g]
             ids += [t.trajectory_id for g in self._pending.values() for t in g]

@@ -17,12 +17,11 @@ Held-back groups not used by the batch they were sampled for are dropped (counte
 from __future__ import annotations
 
 import collections
-from typing import Dict, List
 
 from glm5_core.rl.rollout.trajectory import Trajectory
 
 
-def has_signal(group: List[Trajectory]) -> bool:
+def has_signal(group: list[Trajectory]) -> bool:
     """True unless every reward of the group is the same (the group would train nothing)."""
     rewards = [float(t.reward) for t in group]
     return max(rewards) != min(rewards)
@@ -37,14 +36,14 @@ class DynamicSampler:
             raise ValueError(f"max_rounds: expected an int >= 1, got {max_rounds!r}")
         self.max_rounds = max_rounds
         self.groups_per_batch = groups_per_batch
-        self.held: List[List[Trajectory]] = []  # equal-reward groups of the batch being assembled, oldest first
+        self.held: list[list[Trajectory]] = []  # equal-reward groups of the batch being assembled, oldest first
         self.completed_since_take = 0
         self.dropped_groups = 0
-        self.dropped_by_reward: Dict[str, int] = collections.Counter()
+        self.dropped_by_reward: dict[str, int] = collections.Counter()
         self.filled_groups = 0
-        self.dropped_ids: List[str] = []
+        self.dropped_ids: list[str] = []
 
-    def admit(self, group: List[Trajectory]) -> bool:
+    def admit(self, group: list[Trajectory]) -> bool:
         """True: the group goes to the batch; False: it is held back. An environment-failed group is admitted
         (the buffer drops it as such)."""
         self.completed_since_take += 1
@@ -57,7 +56,7 @@ class DynamicSampler:
         """Async mode: ``max_rounds`` batches' worth of groups finished since the last batch was taken."""
         return self.completed_since_take >= self.max_rounds * self.groups_per_batch
 
-    def fill(self, missing_groups: int) -> List[List[Trajectory]]:
+    def fill(self, missing_groups: int) -> list[list[Trajectory]]:
         """Up to ``missing_groups`` held-back groups, oldest first, to complete a batch."""
         used, self.held = self.held[:missing_groups], self.held[missing_groups:]
         self.filled_groups += len(used)
@@ -72,6 +71,6 @@ class DynamicSampler:
         self.held = []
         self.completed_since_take = 0
 
-    def counters(self) -> Dict:
+    def counters(self) -> dict:
         return {"dynamic_dropped_groups": self.dropped_groups, "dynamic_filled_groups": self.filled_groups,
                 "dynamic_dropped_by_reward": dict(sorted(self.dropped_by_reward.items()))}

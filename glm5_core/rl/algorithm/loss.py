@@ -14,7 +14,7 @@ gradient - for in-band tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 
@@ -55,7 +55,7 @@ def double_sided_is_loss(logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, a
 LossFn = Callable[..., LossStats]
 
 
-def losses() -> Dict[str, LossFn]:
+def losses() -> dict[str, LossFn]:
     return {"double_sided_is": double_sided_is_loss}
 
 

@@ -9,7 +9,7 @@ as usual (``glm5_core.model.replay``). A trace whose shape does not match the sa
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +19,7 @@ TRACES = {"routing": "routed_experts", "index": "indexer_topk"}  # replay kind -
 
 
 def pad_traces(samples: Sequence[Sample], kind: str, layers: int, width: int, device=None
-               ) -> Tuple[torch.Tensor, int]:
+               ) -> tuple[torch.Tensor, int]:
     """int64 [B, T, layers, width] (-1 where nothing is replayed) and the number of samples without a trace."""
     attr = TRACES[kind]
     T = max(len(s.tokens) for s in samples)

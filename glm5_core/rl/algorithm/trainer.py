@@ -15,7 +15,8 @@ Every tensor the trainer builds is created on the policy's device.
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -28,7 +29,7 @@ from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
 
 
-def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tensor]:
+def pad_samples(samples: Sequence[Sample], device=None) -> dict[str, torch.Tensor]:
     """Right-pad samples into input ids [B, T] and shifted targets / masks / rollout log-probs [B, T-1],
     on ``device`` (default cpu)."""
     T = max(len(s.tokens) for s in samples)
@@ -49,7 +50,7 @@ def pad_samples(samples: Sequence[Sample], device=None) -> Dict[str, torch.Tenso
 
 def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float, *,
                       routing_replay: Optional[torch.Tensor] = None,
-                      index_replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                      index_replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """log pi(token t+1 | tokens <= t) for t < T-1: [B, T-1], and the DSA top-k per full-indexer layer.
     ``routing_replay`` / ``index_replay``: the rollout's experts / keys (``replay_batch.pad_traces``)."""
     out = model(input_ids_BT, attention="sparse", routing_replay=routing_replay, index_replay=index_replay)
@@ -59,7 +60,7 @@ def sequence_logprobs(model, input_ids_BT: torch.Tensor, temperature: float, *,
 
 def sequence_logprobs_and_entropy(model, input_ids_BT: torch.Tensor, temperature: float, *,
                                   routing_replay: Optional[torch.Tensor] = None,
-                                  index_replay: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                                  index_replay: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logprobs``' log-probs [B, T-1] and the entropy of pi(. | tokens <= t) at ``temperature``,
     [B, T-1], from one forward."""
     out = model(input_ids_BT, attention="sparse", routing_replay=routing_replay, index_replay=index_replay)
@@ -96,14 +97,14 @@ class PolicyTrainer:
         self.optimizer = torch.optim.AdamW(self.trainable, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
         self.step_count = 0
-        self._weight_files: List[str] = []  # the files save_weights wrote, oldest first: the only ones it prunes
+        self._weight_files: list[str] = []  # the files save_weights wrote, oldest first: the only ones it prunes
 
     @property
     def version(self) -> int:
         """Policy version = optimizer steps taken."""
         return self.step_count
 
-    def train_step(self, trajectories: List[Trajectory]) -> Dict[str, float]:
+    def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
         cfg = self.config
         self.model.train()
         advantages = self.advantage_fn([t.reward for t in trajectories], [t.group_id for t in trajectories])
@@ -156,7 +157,7 @@ class PolicyTrainer:
                    grad_norm=float(grad_norm) if grad_norm is not None else 0.0)
         return out
 
-    def _replay_tensors(self, samples: List[Sample], stats: Dict[str, float]) -> Dict[str, torch.Tensor]:
+    def _replay_tensors(self, samples: list[Sample], stats: dict[str, float]) -> dict[str, torch.Tensor]:
         """The micro-batch's routing_replay / index_replay forward arguments, for the kinds switched on."""
         cfg = self.model.config
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))

@@ -14,7 +14,6 @@ its environment's own ``max_new_tokens`` is not truncated: that limit is part of
 from __future__ import annotations
 
 import dataclasses
-from typing import List
 
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
 
@@ -30,7 +29,7 @@ def _without_loss(sample: Sample) -> Sample:
     return dataclasses.replace(sample, loss_mask=[0] * len(sample.loss_mask))
 
 
-def for_training(batch: List[Trajectory], policy: str) -> List[Trajectory]:
+def for_training(batch: list[Trajectory], policy: str) -> list[Trajectory]:
     """The batch the trainer steps on: under ``mask`` a truncated trajectory keeps its place (and reward, for
     the baseline) with every loss-mask entry 0."""
     if policy != "mask":

@@ -10,29 +10,29 @@ imports a vendor SDK; :func:`probe_accelerators` asks the vendors' counts at cal
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 from glm5_core.device_facts import DeviceFacts
 from glm5_core.rl.config import check_engine_devices, parse_device, parse_devices  # noqa: F401 (importable here too)
 
-Probe = Callable[[], Dict[str, int]]
+Probe = Callable[[], dict[str, int]]
 
 
-def _device_types() -> Dict[str, DeviceFacts]:
+def _device_types() -> dict[str, DeviceFacts]:
     from glm5_core import device_kinds
 
     return device_kinds.device_types()
 
 
-def probe_accelerators() -> Dict[str, int]:
+def probe_accelerators() -> dict[str, int]:
     """Accelerators this process sees, by device type (each vendor's count: none imports a vendor SDK)."""
     return {kind: facts.count() for kind, facts in _device_types().items() if not facts.is_host}
 
 
-def check_visible(devices: List[str], where: str, probe: Probe) -> None:
-    counts: Optional[Dict[str, int]] = None
+def check_visible(devices: list[str], where: str, probe: Probe) -> None:
+    counts: Optional[dict[str, int]] = None
     kinds = _device_types()
-    for i, device in enumerate(devices):
+    for _i, device in enumerate(devices):
         kind, index = parse_device(device, where)
         if kinds[kind].is_host:
             continue
@@ -43,7 +43,7 @@ def check_visible(devices: List[str], where: str, probe: Probe) -> None:
                              f"device{'s' if seen != 1 else ''}" + (f" ({kind}:0..{kind}:{seen - 1})" if seen else ""))
 
 
-def engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> List[Optional[str]]:
+def engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> list[Optional[str]]:
     """One device (or None: the backend's default) per engine."""
     check_engine_devices(devices, num_engines, where)
     if devices is None:
@@ -52,7 +52,7 @@ def engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollo
     return parsed * num_engines if len(parsed) == 1 else parsed
 
 
-def worker_environment(device: Optional[str]) -> Dict[str, str]:
+def worker_environment(device: Optional[str]) -> dict[str, str]:
     """Environment of a local worker process that uses ``device`` (only that accelerator visible)."""
     if device is None:
         return {}
@@ -69,7 +69,7 @@ def in_worker_device(device: Optional[str]) -> Optional[str]:
     return kind if _device_types()[kind].is_host else f"{kind}:0"
 
 
-def ray_resources(device: Optional[str]) -> Dict[str, Any]:
+def ray_resources(device: Optional[str]) -> dict[str, Any]:
     """``.options(...)`` of a Ray actor that uses ``device``."""
     if device is None:
         return {}

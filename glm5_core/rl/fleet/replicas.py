@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
 
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    def __init__(self, executor, router, names: List[str], *, poll_seconds: float = 0.5,
+    def __init__(self, executor, router, names: list[str], *, poll_seconds: float = 0.5,
                  retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
                  end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient):
         if isinstance(max_server_errors, bool) or not isinstance(max_server_errors, int) or max_server_errors < 1:
@@ -32,7 +32,7 @@ class ReplicaSet:
         self.executor = executor
         self.router = router
         self.names = list(names)
-        self.clients: Dict[str, EngineClient] = {}
+        self.clients: dict[str, EngineClient] = {}
         self._client = client_factory  # url -> client (external engines: remote hosts allowed, api key)
         self.replacements = 0
         self.failed_restarts = 0
@@ -45,13 +45,13 @@ class ReplicaSet:
         self._end_timeout = end_trajectories_timeout
         self._lock = threading.Lock()  # one replacement at a time
         self._stats_lock = threading.Lock()  # counters written by many episode threads
-        self._restart_failures: Dict[str, int] = {}  # supervisor thread only
-        self._next_restart: Dict[str, float] = {}  # supervisor thread only: monotonic time of the next try
+        self._restart_failures: dict[str, int] = {}  # supervisor thread only
+        self._next_restart: dict[str, float] = {}  # supervisor thread only: monotonic time of the next try
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._no_end_route: set = set()  # replicas without /end_trajectories (SGLang)
 
-    def start(self) -> "ReplicaSet":
+    def start(self) -> ReplicaSet:
         for name in self.names:
             self.clients[name] = self._client(self.executor.start(name))
             self.router.add_replica(name)
@@ -114,7 +114,7 @@ class ReplicaSet:
         if name is not None:
             self.router.mark_unhealthy(name)
 
-    def generate(self, trajectory_id: str, request: Dict) -> Dict:
+    def generate(self, trajectory_id: str, request: dict) -> dict:
         deadline = time.monotonic() + self._retry_timeout
         server_errors = 0
         while True:
@@ -151,14 +151,14 @@ class ReplicaSet:
             finally:
                 self.router.release(trajectory_id, name)
 
-    def healthy_clients(self) -> Dict[str, EngineClient]:
+    def healthy_clients(self) -> dict[str, EngineClient]:
         healthy = set(self.router.healthy_replicas())
         return {name: self.clients[name] for name in self.names if name in healthy and name in self.clients}
 
     def mark_failed(self, name: str) -> None:
         self.router.mark_unhealthy(name)
 
-    def end_trajectories(self, rids: List[str]) -> None:
+    def end_trajectories(self, rids: list[str]) -> None:
         """Finished trajectories: every healthy replica frees their prefix-cache entries. Best effort, with a
         short timeout (``end_trajectories_timeout``): this runs on episode threads, and a replica that does not
         answer has lost its cache anyway, or keeps dead entries until LRU eviction. A server without the route
@@ -176,7 +176,7 @@ class ReplicaSet:
             except EngineUnavailable:
                 pass
 
-    def info(self) -> Dict[str, Dict]:
+    def info(self) -> dict[str, dict]:
         out = {}
         for name in self.names:
             try:
@@ -202,7 +202,7 @@ class TrajectoryCloser:
             raise ValueError(f"batch: expected an int >= 1, got {batch!r}")
         self._send = send
         self._batch = batch
-        self._pending: List[str] = []
+        self._pending: list[str] = []
         self._lock = threading.Lock()
 
     def add(self, trajectory_id: str) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import threading
-from typing import Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
+from typing import Optional
 
 
 def ring_hash(text: str) -> int:
@@ -34,10 +35,10 @@ class ConsistentHashRouter:
         self.virtual_nodes = virtual_nodes
         self.imbalance_factor = float(imbalance_factor)
         self._lock = threading.Lock()
-        self._points: List[Tuple[int, str]] = []  # sorted ring
-        self._healthy: Dict[str, bool] = {}
-        self._load: Dict[str, int] = {}
-        self._pinned: Dict[str, str] = {}  # trajectory id -> replica (sticky after rebalancing)
+        self._points: list[tuple[int, str]] = []  # sorted ring
+        self._healthy: dict[str, bool] = {}
+        self._load: dict[str, int] = {}
+        self._pinned: dict[str, str] = {}  # trajectory id -> replica (sticky after rebalancing)
         for name in replicas:
             self.add_replica(name)
 
@@ -76,21 +77,21 @@ class ConsistentHashRouter:
                 self._healthy[name] = True
 
     @property
-    def replicas(self) -> List[str]:
+    def replicas(self) -> list[str]:
         with self._lock:
             return sorted(self._healthy)
 
-    def healthy_replicas(self) -> List[str]:
+    def healthy_replicas(self) -> list[str]:
         with self._lock:
             return sorted(n for n, ok in self._healthy.items() if ok)
 
     # -- routing ----------------------------------------------------------------------------------------
-    def _walk(self, key: str) -> List[str]:
+    def _walk(self, key: str) -> list[str]:
         """Distinct healthy replicas in ring order starting at the key's hash."""
         if not self._points:
             return []
         start = bisect.bisect_left(self._points, (ring_hash(key), ""))
-        seen: List[str] = []
+        seen: list[str] = []
         for i in range(len(self._points)):
             name = self._points[(start + i) % len(self._points)][1]
             if name not in seen and self._healthy.get(name):
@@ -125,14 +126,14 @@ class ConsistentHashRouter:
             self._load[name] += 1
             return name
 
-    def _live_counts(self) -> Dict[str, int]:
+    def _live_counts(self) -> dict[str, int]:
         """Live (pinned) trajectories per replica; the caller holds the lock."""
         live = {name: 0 for name in self._healthy}
         for name in self._pinned.values():
             live[name] += 1
         return live
 
-    def live_trajectories(self) -> Dict[str, int]:
+    def live_trajectories(self) -> dict[str, int]:
         """Trajectories pinned to each replica (first request seen, not yet forgotten)."""
         with self._lock:
             return self._live_counts()
@@ -147,7 +148,7 @@ class ConsistentHashRouter:
         with self._lock:
             self._pinned.pop(key, None)
 
-    def load(self) -> Dict[str, int]:
+    def load(self) -> dict[str, int]:
         """Requests in flight per replica."""
         with self._lock:
             return dict(self._load)
@@ -158,7 +159,7 @@ class RoundRobinRouter:
 
     def __init__(self, replicas: Iterable[str] = ()):
         self._lock = threading.Lock()
-        self._names: List[str] = list(replicas)
+        self._names: list[str] = list(replicas)
         self._next = 0
 
     def add_replica(self, name: str) -> None:
@@ -179,7 +180,7 @@ class RoundRobinRouter:
     def mark_healthy(self, name: str) -> None:
         self.add_replica(name)
 
-    def healthy_replicas(self) -> List[str]:
+    def healthy_replicas(self) -> list[str]:
         with self._lock:
             return list(self._names)
 

@@ -23,7 +23,8 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Optional
 
 import torch
 
@@ -76,7 +77,7 @@ class DiskWeightSync:
     def __init__(self, replicas, *, flush_cache: bool = True):
         self.replicas = replicas
         self.flush_cache = flush_cache
-        self.seconds: List[float] = []
+        self.seconds: list[float] = []
 
     def push(self, path: str, version: int) -> None:
         t0 = time.monotonic()
@@ -100,9 +101,9 @@ class DiskWeightSync:
         return None
 
 
-def buckets(state: Dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+def buckets(state: dict[str, torch.Tensor], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """``state`` in order, cut into lists of about ``bucket_bytes`` (a tensor larger than that is one bucket)."""
-    bucket: List[Tuple[str, torch.Tensor]] = []
+    bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in state.items():
         if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
@@ -132,20 +133,20 @@ class DistributedWeightSync:
         self.bucket_bytes = int(bucket_bytes)
         self.flush_cache = flush_cache
         self.timeout_s = timeout_s
-        self.seconds: List[float] = []
+        self.seconds: list[float] = []
         self._group = None
         self._group_name = ""
-        self._members: Dict[str, EngineClient] = {}
+        self._members: dict[str, EngineClient] = {}
         self.failed_pushes = 0
         self.last_error = ""
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rl-weight-sync")
 
-    def _on_all(self, fn, members: Dict[str, EngineClient]) -> Dict[str, Optional[BaseException]]:
+    def _on_all(self, fn, members: dict[str, EngineClient]) -> dict[str, Optional[BaseException]]:
         """``fn(client)`` on every member at once; what each raised (None: it succeeded)."""
         futures = {name: self._pool.submit(fn, client) for name, client in members.items()}
         return {name: future.exception() for name, future in futures.items()}
 
-    def _form_group(self, members: Dict[str, EngineClient]) -> None:
+    def _form_group(self, members: dict[str, EngineClient]) -> None:
         from glm5_core.rl.serving.weight_group import WeightUpdateGroup
 
         self.close()
@@ -193,7 +194,7 @@ class DistributedWeightSync:
             self._form_group(members)
         members = self._members
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        for name, exc in self._on_all(_pause, members).items():
+        for _name, exc in self._on_all(_pause, members).items():
             if exc is not None and not _is_fleet_error(exc):
                 raise exc
         try:
@@ -207,7 +208,7 @@ class DistributedWeightSync:
             self._on_all(_resume, members)
         self.seconds.append(time.monotonic() - t0)
 
-    def _send_bucket(self, part: List[Tuple[str, torch.Tensor]], version: int, *, flush: bool) -> None:
+    def _send_bucket(self, part: list[tuple[str, torch.Tensor]], version: int, *, flush: bool) -> None:
         names = [n for n, _ in part]
         dtypes = [str(t.dtype).replace("torch.", "") for _, t in part]
         shapes = [list(t.shape) for _, t in part]

@@ -30,23 +30,23 @@ reasoning), is rendered whole; the gateway then opens a new sample (``rerenders`
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from glm5_core.rl.rollout.tokenizer import ChatTokenizer
 
-Message = Dict[str, Any]
+Message = dict[str, Any]
 
 
 class ChatTranscript:
     def __init__(self, tokenizer: ChatTokenizer):
         self.tokenizer = tokenizer
-        self.messages: List[Message] = []  # ends with the assistant message of the last sampled turn
-        self.tools: Optional[List[Dict]] = None
-        self.tokens: List[int] = []  # recorded ids of ``messages``: context and sampled tokens
+        self.messages: list[Message] = []  # ends with the assistant message of the last sampled turn
+        self.tools: Optional[list[dict]] = None
+        self.tokens: list[int] = []  # recorded ids of ``messages``: context and sampled tokens
         self.stop_text: Optional[str] = None  # the stop token that ended the last sampled turn (None: cut)
         self.rerenders = 0
 
-    def prompt_ids(self, messages: List[Message], tools: Optional[List[Dict]] = None) -> List[int]:
+    def prompt_ids(self, messages: list[Message], tools: Optional[list[dict]] = None) -> list[int]:
         """Ids of the prompt for ``messages`` (ending with the generation prompt)."""
         ids = self._appended(messages, tools) if self._extends(messages, tools) else None
         if ids is None:
@@ -55,8 +55,8 @@ class ChatTranscript:
             ids = self.tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True)
         return ids
 
-    def record(self, messages: List[Message], tools: Optional[List[Dict]], prompt_ids: List[int],
-               assistant: Message, output_ids: List[int], stop_text: Optional[str]) -> None:
+    def record(self, messages: list[Message], tools: Optional[list[dict]], prompt_ids: list[int],
+               assistant: Message, output_ids: list[int], stop_text: Optional[str]) -> None:
         """The engine answered ``prompt_ids`` (from :meth:`prompt_ids` of ``messages``) with ``output_ids``,
         returned to the agent as ``assistant``; ``stop_text`` is the stop token it ended on (None when cut)."""
         self.messages = [*messages, assistant]
@@ -64,11 +64,11 @@ class ChatTranscript:
         self.tokens = [*prompt_ids, *output_ids]
         self.stop_text = stop_text
 
-    def _extends(self, messages: List[Message], tools: Optional[List[Dict]]) -> bool:
+    def _extends(self, messages: list[Message], tools: Optional[list[dict]]) -> bool:
         n = len(self.messages)
         return 0 < n < len(messages) and tools == self.tools and messages[:n] == self.messages
 
-    def _appended(self, messages: List[Message], tools: Optional[List[Dict]]) -> Optional[List[int]]:
+    def _appended(self, messages: list[Message], tools: Optional[list[dict]]) -> Optional[list[int]]:
         render = self.tokenizer.render
         head = render(self.messages[:-1], tools, add_generation_prompt=True)
         before = render(self.messages, tools)

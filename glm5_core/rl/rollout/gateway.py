@@ -15,12 +15,12 @@ The trainer's versions are ints; a version that is neither gives a ``ValueError`
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable
 
 from glm5_core.rl.rollout.trajectory import Sample
 from glm5_core.rl.serving import replay_trace
 
-GenerateFn = Callable[[str, Dict], Dict]  # (trajectory id, SGLang request) -> SGLang response
+GenerateFn = Callable[[str, dict], dict]  # (trajectory id, SGLang request) -> SGLang response
 DEFAULT_VERSION = "default"  # SGLang's ServerArgs.weight_version before any update
 
 
@@ -37,12 +37,12 @@ def parse_weight_version(value: Any, where: str = "meta_info.weight_version") ->
                      f"{DEFAULT_VERSION!r}), got {value!r:.80}")
 
 
-def token_versions(meta: Dict, num_tokens: int) -> List[int]:
+def token_versions(meta: dict, num_tokens: int) -> list[int]:
     """The version each output token was sampled under, from SGLang's ``weight_versions`` spans, the older
     ``token_weight_versions`` list, or ``weight_version`` for all of them."""
     spans = meta.get("weight_versions")
     if spans:
-        out: List[int] = []
+        out: list[int] = []
         for i, span in enumerate(spans):
             if not isinstance(span, dict) or span.get("start") != len(out) or not isinstance(span.get("end"), int):
                 raise ValueError(f"meta_info.weight_versions[{i}]: expected contiguous spans, got {span!r:.80}")
@@ -74,14 +74,14 @@ class TITOGateway:
         self.trajectory_id = trajectory_id
         self._generate_fn = generate_fn
         self._replay = {"routed_experts": bool(return_routed_experts), "indexer_topk": bool(return_indexer_topk)}
-        self.samples: List[Sample] = [Sample()]
+        self.samples: list[Sample] = [Sample()]
         self.num_requests = 0
 
     @property
     def current(self) -> Sample:
         return self.samples[-1]
 
-    def generate(self, input_ids: List[int], sampling_params: Dict) -> Dict:
+    def generate(self, input_ids: list[int], sampling_params: dict) -> dict:
         """Send one generation request; returns the engine's response dict (with ``output_ids``)."""
         input_ids = [int(t) for t in input_ids]
         recorded = self.current.tokens
@@ -105,7 +105,7 @@ class TITOGateway:
         self.num_requests += 1
         return response
 
-    def _record_traces(self, meta: Dict) -> None:
+    def _record_traces(self, meta: dict) -> None:
         """The replay traces of the sample's whole sequence (every token but the last), as the engine returned
         them; a response without one (e.g. aborted before it ran) leaves the sample without a trace."""
         rows = len(self.current.tokens) - 1
@@ -115,7 +115,7 @@ class TITOGateway:
                 trace = replay_trace.decode(value, f"meta_info.{name}", rows=rows) if value is not None else None
                 setattr(self.current, name, trace)
 
-    def finished_samples(self) -> List[Sample]:
+    def finished_samples(self) -> list[Sample]:
         """Samples with at least one sampled token (a sample of pure context trains nothing)."""
         for s in self.samples:
             s.check()

@@ -19,7 +19,7 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Optional, Union
 
 MAX_MESSAGES = 4096
 MAX_TOOLS = 128
@@ -36,7 +36,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
 
-    def body(self) -> Dict[str, Any]:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -45,7 +45,7 @@ def _fail(param: str, expected: str, value: Any) -> OpenAIError:
     return OpenAIError(f"{param}: expected {expected}, got {value!r:.80}", param=param)
 
 
-def _str(body: Dict, name: str, *, required: bool = False, max_chars: Optional[int] = None,
+def _str(body: dict, name: str, *, required: bool = False, max_chars: Optional[int] = None,
          where: str = "") -> Optional[str]:
     value = body.get(name)
     if value is None and not required:
@@ -56,7 +56,7 @@ def _str(body: Dict, name: str, *, required: bool = False, max_chars: Optional[i
     return value
 
 
-def _number(body: Dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> Optional[float]:
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> Optional[float]:
     value = body.get(name)
     if value is None:
         return None
@@ -69,7 +69,7 @@ def _number(body: Dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     return float(value)
 
 
-def _count(body: Dict, name: str, lo: int = 1) -> Optional[int]:
+def _count(body: dict, name: str, lo: int = 1) -> Optional[int]:
     value = body.get(name)
     if value is None:
         return None
@@ -78,7 +78,7 @@ def _count(body: Dict, name: str, lo: int = 1) -> Optional[int]:
     return value
 
 
-def _neutral(body: Dict, name: str, *neutral: Any) -> None:
+def _neutral(body: dict, name: str, *neutral: Any) -> None:
     """``name`` may be absent or one of the values that ask for nothing."""
     if name not in body or body[name] is None:
         return
@@ -88,13 +88,13 @@ def _neutral(body: Dict, name: str, *neutral: Any) -> None:
         raise OpenAIError(f"{name}: not supported by this server {allowed}, got {value!r:.80}", param=name)
 
 
-def _unknown(body: Dict, known: frozenset) -> None:
+def _unknown(body: dict, known: frozenset) -> None:
     for name in body:
         if name not in known:
             raise OpenAIError(f"Unrecognized request argument supplied: {name}", param=name)
 
 
-def _stop(body: Dict) -> List[str]:
+def _stop(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -104,7 +104,7 @@ def _stop(body: Dict) -> List[str]:
     return list(stop)
 
 
-def _max_tokens(body: Dict) -> Optional[int]:
+def _max_tokens(body: dict) -> Optional[int]:
     values = {n: _count(body, n) for n in ("max_tokens", "max_completion_tokens") if body.get(n) is not None}
     if len(set(values.values())) > 1:
         raise OpenAIError(f"max_tokens and max_completion_tokens differ: {values}", param="max_completion_tokens")
@@ -112,7 +112,7 @@ def _max_tokens(body: Dict) -> Optional[int]:
 
 
 # ---------------------------------------------------------------------------------------------------- messages
-def _content(message: Dict, where: str, *, optional: bool) -> Optional[str]:
+def _content(message: dict, where: str, *, optional: bool) -> Optional[str]:
     content = message.get("content")
     if content is None:
         if optional:
@@ -132,7 +132,7 @@ def _content(message: Dict, where: str, *, optional: bool) -> Optional[str]:
     raise _fail(f"{where}.content", "a string or a list of text parts", content)
 
 
-def _arguments(text: str) -> Union[Dict, str]:
+def _arguments(text: str) -> Union[dict, str]:
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
@@ -140,7 +140,7 @@ def _arguments(text: str) -> Union[Dict, str]:
     return value if isinstance(value, dict) else text
 
 
-def _tool_calls(value: Any, where: str) -> List[Dict]:
+def _tool_calls(value: Any, where: str) -> list[dict]:
     if not isinstance(value, list):
         raise _fail(where, "a list of tool calls", value)
     calls = []
@@ -172,7 +172,7 @@ _MESSAGE_KEYS = {
 }
 
 
-def parse_message(message: Any, i: int) -> Dict[str, Any]:
+def parse_message(message: Any, i: int) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise _fail(where, "an object", message)
@@ -183,7 +183,7 @@ def parse_message(message: Any, i: int) -> Dict[str, Any]:
     if extra:
         raise OpenAIError(f"{where}: unsupported fields {sorted(extra)} for role {role!r}",
                           param=f"{where}.{min(extra)}")
-    out: Dict[str, Any] = {"role": role, "content": _content(message, where, optional=role == "assistant")}
+    out: dict[str, Any] = {"role": role, "content": _content(message, where, optional=role == "assistant")}
     if message.get("name") is not None:
         out["name"] = _str(message, "name", required=True, max_chars=MAX_ID_CHARS, where=where)
     if role == "assistant":
@@ -202,7 +202,7 @@ def parse_message(message: Any, i: int) -> Dict[str, Any]:
     return out
 
 
-def _tools(body: Dict) -> Optional[List[Dict]]:
+def _tools(body: dict) -> Optional[list[dict]]:
     tools = body.get("tools")
     if tools is None:
         return None
@@ -229,20 +229,20 @@ class SamplingRequest:
     max_tokens: Optional[int]  # None: the server's default
     temperature: Optional[float]  # None: not given
     top_p: Optional[float]
-    stop: List[str]
+    stop: list[str]
     user: Optional[str]
 
 
 @dataclasses.dataclass
 class ChatRequest(SamplingRequest):
-    messages: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
-    tools: Optional[List[Dict]] = None  # rendered by the template; None when absent or tool_choice is "none"
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tools: Optional[list[dict]] = None  # rendered by the template; None when absent or tool_choice is "none"
     logprobs: bool = False
 
 
 @dataclasses.dataclass
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, List[int]] = ""
+    prompt: Union[str, list[int]] = ""
     logprobs: bool = False
 
 
@@ -254,7 +254,7 @@ _CHAT = _SHARED | {"messages", "tools", "tool_choice", "parallel_tool_calls", "m
 _COMPLETION = _SHARED | {"prompt", "echo", "suffix", "best_of"}
 
 
-def _sampling(body: Dict) -> Dict[str, Any]:
+def _sampling(body: dict) -> dict[str, Any]:
     _neutral(body, "n", 1)
     _neutral(body, "stream", False)
     _neutral(body, "seed")  # the engine draws from its own generator: a seed cannot be honoured
@@ -269,7 +269,7 @@ def _sampling(body: Dict) -> Dict[str, Any]:
                 user=_str(body, "user", max_chars=MAX_ID_CHARS))
 
 
-def _request_fields(body: Any, known) -> Dict[str, Any]:
+def _request_fields(body: Any, known) -> dict[str, Any]:
     """The fields chat and completion requests share, from a JSON object with no key outside ``known``."""
     if not isinstance(body, dict):
         raise OpenAIError(f"request body: expected a JSON object, got {type(body).__name__}")
@@ -326,18 +326,18 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 
 
 # --------------------------------------------------------------------------------------------------- responses
-def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int]) -> Dict[str, Any]:
-    usage: Dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int]) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": int(cached_tokens)}
     return usage
 
 
-def chat_completion(*, model: str, content: Optional[str], tool_calls: List[Dict], finish_reason: str,
-                    logprobs: Optional[List[Dict]], prompt_tokens: int, completion_tokens: int,
-                    cached_tokens: Optional[int] = None) -> Dict[str, Any]:
-    message: Dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+def chat_completion(*, model: str, content: Optional[str], tool_calls: list[dict], finish_reason: str,
+                    logprobs: Optional[list[dict]], prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: Optional[int] = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {
@@ -349,12 +349,12 @@ def chat_completion(*, model: str, content: Optional[str], tool_calls: List[Dict
     }
 
 
-def chat_token_logprob(token: str, logprob: float) -> Dict[str, Any]:
+def chat_token_logprob(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": float(logprob), "top_logprobs": []}
 
 
-def text_completion(*, model: str, text: str, finish_reason: str, logprobs: Optional[Dict[str, Any]],
-                    prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> Dict[str, Any]:
+def text_completion(*, model: str, text: str, finish_reason: str, logprobs: Optional[dict[str, Any]],
+                    prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None) -> dict[str, Any]:
     return {
         "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": model,
         "system_fingerprint": None,
@@ -363,7 +363,7 @@ def text_completion(*, model: str, text: str, finish_reason: str, logprobs: Opti
     }
 
 
-def completion_logprobs(tokens: List[str], logprobs: List[float]) -> Dict[str, Any]:
+def completion_logprobs(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
     offsets, position = [], 0
     for t in tokens:
         offsets.append(position)
@@ -372,6 +372,6 @@ def completion_logprobs(tokens: List[str], logprobs: List[float]) -> Dict[str, A
             "text_offset": offsets}
 
 
-def model_list(names: List[str], created: int) -> Dict[str, Any]:
+def model_list(names: list[str], created: int) -> dict[str, Any]:
     return {"object": "list",
             "data": [{"id": n, "object": "model", "created": created, "owned_by": "glm5-core"} for n in names]}

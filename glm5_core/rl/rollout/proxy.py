@@ -41,7 +41,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import Any, Optional
 
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
@@ -138,7 +139,7 @@ class OpenAIProxy(HTTPService):
         self.replay = {"return_routed_experts": bool(return_routed_experts),
                        "return_indexer_topk": bool(return_indexer_topk)}
         self.created = int(time.time())
-        self._trajectories: Dict[str, ProxyTrajectory] = {}
+        self._trajectories: dict[str, ProxyTrajectory] = {}
         self._lock = threading.Lock()
         super().__init__(self._handler_class(), host=LOCALHOST, port=port,
                          max_connections=_check_int("max_connections", max_connections, 1), thread_name="openai-proxy")
@@ -148,7 +149,7 @@ class OpenAIProxy(HTTPService):
         """What an ``openai.OpenAI(base_url=...)`` client takes."""
         return self.url + "/v1"
 
-    def start(self) -> "OpenAIProxy":
+    def start(self) -> OpenAIProxy:
         self.serve_in_background()
         return self
 
@@ -200,7 +201,7 @@ class OpenAIProxy(HTTPService):
             record.closed = True
         return record
 
-    def open_trajectories(self) -> List[str]:
+    def open_trajectories(self) -> list[str]:
         with self._lock:
             return list(self._trajectories)
 
@@ -228,7 +229,7 @@ class OpenAIProxy(HTTPService):
             raise OpenAIError(f"The model {request.model!r} does not exist; this server serves {self.model_name!r}",
                               status=404, param="model", code="model_not_found")
 
-    def _stop_ids(self, request: SamplingRequest) -> List[int]:
+    def _stop_ids(self, request: SamplingRequest) -> list[int]:
         ids = list(self.tokenizer.stop_token_ids)
         for text in request.stop:
             try:
@@ -238,7 +239,7 @@ class OpenAIProxy(HTTPService):
                                   f"token ids), got {text!r:.80}", param="stop") from None
         return list(dict.fromkeys(ids))
 
-    def _sampling(self, request: SamplingRequest) -> Dict[str, float]:
+    def _sampling(self, request: SamplingRequest) -> dict[str, float]:
         values = {}
         for name, fixed in (("temperature", self.temperature), ("top_p", self.top_p)):
             asked = getattr(request, name)
@@ -261,8 +262,8 @@ class OpenAIProxy(HTTPService):
                               param="max_tokens")
         return request.max_tokens
 
-    def _generate(self, record: ProxyTrajectory, input_ids: List[int], request: SamplingRequest,
-                  stop_ids: List[int], param: str) -> Dict:
+    def _generate(self, record: ProxyTrajectory, input_ids: list[int], request: SamplingRequest,
+                  stop_ids: list[int], param: str) -> dict:
         params = {**self._sampling(request), "max_new_tokens": self._new_tokens(request, len(input_ids), param),
                   "stop_token_ids": stop_ids}
         try:
@@ -280,7 +281,7 @@ class OpenAIProxy(HTTPService):
                               code="engine_unavailable")
         return response
 
-    def _split_stop(self, response: Dict, stop_ids: List[int]) -> Tuple[List[int], List[float], Optional[int]]:
+    def _split_stop(self, response: dict, stop_ids: list[int]) -> tuple[list[int], list[float], Optional[int]]:
         """(the returned tokens, their log-probs, the stop token the engine ended on or None)."""
         ids = [int(t) for t in response["output_ids"]]
         logprobs = [float(e[0]) for e in response["meta_info"]["output_token_logprobs"]]
@@ -289,7 +290,7 @@ class OpenAIProxy(HTTPService):
         return ids, logprobs, None
 
     @staticmethod
-    def _usage(response: Dict, prompt_len: int) -> Dict[str, Any]:
+    def _usage(response: dict, prompt_len: int) -> dict[str, Any]:
         return dict(prompt_tokens=prompt_len, completion_tokens=len(response["output_ids"]),
                     cached_tokens=response["meta_info"].get("cached_tokens"))
 
@@ -311,7 +312,7 @@ class OpenAIProxy(HTTPService):
                         if self._trajectories.get(record.trajectory_id) is record:
                             del self._trajectories[record.trajectory_id]
 
-    def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
+    def handle_chat(self, body: Any, trajectory_header: Optional[str] = None) -> dict[str, Any]:
         request: ChatRequest = parse_chat_request(body)
         self._check_model(request)
         stop_ids = self._stop_ids(request)
@@ -342,7 +343,7 @@ class OpenAIProxy(HTTPService):
         return chat_completion(model=self.model_name, content=content, tool_calls=calls, finish_reason=reason,
                                logprobs=token_logprobs, **self._usage(response, len(prompt_ids)))
 
-    def _completion_prompt(self, record: ProxyTrajectory, prompt) -> List[int]:
+    def _completion_prompt(self, record: ProxyTrajectory, prompt) -> list[int]:
         if isinstance(prompt, list):
             bad = [t for t in prompt if t >= self.tokenizer.min_vocab_size]
             if bad:
@@ -355,7 +356,7 @@ class OpenAIProxy(HTTPService):
             return recorded + self.tokenizer.encode_with_control_tokens(prompt[len(done):])
         return self.tokenizer.encode_with_control_tokens(prompt)
 
-    def handle_completion(self, body: Any, trajectory_header: Optional[str] = None) -> Dict[str, Any]:
+    def handle_completion(self, body: Any, trajectory_header: Optional[str] = None) -> dict[str, Any]:
         request: CompletionRequest = parse_completion_request(body)
         self._check_model(request)
         stop_ids = self._stop_ids(request)
@@ -370,7 +371,7 @@ class OpenAIProxy(HTTPService):
         return text_completion(model=self.model_name, text=self.tokenizer.decode(ids), finish_reason=finish,
                                logprobs=token_logprobs, **self._usage(response, len(prompt_ids)))
 
-    def handle_models(self) -> Dict[str, Any]:
+    def handle_models(self) -> dict[str, Any]:
         return model_list([self.model_name], self.created)
 
     # -- HTTP ------------------------------------------------------------------------------------------------

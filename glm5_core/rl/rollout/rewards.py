@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 from glm5_core.config_schema import shown, unknown_key
 
 FAILURE_POLICIES = ("fail", "zero", "drop")
 URL_KEYS = ("url", "timeout_s", "retries", "backoff_s", "max_response_bytes", "api_key", "on_failure")
-RewardFn = Callable[[Dict[str, Any]], float]
+RewardFn = Callable[[dict[str, Any]], float]
 
 
 class RewardError(RuntimeError):
@@ -39,7 +39,7 @@ class RewardScorer:
         self.failures = 0
         self.last_error = ""
 
-    def __call__(self, payload: Dict[str, Any]) -> Optional[float]:
+    def __call__(self, payload: dict[str, Any]) -> Optional[float]:
         try:
             value = self.fn(payload)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -56,10 +56,10 @@ class RewardScorer:
             return 0.0 if self.on_failure == "zero" else None
 
 
-def reward_input(trajectory_id: str, episode, samples, decode: Optional[Callable] = None) -> Dict[str, Any]:
+def reward_input(trajectory_id: str, episode, samples, decode: Optional[Callable] = None) -> dict[str, Any]:
     """What a reward function scores: the first prompt, every sampled token (in order), the last sample's
     whole token sequence, the environment's own reward and info; text fields where ``decode`` is given."""
-    prompt: List[int] = []
+    prompt: list[int] = []
     if samples:
         first = samples[0]
         prompt = first.tokens[:first.loss_mask.index(1)] if 1 in first.loss_mask else list(first.tokens)
@@ -73,7 +73,7 @@ def reward_input(trajectory_id: str, episode, samples, decode: Optional[Callable
     return out
 
 
-def _url_scorer(cfg: Dict[str, Any]) -> RewardScorer:
+def _url_scorer(cfg: dict[str, Any]) -> RewardScorer:
     from glm5_core.rl.rollout.reward_client import HttpRewardClient
 
     unknown = [k for k in cfg if k not in URL_KEYS]
@@ -88,7 +88,7 @@ def _url_scorer(cfg: Dict[str, Any]) -> RewardScorer:
     return RewardScorer(client, cfg.get("on_failure", "fail"), name=f"reward server {client.url}")
 
 
-def _path_scorer(cfg: Dict[str, Any]) -> RewardScorer:
+def _path_scorer(cfg: dict[str, Any]) -> RewardScorer:
     from glm5_core.rl.plugins import load_object
 
     factory = load_object(cfg["path"], "reward.path")
@@ -104,7 +104,7 @@ def _path_scorer(cfg: Dict[str, Any]) -> RewardScorer:
     return RewardScorer(fn, cfg.get("on_failure", "fail"), name=f"reward {cfg['path']}")
 
 
-def build_reward(cfg: Optional[Dict[str, Any]]) -> Optional[RewardScorer]:
+def build_reward(cfg: Optional[dict[str, Any]]) -> Optional[RewardScorer]:
     """The scorer of a ``reward`` section (None: the environment's own reward)."""
     if cfg is None:
         return None
@@ -118,7 +118,7 @@ def build_reward(cfg: Optional[Dict[str, Any]]) -> Optional[RewardScorer]:
     return _url_scorer(cfg) if "url" in cfg else _path_scorer(cfg)
 
 
-def reward_problems(cfg: Optional[Dict[str, Any]]) -> List[str]:
+def reward_problems(cfg: Optional[dict[str, Any]]) -> list[str]:
     try:
         build_reward(cfg)
     except ValueError as exc:

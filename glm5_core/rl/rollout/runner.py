@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 from glm5_core.rl.rollout.envs.base import AgentEpisode, AgentRun, AgentSampling, Environment, Episode
 from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
@@ -34,14 +34,14 @@ class _FinishedAgent:
     def __init__(self, group_id: str, run: AgentRun):
         self.group_id, self.reward, self.num_turns, self._info = group_id, run.reward, run.num_turns, run.info
 
-    def info(self) -> Dict[str, float]:
+    def info(self) -> dict[str, float]:
         return dict(self._info)
 
 
 class RolloutRunner:
     def __init__(self, env: Environment, generate_fn: GenerateFn, *, group_size: int, temperature: float,
                  top_p: float, max_len: int, max_workers: int = 32, forget_fn: Callable[[str], None] = None,
-                 seed: Optional[int] = None, reward_fn: Optional[Callable[[Dict], Optional[float]]] = None,
+                 seed: Optional[int] = None, reward_fn: Optional[Callable[[dict], Optional[float]]] = None,
                  return_routed_experts: bool = False, return_indexer_topk: bool = False):
         self.env = env
         self.reward_fn = reward_fn  # reward plug-in (rewards.RewardScorer); None: the episode's own reward
@@ -58,12 +58,12 @@ class RolloutRunner:
         self._next_group = 0
         self._issued_before = 0  # trajectories issued before a resume
         self._lock = threading.RLock()  # snapshot() takes it around state_dict()
-        self.issued_ids: List[str] = []
+        self.issued_ids: list[str] = []
         self.env_failures = 0
         self.rollout_failures = 0  # trajectories whose generation failed on every replica tried (dropped)
         self._stop = threading.Event()
 
-    def _new_group(self) -> List[Episode]:
+    def _new_group(self) -> list[Episode]:
         with self._lock:
             gid = f"g{self._next_group}"
             self._next_group += 1
@@ -145,7 +145,7 @@ class RolloutRunner:
         decode = getattr(codec, "decode", None)
         return self.reward_fn(reward_input(trajectory_id, episode, samples, decode))
 
-    def _submit_group(self) -> List[concurrent.futures.Future]:
+    def _submit_group(self) -> list[concurrent.futures.Future]:
         futures = []
         for i, episode in enumerate(self._new_group()):
             tid = f"{episode.group_id}-{i}"
@@ -154,17 +154,17 @@ class RolloutRunner:
             futures.append(self._pool.submit(self.play, episode, tid))
         return futures
 
-    def run_groups(self, num_groups: int) -> List[Trajectory]:
+    def run_groups(self, num_groups: int) -> list[Trajectory]:
         """Sync mode: play ``num_groups`` groups concurrently, return when every trajectory is done."""
         futures = [f for _ in range(num_groups) for f in self._submit_group()]
         return [f.result() for f in futures]
 
     def run_forever(self, sink: Callable[[Trajectory], None], *, max_inflight_groups: int,
-                    backlog: Callable[[], int], max_buffered: int, errors: List[BaseException],
+                    backlog: Callable[[], int], max_buffered: int, errors: list[BaseException],
                     drain_timeout: float = 300.0) -> None:
         """Async mode: keep groups in flight until :meth:`stop`; finished trajectories go to ``sink``.
         After the stop, trajectories in flight are finished and sunk too, so none is abandoned."""
-        inflight: Dict[concurrent.futures.Future, None] = {}
+        inflight: dict[concurrent.futures.Future, None] = {}
         while not self._stop.is_set():
             while len(inflight) < max_inflight_groups * self.group_size and backlog() < max_buffered:
                 for f in self._submit_group():
@@ -197,17 +197,17 @@ class RolloutRunner:
         with self._lock:
             return self._issued_before + len(self.issued_ids)
 
-    def state_dict(self) -> Dict[str, int]:
+    def state_dict(self) -> dict[str, int]:
         with self._lock:
             return {"next_group": self._next_group, "issued": self._issued_before + len(self.issued_ids),
                     "env_failures": self.env_failures, "rollout_failures": self.rollout_failures}
 
-    def snapshot(self) -> Tuple[Dict[str, int], Dict]:
+    def snapshot(self) -> tuple[dict[str, int], dict]:
         """:meth:`state_dict` and the environment's ``state_dict()``, taken between two groups' draws."""
         with self._lock:
             return self.state_dict(), self.env.state_dict()
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from :meth:`state_dict` (counts checked >= 0 by the caller)."""
         with self._lock:
             self._next_group = state.get("next_group", 0)
@@ -224,7 +224,7 @@ class RolloutRunner:
 
 
 def build_runner(cfg, env: Environment, generate_fn: GenerateFn, *, forget_fn: Callable[[str], None],
-                 reward_fn: Optional[Callable[[Dict], Optional[float]]], sampling_seeds: bool) -> RolloutRunner:
+                 reward_fn: Optional[Callable[[dict], Optional[float]]], sampling_seeds: bool) -> RolloutRunner:
     """The runner of RLConfig ``cfg`` (``rollout`` sampling and threads, the replay traces ``train`` asks for);
     ``sampling_seeds``: whether its requests carry per-trajectory seeds from the run's ``seed``."""
     r = cfg.rollout

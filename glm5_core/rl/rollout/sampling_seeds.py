@@ -6,19 +6,20 @@ draws what the uninterrupted run would have drawn."""
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from glm5_core.rl.serving.protocol import MAX_SAMPLING_SEED
 
 
 def sampling_seed(run_seed: int, trajectory_id: str, turn: int) -> int:
     """A seed in [0, 2**63) for generation ``turn`` (0-based) of ``trajectory_id`` in a run seeded ``run_seed``."""
-    digest = hashlib.blake2b(f"{run_seed}/{trajectory_id}/{turn}".encode("utf-8"), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{run_seed}/{trajectory_id}/{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % MAX_SAMPLING_SEED
 
 
 def turn_sampling_params(temperature: float, top_p: float, max_new_tokens: int, stop_token_ids: Sequence[int],
-                         run_seed: Optional[int], trajectory_id: str, turn: int) -> Dict:
+                         run_seed: Optional[int], trajectory_id: str, turn: int) -> dict:
     """SGLang ``sampling_params`` of one generation; with ``run_seed`` set it carries the turn's ``sampling_seed``."""
     params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
               "stop_token_ids": list(stop_token_ids)}

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 MAX_TOKENIZER_JSON_BYTES = 64 << 20
 MAX_CONFIG_BYTES = 4 << 20  # tokenizer_config.json (it may embed a chat template), generation_config.json
@@ -44,13 +45,13 @@ def _read_text(path: str, limit: int) -> str:
     if size > limit:
         raise ValueError(f"tokenizer: {path} is {size} bytes, expected at most {limit}")
     try:
-        with open(path, "r", encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as exc:
         raise ValueError(f"tokenizer: {path} is not UTF-8 text ({exc})") from None
 
 
-def _read_json_object(path: str, limit: int) -> Dict[str, Any]:
+def _read_json_object(path: str, limit: int) -> dict[str, Any]:
     try:
         value = json.loads(_read_text(path, limit))
     except (json.JSONDecodeError, RecursionError) as exc:
@@ -60,7 +61,7 @@ def _read_json_object(path: str, limit: int) -> Dict[str, Any]:
     return value
 
 
-def _token_content(config: Dict[str, Any], key: str) -> Optional[str]:
+def _token_content(config: dict[str, Any], key: str) -> Optional[str]:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict with ``content``."""
     value = config.get(key)
     if isinstance(value, dict):
@@ -70,7 +71,7 @@ def _token_content(config: Dict[str, Any], key: str) -> Optional[str]:
     return value
 
 
-def _chat_template(path: str, config: Dict[str, Any]) -> Optional[str]:
+def _chat_template(path: str, config: dict[str, Any]) -> Optional[str]:
     jinja = os.path.join(path, "chat_template.jinja")
     if os.path.isfile(jinja):
         return _read_text(jinja, MAX_TEMPLATE_BYTES)
@@ -89,7 +90,7 @@ def _chat_template(path: str, config: Dict[str, Any]) -> Optional[str]:
     return template
 
 
-def _generation_eos_ids(path: str, vocab_size: int) -> List[int]:
+def _generation_eos_ids(path: str, vocab_size: int) -> list[int]:
     file = os.path.join(path, "generation_config.json")
     if not os.path.isfile(file):
         return []
@@ -102,7 +103,7 @@ def _generation_eos_ids(path: str, vocab_size: int) -> List[int]:
     return list(ids)
 
 
-def mark_control_tokens(obj: Any, pattern: "re.Pattern") -> Any:
+def mark_control_tokens(obj: Any, pattern: re.Pattern) -> Any:
     """Copy of ``obj`` (str / list / dict values, recursively; keys kept) with control tokens wrapped in markers."""
     if isinstance(obj, str):
         obj = obj.replace(MARK_START, "").replace(MARK_END, "")
@@ -129,8 +130,8 @@ class ChatTokenizer:
         self._plain = plain_tokenizer  # the same pipeline without added tokens: control tokens as plain text
         self.chat_template = chat_template
         self.source = source
-        self.stop_token_ids: Tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in stop_token_ids))
-        self.control_tokens: Dict[str, int] = dict(hf_tokenizer.added_tokens_encoder)
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in stop_token_ids))
+        self.control_tokens: dict[str, int] = dict(hf_tokenizer.added_tokens_encoder)
         self._control_ids = frozenset(self.control_tokens.values())
         self._stop_texts = {i: self.token_text(i) for i in self.stop_token_ids}
         longest_first = sorted(self.control_tokens, key=len, reverse=True)
@@ -142,7 +143,7 @@ class ChatTokenizer:
         """The model's vocabulary must hold at least this many ids."""
         return len(self.hf)
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         """Plain text to ids: a control token's text in ``text`` is encoded as text, never as the control token."""
         ids = self._plain.encode(text, add_special_tokens=False).ids
         control = self._control_ids.intersection(ids)
@@ -154,7 +155,7 @@ class ChatTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def encode_with_control_tokens(self, text: str) -> List[int]:
+    def encode_with_control_tokens(self, text: str) -> list[int]:
         """Text written in the template's own format (a raw completion prompt): control tokens become their ids."""
         return self._backend.encode(text, add_special_tokens=False).ids
 
@@ -174,7 +175,7 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
 
-    def render(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None, *,
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None, *,
                add_generation_prompt: bool = False) -> str:
         """The chat template's text for ``messages``, control tokens from the inputs marked (see the module doc)."""
         if self.chat_template is None:
@@ -184,7 +185,7 @@ class ChatTokenizer:
             mark_control_tokens(messages, self._control_re), tools=mark_control_tokens(tools, self._control_re),
             chat_template=self.chat_template, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def encode_rendered(self, text: str) -> List[int]:
+    def encode_rendered(self, text: str) -> list[int]:
         """Ids of text from :meth:`render` (or a piece of it): the template's control tokens as control-token ids,
         marked ones as plain text. A lone marker (a template string method split a pair) is dropped, but still
         separates the text on either side."""
@@ -196,12 +197,12 @@ class ChatTokenizer:
             ids += self.encode(piece) if i % 2 == 1 else self.encode_with_control_tokens(piece)
         return ids
 
-    def apply_chat_template(self, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]] = None, *,
-                            add_generation_prompt: bool = False) -> List[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None, *,
+                            add_generation_prompt: bool = False) -> list[int]:
         """Ids of the whole conversation rendered at once."""
         return self.encode_rendered(self.render(messages, tools, add_generation_prompt=add_generation_prompt))
 
-    def stop_texts(self) -> Dict[int, str]:
+    def stop_texts(self) -> dict[int, str]:
         """Text of each end-of-turn token."""
         return dict(self._stop_texts)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 from glm5_core.rl.rollout.openai_protocol import MAX_ID_CHARS
 
@@ -32,7 +32,7 @@ class ToolCallParser:
         self._new_id = new_id
 
     @staticmethod
-    def _call(block: str) -> Optional[Tuple[str, Dict]]:
+    def _call(block: str) -> Optional[tuple[str, dict]]:
         try:
             value = json.loads(block)
         except (json.JSONDecodeError, RecursionError):
@@ -44,11 +44,11 @@ class ToolCallParser:
             return None
         return name, arguments
 
-    def parse(self, text: str) -> Tuple[Optional[str], List[Dict]]:
+    def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
         """``(content, tool_calls)`` of sampled text. Without a valid call, ``content`` is ``text`` unchanged;
         with calls it is the text around them, stripped (``None`` when nothing is left)."""
-        calls: List[Dict] = []
-        kept: List[str] = []
+        calls: list[dict] = []
+        kept: list[str] = []
         position = 0
         for match in self._blocks.finditer(text):
             call = self._call(match.group(1))

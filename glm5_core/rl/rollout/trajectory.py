@@ -12,7 +12,7 @@ several samples, each an append-only token sequence; all share the trajectory's 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -21,17 +21,17 @@ import torch
 class Sample:
     """One append-only token sequence of a trajectory."""
 
-    tokens: List[int] = dataclasses.field(default_factory=list)
-    loss_mask: List[int] = dataclasses.field(default_factory=list)
-    logprobs: List[float] = dataclasses.field(default_factory=list)
-    versions: List[int] = dataclasses.field(default_factory=list)
-    finish_reasons: List[str] = dataclasses.field(default_factory=list)  # one per generation
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)  # one per generation
     # replay traces of tokens[:-1] (None: not recorded): int [L-1, M, K] experts, int [L-1, F, Ki] DSA keys
     routed_experts: Optional[torch.Tensor] = None
     indexer_topk: Optional[torch.Tensor] = None
 
-    def append(self, tokens: List[int], *, sampled: bool, logprobs: Optional[List[float]] = None,
-               versions: Optional[List[int]] = None) -> None:
+    def append(self, tokens: list[int], *, sampled: bool, logprobs: Optional[list[float]] = None,
+               versions: Optional[list[int]] = None) -> None:
         n = len(tokens)
         if sampled and (logprobs is None or versions is None or len(logprobs) != n or len(versions) != n):
             raise ValueError(f"logprobs / versions: expected {n} entries for {n} sampled tokens")
@@ -59,10 +59,10 @@ class Trajectory:
 
     trajectory_id: str
     group_id: str
-    samples: List[Sample]
+    samples: list[Sample]
     reward: float
     num_turns: int = 1
-    info: Dict[str, float] = dataclasses.field(default_factory=dict)
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
     env_failed: bool = False  # an environment crash is not a task failure: such trajectories are not trained
     truncated: bool = False  # cut by rollout.max_len before the episode ended (train.truncation says how it trains)
 

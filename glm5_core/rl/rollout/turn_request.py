@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Optional
 
 from glm5_core.rl.rollout.sampling_seeds import turn_sampling_params
 
 
 @dataclasses.dataclass(frozen=True)
 class TurnRequest:
-    context: List[int]  # the episode's tokens so far
-    params: Dict  # SGLang sampling_params
+    context: list[int]  # the episode's tokens so far
+    params: dict  # SGLang sampling_params
     cut_by_max_len: bool  # max_new_tokens is below the environment's own limit: max_len left less room
 
 

@@ -13,7 +13,7 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from glm5_core.rl.config import check_engine_url, is_loopback  # noqa: F401 (importable here too)
 
@@ -80,7 +80,7 @@ class EngineClient:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
-    def _raw(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> bytes:
+    def _raw(self, method: str, route: str, payload: Optional[dict] = None, timeout: Optional[float] = None) -> bytes:
         data = None if payload is None else json.dumps(payload).encode("utf-8")
         request = urllib.request.Request(self.url + route, data=data, method=method, headers=self._headers)
         try:
@@ -95,14 +95,14 @@ class EngineClient:
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise EngineUnavailable(f"{self.url}{route}: {exc}") from None
 
-    def _call(self, method: str, route: str, payload: Optional[Dict] = None, timeout: Optional[float] = None) -> Any:
+    def _call(self, method: str, route: str, payload: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
         raw = self._raw(method, route, payload, timeout)
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise EngineUnavailable(f"{self.url}{route}: expected a JSON body, got {raw[:80]!r}") from None
 
-    def generate(self, request: Dict) -> Dict:
+    def generate(self, request: dict) -> dict:
         response = self._call("POST", "/generate", request)
         if not isinstance(response, dict) or not isinstance(response.get("meta_info"), dict):
             raise EngineUnavailable(f"{self.url}/generate: expected a JSON object with meta_info")
@@ -111,41 +111,41 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})")
         return response
 
-    def update_weights_from_disk(self, path: str, version: Any, *, flush_cache: bool = True) -> Dict:
+    def update_weights_from_disk(self, path: str, version: Any, *, flush_cache: bool = True) -> dict:
         return self._call("POST", "/update_weights_from_disk", {
             "model_path": path, "weight_version": str(version), "flush_cache": flush_cache})
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str, timeout: Optional[float] = None) -> Dict:
+                                  group_name: str, backend: str, timeout: Optional[float] = None) -> dict:
         return self._call("POST", "/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend}, timeout=timeout)
 
-    def update_weights_from_distributed(self, names: List[str], dtypes: List[str], shapes: List[List[int]],
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str, version: Any, *, flush_cache: bool = True,
-                                        timeout: Optional[float] = None) -> Dict:
+                                        timeout: Optional[float] = None) -> dict:
         return self._call("POST", "/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": str(version)}, timeout=timeout)
 
-    def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> Dict:
+    def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 
-    def pause_generation(self, mode: str = "in_place") -> Dict:
+    def pause_generation(self, mode: str = "in_place") -> dict:
         return self._call("POST", "/pause_generation", {"mode": mode})
 
-    def continue_generation(self) -> Dict:
+    def continue_generation(self) -> dict:
         return self._call("POST", "/continue_generation", {})
 
     def flush_cache(self) -> str:
         """SGLang answers plain text (200, or 400 while requests run)."""
         return self._raw("POST", "/flush_cache").decode("utf-8", "replace")
 
-    def end_trajectories(self, rids: List[str], timeout: Optional[float] = None) -> Dict:
+    def end_trajectories(self, rids: list[str], timeout: Optional[float] = None) -> dict:
         """glm5-core's own route (SGLang has none: it answers 404, which callers treat as nothing to free)."""
         return self._call("POST", "/end_trajectories", {"rids": list(rids)}, timeout=timeout)
 
-    def info(self, timeout: float = 10.0) -> Dict:
+    def info(self, timeout: float = 10.0) -> dict:
         return self._call("GET", "/get_server_info", timeout=timeout)
 
     def health(self, timeout: float = 2.0) -> bool:

@@ -18,14 +18,14 @@ the GIL, doubles with two groups). ``decode_threads=2`` is for an idle machine: 
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
 Result = TypeVar("Result")
 
 
-def split_groups(active: List[int], parts: int) -> List[List[int]]:
+def split_groups(active: list[int], parts: int) -> list[list[int]]:
     """``active`` (ascending slot ids) cut into ``min(parts, A)`` contiguous groups of near-equal size."""
     parts = max(1, min(parts, len(active)))
     bounds = [len(active) * i // parts for i in range(parts + 1)]
@@ -44,10 +44,10 @@ class DecodeThreads:
         self.intra_op_threads = intra_op_threads
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
-    def groups(self, active: List[int]) -> List[List[int]]:
+    def groups(self, active: list[int]) -> list[list[int]]:
         return split_groups(active, self.threads)
 
-    def map(self, fn: Callable[[List[int]], Result], groups: List[List[int]]) -> List[Result]:
+    def map(self, fn: Callable[[list[int]], Result], groups: list[list[int]]) -> list[Result]:
         """``[fn(g) for g in groups]``, the first group on the calling thread, the others on the pool, all
         in inference mode; the first exception is raised after every group finished."""
         futures = [self._executor().submit(self._run, fn, g) for g in groups[1:]]
@@ -57,7 +57,7 @@ class DecodeThreads:
             concurrent.futures.wait(futures)
         return [first] + [f.result() for f in futures]
 
-    def _run(self, fn: Callable[[List[int]], Result], group: List[int], restore: bool = False) -> Result:
+    def _run(self, fn: Callable[[list[int]], Result], group: list[int], restore: bool = False) -> Result:
         before = torch.get_num_threads()
         if self.intra_op_threads is not None and before != self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)  # this thread's setting (OpenMP: per-thread)

@@ -52,7 +52,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -86,7 +86,7 @@ class EngineStats:
     requests: int = 0
     weight_updates: int = 0
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         d = dataclasses.asdict(self)
         d["uptime_seconds"] = time.monotonic() - self.started_at
         return d
@@ -96,14 +96,14 @@ class EngineStats:
 class _Active:
     request: GenerateRequest
     future: concurrent.futures.Future
-    tokens: List[int]  # context + generated so far
+    tokens: list[int]  # context + generated so far
     kv_len: int  # positions of ``tokens`` already in the cache
     cached: int
     kv_version: int  # oldest weight version any of the slot's cached positions was computed under
-    outputs: List[int] = dataclasses.field(default_factory=list)
-    logprobs: List[float] = dataclasses.field(default_factory=list)
-    versions: List[int] = dataclasses.field(default_factory=list)
-    topk: List[List[List[int]]] = dataclasses.field(default_factory=list)
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    topk: list[list[list[int]]] = dataclasses.field(default_factory=list)
     generator: Optional[torch.Generator] = None  # the request's own stream (its sampling_seed); None: shared
 
 
@@ -139,10 +139,10 @@ class RolloutEngine:
         self.prefix_cache = TrajectoryPrefixCache(prefix_cache_entries, prefix_cache_tokens)
         self._cache = self._new_cache(max_batch)
         self._param_names = frozenset(model.state_dict())
-        self._slots: List[Optional[_Active]] = [None] * max_batch
-        self._waiting: Deque[Tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
+        self._slots: list[Optional[_Active]] = [None] * max_batch
+        self._waiting: collections.deque[tuple[GenerateRequest, concurrent.futures.Future]] = collections.deque()
         self._cond = threading.Condition()
-        self._pending_weights: List[Tuple[Dict[str, torch.Tensor], int, threading.Event]] = []  # in arrival order
+        self._pending_weights: list[tuple[dict[str, torch.Tensor], int, threading.Event]] = []  # in arrival order
         self._paused = False
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._thread: Optional[threading.Thread] = None
@@ -171,7 +171,7 @@ class RolloutEngine:
             self._cond.notify_all()
         return future
 
-    def update_weights(self, state_dict: Dict[str, torch.Tensor], version: int, *, partial: bool = False,
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int, *, partial: bool = False,
                        wait: Optional[float] = None) -> None:
         """Queue new weights; they replace the current ones before the next scheduler step (also while paused).
         ``partial``: ``state_dict`` is one bucket of the weights (any subset of the names). ``wait``: block up to
@@ -284,7 +284,7 @@ class RolloutEngine:
     def has_work(self) -> bool:
         return bool(self._waiting) or self.num_active() > 0
 
-    def start(self) -> "RolloutEngine":
+    def start(self) -> RolloutEngine:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
             self._thread.start()
@@ -309,7 +309,7 @@ class RolloutEngine:
         while self.has_work():
             self.step()
 
-    def generate(self, requests: List[GenerateRequest]) -> List[GenerateResult]:
+    def generate(self, requests: list[GenerateRequest]) -> list[GenerateResult]:
         futures = [self.submit(r) for r in requests]
         if self._thread is None:
             self.run_until_idle()
@@ -406,7 +406,7 @@ class RolloutEngine:
         with _checks.skip_value_checks():
             return self.model(input_ids, attention="sparse", cache=cache, start_pos=start_pos)
 
-    def _prefill(self, admitted: List[Tuple[int, GenerateRequest, concurrent.futures.Future]]) -> None:
+    def _prefill(self, admitted: list[tuple[int, GenerateRequest, concurrent.futures.Future]]) -> None:
         """Prefill newly admitted requests together: a scratch cache of one row per request receives each
         trajectory's cached prefix, one right-padded forward computes the rest (ragged ``start_pos``), and the
         rows are copied into the requests' slots."""
@@ -471,7 +471,7 @@ class RolloutEngine:
         logits = parts[0][0] if len(parts) == 1 else torch.cat([p[0] for p in parts])  # [A, V]
         self._accept_many(active, logits, [tk for p in parts for tk in p[1]])
 
-    def _decode_group(self, group: List[int]) -> Tuple[torch.Tensor, List]:
+    def _decode_group(self, group: list[int]) -> tuple[torch.Tensor, list]:
         """Forward the last token of the slots ``group`` (ascending) over their cache window: (logits [G, V],
         per slot its top-k trace or None)."""
         lo, hi = group[0], group[-1] + 1
@@ -492,7 +492,7 @@ class RolloutEngine:
             return None
         return torch.Generator(device=self.device).manual_seed(request.sampling_seed)
 
-    def _sample_rows(self, states: List[_Active], logits_BV: torch.Tensor) -> Tuple[List[int], List[float]]:
+    def _sample_rows(self, states: list[_Active], logits_BV: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token and its log-prob per row: the shared generator draws for the unseeded rows together, each
         seeded row draws from its own generator."""
         temperature = torch.tensor([s.request.temperature for s in states], dtype=torch.float32, device=self.device)
@@ -522,7 +522,7 @@ class RolloutEngine:
                 if self._emit(slot, state, tok, lp, tk):
                     break
 
-    def _accept_many(self, slots: List[int], logits_BV: torch.Tensor, topk: List) -> None:
+    def _accept_many(self, slots: list[int], logits_BV: torch.Tensor, topk: list) -> None:
         states = [self._slots[i] for i in slots]
         tokens, logprobs = self._sample_rows(states, logits_BV)
         for slot, state, tok, lp, tk in zip(slots, states, tokens, logprobs, topk):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Optional, Type
+from typing import Any, Optional
 
 from glm5_core.rl.serving.connections import BoundedThreadingHTTPServer, DeadlineReader
 from glm5_core.rl.serving.json_http import MAX_LENGTH_DIGITS, read_body, write_reply
@@ -99,7 +99,7 @@ class RequestHandler(BaseHTTPRequestHandler):
 
 
 class HTTPService:
-    def __init__(self, handler_class: Type[BaseHTTPRequestHandler], *, host: str = LOCALHOST, port: int = 0,
+    def __init__(self, handler_class: type[BaseHTTPRequestHandler], *, host: str = LOCALHOST, port: int = 0,
                  max_connections: int, thread_name: str):
         self.host = host
         self._thread_name = thread_name

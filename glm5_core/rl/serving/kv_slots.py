@@ -8,20 +8,20 @@ the prefix cache. Only the dataclass fields of the cache are touched, so any cac
 from __future__ import annotations
 
 import dataclasses
-from typing import List, TypeVar
+from typing import TypeVar
 
 import torch
 
 
-def _fields(cache) -> List[str]:
+def _fields(cache) -> list[str]:
     if not dataclasses.is_dataclass(cache):
         raise TypeError(f"cache: expected a dataclass KV cache, got {type(cache).__name__}")
     return [f.name for f in dataclasses.fields(cache)]
 
 
-def tensors(cache) -> List[torch.Tensor]:
+def tensors(cache) -> list[torch.Tensor]:
     """Every cached tensor in a fixed order (fields, then layers; ``None`` entries skipped)."""
-    out: List[torch.Tensor] = []
+    out: list[torch.Tensor] = []
     for name in _fields(cache):
         value = getattr(cache, name)
         if isinstance(value, list):
@@ -39,12 +39,12 @@ def row_window(cache: Cache, lo: int, hi: int) -> Cache:
     return dataclasses.replace(cache, **changes)
 
 
-def read_rows(cache, slot: int, length: int) -> List[torch.Tensor]:
+def read_rows(cache, slot: int, length: int) -> list[torch.Tensor]:
     """Clones of positions ``[0, length)`` of row ``slot``: ``[1, length, W]`` per tensor."""
     return [t[slot:slot + 1, :length].clone() for t in tensors(cache)]
 
 
-def write_rows(cache, slot: int, rows: List[torch.Tensor], length: int) -> None:
+def write_rows(cache, slot: int, rows: list[torch.Tensor], length: int) -> None:
     """Copy the first ``length`` positions of ``rows`` (from :func:`read_rows`) into row ``slot``."""
     stores = tensors(cache)
     assert len(stores) == len(rows), "prefix rows do not match the cache layout"

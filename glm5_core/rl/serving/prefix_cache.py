@@ -18,15 +18,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
 
 @dataclasses.dataclass
 class PrefixEntry:
-    tokens: List[int]  # the tokens whose KV is stored (position i holds tokens[i])
-    tensors: List[torch.Tensor]  # [1, n, W] per cache field, in the engine's field order
+    tokens: list[int]  # the tokens whose KV is stored (position i holds tokens[i])
+    tensors: list[torch.Tensor]  # [1, n, W] per cache field, in the engine's field order
     version: int = 0  # weight version the KV was computed under (the oldest one, if it spans several)
 
 
@@ -46,7 +47,7 @@ class TrajectoryPrefixCache:
             raise ValueError(f"prefix_cache_tokens: expected None or an int >= 0, got {max_tokens!r}")
         self.max_entries = max_entries
         self.max_tokens = max_tokens
-        self._entries: "collections.OrderedDict[str, PrefixEntry]" = collections.OrderedDict()
+        self._entries: collections.OrderedDict[str, PrefixEntry] = collections.OrderedDict()
         self._num_tokens = 0  # cached positions over all entries
         self._lock = threading.Lock()
         self.evictions = 0  # entries pushed out by the budgets (not drops, not replacements)
@@ -61,7 +62,7 @@ class TrajectoryPrefixCache:
             self._num_tokens -= len(entry.tokens)
         return entry
 
-    def store(self, key: str, tokens: List[int], tensors: List[torch.Tensor], version: int = 0) -> None:
+    def store(self, key: str, tokens: list[int], tensors: list[torch.Tensor], version: int = 0) -> None:
         with self._lock:
             self._pop(key)  # the new entry replaces the trajectory's previous one
             if self.max_entries == 0 or (self.max_tokens is not None and len(tokens) > self.max_tokens):
@@ -73,7 +74,7 @@ class TrajectoryPrefixCache:
                 self._pop(next(iter(self._entries)))
                 self.evictions += 1
 
-    def lookup(self, key: str, input_ids: Sequence[int], min_version: int = 0) -> Tuple[int, Optional[PrefixEntry]]:
+    def lookup(self, key: str, input_ids: Sequence[int], min_version: int = 0) -> tuple[int, Optional[PrefixEntry]]:
         """(reusable length, entry): at most ``len(input_ids) - 1`` positions, so the last input token is
         always computed (its logits start the generation). An entry computed under a weight version older
         than ``min_version`` is stale: it is dropped and nothing is reused."""

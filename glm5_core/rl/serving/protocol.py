@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from glm5_core.rl.serving import replay_trace
 
@@ -45,11 +45,11 @@ class Limits:
 @dataclasses.dataclass
 class GenerateRequest:
     rid: str
-    input_ids: List[int]
+    input_ids: list[int]
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
-    stop_token_ids: Tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     return_logprob: bool = True
     sampling_seed: Optional[int] = None  # None: the engine's shared generator
     return_routed_experts: bool = False  # SGLang's request field: the experts of every position (routing replay)
@@ -59,14 +59,14 @@ class GenerateRequest:
 MAX_SAMPLING_SEED = 2 ** 63  # torch.Generator.manual_seed takes any int below this
 
 
-def _sampling_seed(params: Dict) -> Optional[int]:
+def _sampling_seed(params: dict) -> Optional[int]:
     seed = params.get("sampling_seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SAMPLING_SEED):
         raise ValueError(f"sampling_params.sampling_seed: expected null or an int in [0, 2**63), got {seed!r:.80}")
     return seed
 
 
-def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: int) -> List[int]:
+def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: int) -> list[int]:
     if not isinstance(value, list):
         raise ValueError(f"{name}: expected a list of token ids, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:
@@ -77,7 +77,7 @@ def _int_list(name: str, value: Any, *, vocab_size: int, max_len: int, min_len: 
     return list(value)
 
 
-def _number(params: Dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+def _number(params: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
     value = params.get(name, default)
     try:
         finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
@@ -96,7 +96,7 @@ def _number(params: Dict, name: str, default: float, lo: float, hi: float, *, lo
 # Detokenisation options are accepted as any bool: this engine is token-in-token-out and returns no text.
 # The engine knows no EOS token (it stops on ``stop_token_ids`` only), so ``ignore_eos`` must be true, or false
 # with explicit ``stop_token_ids`` (the client names its EOS there).
-NEUTRAL_PARAMS: Dict[str, Tuple[Any, ...]] = {
+NEUTRAL_PARAMS: dict[str, tuple[Any, ...]] = {
     "top_k": (-1, 0), "min_p": (0, 0.0), "min_new_tokens": (0,), "n": (1,),
     "repetition_penalty": (1, 1.0), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
     "ignore_eos": (True,), "stop": (None, [], ""),
@@ -104,7 +104,7 @@ NEUTRAL_PARAMS: Dict[str, Tuple[Any, ...]] = {
 }
 
 
-def _check_neutral(params: Dict) -> None:
+def _check_neutral(params: dict) -> None:
     for name, neutral in NEUTRAL_PARAMS.items():
         if name not in params:
             continue
@@ -168,18 +168,18 @@ def parse_generate_request(body: Any, limits: Limits) -> GenerateRequest:
 @dataclasses.dataclass
 class GenerateResult:
     rid: str
-    output_ids: List[int]
-    logprobs: List[float]
-    versions: List[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
-    topk_trace: Optional[List[List[List[int]]]] = None  # per sampled token, per full-indexer layer: top-k ids
+    topk_trace: Optional[list[list[list[int]]]] = None  # per sampled token, per full-indexer layer: top-k ids
     # replay traces (see replay_trace), when the request asked: per position [P, M, K] experts, [P, F, Ki] keys
     routed_experts: Optional[Any] = None
     indexer_topk: Optional[Any] = None
 
-    def finish_reason_json(self) -> Dict[str, Any]:
+    def finish_reason_json(self) -> dict[str, Any]:
         """SGLang's ``BaseFinishReason.to_json()`` forms."""
         if self.finish_reason == FINISH_STOP:
             return {"type": FINISH_STOP, "matched": self.output_ids[-1] if self.output_ids else None}
@@ -188,7 +188,7 @@ class GenerateResult:
         return {"type": FINISH_ABORT, "message": "Aborted", "status_code": None, "err_type": None}
 
     def to_json(self, return_logprob: bool = True, label: Callable[[int], str] = str,
-                current_version: Optional[int] = None) -> Dict[str, Any]:
+                current_version: Optional[int] = None) -> dict[str, Any]:
         """``label`` names an engine version as the server reports it; ``current_version`` is the engine's
         version now (the ``weight_version`` of a request that sampled nothing)."""
         spans = version_spans(self.versions, label)
@@ -196,7 +196,7 @@ class GenerateResult:
             version = spans[-1]["version"]
         else:
             version = label(current_version) if current_version is not None else None
-        meta: Dict[str, Any] = {
+        meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finish_reason_json(),
             "prompt_tokens": self.prompt_tokens,
@@ -214,9 +214,9 @@ class GenerateResult:
         return {"text": None, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
-def version_spans(versions: List[int], label: Callable[[int], str] = str) -> List[Dict[str, Any]]:
+def version_spans(versions: list[int], label: Callable[[int], str] = str) -> list[dict[str, Any]]:
     """SGLang's ``weight_versions``: runs of output tokens sampled under one version, ``[start, end)``."""
-    spans: List[Dict[str, Any]] = []
+    spans: list[dict[str, Any]] = []
     for i, v in enumerate(versions):
         name = label(v)
         if spans and spans[-1]["version"] == name:

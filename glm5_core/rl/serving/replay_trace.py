@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ def read(stores, slot: int, length: int) -> Optional[torch.Tensor]:
     return torch.stack(layers, dim=1).cpu()  # [length, layers, W]
 
 
-def encode(trace: torch.Tensor) -> Dict[str, Any]:
+def encode(trace: torch.Tensor) -> dict[str, Any]:
     """The wire form of a [P, layers, W] trace."""
     name = _TORCH_NAMES.get(trace.dtype)
     if name is None:

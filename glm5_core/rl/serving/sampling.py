@@ -9,7 +9,7 @@ value, so the trainer can recompute it from logits alone.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -79,7 +79,7 @@ def sorted_top_p_filter(logits_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch
 
 
 def sample(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
-           generator: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row. Returns (tokens int64 [B], logprobs fp32 [B]).
 
     Rows with temperature below ``GREEDY_BELOW`` (0 included) decode greedily (lowest id among equal maxima)

@@ -37,7 +37,7 @@ import concurrent.futures
 import hmac
 import os
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from glm5_core.rl.serving.connections import peer_closed
 from glm5_core.rl.serving.engine import RolloutEngine
@@ -53,7 +53,7 @@ DEFAULT_REQUEST_DEADLINE = 30.0  # seconds from a request's first byte to its la
 DEFAULT_MAX_CONNECTIONS = 256  # connections (= handler threads) served at once
 HANGUP_POLL_S = 0.05  # how often a running /generate checks that its client is still there
 WEIGHTS_APPLY_TIMEOUT_S = 600.0
-Reply = Tuple[int, Any]  # (status, JSON-able body | str (plain text) | None (empty))
+Reply = tuple[int, Any]  # (status, JSON-able body | str (plain text) | None (empty))
 
 
 class EngineUnavailableError(Exception):
@@ -104,7 +104,7 @@ class EngineServer(HTTPService):
         super().__init__(self._handler_class(), host=host, port=port, max_connections=max_connections,
                          thread_name="engine-http")
 
-    def start(self) -> "EngineServer":
+    def start(self) -> EngineServer:
         self.engine.start()
         self.serve_in_background()
         return self
@@ -257,7 +257,7 @@ class EngineServer(HTTPService):
         import glm5_core
 
         counters = self.engine.stats.as_dict()
-        info: Dict[str, Any] = {
+        info: dict[str, Any] = {
             "model_path": self.model_path, "host": self.host, "port": self.port, "dp_size": 1, "tp_size": 1,
             "skip_tokenizer_init": True, "weight_version": self.weight_version(),
             "max_req_input_len": self.engine.limits.max_input_tokens, "max_running_requests": self.engine.max_batch,
@@ -312,7 +312,7 @@ class EngineServer(HTTPService):
                 raw = self.body()
                 return parse_json_body(raw) if raw else {}
 
-            def _route(self, routes: Dict, call: Callable) -> None:
+            def _route(self, routes: dict, call: Callable) -> None:
                 path = self.path.split("?", 1)[0]
                 try:
                     if not server.authorized(path, self.headers.get("Authorization")):

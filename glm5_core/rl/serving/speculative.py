@@ -35,7 +35,8 @@ main-layer rows, so a later turn drafts over the reused prefix too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -106,9 +107,9 @@ def mtp_logits(model, mtp_hidden: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class RowStep:
     """What one speculative step emits for one row (drafts accepted, then the corrected / bonus token)."""
-    tokens: List[int]
-    logprobs: List[float]
-    topk: List[Optional[List[List[int]]]]
+    tokens: list[int]
+    logprobs: list[float]
+    topk: list[Optional[list[list[int]]]]
 
 
 @dataclasses.dataclass
@@ -121,7 +122,7 @@ class SpecStats:
         """Tokens a row gets per verify step (accepted drafts + 1), the figure GLM-5 reports."""
         return 1.0 + self.accepted / self.row_steps if self.row_steps else 0.0
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return {**dataclasses.asdict(self), "mean_acceptance_length": self.mean_acceptance_length()}
 
 
@@ -137,12 +138,12 @@ class SpeculativeDecoder:
         self.device = model.model.embed_tokens.weight.device
         self.cache_len = max_len + draft_tokens + 1
         self.cache = new_mtp_cache(model, max_batch, self.cache_len)
-        self.pending: List[Optional[torch.Tensor]] = [None] * max_batch  # [m, D] main hidden not yet drafted from
+        self.pending: list[Optional[torch.Tensor]] = [None] * max_batch  # [m, D] main hidden not yet drafted from
         self.mtp_len = [0] * max_batch
         self.stats = SpecStats()
 
     # -- prefill ---------------------------------------------------------------------------------------
-    def after_prefill(self, rows: Sequence[Tuple[int, List[int], int, List[torch.Tensor]]],
+    def after_prefill(self, rows: Sequence[tuple[int, list[int], int, list[torch.Tensor]]],
                       hidden: torch.Tensor) -> None:
         """Rows just prefilled: (slot, context tokens incl. the sampled first token, reused prefix length, the MTP
         rows the prefix cache kept for that prefix or []); hidden [k, T, D] holds the prefill's main hidden states
@@ -169,14 +170,14 @@ class SpeculativeDecoder:
         for row, (slot, tokens, _, _) in enumerate(rows):
             kv_slots.write_rows(self.cache, slot, kv_slots.read_rows(scratch, row, len(tokens) - 2), len(tokens) - 2)
 
-    def read_rows(self, slot: int, length: int) -> List[torch.Tensor]:
+    def read_rows(self, slot: int, length: int) -> list[torch.Tensor]:
         """The slot's MTP rows for the prefix cache (positions past ``mtp_len`` hold provisional draft entries:
         a later turn that reuses them drafts from slightly different keys, which costs acceptance only)."""
         return kv_slots.read_rows(self.cache, slot, length)
 
     # -- one decode step -------------------------------------------------------------------------------
     def step(self, states: Sequence, main_cache, forward: Callable, generator: torch.Generator,
-             record_topk: bool) -> Dict[int, RowStep]:
+             record_topk: bool) -> dict[int, RowStep]:
         """Draft, verify and accept for every active slot (``states[slot]`` not None, with ``tokens``,
         ``request``, ``outputs``, ``generator``). Returns what each active slot emits; the caller appends it token
         by token. The forwards cover the window of slots from the first active one to the last (W rows)."""
@@ -236,7 +237,7 @@ class SpeculativeDecoder:
             self.stats.accepted += k
         return result
 
-    def _uniforms(self, states, active: List[int], lo: int, W: int, generator: torch.Generator) -> torch.Tensor:
+    def _uniforms(self, states, active: list[int], lo: int, W: int, generator: torch.Generator) -> torch.Tensor:
         """Every random number the step uses, fp32 [W, 2 * draft_tokens + 1] per window row: the draws of its
         drafts, its acceptance tests, then its last token's draw. A request with a ``sampling_seed`` takes its
         row from its own generator, always that many numbers per step, so its tokens depend on its seed alone
@@ -253,15 +254,15 @@ class SpeculativeDecoder:
                 u[i - lo] = torch.rand(R, generator=states[i].generator, device=self.device)
         return u
 
-    def _draft(self, states, active: List[int], lo: int, W: int, n: List[int], d: int, temperature: torch.Tensor,
+    def _draft(self, states, active: list[int], lo: int, W: int, n: list[int], d: int, temperature: torch.Tensor,
                top_p: Optional[torch.Tensor], any_greedy: bool,
-               uniforms: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+               uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft-extend over each row's pending positions, then d - 1 chained steps, over the MTP cache rows of
         the window. Returns drafts int64 [W, d] and their distributions fp32 [W, d, V]."""
         pending = [self.pending[i] for i in active]  # [m_r, D] each
         m = [p.shape[0] for p in pending]
         T = max(m)
-        ids: List[List[int]] = [[0] * T for _ in range(W)]  # [W, T] the token after each position
+        ids: list[list[int]] = [[0] * T for _ in range(W)]  # [W, T] the token after each position
         starts = [0] * W
         for i, n_i in zip(active, n):
             tokens = states[i].tokens[self.mtp_len[i] + 1:n_i]

@@ -19,7 +19,7 @@ row's own generator (a request's ``sampling_seed``) and every row is then sample
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -72,7 +72,7 @@ def full_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature_B: tor
 
 def accept_drafts(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
                   generator: Optional[torch.Generator] = None, uniforms: Optional[torch.Tensor] = None,
-                  limit: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  limit: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply the rejection rule to every row at once.
 
     target_probs [B, d+1, V] (``p_j`` for the token after draft j-1; position d is the bonus), draft_tokens

@@ -13,7 +13,7 @@ transport binds ``device_host``, and each accelerator vendor's), each group buil
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -59,13 +59,13 @@ class WeightUpdateGroup:
         host = device_host if device_host is not None else (master_address if rank == 0 else "")
         self._pg = _process_group(backend, store, rank, world_size, timeout, host)
 
-    def broadcast(self, tensors: List[torch.Tensor]) -> None:
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0: send ``tensors``; other ranks: receive into them (same shapes, dtypes, order)."""
         works = [self._pg.broadcast(t, 0) for t in tensors]
         for work in works:
             work.wait()
 
-    def receive(self, shapes: List[List[int]], dtypes: List[torch.dtype], device) -> List[torch.Tensor]:
+    def receive(self, shapes: list[list[int]], dtypes: list[torch.dtype], device) -> list[torch.Tensor]:
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]
         self.broadcast(tensors)
         return tensors

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 
@@ -30,7 +30,7 @@ class VersionLabels:
 
     def __init__(self, version: int, label: Optional[str] = None):
         self._lock = threading.Lock()
-        self._labels: Dict[int, str] = {int(version): str(version) if label is None else label}
+        self._labels: dict[int, str] = {int(version): str(version) if label is None else label}
 
     def label(self, version: int) -> str:
         with self._lock:
@@ -58,7 +58,7 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
 
-def load_disk_weights(model_path, weights_dir: Optional[str]) -> Dict[str, torch.Tensor]:
+def load_disk_weights(model_path, weights_dir: Optional[str]) -> dict[str, torch.Tensor]:
     """The state dict ``model_path`` names (see the module docstring); ``ValueError`` naming ``model_path``."""
     if not isinstance(model_path, str) or not model_path:
         raise ValueError(f"model_path: expected a path, got {model_path!r:.80}")
@@ -91,12 +91,12 @@ class DistributedReceiver:
     """The weight-update groups this server joined, by name. One operation at a time."""
 
     def __init__(self, device_host: str = "", timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._groups: Dict[str, WeightUpdateGroup] = {}
+        self._groups: dict[str, WeightUpdateGroup] = {}
         self._lock = threading.Lock()
         self._device_host = device_host
         self._timeout_s = timeout_s
 
-    def init_group(self, body: Dict) -> None:
+    def init_group(self, body: dict) -> None:
         known = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
         unknown = sorted(set(body) - known)
         if unknown:
@@ -113,14 +113,14 @@ class DistributedReceiver:
             except (RuntimeError, OSError) as exc:  # rendezvous failed: the caller's group, not the engine
                 raise ValueError(f"init_weights_update_group: {type(exc).__name__}: {exc}") from None
 
-    def receive(self, body: Dict, expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def receive(self, body: dict, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) \
                 or not len(names) == len(dtypes) == len(shapes) or not names:
             raise ValueError("names / dtypes / shapes: expected three lists of one equal, non-zero length")
         if body.get("load_format") not in (None, "auto"):
             raise ValueError(f"load_format: expected null, got {body.get('load_format')!r:.80}")
-        torch_dtypes: List[torch.dtype] = []
+        torch_dtypes: list[torch.dtype] = []
         for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
             if not isinstance(name, str) or name not in expected:
                 raise ValueError(f"names[{i}]: expected a weight name of this model, got {name!r:.80}")

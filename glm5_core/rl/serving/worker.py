@@ -11,14 +11,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 EXIT_ORPHANED = 3  # exit status of a worker whose parent died
 
 
 @dataclasses.dataclass
 class WorkerSpec:
-    model_config: Dict[str, Any]  # HF glm_moe_dsa config dict
+    model_config: dict[str, Any]  # HF glm_moe_dsa config dict
     weights_path: str  # safetensors file with the weights to start from
     weight_version: int
     weights_dir: str  # the only directory /update_weights_from_disk may read from
@@ -28,7 +28,7 @@ class WorkerSpec:
     prefix_cache_entries: int = 256
     prefix_cache_tokens: Optional[int] = None
     record_topk: bool = False
-    speculative: Optional[Dict[str, int]] = None  # {draft_tokens: d}: MTP speculative decoding
+    speculative: Optional[dict[str, int]] = None  # {draft_tokens: d}: MTP speculative decoding
     record_routing: bool = False  # replay traces (train.routing_replay / train.index_replay)
     record_index_topk: bool = False
     seed: int = 0
@@ -36,7 +36,7 @@ class WorkerSpec:
     placement: Optional[str] = None  # rollout.devices entry, e.g. "<type>:2" (None: the backend's default device)
     # derived from ``placement`` by the executor that starts the worker (rl.fleet.executors.worker_placement):
     device: Optional[str] = None  # the engine's torch device inside the worker, e.g. "<type>:0" (None: the backend's)
-    environment: Dict[str, str] = dataclasses.field(default_factory=dict)  # set first thing in a local worker process
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)  # set first thing in a local worker process
 
 
 def build_model(spec: WorkerSpec):

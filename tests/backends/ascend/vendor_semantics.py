@@ -17,7 +17,7 @@ torch_npu-npu_moe_finalize_routing.md; formulas also in CANN ops-transformer ``m
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -35,7 +35,7 @@ def require(condition: bool, message: str) -> None:
         raise VendorContractError(message)
 
 
-def _prefix_sums_ok(name: str, sums: Optional[torch.Tensor], total: int) -> List[int]:
+def _prefix_sums_ok(name: str, sums: Optional[torch.Tensor], total: int) -> list[int]:
     require(sums is not None, f"{name}: required for TND layouts")
     require(sums.dtype == torch.int32 and sums.dim() == 1,
             f"{name}: expected 1-D int32, got {sums.dtype} {tuple(sums.shape)}")
@@ -45,7 +45,7 @@ def _prefix_sums_ok(name: str, sums: Optional[torch.Tensor], total: int) -> List
     return [b - a for a, b in zip([0] + values[:-1], values)]
 
 
-def _lengths_ok(name: str, lengths: Optional[torch.Tensor], batch: int, bound: int) -> List[int]:
+def _lengths_ok(name: str, lengths: Optional[torch.Tensor], batch: int, bound: int) -> list[int]:
     if lengths is None:
         return [bound] * batch
     require(lengths.dtype == torch.int32 and tuple(lengths.shape) == (batch,),
@@ -68,7 +68,7 @@ class AscendSemantics:
     def __init__(self, tie_order: str = "high_first"):
         require(tie_order in ("high_first", "low_first"), f"tie_order {tie_order!r}")
         self.tie_order = tie_order
-        self.calls: List[str] = []
+        self.calls: list[str] = []
 
     # -------------------------------------------------------------------------------- lightning indexer
     def npu_lightning_indexer(self, query, key, weights, *, actual_seq_lengths_query=None,

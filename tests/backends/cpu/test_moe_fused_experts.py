@@ -47,7 +47,7 @@ def test_gradients_match_reference_autograd(native, shape, dtype):
     atol, rtol = testing.TOLERANCES[dtype]
     for name, got, want in zip(GRAD_NAMES, grads, grads_ref):
         assert got.dtype == want.dtype, name
-        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
     for got in grads[2:]:  # the expert nobody picked
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
@@ -71,7 +71,7 @@ def test_all_rows_in_one_expert_and_every_expert_empty_but_one(native):
     _, grads = _grads(native_moe.fused_experts, args, grad_out)
     _, grads_ref = _grads(moe.fused_experts_reference, args, grad_out)
     for name, got, want in zip(GRAD_NAMES, grads, grads_ref):
-        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
     others = [e for e in range(shape.E) if e != 3]
     for got in grads[2:]:
         assert not got[others].any()
@@ -157,7 +157,7 @@ def test_dispatch_and_combine_gradients_match_reference(native, shape, dtype):
     atol, rtol = testing.TOLERANCES[dtype]
     for name, got, want in zip(("x", "y_sorted", "weights"), *runs):
         assert got.dtype == want.dtype, name
-        torch.testing.assert_close(got, want, atol=atol * 4, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=atol * 4, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_dispatch_and_combine_gradcheck_fp64(native):

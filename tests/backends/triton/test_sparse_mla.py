@@ -56,7 +56,7 @@ def test_backward_matches_reference_autograd(device):
     out.backward(grad)
     ref.backward(grad)
     for a in ARGS:
-        torch.testing.assert_close(ours[a].grad, theirs[a].grad, atol=2e-5, rtol=2e-5, msg=lambda m: f"d{a}: {m}")
+        torch.testing.assert_close(ours[a].grad, theirs[a].grad, atol=2e-5, rtol=2e-5, msg=lambda m, a=a: f"d{a}: {m}")
 
 
 def test_backward_is_run_to_run_identical(device):

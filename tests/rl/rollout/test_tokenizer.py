@@ -214,7 +214,7 @@ def test_a_newline_role_header_lets_bpe_merge_across_the_boundary(tmp_path, chat
         return tok.encode("    x") + [tok.token("<|im_end|>")]  # the model's own canonical tokens of its answer
 
     for tok, merges in ((newline, True), (chatml, False)):
-        transcript, _, _ = play(tok, conversation[:2], lambda h, m: sampled_answer(tok))
+        transcript, _, _ = play(tok, conversation[:2], lambda h, m, tok=tok: sampled_answer(tok))
         assert (transcript.prompt_ids(conversation) != whole(tok, conversation)) is merges
 
 

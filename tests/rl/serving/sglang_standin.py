@@ -27,7 +27,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import parse_generate_request
@@ -50,9 +50,9 @@ class SGLangStandIn:
     def __init__(self, engine: RolloutEngine, model_path: str, *, api_key: Optional[str] = None):
         self.engine = engine
         self.args = ServerArgs(model_path=model_path, api_key=api_key, max_running_requests=engine.max_batch)
-        self.versions: Dict[int, str] = {engine.version: "default"}  # engine int -> SGLang string
+        self.versions: dict[int, str] = {engine.version: "default"}  # engine int -> SGLang string
         self.calls = []  # (route, body) of every POST, for tests
-        self._groups: Dict[str, Any] = {}
+        self._groups: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
@@ -62,7 +62,7 @@ class SGLangStandIn:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.args.port}"
 
-    def start(self) -> "SGLangStandIn":
+    def start(self) -> SGLangStandIn:
         self.engine.start()
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
         return self
@@ -82,7 +82,7 @@ class SGLangStandIn:
         self.versions[version] = self.args.weight_version
         return version
 
-    def generate(self, body: Dict):
+    def generate(self, body: dict):
         try:
             request = parse_generate_request(body, self.engine.limits)
         except ValueError as exc:
@@ -110,7 +110,7 @@ class SGLangStandIn:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
         return 200, {"output_ids": list(result.output_ids), "meta_info": meta}
 
-    def update_from_disk(self, body: Dict):
+    def update_from_disk(self, body: dict):
         from glm5_core.model import load_pretrained
 
         try:
@@ -122,7 +122,7 @@ class SGLangStandIn:
             return 400, {"success": False, "message": f"Failed to update weights: {exc}.", "num_paused_requests": 0}
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
-    def init_group(self, body: Dict):
+    def init_group(self, body: dict):
         from glm5_core.rl.serving.weight_group import WeightUpdateGroup
 
         try:
@@ -134,7 +134,7 @@ class SGLangStandIn:
             return 400, {"success": False, "message": f"Failed to init group: {exc}."}
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def update_from_distributed(self, body: Dict):
+    def update_from_distributed(self, body: dict):
         import torch
 
         group = self._groups.get(body.get("group_name", "weight_update_group"))
@@ -148,7 +148,7 @@ class SGLangStandIn:
             self.engine.prefix_cache.flush()
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
-    def server_info(self) -> Dict:
+    def server_info(self) -> dict:
         return {**dataclasses.asdict(self.args), "max_total_num_tokens": self.engine.max_batch * self.engine.max_len,
                 "max_req_input_len": self.engine.limits.max_input_tokens,
                 "internal_states": [{"last_gen_throughput": 0.0}], "version": "0.0.0-standin"}

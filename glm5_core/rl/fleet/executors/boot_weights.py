@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import threading
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 from glm5_core.rl.serving.worker import WorkerSpec
 
@@ -61,7 +61,7 @@ class BootWeights:
             raise ValueError(f"spec_attempts: expected an int >= 1, got {spec_attempts!r}")
         self._spec_attempts = spec_attempts
         self._lock = threading.Lock()
-        self._pinned: Dict[str, Tuple[str, int]] = {}  # replica -> (boot file, weight version)
+        self._pinned: dict[str, tuple[str, int]] = {}  # replica -> (boot file, weight version)
 
     def pin(self, name: str, spec_fn: Callable[[str], WorkerSpec]) -> WorkerSpec:
         """``spec_fn(name)`` with ``weights_path`` replaced by this replica's freshly pinned boot file."""
@@ -84,7 +84,7 @@ class BootWeights:
             self._pinned[name] = (target, version)
             return dataclasses.replace(spec, weights_path=target, weight_version=version)
 
-    def pinned(self) -> Dict[str, Tuple[str, int]]:
+    def pinned(self) -> dict[str, tuple[str, int]]:
         with self._lock:
             return dict(self._pinned)
 

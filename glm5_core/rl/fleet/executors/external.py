@@ -7,16 +7,14 @@ answers again; ``restart`` cannot bring it back and says so (the supervisor logs
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 from glm5_core.rl.serving.client import check_engine_url
 
 
 class ExternalEngines:
-    def __init__(self, urls: List[str]):
+    def __init__(self, urls: list[str]):
         if not urls:
             raise ValueError("rollout.engine_urls: expected at least one http://HOST:PORT address")
-        self.urls: Dict[str, str] = {}
+        self.urls: dict[str, str] = {}
         for i, url in enumerate(urls):
             checked = check_engine_url(url, allow_remote=True, where=f"rollout.engine_urls[{i}]")
             if checked in self.urls.values():
@@ -24,7 +22,7 @@ class ExternalEngines:
             self.urls[f"engine{i}"] = checked
 
     @property
-    def names(self) -> List[str]:
+    def names(self) -> list[str]:
         return list(self.urls)
 
     def start(self, name: str) -> str:

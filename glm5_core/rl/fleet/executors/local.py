@@ -11,7 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from typing import Callable, Dict, Tuple
+from typing import Callable
 
 from glm5_core.rl.fleet.executors.boot_weights import BootWeights
 from glm5_core.rl.fleet.executors.worker_placement import placed
@@ -26,7 +26,7 @@ class LocalProcessExecutor:
         self._spec_fn = spec_fn
         self._start_timeout = start_timeout
         self._ctx = multiprocessing.get_context("spawn")
-        self._procs: Dict[str, multiprocessing.Process] = {}
+        self._procs: dict[str, multiprocessing.Process] = {}
         self.boot_weights = BootWeights()
 
     def start(self, name: str) -> str:
@@ -47,7 +47,7 @@ class LocalProcessExecutor:
         self._procs[name] = proc
         return f"http://127.0.0.1:{value}"
 
-    def _await_report(self, name: str, proc, conn) -> Tuple[str, object]:
+    def _await_report(self, name: str, proc, conn) -> tuple[str, object]:
         """The worker's ``(kind, value)`` report; a worker that exits or hangs first is stopped here."""
         if not conn.poll(self._start_timeout):  # poll() is also True on EOF: the worker exited
             self._stop(proc, grace=0.0)

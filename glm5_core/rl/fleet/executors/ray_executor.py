@@ -8,7 +8,7 @@ An engine placed on an accelerator (``rollout.devices``) asks Ray for it (its ve
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 from glm5_core.rl.fleet.executors.boot_weights import BootWeights
 from glm5_core.rl.fleet.executors.worker_placement import placed
@@ -52,8 +52,8 @@ class RayExecutor:
         self._spec_fn = spec_fn
         self._start_timeout = start_timeout
         self._actor_cls = _actor_class()
-        self._actors: Dict[str, object] = {}
-        self._pids: Dict[str, int] = {}
+        self._actors: dict[str, object] = {}
+        self._pids: dict[str, int] = {}
         self.boot_weights = BootWeights()  # weights pinned per replica before it boots (see boot_weights)
 
     def start(self, name: str) -> str:

@@ -30,7 +30,7 @@ import functools
 import math
 import random
 import string
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Optional
 
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
 from glm5_core.rl.rollout.envs.chat_prompts import model_text, prompt_tokens, stop_tokens
@@ -88,16 +88,16 @@ class ArithmeticEpisode(Episode):
         text = template.format(a=str(a).zfill(operand_width), b=str(b).zfill(operand_width))
         self._prompt = prompt_tokens(codec, text)  # bytes, or the chat template's user turn
         self._limits = TurnLimits(max_new_tokens, stop_tokens(codec, "\n"))
-        self._answer: List[int] = []
+        self._answer: list[int] = []
         self._turns = 0
 
-    def context_tokens(self) -> List[int]:
+    def context_tokens(self) -> list[int]:
         return list(self._prompt)
 
     def turn_limits(self) -> TurnLimits:
         return self._limits
 
-    def observe(self, output_ids: List[int]) -> bool:
+    def observe(self, output_ids: list[int]) -> bool:
         self._answer = list(output_ids)
         self._turns += 1
         return True
@@ -110,7 +110,7 @@ class ArithmeticEpisode(Episode):
     def num_turns(self) -> int:
         return self._turns
 
-    def info(self) -> Dict[str, float]:
+    def info(self) -> dict[str, float]:
         return {"answer_len": float(len(self._answer))}
 
 
@@ -186,18 +186,18 @@ class ArithmeticEnv(Environment):
         self._rng = random.Random(seed)
         self._train, self._eval = self._split(split_seed)
 
-    def state_dict(self) -> Dict:
+    def state_dict(self) -> dict:
         return rng_state_dict(self._rng)
 
-    def load_state_dict(self, state: Dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         load_rng_state(self._rng, state)
 
-    def problems(self) -> List[Tuple[int, int]]:
+    def problems(self) -> list[tuple[int, int]]:
         """Every (a, b) of the task."""
         numbers = range(self.max_operand + 1) if self._numbers is None else self._numbers
         return [(a, b) for a in numbers for b in (numbers if self._b_numbers is None else self._b_numbers)]
 
-    def _split(self, split_seed: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    def _split(self, split_seed: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(training pairs, held-out pairs): at least one of each when ``held_out`` > 0."""
         if self.held_out == 0:  # nothing held out: the eval set is every pair (listed only if it is small)
             pairs = self.problems() if self._n_pairs <= MAX_SPLIT_PAIRS else []
@@ -208,10 +208,10 @@ class ArithmeticEnv(Environment):
         n_eval = min(len(pairs) - 1, max(1, round(self.held_out * len(pairs))))
         return sorted(shuffled[n_eval:]), sorted(shuffled[:n_eval])
 
-    def train_problems(self) -> List[Tuple[int, int]]:
+    def train_problems(self) -> list[tuple[int, int]]:
         return list(self._train)
 
-    def eval_problems(self) -> List[Tuple[int, int]]:
+    def eval_problems(self) -> list[tuple[int, int]]:
         """The held-out pairs (every pair with ``held_out`` 0)."""
         return list(self._eval)
 
@@ -219,14 +219,14 @@ class ArithmeticEnv(Environment):
         return ArithmeticEpisode(group_id, a, b, self.codec, self.template, self.max_new_tokens, self.answer_width,
                                  self.partial_credit, self.operand_width)
 
-    def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
+    def eval_set(self) -> Optional[list[Callable[[str], Episode]]]:
         """One episode factory per held-out pair; None when there are too many pairs to list."""
         return [functools.partial(self._eval_episode, a, b) for a, b in self._eval] or None
 
     def _eval_episode(self, a: int, b: int, group_id: str) -> ArithmeticEpisode:
         return self.episode(group_id, a, b)
 
-    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+    def new_group(self, group_id: str, group_size: int) -> list[Episode]:
         if self.held_out == 0 and (self._numbers is not None or self._b_numbers is not None):  # listed operands
             a = self._rng.choice(self._numbers) if self._numbers is not None else self._rng.randint(0, self.max_operand)
             b = self._rng.choice(self._b_numbers if self._b_numbers is not None else self._numbers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 from glm5_core.rl.rollout.trajectory import Sample
 
@@ -27,7 +27,7 @@ class Episode(abc.ABC):
     group_id: str
 
     @abc.abstractmethod
-    def context_tokens(self) -> List[int]:
+    def context_tokens(self) -> list[int]:
         """Token ids of the full context for the next generation."""
 
     @abc.abstractmethod
@@ -35,7 +35,7 @@ class Episode(abc.ABC):
         """Sampling limits of the next generation."""
 
     @abc.abstractmethod
-    def observe(self, output_ids: List[int]) -> bool:
+    def observe(self, output_ids: list[int]) -> bool:
         """Consume the sampled tokens; True when the episode is over."""
 
     @property
@@ -48,7 +48,7 @@ class Episode(abc.ABC):
     def num_turns(self) -> int:
         """Generations so far."""
 
-    def info(self) -> Dict[str, float]:
+    def info(self) -> dict[str, float]:
         return {}
 
 
@@ -56,22 +56,22 @@ class Environment(abc.ABC):
     """Makes groups of episodes: ``group_size`` attempts at the same task."""
 
     @abc.abstractmethod
-    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+    def new_group(self, group_id: str, group_size: int) -> list[Episode]:
         """``group_size`` fresh episodes on one task."""
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """What a resumed run restores so that the next groups get the tasks they would have got (JSON types;
         ``{}``: nothing, the tasks do not depend on the groups drawn before)."""
         return {}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
             raise ValueError(f"env: {type(self).__name__} keeps no state, got {sorted(state)[:4]}")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: most environments start nothing to release)
         """Release what the environment started (a server, threads); called once when the run ends."""
 
-    def eval_set(self) -> Optional[List[Callable[[str], Episode]]]:
+    def eval_set(self) -> Optional[list[Callable[[str], Episode]]]:
         """The held-out eval set: per problem, a function of a group id making a fresh episode of it; problems
         :meth:`new_group` never draws. None (the default): no eval set, the run evaluates nothing."""
         return None
@@ -95,10 +95,10 @@ class AgentRun:
     """What an agent episode recorded: its samples (engine ids, mask 1 on sampled tokens), its reward, and
     ``failure`` (None: it finished; else the kind, e.g. ``"exception"``) with ``drop`` (True: not trained)."""
 
-    samples: List[Sample]
+    samples: list[Sample]
     reward: float
     num_turns: int
-    info: Dict[str, float] = dataclasses.field(default_factory=dict)
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
     failure: Optional[str] = None
     drop: bool = False
 
@@ -109,5 +109,5 @@ class AgentEpisode(abc.ABC):
     group_id: str
 
     @abc.abstractmethod
-    def run(self, trajectory_id: str, generate_fn: Callable[[str, Dict], Dict], sampling: AgentSampling) -> AgentRun:
+    def run(self, trajectory_id: str, generate_fn: Callable[[str, dict], dict], sampling: AgentSampling) -> AgentRun:
         """Play the episode to its end, generating through ``generate_fn(trajectory_id, request)``."""

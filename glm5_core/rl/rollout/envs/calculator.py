@@ -15,7 +15,6 @@ message with the next number (or ``answer:``), appended after the model's sample
 from __future__ import annotations
 
 import random
-from typing import Dict, List
 
 from glm5_core.rl.rollout.envs.arithmetic import score_answer
 from glm5_core.rl.rollout.envs.base import Environment, Episode, TurnLimits
@@ -31,7 +30,7 @@ def long_tailed_count(rng: random.Random, alpha: float, cap: int) -> int:
 
 
 class CalculatorEpisode(Episode):
-    def __init__(self, group_id: str, numbers: List[int], codec: ByteCodec, *, max_new_tokens: int,
+    def __init__(self, group_id: str, numbers: list[int], codec: ByteCodec, *, max_new_tokens: int,
                  keep_recent: int, token_budget: int):
         self.group_id = group_id
         self.numbers = numbers
@@ -48,17 +47,17 @@ class CalculatorEpisode(Episode):
         self._limits = TurnLimits(max_new_tokens, stop_tokens(codec, "\n"))
         self._revealed = 1
         self._turns = 0
-        self._final: List[int] = []
+        self._final: list[int] = []
         if self._asked_answer and self._chat is None:
             self.context.prompt += codec.encode("answer:")
 
-    def context_tokens(self) -> List[int]:
+    def context_tokens(self) -> list[int]:
         return self.context.render()
 
     def turn_limits(self) -> TurnLimits:
         return self._limits
 
-    def observe(self, output_ids: List[int]) -> bool:
+    def observe(self, output_ids: list[int]) -> bool:
         self._turns += 1
         if self._asked_answer:
             self._final = list(output_ids)
@@ -93,7 +92,7 @@ class CalculatorEpisode(Episode):
     def num_turns(self) -> int:
         return self._turns
 
-    def info(self) -> Dict[str, float]:
+    def info(self) -> dict[str, float]:
         return {"numbers": float(len(self.numbers)), "history_drops": float(self.context.num_drops)}
 
 
@@ -118,13 +117,13 @@ class CalculatorEnv(Environment):
         self.codec = codec or ByteCodec()
         self._rng = random.Random(seed)
 
-    def state_dict(self) -> Dict:
+    def state_dict(self) -> dict:
         return rng_state_dict(self._rng)
 
-    def load_state_dict(self, state: Dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         load_rng_state(self._rng, state)
 
-    def new_group(self, group_id: str, group_size: int) -> List[Episode]:
+    def new_group(self, group_id: str, group_size: int) -> list[Episode]:
         n = max(self.min_numbers, long_tailed_count(self._rng, self.pareto_alpha, self.max_numbers))
         numbers = [self._rng.randint(0, self.max_value) for _ in range(n)]
         return [CalculatorEpisode(group_id, list(numbers), self.codec, max_new_tokens=self.max_new_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from typing import Any, Dict, List
+from typing import Any
 
 from glm5_core.rl.rollout.envs.arithmetic import score_answer
 from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
@@ -21,7 +21,7 @@ CALC_TOOL = {"type": "function", "function": {
 SYSTEM = "Add the numbers with calc. Answer with the total only."
 
 
-def calculator_task(rng: random.Random) -> Dict[str, List[int]]:
+def calculator_task(rng: random.Random) -> dict[str, list[int]]:
     """One task: the numbers to add."""
     return {"numbers": [rng.randint(0, 9) for _ in range(rng.randint(1, 3))]}
 
@@ -36,10 +36,10 @@ def tool_result(call) -> str:
         return f"error: {exc}"
 
 
-def calculator_agent(client: Any, model: str, task: Dict[str, List[int]]) -> float:
+def calculator_agent(client: Any, model: str, task: dict[str, list[int]]) -> float:
     """Play one task with ``client`` (an ``openai.OpenAI``); the reward."""
     numbers = task["numbers"]
-    messages: List[Dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": f"First: {numbers[0]}"}]
     revealed = 0
     while True:

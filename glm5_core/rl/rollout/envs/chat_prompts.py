@@ -10,11 +10,12 @@ end-of-turn ids (not on the byte environments' newline), and answers are read wi
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
 
-Message = Dict[str, Any]
+Message = dict[str, Any]
 
 
 def uses_chat_template(codec: Any) -> bool:
@@ -22,7 +23,7 @@ def uses_chat_template(codec: Any) -> bool:
     return bool(getattr(codec, "has_chat_template", False))
 
 
-def prompt_tokens(codec: Any, text: str) -> List[int]:
+def prompt_tokens(codec: Any, text: str) -> list[int]:
     """The first context: ``text`` as bytes, or as the user message of the chat template with its generation
     prompt."""
     if not uses_chat_template(codec):
@@ -30,7 +31,7 @@ def prompt_tokens(codec: Any, text: str) -> List[int]:
     return codec.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
-def stop_tokens(codec: Any, *texts: str) -> Tuple[int, ...]:
+def stop_tokens(codec: Any, *texts: str) -> tuple[int, ...]:
     """Token ids generation stops on: with bytes, each of ``texts`` (one token each); with a chat template, the
     tokenizer's end-of-turn ids instead (a template may open the answer with a newline, as GLM's does)."""
     if uses_chat_template(codec):
@@ -52,8 +53,8 @@ class ChatTurns:
     def __init__(self, tokenizer, user_text: str):
         self.tokenizer = tokenizer
         self._transcript = ChatTranscript(tokenizer)
-        self._messages: List[Message] = [{"role": "user", "content": user_text}]
-        self.prompt: List[int] = self._transcript.prompt_ids(self._messages)
+        self._messages: list[Message] = [{"role": "user", "content": user_text}]
+        self.prompt: list[int] = self._transcript.prompt_ids(self._messages)
         self._ids = list(self.prompt)  # the whole conversation's ids up to the next generation
 
     def _recorded(self, output_ids: Sequence[int]) -> None:
@@ -64,7 +65,7 @@ class ChatTurns:
         self._transcript.record(self._messages, None, self._ids, {"role": "assistant", "content": content},
                                 list(output_ids), None if stop is None else self.tokenizer.token_text(stop))
 
-    def _appended(self, messages: List[Message]) -> List[int]:
+    def _appended(self, messages: list[Message]) -> list[int]:
         ids = self._transcript.prompt_ids(self._transcript.messages + messages)
         recorded = self._transcript.tokens
         if ids[:len(recorded)] != recorded:
@@ -72,8 +73,8 @@ class ChatTurns:
                              "conversation so far changed); the built-in environments need one that is")
         return ids[len(recorded):]
 
-    def reply(self, output_ids: Sequence[int], messages: List[Message],
-              folded: Optional[List[Message]] = None) -> Tuple[List[int], Optional[List[int]]]:
+    def reply(self, output_ids: Sequence[int], messages: list[Message],
+              folded: Optional[list[Message]] = None) -> tuple[list[int], Optional[list[int]]]:
         """After the model sampled ``output_ids``: the ids of ``messages`` (closing the model's turn, through the
         next generation prompt), and those of ``folded`` (the same turn with a shortened tool result) if given."""
         self._recorded(output_ids)

@@ -5,7 +5,7 @@ never re-encoded (TITO): they are decoded only to compute rewards and tool calls
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 
 class ByteCodec:
@@ -18,7 +18,7 @@ class ByteCodec:
     def min_vocab_size(self) -> int:
         return self.offset + 256
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -12,7 +12,7 @@ Tokens are kept as ids (the model's are exactly what it sampled); only the envir
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Optional
 
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 
@@ -22,13 +22,13 @@ DROPPED_TEXT = "[history dropped]\n"
 
 @dataclasses.dataclass
 class Turn:
-    model_tokens: List[int]
-    tool_tokens: List[int]
-    folded_tokens: Optional[List[int]] = None  # what replaces tool_tokens once folded (None: the FOLDED_TEXT ids)
+    model_tokens: list[int]
+    tool_tokens: list[int]
+    folded_tokens: Optional[list[int]] = None  # what replaces tool_tokens once folded (None: the FOLDED_TEXT ids)
 
 
 class ContextManager:
-    def __init__(self, prompt_tokens: List[int], codec: ByteCodec, *, keep_recent: int = 5,
+    def __init__(self, prompt_tokens: list[int], codec: ByteCodec, *, keep_recent: int = 5,
                  token_budget: int = 32768):
         if not isinstance(keep_recent, int) or keep_recent < 1:
             raise ValueError(f"keep_recent: expected an int >= 1, got {keep_recent!r}")
@@ -38,19 +38,19 @@ class ContextManager:
         self.prompt = list(prompt_tokens)
         self.keep_recent = keep_recent
         self.token_budget = token_budget
-        self.turns: List[Turn] = []
+        self.turns: list[Turn] = []
         self._folded = codec.encode(FOLDED_TEXT)
         self._dropped = codec.encode(DROPPED_TEXT)
         self._history_dropped = False
         self.num_folds = 0
         self.num_drops = 0
 
-    def add_turn(self, model_tokens: List[int], tool_tokens: List[int],
-                 folded_tokens: Optional[List[int]] = None) -> None:
+    def add_turn(self, model_tokens: list[int], tool_tokens: list[int],
+                 folded_tokens: Optional[list[int]] = None) -> None:
         self.turns.append(Turn(list(model_tokens), list(tool_tokens),
                                None if folded_tokens is None else list(folded_tokens)))
 
-    def _render(self) -> List[int]:
+    def _render(self) -> list[int]:
         out = list(self.prompt) + (list(self._dropped) if self._history_dropped else [])
         first_verbatim = len(self.turns) - self.keep_recent
         for i, turn in enumerate(self.turns):
@@ -61,7 +61,7 @@ class ContextManager:
                 out += self._folded if turn.folded_tokens is None else turn.folded_tokens
         return out
 
-    def render(self) -> List[int]:
+    def render(self) -> list[int]:
         """The context to send next (applies keep-recent, then discard-all past the budget)."""
         tokens = self._render()
         if len(tokens) > self.token_budget and len(self.turns) > 1:

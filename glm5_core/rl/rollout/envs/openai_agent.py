@@ -38,7 +38,7 @@ import logging
 import math
 import random
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Optional
 
 from glm5_core.config_schema import shown
 from glm5_core.rl.plugins import load_object
@@ -49,7 +49,7 @@ from glm5_core.rl.rollout.sampling_seeds import sampling_seed
 FAILURE_POLICIES = ("drop", "zero", "fail")
 FAILURE_KINDS = ("exception", "timeout", "no_requests", "bad_reward")
 LOG = logging.getLogger("glm5_core.rl.agents")
-GenerateFn = Callable[[str, Dict], Dict]
+GenerateFn = Callable[[str, dict], dict]
 
 
 class AgentError(RuntimeError):
@@ -109,19 +109,19 @@ class OpenAIAgentEnv(Environment):
         self._proxy = None
         self._generate_fn: Optional[GenerateFn] = None
         self._sampling: Optional[AgentSampling] = None
-        self._turns: Dict[str, int] = {}  # open trajectory -> generations so far (for sampling seeds)
+        self._turns: dict[str, int] = {}  # open trajectory -> generations so far (for sampling seeds)
         self.failures = {kind: 0 for kind in FAILURE_KINDS}
         self.last_error = ""
 
     # -- the environment -------------------------------------------------------------------------------------
-    def new_group(self, group_id: str, group_size: int) -> List["OpenAIAgentEpisode"]:
+    def new_group(self, group_id: str, group_size: int) -> list[OpenAIAgentEpisode]:
         task = self.tasks(self._rng)
         return [OpenAIAgentEpisode(self, group_id, task) for _ in range(group_size)]
 
-    def state_dict(self) -> Dict:
+    def state_dict(self) -> dict:
         return rng_state_dict(self._rng)
 
-    def load_state_dict(self, state: Dict) -> None:
+    def load_state_dict(self, state: dict) -> None:
         load_rng_state(self._rng, state)
 
     def close(self) -> None:
@@ -130,7 +130,7 @@ class OpenAIAgentEnv(Environment):
         if proxy is not None:
             proxy.shutdown()
 
-    def failure_counts(self) -> Dict[str, int]:
+    def failure_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self.failures)
 
@@ -154,7 +154,7 @@ class OpenAIAgentEnv(Environment):
             assert generate_fn == self._generate_fn and sampling == self._sampling, "one run, one proxy"
             return self._proxy
 
-    def _generate(self, trajectory_id: str, request: Dict) -> Dict:
+    def _generate(self, trajectory_id: str, request: dict) -> dict:
         """The proxy's generations, with the run's per-turn sampling seed when it sends them."""
         with self._lock:
             turn = self._turns.get(trajectory_id, 0)

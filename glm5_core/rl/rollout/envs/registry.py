@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable
 
 from glm5_core.config_schema import convert_value, did_you_mean, shown, unknown_key
 from glm5_core.rl.plugins import load_object
@@ -40,7 +40,7 @@ def builtin_environment(name: str) -> Callable[..., Environment]:
                      f"{shown(name)}{hint} (a plug-in: env.path, an import path 'pkg.module:factory')")
 
 
-def environment_factory(env_cfg: Dict[str, Any]) -> Callable[..., Environment]:
+def environment_factory(env_cfg: dict[str, Any]) -> Callable[..., Environment]:
     """The constructor ``env`` names (``name`` or ``path``, exactly one)."""
     if "name" in env_cfg and "path" in env_cfg:
         raise ValueError(f"env: expected 'name' (a built-in) or 'path' (a plug-in), not both; got name="
@@ -58,7 +58,7 @@ def _signature_target(factory: Callable) -> Callable:
     return factory.__init__ if inspect.isclass(factory) else factory
 
 
-def _parameters(factory: Callable) -> Dict[str, inspect.Parameter]:
+def _parameters(factory: Callable) -> dict[str, inspect.Parameter]:
     params = inspect.signature(_signature_target(factory)).parameters
     return {n: p for n, p in params.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
@@ -67,7 +67,7 @@ def _takes_any_keyword(factory: Callable) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(_signature_target(factory)).parameters.values())
 
 
-def _config_keys(factory: Callable) -> Dict[str, Any]:
+def _config_keys(factory: Callable) -> dict[str, Any]:
     """Config key -> type (``Any`` where not annotated) of ``factory``'s keyword arguments."""
     try:
         hints = typing.get_type_hints(_signature_target(factory))
@@ -79,7 +79,7 @@ def _config_keys(factory: Callable) -> Dict[str, Any]:
     return keys
 
 
-def _converted_kwargs(factory: Callable, env_cfg: Dict[str, Any], problems: List[str]) -> Dict[str, Any]:
+def _converted_kwargs(factory: Callable, env_cfg: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     known = _config_keys(factory)
     values = {k: v for k, v in env_cfg.items() if k not in ("name", "path")}
     if not _takes_any_keyword(factory):
@@ -94,7 +94,7 @@ def _converted_kwargs(factory: Callable, env_cfg: Dict[str, Any], problems: List
             for k, v in values.items()}
 
 
-def _construct(factory: Callable, kwargs: Dict[str, Any], seed: int, codec=None) -> Environment:
+def _construct(factory: Callable, kwargs: dict[str, Any], seed: int, codec=None) -> Environment:
     """``codec``: the run's tokenizer (``rollout.tokenizer``); None: bytes at ``env.byte_offset``."""
     kwargs = dict(kwargs)
     params = _parameters(factory)
@@ -110,7 +110,7 @@ def _construct(factory: Callable, kwargs: Dict[str, Any], seed: int, codec=None)
     return env
 
 
-def _unknown_builtin_keys(env_cfg: Dict[str, Any]) -> List[str]:
+def _unknown_builtin_keys(env_cfg: dict[str, Any]) -> list[str]:
     """Without a valid ``name`` or ``path``: the keys no built-in environment takes (a misspelt ``name`` among
     them)."""
     if "path" in env_cfg:
@@ -129,7 +129,7 @@ def needs_chat_template(env_cfg: Any) -> bool:
     return bool(getattr(factory, "requires_chat_template", False))
 
 
-def env_problems(env_cfg: Any) -> List[str]:
+def env_problems(env_cfg: Any) -> list[str]:
     """The problems of an ``env`` section, one line each (empty: the run can build it)."""
     if not isinstance(env_cfg, dict):
         return [f"env: expected a mapping with 'name' or 'path', got {shown(env_cfg)}"]
@@ -137,7 +137,7 @@ def env_problems(env_cfg: Any) -> List[str]:
         factory = environment_factory(env_cfg)
     except ValueError as exc:
         return _unknown_builtin_keys(env_cfg) + [str(exc)]
-    problems: List[str] = []
+    problems: list[str] = []
     kwargs = _converted_kwargs(factory, env_cfg, problems)
     if problems:
         return problems
@@ -148,11 +148,11 @@ def env_problems(env_cfg: Any) -> List[str]:
     return []
 
 
-def build_env(env_cfg: Dict[str, Any], seed: int, codec=None) -> Environment:
+def build_env(env_cfg: dict[str, Any], seed: int, codec=None) -> Environment:
     """The environment of a checked ``env`` section, seeded with the run's ``seed``, its text through ``codec``
     (None: bytes at ``env.byte_offset``)."""
     factory = environment_factory(env_cfg)
-    problems: List[str] = []
+    problems: list[str] = []
     kwargs = _converted_kwargs(factory, env_cfg, problems)
     if problems:
         raise ValueError(problems[0])

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Dict
+from typing import Any
 
 STATE_WORDS = 625  # random.getstate()[1]: the Mersenne Twister's 624 words and its position
 
 
-def rng_state_dict(rng: random.Random) -> Dict[str, Any]:
+def rng_state_dict(rng: random.Random) -> dict[str, Any]:
     version, words, gauss_next = rng.getstate()
     return {"rng": [version, list(words), gauss_next]}
 
