@@ -21,19 +21,10 @@ import sys
 import time
 
 import torch
-from _results import write_json  # benchmarks/, the script's folder
+from _args import batch_tokens  # benchmarks/, the script's folder
+from _results import write_json
 
 HEADS, NOPE, ROPE, LATENT, INDEX_HEADS, INDEX_DIM = 8, 32, 16, 128, 8, 64
-
-
-def _case(text: str) -> tuple[int, int]:
-    try:
-        batch, tokens = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxTOKENS such as 2x512, got {text!r}") from None
-    if batch < 1 or tokens < 1:
-        raise argparse.ArgumentTypeError(f"expected positive sizes, got {text!r}")
-    return batch, tokens
 
 
 def _inputs(batch: int, tokens: int, topk: int):
@@ -61,7 +52,7 @@ def _time(fn) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=_case, nargs="+", default=[(2, 512), (1, 4096)])
+    parser.add_argument("--cases", type=batch_tokens(1), nargs="+", default=[(2, 512), (1, 4096)])
     parser.add_argument("--topk", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)

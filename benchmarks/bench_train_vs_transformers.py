@@ -38,7 +38,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from _results import write_json  # benchmarks/, the script's folder
+from _args import batch_tokens  # benchmarks/, the script's folder
+from _results import write_json
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
              num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
@@ -50,16 +51,6 @@ DENSE_REFERENCE_OK: frozenset = frozenset()  # ops the dense step may run throug
 
 def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-def _parse_case(text: str) -> tuple[int, int]:
-    try:
-        batch, tokens = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"case: expected BATCHxTOKENS such as 2x512, got {text!r}") from None
-    if batch < 1 or tokens < 2:
-        raise argparse.ArgumentTypeError(f"case: expected batch >= 1 and tokens >= 2, got {text!r}")
-    return batch, tokens
 
 
 def _build(topk: int, folder: str):
@@ -146,7 +137,7 @@ def _time_case(hf, ours, batch: int, tokens: int, rounds: int, kl_target: str, c
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", type=_parse_case, default=[(2, 512)], help="BATCHxTOKENS ...")
+    parser.add_argument("--cases", nargs="+", type=batch_tokens(2), default=[(2, 512)], help="BATCHxTOKENS ...")
     parser.add_argument("--topk", type=int, default=MODEL["index_topk"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

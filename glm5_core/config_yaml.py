@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Sequence
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TypeVar
 
 import yaml
 
 from glm5_core.config_schema import ConfigError
+
+T = TypeVar("T")
 
 MAX_FILE_BYTES = 1 << 20
 MAX_NODES = 100_000
@@ -204,3 +206,18 @@ def blame_overrides(error: ConfigError, overrides: Sequence[str]) -> ConfigError
         return ConfigError(error.problems, f"--set (over {error.source})")
     return ConfigError([f"{problem} (from --set)" if by_set else problem
                         for problem, by_set in zip(error.problems, blamed)], error.source)
+
+
+def load_config_file(path, sets: Sequence[str], values: Optional[dict[str, Any]],
+                     parse: Callable[[dict[str, Any], str], T], *, empty: Optional[dict] = None) -> T:
+    """The one way a config file is read, for pretraining and RL alike: the YAML mapping at ``path`` (``empty``: what
+    an empty file stands for; None refuses it), then the ``--set KEY=VALUE`` overrides ``sets`` (VALUE read as YAML),
+    then ``values`` (dotted key -> value, as command-line flags give them, assigned as they are), then
+    ``parse(data, source)``; the problems an override caused are blamed on ``--set``."""
+    data = apply_overrides(load_mapping(str(path), empty=empty), sets)
+    for key, value in (values or {}).items():
+        assign(data, key, value)
+    try:
+        return parse(data, str(path))
+    except ConfigError as exc:
+        raise blame_overrides(exc, sets) from None

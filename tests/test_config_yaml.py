@@ -7,6 +7,7 @@ import pytest
 
 from glm5_core.config_schema import ConfigError
 from glm5_core.config_yaml import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, apply_overrides, assign, load_mapping, load_yaml
+from tests.glm5_command import glm5_here
 
 
 def _bomb(levels: int, width: int = 10) -> str:
@@ -144,15 +145,6 @@ def test_assign_takes_values_as_they_are():
     assert raw == {"output_dir": "runs/a: b #c"}
 
 
-def _cli(capsys, *argv):
-    """(exit code, stderr) of ``glm5 ARGV`` run in this process."""
-    from glm5_core import cli
-
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["pretrain", "rl"])
@@ -163,7 +155,7 @@ def _cli(capsys, *argv):
 def test_deep_or_unprintable_yaml_is_one_line_naming_the_file_exit_2(tmp_path, capsys, command, text, message):
     path = tmp_path / "run.yaml"
     path.write_text(text)
-    code, err = _cli(capsys, command, "--config", str(path), "--check-config")
+    code, err = glm5_here(capsys, command, "--config", str(path), "--check-config")
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert f"{path}: " in err and message in err, err
 
@@ -179,5 +171,5 @@ def test_an_allocation_that_fails_past_the_memory_check_is_one_line(tmp_path, ca
 
     monkeypatch.setattr(trainer.PretrainTrainer, "__init__", out_of_memory)
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml")
-    code, err = _cli(capsys, "pretrain", "--config", config, "--output-dir", str(tmp_path / "run"))
+    code, err = glm5_here(capsys, "pretrain", "--config", config, "--output-dir", str(tmp_path / "run"))
     assert code == 2 and err.count("\n") == 1 and "out of memory" in err and "Traceback" not in err, err

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from glm5_core import config_paths
 from glm5_core.config_schema import ConfigError, build, check
-from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
+from glm5_core.config_yaml import load_config_file
 from glm5_core.rl.algorithm.advantages import resolve_advantage
 from glm5_core.rl.algorithm.loss import resolve_loss
 from glm5_core.rl.config import RLConfig
@@ -131,10 +131,4 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> RLConfig:
 def load_config(path: str, sets: Sequence[str] = (), values: Optional[dict[str, Any]] = None) -> RLConfig:
     """A YAML file (an empty one: every default), then ``--set KEY=VALUE`` overrides ``sets`` (VALUE read as
     YAML), then ``values`` (dotted key -> value, as command-line flags give them)."""
-    data = apply_overrides(load_mapping(path, empty={}), sets)
-    for key, value in (values or {}).items():
-        assign(data, key, value)
-    try:
-        return config_from_dict(data, str(path))
-    except ConfigError as exc:
-        raise blame_overrides(exc, sets) from None
+    return load_config_file(path, sets, values, config_from_dict, empty={})

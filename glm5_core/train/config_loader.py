@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from glm5_core.config_schema import ConfigError, build
-from glm5_core.config_yaml import apply_overrides, assign, blame_overrides, load_mapping
+from glm5_core.config_yaml import load_config_file
 from glm5_core.train.config import TrainConfig
 from glm5_core.train.step_memory import memory_problems
 
@@ -30,10 +30,4 @@ def parse_config(raw: Any, source: str = "config") -> TrainConfig:
 def load_config(path, sets: Sequence[str] = (), values: Optional[dict[str, Any]] = None) -> TrainConfig:
     """A YAML file (see ``glm5_core.config_yaml`` for what is refused) with ``--set KEY=VALUE`` overrides ``sets``,
     then ``values`` (dotted key -> value, as command-line flags give them) assigned as they are."""
-    raw = apply_overrides(load_mapping(str(path)), sets)
-    for key, value in (values or {}).items():
-        assign(raw, key, value)
-    try:
-        return parse_config(raw, str(path))
-    except ConfigError as exc:
-        raise blame_overrides(exc, sets) from None
+    return load_config_file(path, sets, values, parse_config)

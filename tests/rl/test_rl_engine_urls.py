@@ -7,17 +7,11 @@ import time
 
 import pytest
 
-from glm5_core import cli
+from tests.glm5_command import glm5_here
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "rl_tiny.yaml")
 
 
-def glm5(capsys, *argv):
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def closed_port() -> int:
@@ -29,7 +23,7 @@ def closed_port() -> int:
 def test_an_unreachable_engine_ends_the_run_within_its_budget(tmp_path, capsys):
     url = f"http://127.0.0.1:{closed_port()}"
     start = time.monotonic()
-    code, err = glm5(capsys, "rl", "--config", CONFIG, "--engine-url", url, "--max-minutes", "0.03",
+    code, err = glm5_here(capsys, "rl", "--config", CONFIG, "--engine-url", url, "--max-minutes", "0.03",
                      "--output-dir", str(tmp_path / "run"))
     assert time.monotonic() - start < 60  # the budget is 1.8 s; building the policy takes a few seconds
     lines = [line for line in err.splitlines() if line.startswith("glm5 rl: error:")]
@@ -40,7 +34,7 @@ def test_an_unreachable_engine_ends_the_run_within_its_budget(tmp_path, capsys):
 @pytest.mark.parametrize("url", ["http://user:secret@127.0.0.1:30000", "http://:secret@127.0.0.1:30000",
                                  "http://127.0.0.1:30000#frag"])
 def test_credentials_in_an_engine_url_are_refused(tmp_path, capsys, url):
-    code, err = glm5(capsys, "rl", "--config", CONFIG, "--engine-url", url, "--check-config",
+    code, err = glm5_here(capsys, "rl", "--config", CONFIG, "--engine-url", url, "--check-config",
                      "--output-dir", str(tmp_path / "run"))
     assert code == 2 and err.count("\n") == 1, err
     assert "rollout.engine_urls[0]: expected no credentials or fragment in the URL (use rollout.api_key)" in err

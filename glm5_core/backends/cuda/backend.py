@@ -14,11 +14,5 @@ def kernel_table() -> dict[str, Kernel]:
     return build_kernel_table(CUDA_CONFIGS)
 
 
-BACKEND = triton_backend(
-    name="cuda",
-    facts=DEVICE,
-    device_probe=functools.partial(gpu_probe, "cuda"),
-    kernel_table=kernel_table,
-    description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs",
-    priority=10,
-)
+BACKEND = triton_backend("cuda", DEVICE, functools.partial(gpu_probe, "cuda"), kernel_table, priority=10,
+                         description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs")

@@ -28,11 +28,5 @@ def kernel_table() -> dict[str, Kernel]:
     return table
 
 
-BACKEND = triton_backend(
-    name="rocm",
-    facts=DEVICE,
-    device_probe=functools.partial(gpu_probe, "rocm"),
-    kernel_table=kernel_table,
-    description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed",
-    priority=20,
-)
+BACKEND = triton_backend("rocm", DEVICE, functools.partial(gpu_probe, "rocm"), kernel_table, priority=20,
+                         description="AMD GPUs (ROCm torch): Triton kernels with AMD tuning, aiter where installed")

@@ -17,8 +17,8 @@ from glm5_core.device_facts import DeviceFacts
 from glm5_core.registry import Backend, Kernel
 
 
-def triton_backend(*, name: str, facts: DeviceFacts, device_probe: Callable[[], tuple[bool, str]],
-                   kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]], description: str,
+def triton_backend(name: str, facts: DeviceFacts, device_probe: Callable[[], tuple[bool, str]],
+                   kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]], *, description: str,
                    priority: int) -> Backend:
     """The backend of a Triton vendor named ``name``; ``device_probe()`` is its cached ``(available, reason)``."""
     return Backend(
