@@ -8,6 +8,10 @@ once; a 500/504 (the request ran and failed) is retried on another replica at mo
 times, so one poisoned request cannot take down every replica in turn. A busy 503 (``Retry-After``) is
 retried on the same replica after a pause.
 
+With ``check_response`` (``rollout.response_check.ResponseCheck``) every answer is checked before it is returned:
+a malformed or impossible one is counted (``dropped_malformed``), logged once with the engine's URL, and raised as
+:class:`~glm5_core.rl.serving.client.MalformedResponse` naming that URL; the runner drops its rollout.
+
 The supervisor thread replaces dead workers and puts them back on the ring. A failed replacement (e.g. the
 worker could not start) is logged and retried with exponential backoff; it never stops the supervisor.
 """
@@ -18,7 +22,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
+from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable, MalformedResponse
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +30,8 @@ logger = logging.getLogger(__name__)
 class ReplicaSet:
     def __init__(self, executor, router, names: List[str], *, poll_seconds: float = 0.5,
                  retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
-                 end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient):
+                 end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient,
+                 check_response: Optional[Callable[[Dict, Dict], None]] = None):
         if isinstance(max_server_errors, bool) or not isinstance(max_server_errors, int) or max_server_errors < 1:
             raise ValueError(f"max_server_errors: expected an int >= 1, got {max_server_errors!r}")
         self.executor = executor
@@ -37,7 +42,9 @@ class ReplicaSet:
         self.replacements = 0
         self.failed_restarts = 0
         self.failed_requests = 0
+        self.dropped_malformed = 0  # answers refused by check_response (their rollouts are dropped)
         self.last_error = ""
+        self._check_response = check_response
         self._poll = poll_seconds
         self._retry_timeout = retry_timeout
         self._max_server_errors = max_server_errors
@@ -128,7 +135,11 @@ class ReplicaSet:
                 time.sleep(self._poll)
                 continue
             try:
-                return self.clients[name].generate(request)
+                client = self.clients[name]
+                response = client.generate(request)
+                if self._check_response is not None:
+                    self._checked(client, trajectory_id, request, response)
+                return response
             except EngineRequestError as exc:
                 if exc.status < 500:  # the request's own fault: the same answer anywhere
                     raise
@@ -150,6 +161,18 @@ class ReplicaSet:
                     raise
             finally:
                 self.router.release(trajectory_id, name)
+
+    def _checked(self, client: EngineClient, trajectory_id: str, request: Dict, response: Dict) -> None:
+        try:
+            self._check_response(request, response)
+        except MalformedResponse as exc:
+            error = MalformedResponse(exc.reason, server=client.url)
+            with self._stats_lock:
+                self.dropped_malformed += 1
+                self.last_error = str(error)
+            logger.warning("engine %s sent a malformed answer for trajectory %s (rollout dropped): %s",
+                           client.url, trajectory_id, exc.reason)
+            raise error from None
 
     def healthy_clients(self) -> Dict[str, EngineClient]:
         healthy = set(self.router.healthy_replicas())

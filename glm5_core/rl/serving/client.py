@@ -35,6 +35,17 @@ class EngineRequestError(RuntimeError):
         return self.status == 503 and self.retry_after is not None
 
 
+class MalformedResponse(ValueError):
+    """An engine answered 200 with something no correct engine sends (missing or impossible log-probs, tokens
+    outside the vocabulary, an unknown or future weight version ...). ``server`` names the engine (its URL).
+    The rollout it belonged to is dropped; the run goes on."""
+
+    def __init__(self, message: str, server: str = ""):
+        super().__init__(f"{server}: {message}" if server else message)
+        self.server = server
+        self.reason = message
+
+
 def _retry_after(headers) -> Optional[float]:
     value = headers.get("Retry-After") if headers is not None else None
     try:
