@@ -20,9 +20,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
-from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable, MalformedResponse
+from glm5_core.rl.fleet.continuation import continuation, merge
+from glm5_core.rl.serving.client import (
+    EngineClient,
+    EngineRequestError,
+    EngineUnavailable,
+    GenerationAborted,
+    MalformedResponse,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,7 @@ class ReplicaSet:
         self.replacements = 0
         self.failed_restarts = 0
         self.failed_requests = 0
+        self.continued_generations = 0  # answers aborted by an engine (a weight push) and asked for again
         self.dropped_malformed = 0  # answers refused by check_response (their rollouts are dropped)
         self.last_error = ""
         self._check_response = check_response
@@ -122,7 +130,39 @@ class ReplicaSet:
             self.router.mark_unhealthy(name)
 
     def generate(self, trajectory_id: str, request: Dict) -> Dict:
+        """One generation of ``trajectory_id``. An answer aborted by the engine (a weight push pauses engines in
+        SGLang's ``abort`` mode) is continued: its tokens are kept with the versions that sampled them and the
+        rest is asked for again (``continuation``), the parts merged into one answer."""
+        parts: List[Dict] = []
+        current = request
         deadline = time.monotonic() + self._retry_timeout
+        while True:
+            try:
+                response, url = self._generate_once(trajectory_id, current, deadline)
+            except GenerationAborted as exc:
+                partial = exc.response
+                if self._check_response is not None:
+                    self._checked(exc.server_url, trajectory_id, current, partial)
+                with self._stats_lock:
+                    self.continued_generations += 1
+                if time.monotonic() > deadline:
+                    raise
+                if not partial.get("output_ids"):  # aborted before its first token: ask again
+                    time.sleep(min(self._poll, 0.05))
+                    continue
+                parts.append(partial)
+                current = continuation(current, partial)
+                if current["sampling_params"].get("max_new_tokens") == 0:  # it had sampled all it was asked
+                    done = merge(parts)
+                    done["meta_info"]["finish_reason"] = {"type": "length", "length": len(done["output_ids"])}
+                    return done
+                continue
+            if self._check_response is not None:
+                self._checked(url, trajectory_id, current, response)
+            return merge(parts + [response])
+
+    def _generate_once(self, trajectory_id: str, request: Dict, deadline: float) -> Tuple[Dict, str]:
+        """One request, retried on failures as the module docstring says; (the answer, the engine's URL)."""
         server_errors = 0
         while True:
             if self._stop.is_set():  # shut down: no more retries (episode threads must not outlive the run)
@@ -136,10 +176,14 @@ class ReplicaSet:
                 continue
             try:
                 client = self.clients[name]
-                response = client.generate(request)
-                if self._check_response is not None:
-                    self._checked(client, trajectory_id, request, response)
-                return response
+                try:
+                    response = client.generate(request)
+                except GenerationAborted as exc:  # not the engine's failure: the caller continues it
+                    exc.server_url = client.url
+                    raise
+                return response, client.url
+            except GenerationAborted:
+                raise
             except EngineRequestError as exc:
                 if exc.status < 500:  # the request's own fault: the same answer anywhere
                     raise
@@ -162,16 +206,16 @@ class ReplicaSet:
             finally:
                 self.router.release(trajectory_id, name)
 
-    def _checked(self, client: EngineClient, trajectory_id: str, request: Dict, response: Dict) -> None:
+    def _checked(self, url: str, trajectory_id: str, request: Dict, response: Dict) -> None:
         try:
             self._check_response(request, response)
         except MalformedResponse as exc:
-            error = MalformedResponse(exc.reason, server=client.url)
+            error = MalformedResponse(exc.reason, server=url)
             with self._stats_lock:
                 self.dropped_malformed += 1
                 self.last_error = str(error)
             logger.warning("engine %s sent a malformed answer for trajectory %s (rollout dropped): %s",
-                           client.url, trajectory_id, exc.reason)
+                           url, trajectory_id, exc.reason)
             raise error from None
 
     def healthy_clients(self) -> Dict[str, EngineClient]:

@@ -35,6 +35,16 @@ class EngineRequestError(RuntimeError):
         return self.status == 503 and self.retry_after is not None
 
 
+class GenerationAborted(EngineUnavailable):
+    """The engine ended the request with ``finish_reason`` abort (SGLang's ``/pause_generation`` in its default
+    ``abort`` mode aborts every request, e.g. for a weight push). ``response`` holds what it returned: the tokens
+    sampled before the abort, with their log-probs and versions, which a continuation request extends."""
+
+    def __init__(self, message: str, response: Dict):
+        super().__init__(message)
+        self.response = response
+
+
 class MalformedResponse(ValueError):
     """An engine answered 200 with something no correct engine sends (missing or impossible log-probs, tokens
     outside the vocabulary, an unknown or future weight version ...). ``server`` names the engine (its URL).
@@ -145,7 +155,8 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}/generate: expected a JSON object with meta_info")
         reason = response["meta_info"].get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})")
+            raise GenerationAborted(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})",
+                                    response)
         return response
 
     def update_weights_from_disk(self, path: str, version: Any, *, flush_cache: bool = True) -> Dict:
@@ -168,14 +179,14 @@ class EngineClient:
     def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> Dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 
-    def pause_generation(self, mode: str = "in_place") -> Dict:
+    def pause_generation(self, mode: str = "abort") -> Dict:
         return self._call("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> Dict:
         return self._call("POST", "/continue_generation", {})
 
     def flush_cache(self) -> str:
-        """SGLang answers plain text (200, or 400 while requests run)."""
+        """SGLang answers plain text (200, or 400 while requests run: ``EngineRequestError``)."""
         return self._raw("POST", "/flush_cache").decode("utf-8", "replace")
 
     def end_trajectories(self, rids: List[str], timeout: Optional[float] = None) -> Dict:
