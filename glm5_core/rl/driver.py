@@ -396,6 +396,7 @@ class RLRun:
             "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.staleness_histogram.items())},
             "dropped_stale": self.buffer.dropped_stale, "env_failures": self.runner.env_failures,
             "rollout_failures": self.runner.rollout_failures, "dropped_malformed": self.replicas.dropped_malformed,
+            "continued_generations": self.replicas.continued_generations,
             "replacements": self.replicas.replacements, "failed_restarts": self.replicas.failed_restarts,
             "failed_requests": self.replicas.failed_requests,
             "prefill_tokens": counters["prefill_tokens"], "prefill_tokens_saved": counters["cached_tokens"],
