@@ -46,13 +46,13 @@ def test_client_reads_sglang_bodies(standin):
     assert err.value.status == 404
 
 
-def rl_config(tmp_path, weight_sync, *, max_new_tokens=1, max_steps=2):
+def rl_config(tmp_path, weight_sync, *, max_new_tokens=1, max_steps=2, max_buffered=8):
     cfg = {
         "seed": 0, "mode": "async", "output_dir": str(tmp_path / "run"), "max_minutes": 5, "max_steps": max_steps,
         "env": {"name": "arithmetic", "max_operand": 2, "template": "{a}+{b}=", "max_new_tokens": max_new_tokens},
         "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
-        "rollout": {"max_batch": 8, "max_len": 32, "group_size": 2, "max_inflight_groups": 2, "max_buffered": 8,
-                    "episode_threads": 8, "weight_sync": weight_sync, "sync_bucket_mb": 0.25},
+        "rollout": {"max_batch": 8, "max_len": 32, "group_size": 2, "max_inflight_groups": 2,
+                    "max_buffered": max_buffered, "episode_threads": 8, "weight_sync": weight_sync, "sync_bucket_mb": 0.25},
         "train": {"batch_size": 4, "max_staleness": 4, "optim": {"lr": 1e-4}},
         "eval": {"every": 0, "samples_per_problem": 1},
     }
@@ -84,7 +84,7 @@ def test_glm5_rl_trains_against_sglang(standin, tmp_path, weight_sync, capsys):
 
 @pytest.mark.parametrize("sglang_version", ["0.5.23", "0.5.15.post1"])
 def test_async_rl_with_multi_token_answers_through_weight_pushes(tmp_path, sglang_version, capsys):
-    """Requests are mid-generation at every push (4-token answers, generation never stops in async mode): the push
+    """Requests are mid-generation at the pushes (4-token answers; the producer never stops: max_buffered 64): the push
     must pause in a mode after which SGLang's scheduler can flush (0.5.23 answers 400 otherwise, 0.5.15 dies), and
     the aborted generations come back whole, their tokens stamped with the versions that sampled them."""
     from glm5_core.model import GLM5Config, GLM5ForCausalLM
@@ -94,7 +94,7 @@ def test_async_rl_with_multi_token_answers_through_weight_pushes(tmp_path, sglan
     server = SGLangStandIn(RolloutEngine(model, max_batch=8, max_len=64), "tiny-random", api_key=KEY,
                            sglang_version=sglang_version).start()
     try:
-        rc = main(["rl", "--config", str(rl_config(tmp_path, "disk", max_new_tokens=4, max_steps=3)),
+        rc = main(["rl", "--config", str(rl_config(tmp_path, "disk", max_new_tokens=4, max_steps=3, max_buffered=64)),
                    "--engine-url", server.url, "--api-key", KEY, "--backend", "cpu"])
     finally:
         server.shutdown()
