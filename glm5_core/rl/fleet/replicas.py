@@ -176,12 +176,13 @@ class ReplicaSet:
                 continue
             try:
                 client = self.clients[name]
+                url = getattr(client, "url", name)
                 try:
                     response = client.generate(request)
                 except GenerationAborted as exc:  # not the engine's failure: the caller continues it
-                    exc.server_url = client.url
+                    exc.server_url = url
                     raise
-                return response, client.url
+                return response, url
             except GenerationAborted:
                 raise
             except EngineRequestError as exc:

@@ -52,7 +52,8 @@ def rl_config(tmp_path, weight_sync, *, max_new_tokens=1, max_steps=2, max_buffe
         "env": {"name": "arithmetic", "max_operand": 2, "template": "{a}+{b}=", "max_new_tokens": max_new_tokens},
         "model": {"preset": "tiny", "overrides": {"index_topk": 8}},
         "rollout": {"max_batch": 8, "max_len": 32, "group_size": 2, "max_inflight_groups": 2,
-                    "max_buffered": max_buffered, "episode_threads": 8, "weight_sync": weight_sync, "sync_bucket_mb": 0.25},
+                    "max_buffered": max_buffered, "episode_threads": 8, "weight_sync": weight_sync,
+                    "sync_bucket_mb": 0.25},
         "train": {"batch_size": 4, "max_staleness": 4, "optim": {"lr": 1e-4}},
         "eval": {"every": 0, "samples_per_problem": 1},
     }
