@@ -78,12 +78,13 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_backend_name(args.backend)
     require_available(backend)
     from glm5_core.rl.driver import FleetUnreachableError, TrainerStarvedError
+    from glm5_core.rl.fleet.weight_sync import WeightPushError
     from glm5_core.rl.rollout.envs.openai_agent import AgentError
     from glm5_core.rl.rollout.rewards import RewardError
 
     try:
         summary = RLRun(cfg, checkpoint=args.checkpoint, backend=backend, resume=args.resume is not None).run()
-    except (TrainerStarvedError, FleetUnreachableError, RewardError, AgentError) as exc:
+    except (TrainerStarvedError, FleetUnreachableError, RewardError, AgentError, WeightPushError) as exc:
         print(f"glm5 rl: error: {exc}", file=sys.stderr)
         return 1
     print(summary_line(summary, cfg.output_dir))

@@ -44,6 +44,7 @@ from glm5_core.rl.fleet.weight_sync import build_weight_sync
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
 from glm5_core.rl.policy import build_starting_policy
 from glm5_core.rl.rollout.envs.registry import build_env
+from glm5_core.rl.rollout.response_check import ResponseCheck
 from glm5_core.rl.rollout.rewards import build_reward
 from glm5_core.rl.rollout.run_codec import TOKENIZER_KEY, load_run_tokenizer, vocab_problem
 from glm5_core.rl.rollout.runner import build_runner
@@ -134,7 +135,9 @@ class RLRun:
         self.router = build_router(r)
         self.executor = build_executor(cfg, self._spec)
         names = self.executor.names if self.external else [f"engine{i}" for i in range(r.num_engines)]
-        self.replicas = ReplicaSet(self.executor, self.router, names, client_factory=self._client)
+        check = ResponseCheck(vocab_size=self.model.config.vocab_size, newest_version=lambda: self.latest_version)
+        self.replicas = ReplicaSet(self.executor, self.router, names, client_factory=self._client,
+                                   check_response=check)
         self.weight_sync = build_weight_sync(r, self.replicas)
         self.buffer = build_buffer(cfg)
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
@@ -333,7 +336,8 @@ class RLRun:
                 f"{self.cfg.train.max_idle_minutes}) at step {self.trainer.version}: "
                 f"{self.buffer.dropped_stale} trajectories dropped as stale (train.max_staleness="
                 f"{self.cfg.train.max_staleness}), {self.runner.rollout_failures} rollouts failed on every engine, "
-                f"{self.runner.env_failures} environment failures, healthy engines "
+                f"{self.runner.env_failures} environment failures, {self.replicas.dropped_malformed} malformed engine "
+                f"answers, healthy engines "
                 f"{self.router.healthy_replicas() or 'none'}"
                 + (f"; last engine error: {self.replicas.last_error}" if self.replicas.last_error else "")
                 + (f"; last weight-sync error: {sync_error}" if sync_error else ""))
@@ -355,6 +359,7 @@ class RLRun:
                    staleness_mean=statistics.mean(ages) if ages else 0.0,  # none if nothing was sampled
                    staleness_histogram={str(k): n for k, n in sorted(collections.Counter(ages).items())},
                    dropped_stale=self.buffer.dropped_stale, replacements=self.replicas.replacements,
+                   dropped_malformed=self.replicas.dropped_malformed,
                    truncated=sum(t.truncated for t in batch) / len(batch))
         row.update(self._plugin_counters())
         step = self.trainer.version
@@ -407,7 +412,8 @@ class RLRun:
             "rollout_idle_ratio": idle_ratio_from_engines(info_start, info_end),
             "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.staleness_histogram.items())},
             "dropped_stale": self.buffer.dropped_stale, "env_failures": self.runner.env_failures,
-            "rollout_failures": self.runner.rollout_failures,
+            "rollout_failures": self.runner.rollout_failures, "dropped_malformed": self.replicas.dropped_malformed,
+            "continued_generations": self.replicas.continued_generations,
             "replacements": self.replicas.replacements, "failed_restarts": self.replicas.failed_restarts,
             "failed_requests": self.replicas.failed_requests,
             "prefill_tokens": counters["prefill_tokens"], "prefill_tokens_saved": counters["cached_tokens"],

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from glm5_core.rl.rollout.envs.base import Episode
 from glm5_core.rl.rollout.turn_request import next_turn
-from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, MalformedResponse, is_fleet_failure
 
 GenerateFn = Callable[[str, dict], dict]
 MapFn = Callable[[Callable, Iterable], Iterable]
@@ -61,6 +61,8 @@ class Evaluator:
                 try:
                     response = self.generate(tid, {"input_ids": request.context, "return_logprob": False, "rid": tid,
                                                    "sampling_params": request.params})
+                except MalformedResponse:  # counted and logged by the replica set
+                    return None
                 except (EngineUnavailable, EngineRequestError) as exc:
                     if not is_fleet_failure(exc):
                         raise

@@ -8,6 +8,10 @@ once; a 500/504 (the request ran and failed) is retried on another replica at mo
 times, so one poisoned request cannot take down every replica in turn. A busy 503 (``Retry-After``) is
 retried on the same replica after a pause.
 
+With ``check_response`` (``rollout.response_check.ResponseCheck``) every answer is checked before it is returned:
+a malformed or impossible one is counted (``dropped_malformed``), logged once with the engine's URL, and raised as
+:class:`~glm5_core.rl.serving.client.MalformedResponse` naming that URL; the runner drops its rollout.
+
 The supervisor thread replaces dead workers and puts them back on the ring. A failed replacement (e.g. the
 worker could not start) is logged and retried with exponential backoff; it never stops the supervisor.
 """
@@ -18,7 +22,14 @@ import threading
 import time
 from typing import Callable, Optional
 
-from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
+from glm5_core.rl.fleet.continuation import continuation, merge
+from glm5_core.rl.serving.client import (
+    EngineClient,
+    EngineRequestError,
+    EngineUnavailable,
+    GenerationAborted,
+    MalformedResponse,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +37,8 @@ logger = logging.getLogger(__name__)
 class ReplicaSet:
     def __init__(self, executor, router, names: list[str], *, poll_seconds: float = 0.5,
                  retry_timeout: float = 300.0, max_server_errors: int = 2, max_restart_backoff: float = 30.0,
-                 end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient):
+                 end_trajectories_timeout: float = 5.0, client_factory: Callable[[str], EngineClient] = EngineClient,
+                 check_response: Optional[Callable[[dict, dict], None]] = None):
         if isinstance(max_server_errors, bool) or not isinstance(max_server_errors, int) or max_server_errors < 1:
             raise ValueError(f"max_server_errors: expected an int >= 1, got {max_server_errors!r}")
         self.executor = executor
@@ -37,7 +49,10 @@ class ReplicaSet:
         self.replacements = 0
         self.failed_restarts = 0
         self.failed_requests = 0
+        self.continued_generations = 0  # answers aborted by an engine (a weight push) and asked for again
+        self.dropped_malformed = 0  # answers refused by check_response (their rollouts are dropped)
         self.last_error = ""
+        self._check_response = check_response
         self._poll = poll_seconds
         self._retry_timeout = retry_timeout
         self._max_server_errors = max_server_errors
@@ -115,7 +130,39 @@ class ReplicaSet:
             self.router.mark_unhealthy(name)
 
     def generate(self, trajectory_id: str, request: dict) -> dict:
+        """One generation of ``trajectory_id``. An answer aborted by the engine (a weight push pauses engines in
+        SGLang's ``abort`` mode) is continued: its tokens are kept with the versions that sampled them and the
+        rest is asked for again (``continuation``), the parts merged into one answer."""
+        parts: list[dict] = []
+        current = request
         deadline = time.monotonic() + self._retry_timeout
+        while True:
+            try:
+                response, url = self._generate_once(trajectory_id, current, deadline)
+            except GenerationAborted as exc:
+                partial = exc.response
+                if self._check_response is not None:
+                    self._checked(exc.server_url, trajectory_id, current, partial)
+                with self._stats_lock:
+                    self.continued_generations += 1
+                if time.monotonic() > deadline:
+                    raise
+                if not partial.get("output_ids"):  # aborted before its first token: ask again
+                    time.sleep(min(self._poll, 0.05))
+                    continue
+                parts.append(partial)
+                current = continuation(current, partial)
+                if current["sampling_params"].get("max_new_tokens") == 0:  # it had sampled all it was asked
+                    done = merge(parts)
+                    done["meta_info"]["finish_reason"] = {"type": "length", "length": len(done["output_ids"])}
+                    return done
+                continue
+            if self._check_response is not None:
+                self._checked(url, trajectory_id, current, response)
+            return merge(parts + [response])
+
+    def _generate_once(self, trajectory_id: str, request: dict, deadline: float) -> tuple[dict, str]:
+        """One request, retried on failures as the module docstring says; (the answer, the engine's URL)."""
         server_errors = 0
         while True:
             if self._stop.is_set():  # shut down: no more retries (episode threads must not outlive the run)
@@ -128,7 +175,16 @@ class ReplicaSet:
                 time.sleep(self._poll)
                 continue
             try:
-                return self.clients[name].generate(request)
+                client = self.clients[name]
+                url = getattr(client, "url", name)
+                try:
+                    response = client.generate(request)
+                except GenerationAborted as exc:  # not the engine's failure: the caller continues it
+                    exc.server_url = url
+                    raise
+                return response, url
+            except GenerationAborted:
+                raise
             except EngineRequestError as exc:
                 if exc.status < 500:  # the request's own fault: the same answer anywhere
                     raise
@@ -150,6 +206,18 @@ class ReplicaSet:
                     raise
             finally:
                 self.router.release(trajectory_id, name)
+
+    def _checked(self, url: str, trajectory_id: str, request: dict, response: dict) -> None:
+        try:
+            self._check_response(request, response)
+        except MalformedResponse as exc:
+            error = MalformedResponse(exc.reason, server=url)
+            with self._stats_lock:
+                self.dropped_malformed += 1
+                self.last_error = str(error)
+            logger.warning("engine %s sent a malformed answer for trajectory %s (rollout dropped): %s",
+                           url, trajectory_id, exc.reason)
+            raise error from None
 
     def healthy_clients(self) -> dict[str, EngineClient]:
         healthy = set(self.router.healthy_replicas())

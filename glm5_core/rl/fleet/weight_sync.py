@@ -1,8 +1,13 @@
 """Pushing the trainer's weights to the engines, as SGLang-based RL frameworks (slime) do; ``rollout.weight_sync``.
 
-Every push, on each engine: ``/pause_generation`` (``in_place``: running requests keep their slots, new ones
-queue), the swap, the prefix-cache flush (``rollout.flush_cache_on_sync``), ``/continue_generation``. Tokens
-record the version they were sampled under, so a request that spans a push carries both versions.
+Every push, on each engine: ``/pause_generation`` in SGLang's default ``abort`` mode (what slime sends), the swap,
+the prefix-cache flush (``rollout.flush_cache_on_sync``), ``/continue_generation``. ``abort`` is the one pause
+after which SGLang can flush (sglang 0.5.23 ``Scheduler.flush_cache`` refuses while a request runs, and the
+update then answers 400 "Weights were updated, but the cache was not flushed ..."; 0.5.15.post1 asserts and the
+server dies; ``retract`` leaves the requests queued, which 0.5.15 also refuses). The aborted requests come back
+with the tokens they had sampled, each stamped with its version; the replica set asks for the rest
+(``fleet/continuation``), so a generation that spans a push carries both versions. Should an engine still
+answer that the weights were updated but the cache not flushed, ``/flush_cache`` is retried (as slime does).
 
 * ``disk``: the trainer writes the weights and each engine loads them (``/update_weights_from_disk``). Engines
   glm5 rl spawned read the trainer's ``v*.safetensors`` file; external ones an HF-format directory
@@ -12,12 +17,14 @@ record the version they were sampled under, so a request that spans a push carri
   the names, dtypes and shapes (``/update_weights_from_distributed``) while the trainer broadcasts them. The
   group is formed again when the set of healthy engines changes or a push failed.
 
-An engine that fails a push (unreachable, 5xx) is marked unhealthy, as a failed request would; a 4xx (the
-trainer's own fault: bad weights, version moving back) is raised.
+An engine that fails a push (unreachable, 5xx) is marked unhealthy, as a failed request would; another 4xx (the
+trainer's own fault: bad weights, version moving back) is raised as :class:`WeightPushError`, one line naming the
+engine and its answer, which ``glm5 rl`` prints before it exits.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import shutil
 import socket
@@ -30,9 +37,34 @@ import torch
 
 from glm5_core.rl.serving.client import EngineClient, EngineRequestError, EngineUnavailable
 
+logger = logging.getLogger(__name__)
+
 
 class FleetPushError(RuntimeError):
     """Engines failed a push (unreachable or 5xx): they are marked unhealthy and the run goes on."""
+
+
+class WeightPushError(RuntimeError):
+    """An engine refused a push (4xx): the trainer's own fault, the same on every engine; the run ends."""
+
+
+NOT_FLUSHED = "cache was not flushed"  # sglang 0.5.23 WeightUpdater.flush_cache_after_weight_update
+
+
+def _refused(client: EngineClient, what: str, exc: EngineRequestError) -> WeightPushError:
+    return WeightPushError(f"{client.url} refused {what}: HTTP {exc.status}: {exc}")
+
+
+def _flush_until_idle(client: EngineClient, attempts: int = 60, pause_s: float = 1.0) -> None:
+    """``/flush_cache`` until it succeeds (400 while requests still run), as slime's ``SGLangEngine.flush_cache``."""
+    for attempt in range(attempts):
+        try:
+            client.flush_cache()
+            return
+        except EngineRequestError as exc:
+            if exc.status >= 500 or attempt == attempts - 1:
+                raise
+            time.sleep(pause_s)
 
 
 def _is_fleet_error(exc: BaseException) -> bool:
@@ -41,7 +73,7 @@ def _is_fleet_error(exc: BaseException) -> bool:
 
 def _pause(client: EngineClient) -> None:
     try:
-        client.pause_generation("in_place")
+        client.pause_generation("abort")
     except EngineRequestError as exc:
         if exc.status != 404:  # a server without the route updates between its own steps: nothing to pause
             raise
@@ -85,14 +117,24 @@ class DiskWeightSync:
             try:
                 _pause(client)
                 try:
-                    client.update_weights_from_disk(path, version, flush_cache=self.flush_cache)
+                    self._update(client, path, version)
                 finally:
                     _resume(client)
             except (EngineRequestError, EngineUnavailable) as exc:
                 if not _is_fleet_error(exc):
-                    raise
+                    raise _refused(client, f"weight push v{version} ({path})", exc) from None
                 self.replicas.mark_failed(name)
         self.seconds.append(time.monotonic() - t0)
+
+    def _update(self, client: EngineClient, path: str, version: int) -> None:
+        try:
+            client.update_weights_from_disk(path, version, flush_cache=self.flush_cache)
+        except EngineRequestError as exc:
+            if exc.status != 400 or NOT_FLUSHED not in str(exc):
+                raise
+            logger.warning("%s loaded weights v%s but did not flush its cache (requests still running): "
+                           "flushing again", client.url, version)
+            _flush_until_idle(client)
 
     def close(self) -> None:
         return None

@@ -24,7 +24,7 @@ from glm5_core.rl.rollout.gateway import GenerateFn, TITOGateway
 from glm5_core.rl.rollout.rewards import reward_input
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.rollout.turn_request import next_turn
-from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, is_fleet_failure
+from glm5_core.rl.serving.client import EngineRequestError, EngineUnavailable, MalformedResponse, is_fleet_failure
 from glm5_core.rl.serving.sampling import check_top_p, check_training_temperature
 
 
@@ -76,7 +76,7 @@ class RolloutRunner:
         if isinstance(episode, AgentEpisode):
             return self.play_agent(episode, trajectory_id)
         gateway = TITOGateway(trajectory_id, self.generate_fn, **self.replay_traces)
-        failed = rollout_failed = truncated = reward_dropped = False
+        failed = rollout_failed = truncated = reward_dropped = malformed = False
         turn = 0
         try:
             while True:
@@ -88,6 +88,9 @@ class RolloutRunner:
                 turn += 1
                 try:
                     response = gateway.generate(request.context, request.params)
+                except MalformedResponse:  # an engine's impossible answer: counted and logged where it came in
+                    failed = malformed = True
+                    break
                 except (EngineUnavailable, EngineRequestError) as exc:
                     if not is_fleet_failure(exc):
                         raise  # the request's own fault (a bug here), the same on any replica
@@ -110,7 +113,7 @@ class RolloutRunner:
             with self._lock:
                 if rollout_failed:
                     self.rollout_failures += 1
-                elif not reward_dropped:
+                elif not (reward_dropped or malformed):
                     self.env_failures += 1
         return Trajectory(trajectory_id, episode.group_id, gateway.finished_samples(), reward,
                           num_turns=episode.num_turns, info=episode.info(), env_failed=failed,

@@ -36,6 +36,27 @@ class EngineRequestError(RuntimeError):
         return self.status == 503 and self.retry_after is not None
 
 
+class GenerationAborted(EngineUnavailable):
+    """The engine ended the request with ``finish_reason`` abort (SGLang's ``/pause_generation`` in its default
+    ``abort`` mode aborts every request, e.g. for a weight push). ``response`` holds what it returned: the tokens
+    sampled before the abort, with their log-probs and versions, which a continuation request extends."""
+
+    def __init__(self, message: str, response: dict):
+        super().__init__(message)
+        self.response = response
+
+
+class MalformedResponse(ValueError):
+    """An engine answered 200 with something no correct engine sends (missing or impossible log-probs, tokens
+    outside the vocabulary, an unknown or future weight version ...). ``server`` names the engine (its URL).
+    The rollout it belonged to is dropped; the run goes on."""
+
+    def __init__(self, message: str, server: str = ""):
+        super().__init__(f"{server}: {message}" if server else message)
+        self.server = server
+        self.reason = message
+
+
 def _retry_after(headers) -> Optional[float]:
     value = headers.get("Retry-After") if headers is not None else None
     try:
@@ -108,7 +129,8 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}/generate: expected a JSON object with meta_info")
         reason = response["meta_info"].get("finish_reason")
         if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise EngineUnavailable(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})")
+            raise GenerationAborted(f"{self.url}: request {request.get('rid')} aborted ({reason.get('message')})",
+                                    response)
         return response
 
     def update_weights_from_disk(self, path: str, version: Any, *, flush_cache: bool = True) -> dict:
@@ -131,14 +153,14 @@ class EngineClient:
     def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 
-    def pause_generation(self, mode: str = "in_place") -> dict:
+    def pause_generation(self, mode: str = "abort") -> dict:
         return self._call("POST", "/pause_generation", {"mode": mode})
 
     def continue_generation(self) -> dict:
         return self._call("POST", "/continue_generation", {})
 
     def flush_cache(self) -> str:
-        """SGLang answers plain text (200, or 400 while requests run)."""
+        """SGLang answers plain text (200, or 400 while requests run: ``EngineRequestError``)."""
         return self._raw("POST", "/flush_cache").decode("utf-8", "replace")
 
     def end_trajectories(self, rids: list[str], timeout: Optional[float] = None) -> dict:

@@ -19,9 +19,24 @@ default ``"default"``), num_retractions, reasoning_tokens, completion_tokens, ca
 401 ``{"error": "Unauthorized"}``. Like SGLang it has no ``/end_trajectories`` (404, FastAPI's
 ``{"detail": "Not Found"}``) and no glm5 engine counters. Requests carry ``input_ids`` (a server started with
 ``--skip-tokenizer-init``: no ``text`` in the response).
+
+The pause / flush / weight-update state machine is SGLang's own, written from sglang 0.5.23 and 0.5.15.post1
+(``pip download sglang==X --no-deps``), not glm5-core's: ``managers/tokenizer_manager.py``
+``TokenizerManager.pause_generation`` (``abort``, the default mode of ``io_struct.PauseGenerationReqInput``:
+abort every request, wait until none is in flight; ``in_place`` / ``retract`` go to the scheduler) and
+``generate_request`` (new requests wait on ``is_pause_cond`` while paused); ``managers/scheduler.py``
+``Scheduler.pause_generation`` (``in_place`` leaves the running batch as it is; ``retract`` moves the running
+requests back to the waiting queue), ``is_fully_idle`` / ``flush_cache`` (0.5.23: idle = nothing running and, unless
+paused (``ignore_waiting``), nothing waiting; 0.5.15.post1: nothing running nor waiting, paused or not) and
+``scheduler_components/weight_updater.py`` ``update_weights_from_disk`` (the weights load, then the flush: 0.5.23
+``flush_cache_after_weight_update`` answers ``success False`` with "Weights were updated, but the cache was not
+flushed because requests are still running or queued. ..." (HTTP 400); 0.5.15.post1 ``assert
+flush_cache_success, "Cache flush failed after updating weights"`` kills the scheduler, and with it the server).
+Generation itself (the tokens, and freezing / aborting a request) is still glm5-core's ``RolloutEngine``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import threading
@@ -46,9 +61,24 @@ class ServerArgs:  # the fields of sglang.srt.server_args.ServerArgs a client ma
     max_running_requests: Optional[int] = None
 
 
+SGLANG_VERSIONS = ("0.5.23", "0.5.15.post1")  # whose scheduler behaviour the stand-in plays
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
+
+
 class SGLangStandIn:
-    def __init__(self, engine: RolloutEngine, model_path: str, *, api_key: Optional[str] = None):
+    def __init__(self, engine: RolloutEngine, model_path: str, *, api_key: Optional[str] = None,
+                 sglang_version: str = "0.5.23"):
+        if sglang_version not in SGLANG_VERSIONS:
+            raise ValueError(f"sglang_version: expected one of {SGLANG_VERSIONS}, got {sglang_version!r}")
+        self.sglang_version = sglang_version
         self.engine = engine
+        self._cond = threading.Condition()  # TokenizerManager.is_pause_cond
+        self.paused = False  # TokenizerManager.is_pause / Scheduler._engine_paused
+        self._inflight: dict[Any, str] = {}  # requests past the pause gate, not finished: future -> rid
+        self._retracted: set = set()  # in the waiting queue (retract), holding no KV
+        self.dead = False  # 0.5.15's scheduler asserted: the server is gone
+        self.refused_flushes = 0
         self.args = ServerArgs(model_path=model_path, api_key=api_key, max_running_requests=engine.max_batch)
         self.versions: dict[int, str] = {engine.version: "default"}  # engine int -> SGLang string
         self.calls = []  # (route, body) of every POST, for tests
@@ -82,13 +112,78 @@ class SGLangStandIn:
         self.versions[version] = self.args.weight_version
         return version
 
+    # -- the scheduler's pause / flush / update state machine (SGLang's, see the module docstring) ------------
+    def _is_fully_idle(self) -> bool:
+        running = [f for f in self._inflight if not f.done() and f not in self._retracted]
+        waiting = [f for f in self._inflight if not f.done() and f in self._retracted]
+        if self.sglang_version == "0.5.23":
+            return not running and (self.paused or not waiting)  # is_fully_idle(ignore_waiting=paused)
+        return not running and not waiting
+
+    def flush_cache(self) -> bool:
+        with self._cond:
+            if not self._is_fully_idle():
+                self.refused_flushes += 1
+                return False
+        self.engine.prefix_cache.flush()
+        return True
+
+    def pause(self, mode: str) -> None:
+        with self._cond:
+            self.paused = True
+            if mode == "in_place":
+                self.engine.pause("in_place")  # the running batch stays; the event loop stops
+                return
+            if mode == "retract":
+                self.engine.pause("in_place")
+                self._retracted.update(self._inflight)  # back to the waiting queue
+                return
+            inflight = list(self._inflight)
+        for future in inflight:  # abort: abort_request(abort_all=True) until nothing holds model_update_lock
+            self.engine.abort(future)
+        deadline = time.monotonic() + 60
+        with self._cond:
+            while self._inflight and time.monotonic() < deadline:
+                self._cond.wait(0.05)
+
+    def resume(self) -> None:
+        with self._cond:
+            self.paused = False
+            self._retracted.clear()
+            self.engine.resume()
+            self._cond.notify_all()
+
+    def die(self) -> None:
+        """0.5.15.post1: the scheduler's assert ended the process (every connection goes with it)."""
+        self.dead = True
+        for future in list(self._inflight):
+            self.engine.abort(future)
+        threading.Thread(target=self._httpd.shutdown, daemon=True).start()
+
     def generate(self, body: dict):
         try:
             request = parse_generate_request(body, self.engine.limits)
         except ValueError as exc:
             return 400, {"error": {"message": str(exc)}}
         started = time.monotonic()
-        result = self.engine.submit(request).result(timeout=600)
+        with self._cond:
+            while self.paused and not self.dead:  # generate_request waits on is_pause_cond
+                self._cond.wait(0.05)
+            future = self.engine.submit(request)
+            self._inflight[future] = request.rid
+        try:
+            result = future.result(timeout=600)
+        except concurrent.futures.CancelledError:  # aborted while waiting for a slot: nothing sampled
+            from glm5_core.rl.serving.engine import GenerateResult
+
+            result = GenerateResult(request.rid, [], [], [], "abort", len(request.input_ids), 0)
+        finally:
+            with self._cond:
+                self._inflight.pop(future, None)
+                self._retracted.discard(future)
+                self._cond.notify_all()
+        if self.dead:
+            return None, None
         n = len(result.output_ids)
         spans = []
         for i, v in enumerate(result.versions):
@@ -120,6 +215,11 @@ class SGLangStandIn:
                 self.engine.update_weights(state, version, wait=60)
         except Exception as exc:  # SGLang reports a failed load as success false, 400
             return 400, {"success": False, "message": f"Failed to update weights: {exc}.", "num_paused_requests": 0}
+        if body.get("flush_cache", True) and not self.flush_cache():
+            if self.sglang_version == "0.5.15.post1":  # assert flush_cache_success: the scheduler dies
+                self.die()
+                return None, None
+            return 400, {"success": False, "message": NOT_FLUSHED, "num_paused_requests": 0}
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def init_group(self, body: dict):
@@ -162,7 +262,10 @@ class SGLangStandIn:
             def log_message(self, *args):
                 return
 
-            def _send(self, status: int, body: Any = None, text: Optional[str] = None) -> None:
+            def _send(self, status: Optional[int], body: Any = None, text: Optional[str] = None) -> None:
+                if status is None:  # the server died: the connection drops unanswered
+                    self.close_connection = True
+                    return
                 data = text.encode() if text is not None else (b"" if body is None else json.dumps(body).encode())
                 self.send_response(status)
                 if body is not None:
@@ -211,14 +314,21 @@ class SGLangStandIn:
                 elif self.path == "/update_weights_from_distributed":
                     self._send(*server.update_from_distributed(body))
                 elif self.path == "/flush_cache":
-                    server.engine.prefix_cache.flush()
-                    self._send(200, text="Cache flushed.\nPlease check backend logs for more details. (When there "
-                                         "are running or waiting requests, the operation will not be performed.)\n")
+                    if server.flush_cache():
+                        self._send(200, text="Cache flushed.\nPlease check backend logs for more details. (When "
+                                             "there are running or waiting requests, the operation will not be "
+                                             "performed.)\n")
+                    else:
+                        self._send(400, text="Flush cache failed.\n")
                 elif self.path == "/pause_generation":
-                    server.engine.pause(body.get("mode", "abort"))
+                    mode = body.get("mode", "abort")
+                    if mode not in ("abort", "retract", "in_place"):  # Literal[...]: FastAPI's 422
+                        self._send(422, {"detail": [{"loc": ["body", "mode"], "msg": "invalid mode"}]})
+                        return
+                    server.pause(mode)
                     self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
                 elif self.path == "/continue_generation":
-                    server.engine.resume()
+                    server.resume()
                     self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
                 elif self.path == "/destroy_weights_update_group":
                     group = server._groups.pop(body.get("group_name", "weight_update_group"), None)
