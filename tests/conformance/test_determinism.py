@@ -28,7 +28,8 @@ def _random_tie_topk(q, k, w, topk, *, start_pos=0):
 def test_the_checks_catch_a_topk_that_breaks_ties_at_random(monkeypatch):
     import torch
 
-    from glm5_core import determinism, registry
+    from glm5_core import registry
+    from glm5_core.conformance import determinism
 
     known = registry.backends()
     fake = registry.Backend(name="randomties", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
@@ -54,7 +55,8 @@ def _cache_length_dependent_topk(q, k, w, topk, *, start_pos=0):
 
 
 def test_the_near_tie_check_catches_a_topk_whose_rounding_depends_on_the_cache_length(monkeypatch):
-    from glm5_core import determinism, registry
+    from glm5_core import registry
+    from glm5_core.conformance import determinism
 
     known = registry.backends()
     fake = registry.Backend(name="cachelength", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
@@ -69,7 +71,7 @@ def test_the_near_tie_check_catches_a_topk_whose_rounding_depends_on_the_cache_l
 def test_backward_repeatability_catches_gradients_that_change_between_runs():
     import torch
 
-    from glm5_core import determinism
+    from glm5_core.conformance import determinism
 
     runs = iter(range(10))
 

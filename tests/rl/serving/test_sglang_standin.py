@@ -100,7 +100,7 @@ def test_async_rl_with_multi_token_answers_through_weight_pushes(tmp_path, sglan
         server.shutdown()
     out, err = capsys.readouterr()
     assert rc == 0, err[-2000:]
-    summary = json.loads(out[out.index("{\n"):])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # stdout ends with one human line
     assert summary["steps"] == 3 and summary["producer_errors"] == [] and summary["dropped_malformed"] == 0
     assert not server.dead and server.refused_flushes == 0 and server.args.weight_version == "3"
     assert len(summary["weight_sync_s"]) == 4  # initial + 3 pushes
