@@ -53,6 +53,9 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+_parse_case = batch_tokens(2)  # BATCHxTOKENS, tokens >= 2 (the LM loss needs a next token)
+
+
 def _build(topk: int, folder: str):
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
@@ -137,7 +140,7 @@ def _time_case(hf, ours, batch: int, tokens: int, rounds: int, kl_target: str, c
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", type=batch_tokens(2), default=[(2, 512)], help="BATCHxTOKENS ...")
+    parser.add_argument("--cases", nargs="+", type=_parse_case, default=[(2, 512)], help="BATCHxTOKENS ...")
     parser.add_argument("--topk", type=int, default=MODEL["index_topk"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
