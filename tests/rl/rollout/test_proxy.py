@@ -25,7 +25,7 @@ from glm5_core.rl.rollout.proxy import TRAJECTORY_HEADER, OpenAIProxy
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineClient, EngineUnavailable
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 
 MODEL = "glm5-core"
 CALC_TOOL = {"type": "function", "function": {

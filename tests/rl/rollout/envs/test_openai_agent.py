@@ -18,7 +18,7 @@ from glm5_core.rl.rollout.envs.openai_agent import AgentError, OpenAIAgentEnv
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
 from tests.rl.rollout.test_proxy import CalculatorModel, Recorder
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 
 AGENT = "glm5_core.rl.rollout.envs.calculator_agent:calculator_agent"
 TASKS = "glm5_core.rl.rollout.envs.calculator_agent:calculator_task"
