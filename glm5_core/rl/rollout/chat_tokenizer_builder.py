@@ -1,6 +1,7 @@
-"""A chat tokenizer for trying agents without a real model's tokenizer (``glm5 make-tokenizer DIR``): a byte-level BPE
-trained here with the ``tokenizers`` package on a few KB of generated text, saved as a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json`` with a Jinja
-``chat_template``), with one of three chat templates:
+"""A chat tokenizer for trying agents without a real model's tokenizer (``glm5 make-tokenizer DIR``): a byte-level
+BPE trained here with the ``tokenizers`` package on a few KB of generated text, saved as a Hugging Face tokenizer
+directory (``tokenizer.json`` + ``tokenizer_config.json`` with a Jinja ``chat_template``), with one of three chat
+templates:
 
 * ``CHATML_TEMPLATE``: ChatML with a role separator token, as Phi-4 writes it
   (``<|im_start|>{role}<|im_sep|>{content}<|im_end|>``): every boundary between pieces appended one message at a
