@@ -19,6 +19,10 @@ SUBCOMMANDS = {
     "export-onnx": ("glm5_core.model.onnx_export", "export the prefill forward of a checkpoint to ONNX"),
     "rl": ("glm5_core.rl.cli", "asynchronous RL from a pretraining checkpoint"),
     "serve": ("glm5_core.rl.serve_cli", "serve a checkpoint over SGLang's HTTP API (an engine for glm5 rl)"),
+    "proxy": ("glm5_core.rl.proxy_cli",
+              "serve the OpenAI API (chat completions, tools) in front of an SGLang-API engine"),
+    "make-tokenizer": ("glm5_core.rl.make_tokenizer_cli",
+                       "write a small chat tokenizer directory for trying agents and glm5 proxy"),
 }
 
 

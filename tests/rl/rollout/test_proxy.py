@@ -18,6 +18,7 @@ import torch
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 from glm5_core.rl.rollout.envs.arithmetic import score_answer
 from glm5_core.rl.rollout.envs.calculator_tool import ToolError, calculate
 from glm5_core.rl.rollout.openai_protocol import parse_message
@@ -25,7 +26,6 @@ from glm5_core.rl.rollout.proxy import TRAJECTORY_HEADER, OpenAIProxy
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
 from glm5_core.rl.rollout.tool_calls import ToolCallParser
 from glm5_core.rl.serving.client import EngineClient, EngineUnavailable
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 
 MODEL = "glm5-core"
 CALC_TOOL = {"type": "function", "function": {

@@ -1,7 +1,7 @@
 """``rollout.tokenizer``: glm5 rl's environments render prompts through a tokenizer directory's chat template and
-decode completions with it (trained here: tests/rl/rollout/tiny_chat_tokenizer.py), the trained token ids are those the
-engine sampled, and a directory that is missing, has no chat template or more tokens than the policy's vocab_size is
-refused with one line."""
+decode completions with it (trained by glm5_core/rl/rollout/chat_tokenizer_builder.py), the trained token ids are
+those the engine sampled, and a directory that is missing, has no chat template or more tokens than the policy's
+vocab_size is refused with one line."""
 import json
 import re
 
@@ -10,9 +10,9 @@ import yaml
 from glm5_core.cli import main
 from glm5_core.rl.algorithm.trainer import PolicyTrainer
 from glm5_core.rl.fleet.replicas import ReplicaSet
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 
 
 def rl_config(tmp_path, tokenizer, vocab_size=None, **env):

@@ -1,6 +1,6 @@
 """Chat tokenizers and multi-turn prompts built by appending, checked against transformers' own
 ``apply_chat_template`` of the whole conversation (the tokenizers are trained here:
-tests/rl/rollout/tiny_chat_tokenizer.py)."""
+glm5_core/rl/rollout/chat_tokenizer_builder.py)."""
 import json
 import os
 
@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5_core.rl.rollout import tokenizer as tokenizer_module
+from glm5_core.rl.rollout.chat_tokenizer_builder import CHATML_TEMPLATE, build_tokenizer_dir
 from glm5_core.rl.rollout.chat_transcript import ChatTranscript
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
 from glm5_core.rl.rollout.gateway import TITOGateway
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
-from tests.rl.rollout.tiny_chat_tokenizer import CHATML_TEMPLATE, build_tokenizer_dir
 
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "Evaluate an integer expression",

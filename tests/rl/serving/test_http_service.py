@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 from glm5_core.rl.rollout.proxy import OpenAIProxy
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
 from glm5_core.rl.serving.server import EngineServer
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 from tests.rl.serving.test_server_hostile_clients import NeverFinishingEngine, wait_for
 
 SMUGGLED = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"  # a body that reads as a request if left unread

@@ -9,12 +9,12 @@ Bytes: the contexts are the documented byte strings, token for token.
 """
 import pytest
 
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 from glm5_core.rl.rollout.envs.arithmetic import ArithmeticEnv
 from glm5_core.rl.rollout.envs.calculator import CalculatorEnv
 from glm5_core.rl.rollout.envs.codec import ByteCodec
 from glm5_core.rl.rollout.envs.context import FOLDED_TEXT
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 
 
 @pytest.fixture(scope="module", params=["chatml", "glm"])

@@ -7,6 +7,7 @@ drive the environment through the rollout runner with a scripted engine: agents 
 proxy or return no number are counted and dropped, zeroed or stop the run, as ``on_failure`` says.
 """
 import json
+import types
 
 import pytest
 import yaml
@@ -14,11 +15,11 @@ import yaml
 from glm5_core.cli import main
 from glm5_core.rl.algorithm.trainer import PolicyTrainer
 from glm5_core.rl.fleet.replicas import ReplicaSet
+from glm5_core.rl.rollout.chat_tokenizer_builder import build_tokenizer_dir
 from glm5_core.rl.rollout.envs.openai_agent import AgentError, OpenAIAgentEnv
 from glm5_core.rl.rollout.runner import RolloutRunner
 from glm5_core.rl.rollout.tokenizer import load_chat_tokenizer
 from tests.rl.rollout.test_proxy import CalculatorModel, Recorder
-from tests.rl.rollout.tiny_chat_tokenizer import build_tokenizer_dir
 
 AGENT = "glm5_core.rl.rollout.envs.calculator_agent:calculator_agent"
 TASKS = "glm5_core.rl.rollout.envs.calculator_agent:calculator_task"
@@ -65,7 +66,7 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
     monkeypatch.setattr(ReplicaSet, "generate", recording_generate)
     monkeypatch.setattr(PolicyTrainer, "train_step", recording_train_step)
     sets = [f"rollout.tokenizer={tok_dir}", f"output_dir={tmp_path / 'run'}", "max_steps=2", "env.max_tokens=6",
-            f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
+            f"model.overrides.vocab_size={tok.min_vocab_size}", "model.overrides.index_topk=8",
             "rollout.group_size=2", "rollout.max_batch=8", "rollout.max_len=448", "train.batch_size=4",
             "train.optim.micro_batch_size=4",  # rewards that differ within a group: the policy gets a gradient
             "reward={path: 'tests.rl.rollout.envs.agent_fixtures:token_sum_reward'}"]
@@ -91,7 +92,7 @@ def test_glm5_rl_trains_the_calculator_agent_through_the_proxy(tmp_path, tok_dir
 def test_glm5_rl_stops_in_one_line_when_an_agent_fails_under_on_failure_fail(tmp_path, tok_dir, tok, capsys):
     sets = [f"rollout.tokenizer={tok_dir}", f"output_dir={tmp_path / 'run'}", "env.on_failure=fail",
             "env.agent=tests.rl.rollout.envs.agent_fixtures:raising_agent", "env.max_tokens=2",
-            f"model.overrides={json.dumps({'vocab_size': tok.min_vocab_size, 'index_topk': 8})}",
+            f"model.overrides.vocab_size={tok.min_vocab_size}", "model.overrides.index_topk=8",
             "rollout.group_size=2", "rollout.max_batch=4", "train.batch_size=2", "train.optim.micro_batch_size=2"]
     rc = main(["rl", "--config", "configs/rl_openai_agent.yaml", "--backend", "cpu",
                *[a for s in sets for a in ("--set", s)]])
@@ -232,3 +233,25 @@ def test_bad_openai_agent_settings_are_one_line(tmp_path, capsys, tok_dir, env, 
 def test_openai_agent_without_a_tokenizer_is_one_line(tmp_path, capsys):
     line = refusal(tmp_path, capsys, {"name": "openai_agent", "agent": AGENT, "tasks": TASKS}, None)
     assert "rl.yaml: rollout.tokenizer: env 'openai_agent' needs a tokenizer directory with a chat template" in line
+
+
+def test_the_example_config_fits_its_agents_longest_conversation(tmp_path):
+    """configs/rl_openai_agent.yaml's max_len holds the calculator agent's longest plausible conversation under the
+    tokenizer ``glm5 make-tokenizer`` writes: three numbers, each turn answered with two malformed tool calls (a
+    random policy's) and their error results, every assistant turn at the env's max_tokens. With max_len 512 a
+    run dropped 35 of 116 episodes for 518-token prompts."""
+    from glm5_core.rl.rollout.envs.calculator_agent import CALC_TOOL, SYSTEM, tool_result
+
+    cfg = yaml.safe_load(open("configs/rl_openai_agent.yaml"))
+    tok = load_chat_tokenizer(build_tokenizer_dir(str(tmp_path / "tok")))
+    bad_call = types.SimpleNamespace(function=types.SimpleNamespace(name="calc", arguments="{"))
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "calc", "arguments": "{"}} for i in range(2)]
+    messages = [{"role": "system", "content": SYSTEM}]
+    for i in range(3):
+        messages.append({"role": "user", "content": f"{'First' if i == 0 else 'Next'}: 9"})
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        messages += [{"role": "tool", "tool_call_id": c["id"], "content": tool_result(bad_call)} for c in calls]
+    messages.append({"role": "user", "content": "answer:"})
+    prompt = len(tok.encode_rendered(tok.render(messages, tools=[CALC_TOOL], add_generation_prompt=True)))
+    sampled = 4 * (cfg["env"]["max_tokens"] + 1)  # every assistant turn at max_tokens, plus its end-of-turn token
+    assert prompt + sampled <= cfg["rollout"]["max_len"], (prompt, sampled)

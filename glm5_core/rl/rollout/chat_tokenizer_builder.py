@@ -1,6 +1,7 @@
-"""Test tokenizers: a byte-level BPE trained here with the ``tokenizers`` package on a few KB of generated text,
-saved as a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_config.json`` with a Jinja
-``chat_template``), with one of three chat templates:
+"""A chat tokenizer for trying agents without a real model's tokenizer (``glm5 make-tokenizer DIR``): a byte-level
+BPE trained here with the ``tokenizers`` package on a few KB of generated text, saved as a Hugging Face tokenizer
+directory (``tokenizer.json`` + ``tokenizer_config.json`` with a Jinja ``chat_template``), with one of three chat
+templates:
 
 * ``CHATML_TEMPLATE``: ChatML with a role separator token, as Phi-4 writes it
   (``<|im_start|>{role}<|im_sep|>{content}<|im_end|>``): every boundary between pieces appended one message at a
@@ -12,7 +13,10 @@ saved as a Hugging Face tokenizer directory (``tokenizer.json`` + ``tokenizer_co
   no end-of-turn token; the assistant stops on the next role token (``<|user|>`` / ``<|observation|>``, listed in
   ``generation_config.json``), which is also the first token of the next message.
 
-Nothing is downloaded.
+Nothing is downloaded. Its vocabulary (``vocab_size`` plus the tool tokens) must fit the policy's: the tiny preset's
+vocabulary (256 bytes) is too small, so a run with it sets ``model.overrides.vocab_size`` (``glm5 make-tokenizer``
+prints the value). A real model's tokenizer directory (its ``tokenizer.json`` + ``tokenizer_config.json`` with a
+``chat_template``) works the same way.
 """
 from __future__ import annotations
 
@@ -97,11 +101,19 @@ def training_text(seed: int = 0, size: int = 6000) -> str:
     return "".join(("    " if i % 3 == 2 else "") + line + "\n" for i, line in enumerate(lines))
 
 
+STYLES = ("chatml", "chatml_newline", "glm")
+
+
 def build_tokenizer_dir(path: str, *, style: str = "chatml", vocab_size: int = 400,
                         template_in_config: bool = True) -> str:
     """Train a byte-level BPE and save it with the ``style`` chat template ("chatml", "chatml_newline" or "glm")
     under ``path``.
     With ``template_in_config`` false the template goes to ``chat_template.jinja`` (newer transformers layout)."""
+    if style not in STYLES:
+        raise ValueError(f"style: expected one of {', '.join(STYLES)}, got {style!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 300 <= vocab_size <= 65536:
+        raise ValueError(f"vocab_size: expected an int in [300, 65536] (256 bytes + specials + merges), "
+                         f"got {vocab_size!r}")
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     specials = GLM_SPECIALS if style == "glm" else CHATML_SPECIALS
@@ -130,3 +142,11 @@ def build_tokenizer_dir(path: str, *, style: str = "chatml", vocab_size: int = 4
         with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump({"eos_token_id": ids}, f)
     return path
+
+
+def tokenizer_vocab_size(path: str) -> int:
+    """The vocabulary a policy needs for the tokenizer saved under ``path`` (highest id + 1)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return tokenizer.get_vocab_size(with_added_tokens=True)
