@@ -407,10 +407,6 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> list[str]:
         check_engine_devices(r.devices, r.num_engines)  # builds nothing of num_engines' size
     except ValueError as exc:
         problems.append(str(exc))
-    for key, on in (("routing_replay", t.routing_replay), ("index_replay", t.index_replay)):
-        if on and r.engine_urls is not None:
-            problems.append(f"train.{key}: expected false with rollout.engine_urls (external engines' replay traces "
-                            f"are not in the form the gateway reads: glm5 rl must start the engines), got true")
     if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:
         problems.append(f"train.optim.push_every: expected <= train.max_staleness + 1 = {t.max_staleness + 1} "
                         f"(after the first push every sample would be too stale to train on; lower push_every or "

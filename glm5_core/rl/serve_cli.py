@@ -2,7 +2,7 @@
 --engine-url`` (or any SGLang client) can roll out on engines started elsewhere, on other machines.
 
     glm5 serve --checkpoint runs/tiny/final --port 30000 [--host 127.0.0.1] [--api-key KEY]
-        [--speculative-draft-tokens D]
+        [--speculative-draft-tokens D] [--enable-return-routed-experts] [--enable-return-indexer-topk]
 
 The checkpoint is an HF-format ``glm_moe_dsa`` directory (``save_pretrained``, what ``glm5 pretrain``
 exports). The weight version starts as SGLang's ``"default"``; ``/update_weights_from_disk`` (an HF directory,
@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="torch device, e.g. <type>:1 (default: the backend's)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--torch-threads", type=int, default=1, help="CPU threads (default: %(default)s)")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="record every position's experts, returned on request (SGLang's flag; routing replay)")
+    parser.add_argument("--enable-return-indexer-topk", action="store_true",
+                        help="record every position's DSA keys, returned on request (SGLang's flag; index replay)")
     parser.add_argument("--speculative-draft-tokens", type=int, default=None,
                         help="MTP speculative decoding with this many draft tokens per step (default: off)")
     add_backend_argument(parser)
@@ -93,7 +97,9 @@ def build(args: argparse.Namespace):
     engine = RolloutEngine(model, max_batch=args.max_batch, max_len=args.max_len,
                            prefix_cache_entries=args.prefix_cache_entries, seed=args.seed,
                            reuse_stacked_weights=True,  # the server owns its model
-                           speculative=speculative_setting(args))
+                           speculative=speculative_setting(args),
+                           record_routing=args.enable_return_routed_experts,
+                           record_index_topk=args.enable_return_indexer_topk)
     try:
         return EngineServer(engine, host=args.host, port=args.port, api_key=args.api_key, weight_version="default",
                             model_path=args.checkpoint, weights_dir=args.weights_dir)

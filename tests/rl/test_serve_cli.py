@@ -113,6 +113,27 @@ def run_rl(tmp_path, name, checkpoint, steps, *flags):
         weights
 
 
+def test_routing_and_index_replay_through_glm5_serve(tmp_path, capsys):
+    """glm5 serve started with SGLang's --enable-return-routed-experts / --enable-return-indexer-topk sends the
+    traces in SGLang's wire form; glm5 rl --engine-url with both replays on trains every sample with its traces."""
+    checkpoint = digit_policy(tmp_path / "policy")
+    proc, url = start_serve(checkpoint, "--max-batch", "16", "--max-len", "32", "--enable-return-routed-experts",
+                            "--enable-return-indexer-topk")
+    try:
+        (tmp_path / "rl.yaml").write_text(yaml.safe_dump(sync_run_config(tmp_path / "run", 2)))
+        rc = main(["rl", "--config", str(tmp_path / "rl.yaml"), "--checkpoint", str(checkpoint), "--engine-url", url,
+                   "--backend", "cpu", "--set", "train.routing_replay=true", "--set", "train.index_replay=true"])
+        assert rc == 0, capsys.readouterr().err
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "routing_replay_untraced_samples" in r]
+        assert len(steps) == 2
+        assert all(r["routing_replay_untraced_samples"] == 0 and r["index_replay_untraced_samples"] == 0
+                   for r in steps)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.mark.slow
 def test_glm5_serve_follows_the_reward_curve_of_spawned_engines(tmp_path, capsys):
     """Equal seeds, sync mode: glm5 rl on ``glm5 serve`` (another process, reached by URL, weights synced as an

@@ -26,6 +26,7 @@ from glm5_core.rl.algorithm.replay_batch import pad_traces
 from glm5_core.rl.config import TrainerConfig
 from glm5_core.rl.device import module_device
 from glm5_core.rl.rollout.trajectory import Sample, Trajectory
+from glm5_core.rl.serving.replay_trace import TraceLayout
 from glm5_core.rl.serving.sampling import check_training_temperature, token_logprobs
 
 
@@ -160,13 +161,12 @@ class PolicyTrainer:
     def _replay_tensors(self, samples: list[Sample], stats: dict[str, float]) -> dict[str, torch.Tensor]:
         """The micro-batch's routing_replay / index_replay forward arguments, for the kinds switched on."""
         cfg = self.model.config
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        dims = {"routing": (moe_layers, cfg.num_experts_per_tok),
-                "index": (cfg.layer_indexer_types().count("full"), cfg.index_topk)}
+        layout = TraceLayout.of(cfg)
+        widths = {"routing": cfg.num_experts_per_tok, "index": cfg.index_topk}
         out = {}
         for kind, on in self.replay.items():
             if on:
-                out[f"{kind}_replay"], missing = pad_traces(samples, kind, *dims[kind], device=self.device)
+                out[f"{kind}_replay"], missing = pad_traces(samples, kind, layout, widths[kind], device=self.device)
                 key = f"{kind}_replay_untraced_samples"
                 stats[key] = stats.get(key, 0.0) + missing
         return out

@@ -3,7 +3,9 @@
 
 Routes as SGLang answers them: ``POST /generate`` (see ``protocol``); ``GET /health`` (empty 200, 503 once the
 engine failed); ``GET /get_server_info`` (server arguments, ``internal_states``, ``version``; glm5 engine
-counters as extras at the top level); ``GET /get_model_info``, ``GET /get_weight_version``;
+counters as extras at the top level; 0.5.23's name ``/server_info`` too); ``GET /get_model_info`` (and
+``/model_info``), ``GET /get_weight_version``; ``POST /abort_request`` ``{"rid", "abort_all"}`` (the request ends
+with ``finish_reason`` abort and what it sampled);
 ``GET|POST /flush_cache`` (plain-text body); ``POST /update_weights_from_disk`` ``{"model_path", "weight_version",
 "flush_cache"}`` (see ``weight_updates``), answered ``{"success", "message", "num_paused_requests"}`` (400 with
 ``success`` false when it fails); ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
@@ -43,7 +45,8 @@ from glm5_core.rl.serving.connections import peer_closed
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.http_service import LOCALHOST, HTTPService, RequestHandler
 from glm5_core.rl.serving.json_http import BodyError, ClientStalledError, parse_json_body
-from glm5_core.rl.serving.protocol import parse_generate_request
+from glm5_core.rl.serving.protocol import parse_generate_batch
+from glm5_core.rl.serving.replay_trace import TraceLayout
 from glm5_core.rl.serving.weight_updates import DistributedReceiver, VersionLabels, load_disk_weights
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -101,8 +104,15 @@ class EngineServer(HTTPService):
         self.labels = VersionLabels(engine.version, weight_version)
         self.receiver = DistributedReceiver(device_host=host if host not in ("0.0.0.0", "::") else "")
         self._update_lock = threading.Lock()  # one weight update at a time
+        self._running: dict[str, list[concurrent.futures.Future]] = {}  # rid -> its requests in the engine
+        self._running_lock = threading.Lock()
         super().__init__(self._handler_class(), host=host, port=port, max_connections=max_connections,
                          thread_name="engine-http")
+
+    @property
+    def layout(self) -> TraceLayout:
+        """Where the model's replay traces sit in SGLang's per-layer arrays (the model's config may not change)."""
+        return TraceLayout.of(self.engine.model.config)
 
     def start(self) -> EngineServer:
         self.engine.start()
@@ -140,29 +150,75 @@ class EngineServer(HTTPService):
         return (200, None) if failure is None else (503, {"error": failure})
 
     def handle_generate(self, body: Any, client_gone: Callable[[], bool] = lambda: False) -> Reply:
-        request = parse_generate_request(body, self.engine.limits)
+        """One request, or a batch (``input_ids`` a list of lists: a list of answers in order)."""
+        requests, batch = parse_generate_batch(body, self.engine.limits)
         failure = self.engine_failure()
         if failure is not None:
             raise EngineUnavailableError(failure)
+        futures: list[concurrent.futures.Future] = []
         try:
-            future = self.engine.submit(request)
-        except RuntimeError as exc:  # failed or shutting down meanwhile: the request never ran
+            for request in requests:
+                futures.append(self.engine.submit(request))
+                with self._running_lock:
+                    self._running.setdefault(request.rid, []).append(futures[-1])
+        except RuntimeError as exc:  # failed or shutting down meanwhile: the requests never ran
+            for future in futures:
+                self.engine.abort(future)
+            self._forget(requests, futures)
             raise EngineUnavailableError(str(exc)) from None
+        try:
+            results = self._wait(requests, futures, client_gone)
+        finally:
+            self._forget(requests, futures)
+        answers = [result.to_json(request.return_logprob, label=self.labels.label,
+                                  current_version=self.engine.version, layout=self.layout,
+                                  prompt_ids=request.input_ids if request.return_prompt_token_ids else None)
+                   for request, result in zip(requests, results)]
+        return 200, (answers if batch else answers[0])
+
+    def _wait(self, requests, futures, client_gone: Callable[[], bool]) -> list:
         waited = 0.0
-        while True:
-            try:
-                result = future.result(timeout=HANGUP_POLL_S)
-                break
-            except concurrent.futures.TimeoutError:
-                waited += HANGUP_POLL_S
-            if client_gone():
-                self.engine.abort(future)  # nobody will read the result: free the slot now
-                raise ClientGoneError(request.rid)
-            if waited >= self.request_timeout:
-                self.engine.abort(future)  # a retry goes elsewhere
-                raise RequestTimeoutError(f"request {request.rid}: not finished within {self.request_timeout}s")
-        return 200, result.to_json(request.return_logprob, label=self.labels.label,
-                                   current_version=self.engine.version)
+        for future in futures:
+            while True:
+                try:
+                    future.result(timeout=HANGUP_POLL_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    waited += HANGUP_POLL_S
+                if client_gone():
+                    for f in futures:
+                        self.engine.abort(f)  # nobody will read the results: free the slots now
+                    raise ClientGoneError(requests[0].rid)
+                if waited >= self.request_timeout:
+                    for f in futures:
+                        self.engine.abort(f)  # a retry goes elsewhere
+                    raise RequestTimeoutError(f"request {requests[0].rid}: not finished within "
+                                              f"{self.request_timeout}s")
+        return [future.result() for future in futures]
+
+    def _forget(self, requests, futures) -> None:
+        with self._running_lock:
+            for request, future in zip(requests, futures):
+                running = self._running.get(request.rid, [])
+                if future in running:
+                    running.remove(future)
+                if not running:
+                    self._running.pop(request.rid, None)
+
+    def handle_abort_request(self, body: Any) -> Reply:
+        """SGLang's ``/abort_request`` ``{"rid": str, "abort_all": bool}``: the named request (or every one) ends
+        now with ``finish_reason`` abort, returning what it sampled. An unknown rid is not an error (SGLang's
+        answer is an empty 200 either way)."""
+        if not isinstance(body, dict):
+            raise ValueError("request: expected a JSON object")
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(rid, str) or not isinstance(abort_all, bool):
+            raise ValueError(f"rid / abort_all: expected a str and a bool, got {rid!r:.80} / {abort_all!r:.20}")
+        with self._running_lock:
+            futures = [f for r, fs in self._running.items() if abort_all or r == rid for f in fs]
+        for future in futures:
+            self.engine.abort(future)
+        return 200, None
 
     def _apply(self, state_dict, label, *, partial: bool) -> int:
         version = self.labels.engine_version(label, self.engine.newest_version)
@@ -248,8 +304,13 @@ class EngineServer(HTTPService):
         return self.labels.label(self.engine.version)
 
     def handle_model_info(self) -> Reply:
-        return 200, {"model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
-                     "preferred_sampling_params": None, "weight_version": self.weight_version()}
+        """SGLang 0.5.23's ``/model_info`` fields (``http_server.model_info``) this engine has."""
+        return 200, {"model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": None,
+                     "is_generation": True, "preferred_sampling_params": None,
+                     "weight_version": self.weight_version(), "load_format": "auto", "reasoning_parser": None,
+                     "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+                     "has_audio_understanding": False, "model_type": "glm_moe_dsa",
+                     "architectures": ["GlmMoeDsaForCausalLM"]}
 
     def handle_info(self) -> Reply:
         """SGLang's shape (server arguments, scheduler info, ``internal_states``, ``version``), then the glm5
@@ -261,6 +322,7 @@ class EngineServer(HTTPService):
             "model_path": self.model_path, "host": self.host, "port": self.port, "dp_size": 1, "tp_size": 1,
             "skip_tokenizer_init": True, "weight_version": self.weight_version(),
             "max_req_input_len": self.engine.limits.max_input_tokens, "max_running_requests": self.engine.max_batch,
+            "context_length": self.engine.max_len,
             "internal_states": [{"paused": self.engine.paused, "num_running_reqs": self.engine.num_active()}],
             "version": glm5_core.__version__,
         }
@@ -285,6 +347,7 @@ class EngineServer(HTTPService):
         get_routes = {
             "/health": server.handle_health, "/health_generate": server.handle_health,
             "/get_server_info": server.handle_info, "/get_model_info": server.handle_model_info,
+            "/server_info": server.handle_info, "/model_info": server.handle_model_info,  # 0.5.23's names
             "/get_weight_version": lambda: (200, {"weight_version": server.weight_version()}),
             "/flush_cache": server.handle_flush_cache,
         }
@@ -298,6 +361,7 @@ class EngineServer(HTTPService):
             "/continue_generation": server.handle_continue,
             "/flush_cache": server.handle_flush_cache,
             "/end_trajectories": server.handle_end_trajectories,
+            "/abort_request": server.handle_abort_request,
         }
 
         class Handler(RequestHandler):

@@ -1,6 +1,7 @@
-"""Routing / index replay end to end: the engine records every position's experts and DSA keys, the SGLang-style
-response carries them (JSON, base64), the TITO gateway checks and keeps them on the sample, and the trainer's
-forward uses bitwise those experts and keys, also after the trainer's weights moved on (async staleness)."""
+"""Routing / index replay end to end: the engine records every position's experts and DSA keys, the response
+carries them in SGLang 0.5.23's wire form (base64 int32 over all hidden layers), the TITO gateway checks and keeps
+them on the sample, and the trainer's forward uses bitwise those experts and keys, also after the trainer's weights
+moved on (async staleness)."""
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.serving import replay_trace
 from glm5_core.rl.serving.engine import RolloutEngine
 from glm5_core.rl.serving.protocol import Limits, parse_generate_request
+from glm5_core.rl.serving.replay_trace import TraceLayout
 
 LIMITS = Limits(vocab_size=264, max_input_tokens=127, max_new_tokens=64)
 
@@ -22,7 +24,8 @@ def engine_fn(engine):
     def generate(trajectory_id, body):
         request = parse_generate_request(json.loads(json.dumps(body)), LIMITS)
         result = engine.generate([request])[0]
-        return json.loads(json.dumps(result.to_json(request.return_logprob)))
+        layout = TraceLayout.of(engine.model.config)
+        return json.loads(json.dumps(result.to_json(request.return_logprob, layout=layout)))
     return generate
 
 
@@ -47,8 +50,9 @@ def engine(tiny_policy):
 
 def replay_args(model, samples):
     cfg = model.config
-    routing, _ = pad_traces(samples, "routing", 3, cfg.num_experts_per_tok)
-    index, _ = pad_traces(samples, "index", cfg.layer_indexer_types().count("full"), cfg.index_topk)
+    layout = TraceLayout.of(cfg)
+    routing, _ = pad_traces(samples, "routing", layout, cfg.num_experts_per_tok)
+    index, _ = pad_traces(samples, "index", layout, cfg.index_topk)
     return routing, index
 
 
@@ -59,11 +63,24 @@ def test_trainer_forward_uses_the_rollout_experts_and_keys(tiny_policy, engine):
     ids = pad_samples(samples)["input_ids"]
     with torch.no_grad():
         out = tiny_policy(ids, routing_replay=routing, index_replay=index)
+    cfg = tiny_policy.config
+    L, K, Ki = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.index_topk
+    kinds = cfg.layer_indexer_types()
+    assert cfg.first_k_dense_replace >= 1 and "shared" in kinds  # the layouts below are exercised
     for row, s in enumerate(samples):
         n = len(s.tokens) - 1
-        assert s.routed_experts.dtype == torch.uint8 and s.indexer_topk.dtype == torch.int16  # compact
-        assert torch.equal(torch.stack(out.expert_ids, 2)[row, :n], s.routed_experts.to(torch.int32))
-        assert torch.equal(torch.stack(out.topk_idx, 2)[row, :n], s.indexer_topk.to(torch.int32))
+        # SGLang's arrays: int32 over every hidden layer
+        experts = s.routed_experts.reshape(n, L, K)
+        keys = s.indexer_topk.reshape(n, L, Ki)
+        assert s.routed_experts.dtype == torch.int32 and s.indexer_topk.dtype == torch.int32
+        assert not experts[:, :cfg.first_k_dense_replace].any()  # dense layers: zero rows, as SGLang leaves them
+        moe = [i for i in range(L) if cfg.is_moe_layer(i)]
+        full = [i for i, kind in enumerate(kinds) if kind == "full"]
+        assert torch.equal(torch.stack(out.expert_ids, 2)[row, :n], experts[:, moe])
+        assert torch.equal(torch.stack(out.topk_idx, 2)[row, :n], keys[:, full])
+        for i, kind in enumerate(kinds):  # a shared layer's row repeats the last full layer's keys
+            if kind == "shared":
+                assert torch.equal(keys[:, i], keys[:, max(f for f in full if f < i)])
 
 
 def test_at_equal_weights_the_trainer_already_agrees(tiny_policy, engine):
@@ -72,10 +89,11 @@ def test_at_equal_weights_the_trainer_already_agrees(tiny_policy, engine):
     ids = pad_samples(samples)["input_ids"]
     with torch.no_grad():
         out = tiny_policy(ids)
+    routing, index = replay_args(tiny_policy, samples)  # the recorded traces, picked out of SGLang's arrays
     for row, s in enumerate(samples):
         n = len(s.tokens) - 1
-        assert torch.equal(torch.stack(out.expert_ids, 2)[row, :n], s.routed_experts.to(torch.int32))
-        assert torch.equal(torch.stack(out.topk_idx, 2)[row, :n], s.indexer_topk.to(torch.int32))
+        assert torch.equal(torch.stack(out.expert_ids, 2)[row, :n], routing[row, :n].to(torch.int32))
+        assert torch.equal(torch.stack(out.topk_idx, 2)[row, :n], index[row, :n].to(torch.int32))
 
 
 def test_replay_holds_after_the_weights_moved(tiny_policy, engine):
@@ -128,9 +146,14 @@ def test_sequence_logprobs_with_replay_at_equal_weights_match_without(tiny_polic
 
 def test_a_trace_of_the_wrong_shape_is_refused(tiny_policy, engine):
     samples = play(engine, n=1, turns=1)
-    samples[0].routed_experts = samples[0].routed_experts[:-1]
+    layout, K = TraceLayout.of(tiny_policy.config), tiny_policy.config.num_experts_per_tok
+    whole = samples[0].routed_experts
+    samples[0].routed_experts = whole[:-1]  # a position short
     with pytest.raises(ValueError, match="routed_experts"):
-        pad_traces(samples, "routing", 3, tiny_policy.config.num_experts_per_tok)
+        pad_traces(samples, "routing", layout, K)
+    samples[0].routed_experts = whole[:, :-K]  # a layer short
+    with pytest.raises(ValueError, match="routed_experts"):
+        pad_traces(samples, "routing", layout, K)
 
 
 def test_engine_without_recording_refuses_the_request(tiny_policy):
@@ -145,30 +168,43 @@ def test_replay_flags_must_be_bools():
         parse_generate_request({"input_ids": [1], "return_indexer_topk": 1}, LIMITS)
 
 
-def wire(trace):
-    return replay_trace.encode(trace)
+LAYOUT = TraceLayout(num_layers=3, moe_layers=(1, 2), full_index_layers=(0, 2), index_sources=(0, 0, 1))
 
 
 @pytest.mark.parametrize("edit, match", [
-    (lambda w: "AAAA", "expected an object"),
-    (lambda w: {**w, "dtype": "float32"}, "dtype"),
-    (lambda w: {**w, "shape": [4, 3]}, "shape"),
-    (lambda w: {**w, "shape": [5, 3, 2]}, "positions"),
-    (lambda w: {**w, "shape": [4, 3, 10 ** 9]}, "at most"),
-    (lambda w: {**w, "data": w["data"][:-4]}, "base64 of"),
-    (lambda w: {**w, "data": "!" * len(w["data"])}, "base64"),
-    (lambda w: {**w, "extra": 1}, "expected an object"),
+    (lambda w: {"dtype": "int32", "data": w}, "base64 string"),  # glm5-core's old object form
+    (lambda w: w[:-4], "whole int32 rows"),
+    (lambda w: w[:-1], "base64 of at most"),
+    (lambda w: "!" * len(w), "base64"),
+    (lambda w: "A" * (4 * (256 << 20) // 3 + 8), "at most"),
 ])
 def test_wire_traces_are_checked(edit, match):
-    trace = torch.randint(0, 8, (4, 3, 2), dtype=torch.uint8)
-    assert torch.equal(replay_trace.decode(wire(trace), "meta_info.routed_experts", rows=4), trace)
+    trace = torch.randint(0, 8, (4, 2, 2), dtype=torch.uint8)  # [P, M, K]
+    decoded = replay_trace.decode(replay_trace.encode(trace, "routing", LAYOUT), "meta_info.routed_experts", rows=4)
+    assert decoded.shape == (4, 3 * 2) and decoded.dtype == torch.int32
+    assert torch.equal(replay_trace.select(decoded, "x", wire_layers=3, layers=(1, 2), width=2), trace.int())
+    assert not decoded.reshape(4, 3, 2)[:, 0].any()  # the dense layer's row
     with pytest.raises(ValueError, match=match):
-        replay_trace.decode(edit(wire(trace)), "meta_info.routed_experts", rows=4)
+        replay_trace.decode(edit(replay_trace.encode(trace, "routing", LAYOUT)), "meta_info.routed_experts", rows=4)
 
 
-def test_int16_keys_round_trip_with_padding():
-    keys = torch.tensor([[[0, -1, -1]], [[1, 0, -1]]], dtype=torch.int16)
-    assert torch.equal(replay_trace.decode(wire(keys), "k", rows=2), keys)
+def test_int16_keys_round_trip_with_padding_and_shared_layers_mirror_their_full_layer():
+    keys = torch.tensor([[[0, -1, -1], [0, -1, -1]], [[1, 0, -1], [0, 1, -1]]], dtype=torch.int16)  # [P, F, Ki]
+    decoded = replay_trace.decode(replay_trace.encode(keys, "index", LAYOUT), "k", rows=2).reshape(2, 3, 3)
+    assert torch.equal(decoded[:, [0, 2]], keys.int()) and torch.equal(decoded[:, 1], decoded[:, 0])
+
+
+def test_the_wire_form_is_sglangs_base64_int32():
+    """What slime does with SGLang's answer (``np.frombuffer(base64.b64decode(s), dtype=np.int32)``, then a
+    reshape to (seqlen - 1, num_layers, topk)) reads our engine's traces."""
+    import base64
+
+    import numpy as np
+
+    trace = torch.randint(0, 8, (5, 2, 2), dtype=torch.uint8)
+    wire = replay_trace.encode(trace, "routing", LAYOUT)
+    array = np.frombuffer(base64.b64decode(wire.encode("utf-8")), dtype=np.int32).reshape(5, 3, 2)
+    assert (array[:, 1:] == trace.numpy()).all() and (array[:, 0] == 0).all()
 
 
 def test_config_keys(monkeypatch):
@@ -179,6 +215,6 @@ def test_config_keys(monkeypatch):
     assert cfg.train.routing_replay and cfg.train.index_replay
     with pytest.raises(ValueError, match="train.routing_replay"):
         config_from_dict({"train": {"routing_replay": "yes"}})
-    with pytest.raises(ValueError, match="train.routing_replay: expected false with rollout.engine_urls"):
-        config_from_dict({"train": {"routing_replay": True},
-                          "rollout": {"engine_urls": ["http://127.0.0.1:30000"]}})
+    # external engines send SGLang's wire form, which the gateway reads: replay works with them too
+    cfg = config_from_dict({"train": {"routing_replay": True}, "rollout": {"engine_urls": ["http://127.0.0.1:30000"]}})
+    assert cfg.train.routing_replay

@@ -33,14 +33,15 @@ def test_auto_opened_trajectories_whose_request_failed_do_not_fill_the_table(tok
 
 def test_idle_auto_opened_trajectories_are_evicted_when_room_is_needed(tok):  # noqa: F811
     ok = sglang_response(tok.encode("ok") + [tok.token("<|im_end|>")])
+    # 3 s: the first requests must stay "in use" however slowly a loaded machine serves them (0.3 s failed at load 9)
     proxy = OpenAIProxy(tok, lambda tid, r: ok, max_context_tokens=400, auto_open=True, max_trajectories=2,
-                        idle_trajectory_timeout=0.3).start()
+                        idle_trajectory_timeout=3.0).start()
     try:
         for tid in ("a", "b"):
             client_for(proxy, tid).chat.completions.create(model=MODEL, messages=MESSAGES)
         with pytest.raises(openai.RateLimitError):  # both still in use (idle less than the timeout)
             client_for(proxy, "c").chat.completions.create(model=MODEL, messages=MESSAGES)
-        time.sleep(0.4)
+        time.sleep(3.1)
         client_for(proxy, "b").chat.completions.create(model=MODEL, messages=MESSAGES + [
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}])  # b is used again
         client_for(proxy, "c").chat.completions.create(model=MODEL, messages=MESSAGES)

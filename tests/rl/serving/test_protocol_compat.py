@@ -24,7 +24,10 @@ def test_slime_style_defaults_are_accepted_and_change_nothing():
 def test_features_we_do_not_implement_are_refused_not_ignored(name):
     active = {"top_k": 20, "min_p": 0.1, "min_new_tokens": 3, "n": 4, "repetition_penalty": 1.2,
               "frequency_penalty": 0.5, "presence_penalty": 0.5, "ignore_eos": False, "stop": ["\n"],
-              "skip_special_tokens": "yes", "spaces_between_special_tokens": 1, "no_stop_trim": None}[name]
+              "skip_special_tokens": "yes", "spaces_between_special_tokens": 1, "no_stop_trim": None,
+              "stop_regex": "x+", "json_schema": "{}", "regex": "a", "ebnf": "r", "structural_tag": "t",
+              "logit_bias": {"1": 2.0}, "custom_params": {"a": 1}, "beam_width": 2, "watermark": {"enabled": True},
+              "choice": ["a"], "stream_interval": 4}[name]
     with pytest.raises(ValueError, match=f"sampling_params.{name}"):
         _parse(sampling_params={name: active})
 

@@ -1,6 +1,8 @@
 import json
 import math
 import os
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -33,9 +35,14 @@ def test_parse_valid_request():
     ({"input_ids": [1], "sampling_params": {"temperature": float("nan")}}, "temperature"),
     ({"input_ids": [1], "sampling_params": {"top_p": 0.0}}, "top_p"),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": [100]}}, "stop_token_ids"),
-    ({"input_ids": [1], "sampling_params": {"beam_width": 2}}, "unknown"),
+    ({"input_ids": [1], "sampling_params": {"beam_width": 2}}, "beam_width"),
+    ({"input_ids": [1], "sampling_params": {"best_of": 2}}, "unknown"),  # not an SGLang sampling key: refused
     ({"input_ids": [1], "sampling_params": {"n": 2}}, "sampling_params.n"),
-    ({"input_ids": [1], "extra": 1}, "unknown"),
+    ({"input_ids": [1], "stream": True}, "stream"),
+    ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num"),
+    ({"input_ids": [[1], [2]], "rid": "a"}, "rid"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "hi"}, "text"),
     ([1, 2], "request"),
 ])
@@ -179,3 +186,90 @@ def test_trajectory_closer_sends_in_batches_and_flushes_the_rest():
     assert sorted(sum(sent, [])) == sorted(f"t{i}" for i in range(10)) and len(sent[-1]) == 2
     with pytest.raises(ValueError, match="batch"):
         TrajectoryCloser(sent.append, batch=0)
+
+
+# -- what an SGLang client expects of glm5 serve (SGLang 0.5.23: api/v1/api_types.py, http_server.py) ----------
+def _post(url, route, body):
+    request = urllib.request.Request(url + route, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        raw = response.read()
+        return response.status, (json.loads(raw) if raw else None)
+
+
+def test_answers_meet_sglangs_response_contract(served):
+    from tests.rl.serving.sglang_contract import ContractError, generate_response
+
+    server, _ = served
+    with pytest.raises(ContractError, match="expected a string"):  # the checker catches what we used to send
+        generate_response({"text": None, "output_ids": [1], "meta_info": {}})
+    _, answer = _post(server.url, "/generate", {"input_ids": [10, 11], "return_logprob": True,
+                                                "sampling_params": {"max_new_tokens": 3}})
+    generate_response(answer)
+    assert "text" not in answer  # token-in-token-out, as SGLang with skip_tokenizer_init
+
+
+@pytest.fixture(scope="module")
+def long_policy():
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+
+    torch.manual_seed(0)
+    return GLM5ForCausalLM(GLM5Config.tiny(index_topk=8, max_position_embeddings=512)).eval()
+
+
+def test_sglang_defaults_batches_and_generate_req_input_fields(long_policy):
+    from tests.rl.serving.sglang_contract import generate_response
+
+    engine = RolloutEngine(long_policy, max_batch=4, max_len=256)
+    server = EngineServer(engine).start()
+    try:
+        # SGLang's default max_new_tokens is 128; ignore_eos: the engine runs to the length without stop tokens
+        _, one = _post(server.url, "/generate", {"input_ids": [5, 6], "sampling_params": {"ignore_eos": True}})
+        assert one["meta_info"]["completion_tokens"] == 128 and one["meta_info"]["finish_reason"]["type"] == "length"
+        # a batch: a list of answers in order, each with its rid; GenerateReqInput fields at their defaults and
+        # unknown top-level keys are accepted (SGLang ignores them), the prompt's ids repeated when asked
+        body = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["r0", "r1"], "return_logprob": [True, False],
+                "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3}], "stream": False,
+                "logprob_start_len": -1, "priority": 3, "routing_key": "k", "custom_labels": {"a": "b"},
+                "some_future_field": 1, "return_prompt_token_ids": True}
+        _, answers = _post(server.url, "/generate", body)
+        assert [a["meta_info"]["id"] for a in answers] == ["r0", "r1"]
+        assert [a["prompt_token_ids"] for a in answers] == [[1, 2, 3], [4, 5]]
+        assert len(answers[0]["output_ids"]) <= 2 and len(answers[1]["output_ids"]) <= 3
+        assert "output_token_logprobs" in answers[0]["meta_info"]
+        assert "output_token_logprobs" not in answers[1]["meta_info"]
+        for answer in answers:
+            generate_response(answer)
+        # 0.5.23's route names
+        with urllib.request.urlopen(server.url + "/model_info", timeout=30) as r:
+            info = json.loads(r.read())
+        assert info["is_generation"] is True and info["weight_version"] == "0"
+        with urllib.request.urlopen(server.url + "/server_info", timeout=30) as r:
+            assert json.loads(r.read())["context_length"] == 256
+    finally:
+        server.shutdown()
+
+
+def test_abort_request_ends_a_running_request_with_what_it_sampled(long_policy):
+    import threading
+
+    engine = RolloutEngine(long_policy, max_batch=2, max_len=512)
+    server = EngineServer(engine).start()
+    try:
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(answer=_post(server.url, "/generate", {
+            "input_ids": [1, 2], "rid": "long", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}})[1]))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while engine.stats.generated_tokens < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, body = _post(server.url, "/abort_request", {"rid": "long"})
+        assert status == 200 and body is None  # SGLang answers an empty 200
+        worker.join(60)
+        meta = out["answer"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < meta["completion_tokens"] < 400
+        assert _post(server.url, "/abort_request", {"rid": "nobody"})[0] == 200  # unknown: nothing to do
+        with pytest.raises(urllib.error.HTTPError):
+            _post(server.url, "/abort_request", {"rid": 3})
+    finally:
+        server.shutdown()
