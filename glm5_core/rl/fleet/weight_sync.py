@@ -67,7 +67,7 @@ NOT_FLUSHED = "cache was not flushed"  # sglang 0.5.23 WeightUpdater.flush_cache
 
 
 def _refused(client: EngineClient, what: str, exc: EngineRequestError) -> WeightPushError:
-    return WeightPushError(f"{client.url} refused {what}: HTTP {exc.status}: {exc}")
+    return WeightPushError(f"{client.url} refused {what}: {exc}")  # str(exc) starts "HTTP <status>: "
 
 
 def _flush_until_idle(client: EngineClient, attempts: int = 60, pause_s: float = 1.0) -> None:

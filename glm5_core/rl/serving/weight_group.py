@@ -24,7 +24,6 @@ default gloo device picks (the host name's, or ``GLOO_SOCKET_IFNAME``), as in SG
 from __future__ import annotations
 
 import datetime
-from typing import Optional
 
 import torch
 
@@ -93,13 +92,11 @@ def check_group_args(*, master_address, master_port, rank, world_size, group_nam
 
 
 class WeightUpdateGroup:
-    """One member of a weight-update group; rank 0 sends, every other rank receives. ``device_host`` is accepted
-    for callers of the former API and unused: the transport binds what torch's default device picks, as in
-    SGLang."""
+    """One member of a weight-update group; rank 0 sends, every other rank receives."""
 
     def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
                  group_name: str = "weight_update_group", backend: str = "gloo",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, device_host: Optional[str] = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         check_group_args(master_address=master_address, master_port=master_port, rank=rank, world_size=world_size,
                          group_name=group_name, backend=backend)
         self.rank, self.world_size, self.group_name, self.backend = rank, world_size, group_name, backend
