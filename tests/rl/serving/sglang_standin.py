@@ -642,10 +642,10 @@ class StandInProcess:
     """``python -m tests.rl.serving.sglang_standin`` as a child process; ``url`` once it listens."""
 
     def __init__(self, model_path: str, *, sglang_version: str = "0.5.23", api_key: Optional[str] = None,
-                 start_timeout: float = 120.0):
+                 port: int = 0, start_timeout: float = 120.0):
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         cmd = [sys.executable, "-m", "tests.rl.serving.sglang_standin", "--model-path", str(model_path),
-               "--sglang-version", sglang_version]
+               "--sglang-version", sglang_version, "--port", str(port)]
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -4,6 +4,7 @@ holds, and RL with multi-token answers trains through several weight pushes, by 
 path, async and sync, with the engine's weights ending bitwise equal to the trainer's last push."""
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -141,28 +142,48 @@ def rl_config(tmp_path, weight_sync, mode, *, max_new_tokens=4, max_steps=3):
 
 
 # every pair of (mode, weight sync, SGLang version) once: CI runs each case (slow ones too), ~10 s apiece
-CASES = [("async", "disk", "0.5.23"), ("async", "distributed", "0.5.15.post1"), ("sync", "distributed", "0.5.23"),
-         ("sync", "disk", "0.5.15.post1")]
+# every pair of (mode, weight sync, SGLang version) once: CI runs each case (slow ones too), ~10 s apiece; in the
+# last, the server is restarted after the first push (it boots other weights, as a restarted SGLang does)
+CASES = [("async", "disk", "0.5.23", False), ("async", "distributed", "0.5.15.post1", False),
+         ("sync", "distributed", "0.5.23", False), ("sync", "disk", "0.5.15.post1", True)]
 
 
-@pytest.mark.parametrize("mode,weight_sync,version", CASES)
-def test_rl_with_multi_token_answers_through_weight_pushes(policy, tmp_path, mode, weight_sync, version, capsys):
+@pytest.mark.parametrize("mode,weight_sync,version,restart", CASES)
+def test_rl_with_multi_token_answers_through_weight_pushes(policy, tmp_path, mode, weight_sync, version, restart,
+                                                           capsys):
     """4-token answers, 3 steps, a push after each (async: the producer never stops, so requests are
     mid-generation at the pushes): every push must pause in a mode after which SGLang's scheduler can flush
     (0.5.23 answers 400 otherwise, 0.5.15's scheduler dies), distributed pushes run in 0.5.23's session (and
-    without one on 0.5.15), and the engine ends with the trainer's last weights, bit for bit."""
+    without one on 0.5.15), and the engine ends with the trainer's last weights, bit for bit. A restarted server
+    gets a catch-up push before it takes work (else its answers carry an unknown version and are dropped)."""
+    from urllib.parse import urlparse
+
     from safetensors.torch import load_file
 
-    server = StandInProcess(policy, sglang_version=version, api_key=KEY)
+    servers = [StandInProcess(policy, sglang_version=version, api_key=KEY)]
+
+    def restart_after_the_first_push():
+        while servers[0].alive() and servers[0].state()["weight_version"] != "1":
+            time.sleep(0.05)
+        servers[0].shutdown()
+        servers.append(StandInProcess(policy, sglang_version=version, api_key=KEY,
+                                      port=urlparse(servers[0].url).port))
+
+    restarter = threading.Thread(target=restart_after_the_first_push, daemon=True)
+    if restart:
+        restarter.start()
     try:
-        rc = main(["rl", "--config", str(rl_config(tmp_path, weight_sync, mode)), "--engine-url", server.url,
+        rc = main(["rl", "--config", str(rl_config(tmp_path, weight_sync, mode)), "--engine-url", servers[0].url,
                    "--api-key", KEY, "--backend", "cpu"])
         out, err = capsys.readouterr()
-        assert rc == 0, err[-3000:] + server.stderr()[-2000:]
+        assert rc == 0, err[-3000:] + servers[-1].stderr()[-2000:]
+        restarter.join(60) if restart else None
+        server = servers[-1]
         state = server.state()
         server.save_weights(tmp_path / "engine.safetensors")
     finally:
-        server.shutdown()
+        for server in servers:
+            server.shutdown()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["producer_errors"] == [] and summary["dropped_malformed"] == 0
     assert summary["trained_trajectories"] >= 12 and summary["failed_pushes"] == 0
@@ -172,9 +193,12 @@ def test_rl_with_multi_token_answers_through_weight_pushes(policy, tmp_path, mod
     assert state["refused_flushes"] == 0 and state["weight_version"] == "3" and not state["session"]
     calls = state["calls"]
     update = "/update_weights_from_disk" if weight_sync == "disk" else "/update_weights_from_distributed"
-    assert calls.count("/pause_generation") == calls.count("/continue_generation") == 4 and update in calls
-    sessions = calls.count("/begin_weight_update"), calls.count("/end_weight_update")
-    assert sessions == ((4, 4) if weight_sync == "distributed" and version == "0.5.23" else (0, 0)), sessions
+    if restart:  # the new server: a catch-up load first (no pause: it has no work), then the later pushes
+        assert len(servers) == 2 and summary["catch_up_pushes"] >= 1 and calls[0] == update, calls
+    else:
+        assert calls.count("/pause_generation") == calls.count("/continue_generation") == 4 and update in calls
+        sessions = calls.count("/begin_weight_update"), calls.count("/end_weight_update")
+        assert sessions == ((4, 4) if weight_sync == "distributed" and version == "0.5.23" else (0, 0)), sessions
     assert state["glm5_rl_modules"] == []
     trainer = load_file(str(tmp_path / "run" / "weights" / "v000003.safetensors"))
     engine = load_file(str(tmp_path / "engine.safetensors"))
