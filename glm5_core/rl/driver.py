@@ -139,6 +139,7 @@ class RLRun:
         self.replicas = ReplicaSet(self.executor, self.router, names, client_factory=self._client,
                                    check_response=check)
         self.weight_sync = build_weight_sync(r, self.replicas)
+        self.replicas.catch_up = self.weight_sync.catch_up  # a readmitted engine gets the newest weights first
         self.buffer = build_buffer(cfg)
         self.closer = TrajectoryCloser(self.replicas.end_trajectories)
         self.runner = build_runner(cfg, self.env, self.replicas.generate, forget_fn=self._trajectory_done,
@@ -207,7 +208,7 @@ class RLRun:
         self.latest_weights = self.trainer.save_weights(self.weights_dir)  # what a restarted worker boots from
         self.latest_version = self.trainer.version
         if self.cfg.rollout.weight_sync == "distributed":
-            self.weight_sync.push(self.model, self.latest_version)
+            self.weight_sync.push(self.model, self.latest_version, saved=self.latest_weights)
         elif self.external:  # SGLang loads an HF-format directory
             from glm5_core.rl.fleet.weight_sync import write_hf_directory
 
@@ -420,6 +421,7 @@ class RLRun:
             "engine_busy_s": counters["busy_seconds"], "engine_prefill_s": counters["prefill_seconds"],
             "weight_sync": self.cfg.rollout.weight_sync, "weight_sync_s": list(self.weight_sync.seconds),
             "failed_pushes": getattr(self.weight_sync, "failed_pushes", 0),
+            "catch_up_pushes": self.weight_sync.catch_ups,
             "eval_reward_start": (eval0 or {}).get("eval_reward"),
             "eval_reward_end": (eval_end or {}).get("eval_reward"),
             "eval_start": eval0, "eval_end": eval_end, "eval_history": list(self.eval_history),

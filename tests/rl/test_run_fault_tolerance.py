@@ -48,6 +48,7 @@ def test_killing_a_rollout_worker_mid_run(tmp_path):
     summary = run.run()
     assert summary["steps"] == 6
     assert summary["replacements"] >= 1 and killed["new_pid"] != killed["pid"]
+    assert summary["catch_up_pushes"] >= 1  # the replacement got the newest weights before the ring took it back
     assert summary["producer_errors"] == [] and summary["failed_restarts"] == 0
     check_exactly_once(run)
     assert summary["trained_trajectories"] == 24

@@ -12,7 +12,10 @@ With ``check_response`` (``rollout.response_check.ResponseCheck``) every answer 
 a malformed or impossible one is counted (``dropped_malformed``), logged once with the engine's URL, and raised as
 :class:`~glm5_core.rl.serving.client.MalformedResponse` naming that URL; the runner drops its rollout.
 
-The supervisor thread replaces dead workers and puts them back on the ring. A failed replacement (e.g. the
+The supervisor thread replaces dead workers and puts them back on the ring. With ``catch_up`` set (the weight
+sync's ``catch_up``: ``fleet/weight_sync``), a readmitted replica (restarted, or healthy again after a failure
+that may have made it miss pushes) first gets the newest weights, and goes back on the ring only once they are
+in; a failed catch-up leaves it off and is retried like a failed replacement. A failed replacement (e.g. the
 worker could not start) is logged and retried with exponential backoff; it never stops the supervisor.
 """
 from __future__ import annotations
@@ -65,6 +68,8 @@ class ReplicaSet:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._no_end_route: set = set()  # replicas without /end_trajectories (SGLang)
+        # (name, client, admit) -> None: the newest weights to a readmitted replica, then admit() puts it back
+        self.catch_up: Optional[Callable[[str, EngineClient, Callable[[], None]], None]] = None
 
     def start(self) -> ReplicaSet:
         for name in self.names:
@@ -94,8 +99,8 @@ class ReplicaSet:
         if not self.executor.is_alive(name):
             self.replace(name)
         elif name not in self.router.healthy_replicas():
-            if self.clients[name].health():  # a transient failure: back on the ring
-                self.router.mark_healthy(name)
+            if self.clients[name].health():  # a transient failure: back on the ring (after a catch-up)
+                self._readmit(name)
             else:
                 self.replace(name)
 
@@ -119,7 +124,14 @@ class ReplicaSet:
             url = self.executor.restart(name)
             self.clients[name] = self._client(url)
             self.replacements += 1
+            self._readmit(name)
+
+    def _readmit(self, name: str) -> None:
+        """``name`` back on the ring, after the catch-up push when there is one (raises what it raised)."""
+        if self.catch_up is None:
             self.router.mark_healthy(name)
+        else:
+            self.catch_up(name, self.clients[name], lambda: self.router.mark_healthy(name))
 
     # -- requests ---------------------------------------------------------------------------------------
     def _request_failed(self, name: Optional[str], exc: Exception) -> None:

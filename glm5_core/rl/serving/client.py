@@ -150,6 +150,13 @@ class EngineClient:
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": flush_cache, "weight_version": str(version)}, timeout=timeout)
 
+    def begin_weight_update(self, timeout: Optional[float] = None) -> dict:
+        """sglang 0.5.23's weight-update session (``BeginWeightUpdateReqInput``); older servers answer 404."""
+        return self._call("POST", "/begin_weight_update", {}, timeout=timeout)
+
+    def end_weight_update(self, timeout: Optional[float] = None) -> dict:
+        return self._call("POST", "/end_weight_update", {}, timeout=timeout)
+
     def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name}, timeout=timeout)
 

@@ -102,7 +102,7 @@ class EngineServer(HTTPService):
         self.socket_timeout = float(socket_timeout)
         self.request_deadline = float(request_deadline)
         self.labels = VersionLabels(engine.version, weight_version)
-        self.receiver = DistributedReceiver(device_host=host if host not in ("0.0.0.0", "::") else "")
+        self.receiver = DistributedReceiver()
         self._update_lock = threading.Lock()  # one weight update at a time
         self._running: dict[str, list[concurrent.futures.Future]] = {}  # rid -> its requests in the engine
         self._running_lock = threading.Lock()

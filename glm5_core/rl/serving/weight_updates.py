@@ -90,10 +90,9 @@ def load_disk_weights(model_path, weights_dir: Optional[str]) -> dict[str, torch
 class DistributedReceiver:
     """The weight-update groups this server joined, by name. One operation at a time."""
 
-    def __init__(self, device_host: str = "", timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
         self._groups: dict[str, WeightUpdateGroup] = {}
         self._lock = threading.Lock()
-        self._device_host = device_host
         self._timeout_s = timeout_s
 
     def init_group(self, body: dict) -> None:
@@ -109,7 +108,7 @@ class DistributedReceiver:
                 self._groups[name] = WeightUpdateGroup(
                     master_address=body.get("master_address"), master_port=body.get("master_port"),
                     rank=body.get("rank_offset"), world_size=body.get("world_size"), group_name=name,
-                    backend=body.get("backend", "nccl"), timeout_s=self._timeout_s, device_host=self._device_host)
+                    backend=body.get("backend", "nccl"), timeout_s=self._timeout_s)
             except (RuntimeError, OSError) as exc:  # rendezvous failed: the caller's group, not the engine
                 raise ValueError(f"init_weights_update_group: {type(exc).__name__}: {exc}") from None
 
