@@ -17,6 +17,11 @@ CheckFn = Callable[[str, str], testing.Comparison]  # (backend, device) -> compa
 GradCase = tuple[Callable, Callable, dict[str, torch.Tensor]]
 
 
+class NotRunnable(Exception):
+    """A check that cannot run where it was asked (e.g. it needs two devices and one is visible): reported as
+    ``not_run`` with the reason, neither passed nor failed."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Check:
     family: str
@@ -35,7 +40,7 @@ class Result:
     family: str
     check: str
     ops: list[str]
-    status: str  # "pass" | "fail" | "error" | "fallback"
+    status: str  # "pass" | "fail" | "error" | "fallback" | "not_run"
     max_error: Optional[float]
     allowed: Optional[float]
     detail: str

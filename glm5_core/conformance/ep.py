@@ -1,10 +1,10 @@
 """Conformance checks of the expert-parallel family (``glm5_core.ops.ep``).
 
-Today they run in ONE process (``group=None``: expert parallelism of size 1): a backend's ``ep_dispatch`` /
-``ep_combine`` must then be bitwise the single-device reference (``moe.dispatch_reference`` /
-``moe.combine_reference``), and carry the reference's gradients. The multi-process contract (EP=N bitwise the
-concatenated batch on one device, bad arguments raised on every rank) is checked by ``tests/ops/test_ep.py`` on
-gloo processes; running it from ``glm5 conformance`` is still to come.
+In ONE process (``group=None``: expert parallelism of size 1) a backend's ``ep_dispatch`` / ``ep_combine`` must
+be bitwise the single-device reference (``moe.dispatch_reference`` / ``moe.combine_reference``), and carry the
+reference's gradients. The multi-process contract (EP=2 bitwise the concatenated batch on one device, uneven
+routing, a bad argument raised on every rank) is the check ``ep_group[2 processes]`` (``ep_group.py``: two
+processes on the backend's collective); ``tests/ops/test_ep.py`` checks the reference at 2 and 4 processes.
 
 The runner reads :func:`checks` (the ``ep`` family, found from ``OpSpec.family``) and :data:`GRAD_CASES` (the
 backward inputs, read by ``gradients.py``).
@@ -63,7 +63,9 @@ def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str
 
 def checks() -> list[Check]:
     """Each check of the ``ep`` family."""
-    found = []
+    from glm5_core.conformance import ep_group
+
+    found = list(ep_group.checks())
     for shape in testing.MOE_SHAPES:
         for dtype, tag in DTYPES.items():
             found.append(Check("ep", f"ep_dispatch[{tag}-{shape}-group_None]", ("ep_dispatch",),

@@ -32,7 +32,7 @@ def environment(backend: str) -> dict[str, str]:
 
 def write_reports(results: list[Result], backend: str, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "fallback")}
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "fallback", "not_run")}
     coverage = [{"op": r.op, "implementation": r.label, "reason": r.reason} for r in registry.explain(backend)]
     payload = {"environment": environment(backend), "summary": counts, "coverage": coverage,
                "results": [dataclasses.asdict(r) for r in results]}
@@ -42,7 +42,9 @@ def write_reports(results: list[Result], backend: str, out_dir: Path) -> dict[st
     lines = [f"# glm5-core conformance report: `{backend}`", "",
              " | ".join(f"**{k}**: {v}" for k, v in env.items()), "",
              f"**{counts['pass']} passed, {counts['fail'] + counts['error']} failed**, "
-             f"{counts['fallback']} ran the reference fallback.", "", "## Op coverage", "",
+             f"{counts['fallback']} ran the reference fallback"
+             + (f", {counts['not_run']} could not run here (see their detail)" if counts["not_run"] else "") + ".",
+             "", "## Op coverage", "",
              "| op | implementation | why the reference |", "|---|---|---|"]
     lines += [f"| {c['op']} | `{c['implementation']}` | {c['reason']} |" for c in coverage]
     for family in family_names():
