@@ -108,9 +108,11 @@ def kernelize(model, backend: Optional[str] = None):
         return model
     _check_config(model.config)
     _check_layers(model, classes)
+    notices: set[str] = set()  # the fallbacks already said (once per model), shared by its attention modules
     for module in model.modules():
         if type(module) is classes["attention"]:
             _bind(module, forwards.attention_forward, backend)
+            module.glm5_notices = notices
         elif type(module) is classes["router"]:
             _bind(module, forwards.router_forward, backend)
         elif type(module) is classes["experts"]:
