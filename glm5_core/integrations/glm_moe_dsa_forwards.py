@@ -151,7 +151,8 @@ def _fallback_reason(self, cache, kwargs) -> Optional[str]:
     """Why this call runs transformers' own attention forward (None: it runs glm5-core's)."""
     if not _runs_here(cache, self.layer_idx):
         layers = getattr(cache, "layers", None)
-        kind = type(layers[self.layer_idx]).__name__ if layers and self.layer_idx < len(layers) else type(cache).__name__
+        layer = layers[self.layer_idx] if layers and self.layer_idx < len(layers) else cache
+        kind = type(layer).__name__
         return (f"kernelize: a {type(cache).__name__} ({kind} layers) runs transformers' own attention, not "
                 f"glm5-core's kernels (glm5-core's needs transformers' dynamic cache, whose update returns the filled "
                 f"slots only)")
