@@ -218,3 +218,18 @@ def test_output_attentions_returns_transformers_weights_and_says_so_once():
         assert torch.equal(g == 0, w == 0)  # the same keys dropped
     assert (want.attentions[0][..., -1, :] == 0).sum() > SEQ_LEN  # past index_topk: DSA's unselected keys
     assert rel_err(got.logits, want.logits) < FP32_RTOL
+
+
+def test_kernelize_refuses_transformers_older_than_5_17_in_one_line(monkeypatch):
+    """Releases before 5.17 compute another glm_moe_dsa function (docs/transformers.md): kernelize says so."""
+    import transformers
+
+    model = hf_model()
+    monkeypatch.setattr(transformers, "__version__", "5.16.2")
+    with pytest.raises(ImportError) as info:
+        kernelize(model)
+    message = str(info.value)
+    assert "\n" not in message and "transformers >= 5.17" in message and "got transformers 5.16.2" in message
+    assert "glm5-core[transformers]" in message
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert kernelize(model) is model
