@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glm5_core.device_facts import torch_device_module
+
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
@@ -50,8 +52,8 @@ def init_distributed(backend) -> DistContext:
     rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     device_type = backend.device()
     device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, local)
-    if device_type != "cpu":
-        getattr(torch, device_type).set_device(device)
+    if device_type != "cpu":  # torch.<device_type>: the vendor's, or a privateuse1 plug-in's
+        torch_device_module(device_type).set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
     return DistContext(rank=rank, world_size=world, local_rank=local, device=device)
