@@ -154,5 +154,8 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if ctx.device.type == "cpu" else [ctx.device.index]
-    # Some parameters idle in some forwards (the MTP layer without MTP, the indexer outside its stages).
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+    # No find_unused_parameters: the trainer makes trainable only what every step of the stage uses (the
+    # indexer only in its stages, the MTP module only with MTP depths), so DDP's extra traversal of the
+    # autograd graph each step (and the warning it prints on every rank when nothing is unused) is not needed;
+    # a parameter left unused would make DDP fail loudly at the next step, never silently skip its gradient.
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)

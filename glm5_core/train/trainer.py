@@ -78,12 +78,18 @@ def _reference_report(ran: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
     return report
 
 
-def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
-    """dense: all but the indexer; indexer_warmup: only the indexer; sparse: everything."""
+def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig, mtp_depths: int) -> None:
+    """dense: all but the indexer; indexer_warmup: only the indexer; sparse: everything. The MTP module trains
+    only with ``mtp_depths`` > 0 (with 0 it never runs). So every trainable parameter takes part in every step
+    of its stage, and DDP needs no ``find_unused_parameters`` (its extra graph traversal, and its warning)."""
     indexer_ids = {id(p) for p in model.indexer_parameters()}
+    mtp = model.model.mtp
+    idle = {id(p) for p in mtp.parameters()} if mtp is not None and mtp_depths == 0 else set()
     for p in model.parameters():
         is_indexer = id(p) in indexer_ids
-        if stage.kind == "dense":
+        if id(p) in idle:
+            p.requires_grad_(False)
+        elif stage.kind == "dense":
             p.requires_grad_(not is_indexer)
         elif stage.kind == "indexer_warmup":
             p.requires_grad_(is_indexer)
@@ -229,7 +235,7 @@ class PretrainTrainer:
         point = self.schedule.point(step)
         if point.index != self._stage_index:
             self._stage_index = point.index
-            _set_trainable(self.model, point.stage)
+            _set_trainable(self.model, point.stage, self.cfg.loss.mtp_depths)
             if not self.sharded:
                 self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
         lrs = self.schedule.lrs(step)
