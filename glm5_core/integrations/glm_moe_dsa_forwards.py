@@ -22,8 +22,8 @@ that is only causal (no padding) takes the fused top-k; a padded batch's mask go
 masked, then the contract's top-k (ties to the lower index), for the queries past index_topk (the others select
 every key their mask shows). Calls with a cache other than transformers' dynamic one (a static cache returns its
 whole preallocated buffer) run transformers' own forward, and so do calls asking for the attention weights
-(``output_attentions`` with the eager implementation: the sparse kernels never form them; with sdpa transformers
-returns none either): each says so once per model (a ``UserWarning``).
+(``output_attentions``: the sparse kernels never form them; eager returns transformers' weights, sdpa none with
+transformers' own warning): each says so once per model (a ``UserWarning``).
 """
 from __future__ import annotations
 
@@ -157,9 +157,10 @@ def _fallback_reason(self, cache, kwargs) -> Optional[str]:
                 f"glm5-core's kernels (glm5-core's needs transformers' dynamic cache, whose update returns the filled "
                 f"slots only)")
     wants = kwargs.get("output_attentions", getattr(self.config, "output_attentions", False))
-    if wants and self.config._attn_implementation == "eager":
-        return ("kernelize: output_attentions=True runs transformers' own (eager) attention for these calls, so "
-                "that the weights are transformers'; glm5-core's sparse kernels never form them")
+    if wants:  # eager: its weights; sdpa: none, and transformers' own warning about it
+        return (f"kernelize: output_attentions=True runs transformers' own ({self.config._attn_implementation}) "
+                f"attention for these calls, so that the weights returned are transformers'; glm5-core's sparse "
+                f"kernels never form them")
     return None
 
 

@@ -233,3 +233,15 @@ def test_kernelize_refuses_transformers_older_than_5_17_in_one_line(monkeypatch)
     assert "glm5-core[transformers]" in message
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     assert kernelize(model) is model
+
+
+def test_output_attentions_with_sdpa_is_what_transformers_gives():
+    """sdpa forms no weights: transformers returns none and warns; the kernelized model does the same (it
+    returned an empty tuple with no word)."""
+    hf = hf_model(hf_config())
+    assert hf.config._attn_implementation == "sdpa"
+    ids = token_ids(hf.config.vocab_size)
+    kernelized = kernelize(hf)
+    with pytest.warns(UserWarning, match="output_attentions=True runs transformers' own \\(sdpa\\)"), torch.no_grad():
+        got = kernelized(ids, output_attentions=True)
+    assert got.attentions == ()
