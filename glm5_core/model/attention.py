@@ -143,7 +143,8 @@ class MLA(nn.Module):
         mask [B, T, S] (attention over a set does not depend on its order); "shared" layers reuse the last full
         layer's. Returns [B, T, H, Dv]."""
         T = x.shape[1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # [T, S=T]
+        pos = torch.arange(T, device=x.device)
+        causal = pos.view(1, T) <= pos.view(T, 1)  # [T, S=T]: key s visible to query t (no Trilu: opset < 14 too)
         if self.indexer is None:
             assert state.shared_selection is not None, "a shared layer needs an earlier full layer"
             selected = state.shared_selection

@@ -26,6 +26,7 @@ from glm5_core.model.checkpoint import check_checkpoint_dir, load_pretrained
 from glm5_core.model.modeling import GLM5ForCausalLM
 
 DEFAULT_OPSET = 17
+MIN_OPSET = 14  # the dense form's scaled_dot_product_attention exports from opset 14
 
 
 ATTENTION_FORMS = ("sparse", "dense")
@@ -61,6 +62,9 @@ def export_onnx(model: GLM5ForCausalLM, out_path: str, *, seq_len: int = 16, ops
     ``attention``: "sparse" (default, the model's own function) or "dense" (warns: another function)."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"attention: expected one of {ATTENTION_FORMS}, got {attention!r}")
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET:
+        raise ValueError(f"opset: expected an int >= {MIN_OPSET} (torch.onnx exports the attention from opset "
+                         f"{MIN_OPSET}), got {opset!r}")
     if attention == "dense":
         warnings.warn(DENSE_NOTICE.format(topk=model.config.index_topk), UserWarning, stacklevel=2)
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:

@@ -61,6 +61,10 @@ def test_export_onnx_cli_reports_bad_arguments(checkpoint, capsys):
     rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "ckpt"), "--out", str(checkpoint / "m.onnx"),
                     "--seq-len", "1"])
     assert rc == 2 and "seq_len" in capsys.readouterr().err
+    rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "ckpt"), "--out", str(checkpoint / "m.onnx"),
+                    "--opset", "13"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "opset: expected an int >= 14" in err[0], err
     rc = glm5_main(["export-onnx", "--checkpoint", str(checkpoint / "missing"), "--out", str(checkpoint / "m.onnx")])
     assert rc == 2 and "checkpoint directory" in capsys.readouterr().err
 
