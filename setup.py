@@ -25,7 +25,9 @@ EXTRAS = {
     "onnx": ["onnx>=1.16", "onnxruntime>=1.18", "onnxscript>=0.1"],
     "rl": ["ray>=2.9"],
     # real tokenizers with chat templates (the ``tokenizer:`` setting) and the OpenAI-compatible rollout proxy
-    "agents": ["transformers>=4.45", "tokenizers>=0.15", "jinja2>=3.1", "openai>=1.40"],  # openai: env openai_agent
+    # transformers interop (kernelize, checking against transformers): releases before 5.17 compute another function
+    "transformers": ["transformers>=5.17,<6"],
+    "agents": ["transformers>=5.17,<6", "tokenizers>=0.15", "jinja2>=3.1", "openai>=1.40"],  # openai: env openai_agent
     "metrics": ["tensorboard>=2.14", "matplotlib>=3.7"],
     "dev": [
         "pytest>=7",

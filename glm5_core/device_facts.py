@@ -83,3 +83,23 @@ class DeviceFacts:
     def worker_environment(self, index: int) -> Mapping[str, str]:
         """The environment that makes device ``index`` the only one (device 0) a worker process sees."""
         return {} if self.visible_devices_env is None else {self.visible_devices_env: str(index)}
+
+
+def torch_device_module(device_type: str) -> Any:
+    """torch's module for ``device_type`` (``torch.<device_type>``: an accelerator's own, or the module a
+    privateuse1 plug-in registers under the name it gives the device: ``torch.utils.rename_privateuse1_backend(name)`` +
+    ``torch._register_device_module(name, module)``); None for ``cpu``. ValueError in one line when torch has
+    none (a plug-in not imported, or a device type spelt otherwise than the plug-in registers it)."""
+    if device_type == "cpu":
+        return None
+    module = getattr(torch, device_type, None)
+    if module is not None:
+        return module
+    try:  # "privateuseone" itself: the module of the name a plug-in renamed it to
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError, ValueError) as exc:
+        renamed = torch._C._get_privateuse1_backend_name()
+        hint = (f"; this torch's privateuse1 device is named {renamed!r}: declare device_type={renamed!r}"
+                if renamed != "privateuseone" else "; import the vendor's torch plug-in first")
+        raise ValueError(f"device_type: torch has no device module for {device_type!r} "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}){hint}") from None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from pathlib import Path
 
 from glm5_core import registry
@@ -21,6 +23,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="same as GLM5_STRICT=1: every reference fallback fails")
 
 
+def family_line(backend: str, family: str, results: list, seconds: float) -> str:
+    """One family's outcome, the progress line printed when it finishes."""
+    counts = {status: sum(r.status == status for r in results) for status in ("pass", "fail", "error", "fallback")}
+    text = (f"conformance[{backend}] {family}: {len(results)} checks, {counts['pass']} passed, "
+            f"{counts['fail'] + counts['error']} failed")
+    if counts["fallback"]:
+        text += f", {counts['fallback']} on the reference fallback"
+    return f"{text} ({seconds:.0f} s)"
+
+
+def run_with_progress(families: list[str], backend: str, stream=None) -> list:
+    """Run the checks of ``families`` on ``backend``; progress on ``stream`` (stderr): on a terminal a bar naming
+    the family and check running, and everywhere one line per family when it finishes (nothing else in a log)."""
+    stream = sys.stderr if stream is None else stream
+    selected = {family: list(checks(family)) for family in families}
+    bar = None
+    if stream.isatty():
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(map(len, selected.values())), desc=f"conformance[{backend}]", unit="check",
+                       leave=False, file=stream, dynamic_ncols=True)
+        except ImportError:
+            bar = None
+    results = []
+    for family, family_checks in selected.items():
+        started, mine = time.perf_counter(), []
+        for check in family_checks:
+            if bar is not None:
+                bar.set_postfix_str(f"{family}: {check.name}", refresh=True)
+            mine.append(run_check(check, backend))
+            if bar is not None:
+                bar.update(1)
+        results += mine
+        line = family_line(backend, family, mine, time.perf_counter() - started)
+        if bar is not None:
+            bar.write(line, file=stream)
+        else:
+            print(line, file=stream, flush=True)
+    if bar is not None:
+        bar.close()
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     if args.strict:
         os.environ["GLM5_STRICT"] = "1"
@@ -30,16 +76,8 @@ def run(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out: cannot create the report folder {str(out_dir)!r}: {exc.strerror}") from exc
-    selected = [c for fam in (args.family or family_names()) for c in checks(fam)]
-    results = []
-    try:
-        from tqdm import tqdm
-
-        progress = tqdm(selected, desc=f"conformance[{backend}]", unit="check", leave=False, disable=None)
-    except ImportError:
-        progress = selected
-    for check in progress:
-        results.append(run_check(check, backend))
+    families = list(dict.fromkeys(args.family or family_names()))
+    results = run_with_progress(families, backend)
     paths = write_reports(results, backend, out_dir)
     bad = [r for r in results if r.status in ("fail", "error")]
     n_fallback = sum(r.status == "fallback" for r in results)

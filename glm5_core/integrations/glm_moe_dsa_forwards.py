@@ -21,10 +21,13 @@ and values, torch's fused causal sdpa), against a cache the sparse kernel over a
 that is only causal (no padding) takes the fused top-k; a padded batch's mask goes through the indexer scores,
 masked, then the contract's top-k (ties to the lower index), for the queries past index_topk (the others select
 every key their mask shows). Calls with a cache other than transformers' dynamic one (a static cache returns its
-whole preallocated buffer) run transformers' own forward.
+whole preallocated buffer) run transformers' own forward, and so do calls asking for the attention weights
+(``output_attentions``: the sparse kernels never form them; eager returns transformers' weights, sdpa none with
+transformers' own warning): each says so once per model (a ``UserWarning``).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -144,6 +147,32 @@ def _runs_here(cache, layer_idx: int) -> bool:
     return layers is not None and layer_idx < len(layers) and type(layers[layer_idx]) is DynamicIndexedLayer
 
 
+def _fallback_reason(self, cache, kwargs) -> Optional[str]:
+    """Why this call runs transformers' own attention forward (None: it runs glm5-core's)."""
+    if not _runs_here(cache, self.layer_idx):
+        layers = getattr(cache, "layers", None)
+        layer = layers[self.layer_idx] if layers and self.layer_idx < len(layers) else cache
+        kind = type(layer).__name__
+        return (f"kernelize: a {type(cache).__name__} ({kind} layers) runs transformers' own attention, not "
+                f"glm5-core's kernels (glm5-core's needs transformers' dynamic cache, whose update returns the filled "
+                f"slots only)")
+    wants = kwargs.get("output_attentions", getattr(self.config, "output_attentions", False))
+    if wants:  # eager: its weights; sdpa: none, and transformers' own warning about it
+        return (f"kernelize: output_attentions=True runs transformers' own ({self.config._attn_implementation}) "
+                f"attention for these calls, so that the weights returned are transformers'; glm5-core's sparse "
+                f"kernels never form them")
+    return None
+
+
+def _say_once(self, reason: str) -> None:
+    """One UserWarning per model and reason (``kernelize`` gives the model's attention modules one set)."""
+    said = getattr(self, "glm5_notices", None)
+    if said is None or reason not in said:
+        if said is not None:
+            said.add(reason)
+        warnings.warn(reason, UserWarning, stacklevel=3)
+
+
 def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                       attention_mask: Optional[torch.Tensor] = None, cache=None, position_ids=None,
                       prev_topk_indices: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
@@ -154,7 +183,9 @@ def attention_forward(self, hidden_states: torch.Tensor, position_embeddings: tu
     MLA (``dense_causal_attention`` in a prefill, the sparse kernel over all keys against a cache) and need no indexer
     scores (under a padded mask too: its visible keys); the others run the indexer's top-k and the sparse
     kernel."""
-    if not _runs_here(cache if cache is not None else past_key_values, self.layer_idx):
+    reason = _fallback_reason(self, cache if cache is not None else past_key_values, kwargs)
+    if reason is not None:
+        _say_once(self, reason)
         named = {"cache": cache} if past_key_values is None else {"past_key_values": past_key_values}  # as given
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **named,
                                   position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)

@@ -17,6 +17,7 @@ transformers is imported only when ``kernelize`` runs; glm5-core does not need i
 """
 from __future__ import annotations
 
+import re
 import types
 from typing import Callable, Optional
 
@@ -26,17 +27,32 @@ from glm5_core import registry
 from glm5_core.integrations import glm_moe_dsa_forwards as forwards
 
 SUPPORTED_ARCHITECTURE = "GlmMoeDsaForCausalLM"
+# the first transformers release whose GlmMoeDsa computes the function glm5-core does (docs/transformers.md:
+# no shared indexer layers before 5.6, indexer RoPE halves before 5.13, first_k_dense_replace ignored before 5.11,
+# a left-padded batch's indexer ignoring the padding before 5.17); setup.py's [transformers] extra pins it
+MIN_TRANSFORMERS = (5, 17)
 # transformers' experts layout this module reads (use_experts_implementation's attributes) -> expected value
 _EXPERTS_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
                    "has_post_expert_norm": False, "_is_expert_parallel": False}
 
 
+def check_transformers_version(version: str) -> None:
+    """ImportError in one line when transformers ``version`` computes another GlmMoeDsa function (< 5.17)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) < MIN_TRANSFORMERS:
+        want = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ImportError(f"kernelize: expected transformers >= {want} (older releases compute another glm_moe_dsa "
+                          f"function), got transformers {version}; install pip install 'glm5-core[transformers]'")
+
+
 def _transformers_classes() -> dict[str, type]:
     try:
+        import transformers
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
     except ImportError as exc:
-        raise ImportError(f"kernelize: needs transformers with glm_moe_dsa (pip install 'transformers>=5.17,<6'): "
+        raise ImportError(f"kernelize: needs transformers with glm_moe_dsa (pip install 'glm5-core[transformers]'): "
                           f"{exc}") from None
+    check_transformers_version(getattr(transformers, "__version__", "unknown"))
     return {"model": hf.GlmMoeDsaForCausalLM, "attention": hf.GlmMoeDsaAttention, "indexer": hf.GlmMoeDsaIndexer,
             "router": hf.GlmMoeDsaTopkRouter, "experts": hf.GlmMoeDsaExperts, "moe": hf.GlmMoeDsaMoE,
             "mlp": hf.GlmMoeDsaMLP, "decoder": hf.GlmMoeDsaDecoderLayer}
@@ -108,9 +124,11 @@ def kernelize(model, backend: Optional[str] = None):
         return model
     _check_config(model.config)
     _check_layers(model, classes)
+    notices: set[str] = set()  # the fallbacks already said (once per model), shared by its attention modules
     for module in model.modules():
         if type(module) is classes["attention"]:
             _bind(module, forwards.attention_forward, backend)
+            module.glm5_notices = notices
         elif type(module) is classes["router"]:
             _bind(module, forwards.router_forward, backend)
         elif type(module) is classes["experts"]:

@@ -10,6 +10,9 @@ kv_b_proj.weight [H*(Dn+Dv), C] viewed [H, Dn+Dv, C] gives w_uk [H, Dn, C] and w
 Which op runs:
   dense,  fresh keys (no cache, or a cache filled from slot 0):  mla.prefill  (expanded form)
   dense,  against earlier cache slots:                           mla.decode   (absorbed form)
+  sparse, while torch.onnx exports (no cache): the same function written as exportable torch ops
+          (``_sparse_for_export``): indexer scores, ONNX TopK of width K (ties to the lower key index, as
+          ``dsa.indexer_topk``'s contract), the selection as a mask, expanded attention over the selected keys.
   sparse: indexer top-k (own "full" indexer, or the previous full layer's for "shared"), then
           without a cache (training): dsa.sparse_prefill_expanded (expanded form) when it costs less (below),
           else dsa.sparse_prefill; with a cache: dsa.sparse_prefill on fresh keys (the absorbed kernel decode
@@ -81,6 +84,9 @@ class MLA(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)  # [B, T, C]
         k_pe = apply_rope(k_pe, state.cos, state.sin, interleave=self.interleave)  # [B, T, Dr]
         w_uk, w_uv = self.absorbed_weights()
+        if state.attention == "sparse" and state.cache is None and torch.onnx.is_in_onnx_export():
+            out = self._sparse_for_export(x, q_latent, q_nope, q_pe, c_kv, k_pe, state)
+            return self.o_proj(out.reshape(B, T, self.n_heads * self.v_dim))
 
         keys_c_kv, keys_k_pe = c_kv, k_pe  # [B, S, C], [B, S, Dr]
         if state.cache is not None:
@@ -129,6 +135,38 @@ class MLA(nn.Module):
         kv = kv.view(B, S, self.n_heads, self.nope_dim + self.v_dim)  # [B, S, H, Dn+Dv]
         k_nope, v = torch.split(kv, [self.nope_dim, self.v_dim], dim=-1)
         return k_nope, v
+
+    def _sparse_for_export(self, x, q_latent, q_nope, q_pe, c_kv, k_pe, state: ForwardState) -> torch.Tensor:
+        """DSA prefill (no cache) in ops torch.onnx traces with dynamic batch and length: the function of
+        ``dsa.indexer_topk`` + ``dsa.sparse_prefill`` (each query attends to its top ``index_topk`` causal keys by
+        indexer score, ties to the lower key index; fewer visible keys than K: all of them). The selection is a
+        mask [B, T, S] (attention over a set does not depend on its order); "shared" layers reuse the last full
+        layer's. Returns [B, T, H, Dv]."""
+        T = x.shape[1]
+        pos = torch.arange(T, device=x.device)
+        causal = pos.view(1, T) <= pos.view(T, 1)  # [T, S=T]: key s visible to query t (no Trilu: opset < 14 too)
+        if self.indexer is None:
+            assert state.shared_selection is not None, "a shared layer needs an earlier full layer"
+            selected = state.shared_selection
+        else:
+            q_i, k_i, w_i = self.indexer(x, q_latent, state.cos, state.sin)  # [B, T, Hi, Di], [B, S, Di], [B, T, Hi]
+            ct = torch.float64 if q_i.dtype == torch.float64 else torch.float32
+            dots = torch.einsum("bthd,bsd->bths", q_i.to(ct), k_i.to(ct))  # [B, T, Hi, S]
+            scores = (torch.relu(dots) * w_i.to(ct).unsqueeze(-1)).sum(2)  # [B, T, S]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            # K columns of -inf appended, so TopK of width K is defined for any length (T < K selects them too)
+            pad = torch.full_like(scores[..., :1], float("-inf")).expand(-1, -1, self.indexer.topk)
+            idx = torch.topk(torch.cat([scores, pad], dim=-1), self.indexer.topk, dim=-1).indices  # [B, T, K]
+            hits = torch.zeros_like(torch.cat([scores, pad], dim=-1), dtype=torch.bool)
+            hits = hits.scatter(-1, idx, torch.ones_like(idx, dtype=torch.bool))[..., :T]  # [B, T, S]
+            selected = hits & causal  # a -inf pick (fewer visible keys than K) is no key
+            state.shared_selection = selected
+        k_nope, v = self._expand_keys(c_kv)  # [B, S, H, Dn], [B, S, H, Dv]
+        ct = k_nope.dtype
+        att = torch.einsum("bthd,bshd->bhts", q_nope.to(ct), k_nope)
+        att = (att + torch.einsum("bthr,bsr->bhts", q_pe.to(ct), k_pe.to(ct))) * self.scale  # [B, H, T, S]
+        att = torch.softmax(att.masked_fill(~selected.unsqueeze(1), float("-inf")), dim=-1)
+        return torch.einsum("bhts,bshv->bthv", att, v).to(q_nope.dtype)  # [B, T, H, Dv]
 
     # ---- DSA -------------------------------------------------------------------------------------------
     def _select_keys(self, x: torch.Tensor, q_latent: torch.Tensor, state: ForwardState

@@ -29,6 +29,8 @@ class ForwardState:
     routing_replay: Optional[list[torch.Tensor]] = None
     index_replay: Optional[list[torch.Tensor]] = None
     shared_topk: Optional[torch.Tensor] = None  # the last full layer's top-k, int32 [B, T, K]
+    # ONNX export of sparse attention: the last full layer's selection as a mask, bool [B, T, S]
+    shared_selection: Optional[torch.Tensor] = None
     topk_idx: list[torch.Tensor] = dataclasses.field(default_factory=list)
     kl_terms: list[torch.Tensor] = dataclasses.field(default_factory=list)
     recall_terms: list[torch.Tensor] = dataclasses.field(default_factory=list)

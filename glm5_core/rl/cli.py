@@ -101,6 +101,10 @@ def summary_line(summary: dict, output_dir: str) -> str:
     """The run in one human line (as pretraining ends): steps, the eval reward from start to end, throughput,
     the failures when there were any, where the results are. The whole summary is in ``summary.json``."""
     parts = [f"{summary['steps']} steps ({summary['mode']})"]
+    partial = summary.get("partial")
+    if isinstance(partial, dict):
+        parts[0] += (f", partial run: the max_minutes budget ended it before max_steps {partial.get('max_steps')}"
+                     f" (the reward curve plots the steps trained)")
     start, end = summary.get("eval_reward_start"), summary.get("eval_reward_end")
     if end is None:
         parts.append("no evaluation")

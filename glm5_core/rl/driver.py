@@ -240,8 +240,31 @@ class RLRun:
             elapsed = time.monotonic() - progress.started
             self._drain()
             return self._finish(eval0, info_start, progress, elapsed)
+        except BaseException as exc:  # interrupted (Ctrl-C) or failed: plot what was trained
+            self._plot_partial(exc)
+            raise
         finally:
             self._teardown()
+
+    def _curve_title(self) -> str:
+        return f"glm5 rl ({self.cfg.env.get('name') or self.cfg.env.get('path')}, {self.cfg.mode})"
+
+    def _plot_partial(self, exc: BaseException) -> None:
+        """The reward curve of the steps trained before ``exc``, titled as partial; after Ctrl-C one log line
+        says where (an error keeps the CLI's own one line)."""
+        if not any("reward" in row for row in self.metrics.rows):
+            return
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {type(exc).__name__}"
+        done = self.trainer.version
+        try:
+            path = self.metrics.reward_curve(
+                title=f"{self._curve_title()}: partial run, {why} at step {done} of {self.cfg.max_steps}")
+        except Exception:  # the plot must never hide the interruption
+            path = None
+        if isinstance(exc, KeyboardInterrupt):
+            shown = (f"{path} plots the steps trained" if path else
+                     "metrics.jsonl holds the steps trained (reward curve skipped: matplotlib not installed)")
+            self.log(f"[rl] {why} at step {done} of {self.cfg.max_steps}: {shown}")
 
     def _start_fleet(self, budget_end: float) -> None:
         """Start (or reach) the engines; external ones must answer ``/health`` before ``budget_end``
@@ -434,7 +457,10 @@ class RLRun:
             self.log(f"[rl] eval at step {self.trainer.version}: {_eval_text(eval_end)}")
             self.metrics.log(self.trainer.version, eval_end)
         self.metrics.log(self.trainer.version, {"summary": self.summary})
-        title = f"glm5 rl ({self.cfg.env.get('name') or self.cfg.env.get('path')}, {self.cfg.mode})"
+        title = self._curve_title()
+        if self.trainer.version < self.cfg.max_steps:  # the max_minutes budget ended the run first
+            self.summary["partial"] = {"steps_done": self.trainer.version, "max_steps": self.cfg.max_steps}
+            title += f": partial run, steps 1-{self.trainer.version} of {self.cfg.max_steps} (max_minutes)"
         self.summary["reward_curve"] = self.metrics.reward_curve(title=title)
         self.summary["metrics_skipped"] = list(self.metrics.skipped)
         with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as f:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from safetensors.torch import save_file
 
+from glm5_core.device_facts import torch_device_module
 from glm5_core.model.checkpoint import header_specs
 from glm5_core.optim.muon import Muon
 from glm5_core.safe_files import check_finite, open_safetensors, parse_json, read_json
@@ -309,11 +310,32 @@ def load_model_weights(model: torch.nn.Module, path: Path, *, checked: bool = Fa
                          f"unexpected {sorted(unexpected)[:3]}) in {path}")
 
 
+def _device_rng_function(device_type: str, kind: str):
+    """``kind`` "get": () -> [state per device]; "set": (states) -> None, of torch's module for ``device_type``
+    (found as the plug-in registers it: ``device_facts.torch_device_module``), or None for cpu. A module with
+    only the per-device ``get_rng_state(i)`` / ``set_rng_state(state, i)`` is used device by device. A device type
+    whose RNG states torch cannot give or take is a ValueError: skipping them would silently break bitwise resume."""
+    module = torch_device_module(device_type)
+    if module is None:
+        return None
+    whole, single = f"{kind}_rng_state_all", f"{kind}_rng_state"
+    if hasattr(module, whole):
+        return getattr(module, whole)
+    if hasattr(module, single) and hasattr(module, "device_count"):
+        one = getattr(module, single)
+        if kind == "get":
+            return lambda: [one(i) for i in range(module.device_count())]
+        return lambda states: [one(state, i) for i, state in enumerate(states)]
+    raise ValueError(f"checkpoint: torch.{device_type} has no {whole} (nor {single} with device_count): its RNG "
+                     f"states cannot be saved or restored, and a resume would not be bitwise; the vendor's torch "
+                     f"plug-in must register them")
+
+
 def _rng_tensors(device_type: str) -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
-    module = getattr(torch, device_type, None) if device_type != "cpu" else None
-    if module is not None and hasattr(module, "get_rng_state_all"):
-        for i, state in enumerate(module.get_rng_state_all()):
+    get_all = _device_rng_function(device_type, "get")
+    if get_all is not None:
+        for i, state in enumerate(get_all()):
             out[f"{device_type}_{i}"] = state
     return out
 
@@ -346,13 +368,14 @@ def _restore_rng(path: Path, device_type: str) -> None:
         states = {k: f.get_tensor(k) for k in f.keys()}
     if "torch_cpu" not in states:
         raise ValueError(f"checkpoint: {path} lacks the torch_cpu RNG state")
-    module = getattr(torch, device_type, None) if device_type != "cpu" else None
+    set_all = _device_rng_function(device_type, "set")
     try:
         torch.set_rng_state(states["torch_cpu"])
-        if module is not None and hasattr(module, "set_rng_state_all"):
-            device_states = _device_rng_states(states, device_type, module.device_count())
+        if set_all is not None:
+            device_states = _device_rng_states(states, device_type,
+                                               int(torch_device_module(device_type).device_count()))
             if device_states:
-                module.set_rng_state_all(device_states)
+                set_all(device_states)
     except (RuntimeError, TypeError, IndexError) as exc:  # wrong sizes or dtypes of the saved states
         raise ValueError(f"checkpoint: {path} does not hold valid RNG states ({exc})") from None
 

@@ -76,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"stages: {', '.join(summary['stages'])}; LM loss {summary['first_lm_loss']:.3f} (step 1) -> "
               f"{summary['last_lm_loss']:.3f} (mean of the last {LAST_LOSS_WINDOW} steps); "
               f"{summary['median_tokens_per_s']:.0f} tokens/s median on {summary['backend']} "
-              f"x {summary['world_size']}; {summary['wall_s']:.0f} s; results in {output_dir}")
+              f"x {summary['world_size']}; {summary['wall_s']:.0f} s; results in {output_dir}"
+              + (f"; partial run: steps 1-{summary['partial']['steps_done']} of {summary['partial']['total_steps']}"
+                 f" (--resume continues), plotted" if summary.get("partial") else ""))
     if summary.get("metrics_skipped"):
         print(f"pretrain: skipped {', '.join(summary['metrics_skipped'])}: pip install 'glm5-core[metrics]'",
               file=sys.stderr)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from glm5_core.device_facts import torch_device_module
+
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
@@ -50,8 +52,8 @@ def init_distributed(backend) -> DistContext:
     rank, local = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     device_type = backend.device()
     device = torch.device(device_type) if device_type == "cpu" else torch.device(device_type, local)
-    if device_type != "cpu":
-        getattr(torch, device_type).set_device(device)
+    if device_type != "cpu":  # torch.<device_type>: the vendor's, or a privateuse1 plug-in's
+        torch_device_module(device_type).set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=rank, world_size=world)
     return DistContext(rank=rank, world_size=world, local_rank=local, device=device)
@@ -152,5 +154,8 @@ def wrap_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if ctx.device.type == "cpu" else [ctx.device.index]
-    # Some parameters idle in some forwards (the MTP layer without MTP, the indexer outside its stages).
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+    # No find_unused_parameters: the trainer makes trainable only what every step of the stage uses (the
+    # indexer only in its stages, the MTP module only with MTP depths), so DDP's extra traversal of the
+    # autograd graph each step (and the warning it prints on every rank when nothing is unused) is not needed;
+    # a parameter left unused would make DDP fail loudly at the next step, never silently skip its gradient.
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=False)

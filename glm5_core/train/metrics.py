@@ -93,8 +93,9 @@ def _stage_segments(records: list[dict]) -> list[tuple]:
     return [tuple(s) for s in segments]
 
 
-def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
-    """Loss per step, one colour band per stage. Returns the PNG path, or None without matplotlib/records."""
+def plot_losses(metrics_path: Path, out_path: Path, title: Optional[str] = None) -> Optional[Path]:
+    """Loss per step, one colour band per stage (``title`` above it: a partial run says so there). Returns the
+    PNG path, or None without matplotlib/records."""
     records = read_records(metrics_path)
     if not records:
         return None
@@ -120,6 +121,8 @@ def plot_losses(metrics_path: Path, out_path: Path) -> Optional[Path]:
         ax.text(first, top * (1.0 - 0.05 * (n % 2)), f" {stage}", va="top", fontsize=8)  # staggered: no overlap
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)

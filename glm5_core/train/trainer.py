@@ -78,12 +78,18 @@ def _reference_report(ran: list[tuple[str, str]]) -> dict[str, dict[str, int]]:
     return report
 
 
-def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig) -> None:
-    """dense: all but the indexer; indexer_warmup: only the indexer; sparse: everything."""
+def _set_trainable(model: GLM5ForCausalLM, stage: StageConfig, mtp_depths: int) -> None:
+    """dense: all but the indexer; indexer_warmup: only the indexer; sparse: everything. The MTP module trains
+    only with ``mtp_depths`` > 0 (with 0 it never runs). So every trainable parameter takes part in every step
+    of its stage, and DDP needs no ``find_unused_parameters`` (its extra graph traversal, and its warning)."""
     indexer_ids = {id(p) for p in model.indexer_parameters()}
+    mtp = model.model.mtp
+    idle = {id(p) for p in mtp.parameters()} if mtp is not None and mtp_depths == 0 else set()
     for p in model.parameters():
         is_indexer = id(p) in indexer_ids
-        if stage.kind == "dense":
+        if id(p) in idle:
+            p.requires_grad_(False)
+        elif stage.kind == "dense":
             p.requires_grad_(not is_indexer)
         elif stage.kind == "indexer_warmup":
             p.requires_grad_(is_indexer)
@@ -229,7 +235,7 @@ class PretrainTrainer:
         point = self.schedule.point(step)
         if point.index != self._stage_index:
             self._stage_index = point.index
-            _set_trainable(self.model, point.stage)
+            _set_trainable(self.model, point.stage, self.cfg.loss.mtp_depths)
             if not self.sharded:
                 self._wrapped = dist_utils.wrap_ddp(self.model, self.dist)
         lrs = self.schedule.lrs(step)
@@ -250,6 +256,41 @@ class PretrainTrainer:
         recent_lm: collections.deque[float] = collections.deque(maxlen=LAST_LOSS_WINDOW)  # the bar's smoothed LM loss
         started = time.perf_counter()
         self.model.train()
+        try:
+            self._loop(logger, bar, tokens_per_step, rates, recent_lm)
+        except BaseException as exc:  # interrupted (Ctrl-C, a kill turned into an exception, an error)
+            if bar is not None:
+                bar.close()
+            logger.close()
+            self._plot_interrupted(exc)
+            raise
+        if bar is not None:
+            bar.close()
+        logger.close()
+        return self._finish(time.perf_counter() - started, rates, list(logger.skipped))
+
+    def _plot_interrupted(self, exc: BaseException) -> None:
+        """Rank 0 of an interrupted run plots the steps it logged (the title says partial) and, after Ctrl-C,
+        says so in one line on stderr (an error keeps the CLI's own one line)."""
+        if not (self.dist.is_main and self.cfg.logging.plot):
+            return
+        records = read_records(self.output_dir / "metrics.jsonl")
+        if not records:
+            return
+        done, total = records[-1]["step"], self.schedule.total_steps
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"stopped by {type(exc).__name__}"
+        try:
+            plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE,
+                                  title=f"partial run: {why} after step {done} of {total}")
+        except Exception:  # the plot must never hide the interruption
+            plotted = None
+        if isinstance(exc, KeyboardInterrupt):  # an error has its own one line
+            shown = (f"{plotted} plots the steps run" if plotted is not None else
+                     f"metrics.jsonl holds the steps run ({PLOT_FILE} skipped: matplotlib not installed)")
+            print(f"pretrain: {why} after step {done} of {total}: {shown} (--resume continues from the last "
+                  f"checkpoint)", file=sys.stderr)
+
+    def _loop(self, logger, bar, tokens_per_step: int, rates: list, recent_lm) -> None:
         for step in range(self.start_step, self.stop_step):
             t0 = time.perf_counter()
             record = self.train_step(step)
@@ -261,12 +302,8 @@ class PretrainTrainer:
             if bar is not None:
                 bar.set_postfix(bar_postfix(record, recent_lm), refresh=False)
                 bar.update(1)
-            if _checkpoint_due(cfg, step + 1, self.stop_step):
+            if _checkpoint_due(self.cfg, step + 1, self.stop_step):
                 self._save(step + 1)
-        if bar is not None:
-            bar.close()
-        logger.close()
-        return self._finish(time.perf_counter() - started, rates, list(logger.skipped))
 
     def _save(self, done: int) -> None:
         # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
@@ -320,8 +357,12 @@ class PretrainTrainer:
             summary["stages"] = sorted({r["stage"] for r in records}, key=[r["stage"] for r in records].index)
             save_pretrained(export, self.output_dir / EXPORT_DIR)
             summary["hf_checkpoint"] = str(self.output_dir / EXPORT_DIR)
-            if self.cfg.logging.plot and self.stop_step == self.schedule.total_steps:
-                plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE)
+            total = self.schedule.total_steps
+            if self.stop_step < total:  # --max-steps: the plot and the closing line say it is partial
+                summary["partial"] = {"steps_done": self.stop_step, "total_steps": total}
+            if self.cfg.logging.plot:
+                title = None if self.stop_step == total else f"partial run: steps 1-{self.stop_step} of {total}"
+                plotted = plot_losses(self.output_dir / "metrics.jsonl", self.output_dir / PLOT_FILE, title=title)
                 summary["plot"] = str(plotted) if plotted else None
                 if plotted is None and importlib.util.find_spec("matplotlib") is None:
                     skipped.append(f"{PLOT_FILE} (matplotlib not installed)")

@@ -126,3 +126,43 @@ def test_glm5_conformance_runs_checks_of_the_backends_own_kernels(backend, tmp_p
     statuses = collections.Counter(r["status"] for r in results)
     assert statuses["pass"] >= 1, f"glm5 conformance --family {family} ran none of {backend}'s kernels: {statuses}"
 
+
+
+class _Stream:
+    """A text stream that says whether it is a terminal."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.parts = tty, []
+
+    def write(self, text):
+        self.parts.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return self.tty
+
+    def text(self):
+        return "".join(self.parts)
+
+
+def test_conformance_progress_is_a_line_per_family_in_a_log_and_a_bar_on_a_terminal():
+    """`glm5 conformance` printed nothing for minutes: now each family says when it is done (the only progress
+    a log gets), and a terminal sees the family and check running."""
+    from glm5_core.conformance.cli import run_with_progress
+
+    families = ["ep", "muon"]
+    log = _Stream(tty=False)
+    results = run_with_progress(families, "cpu", stream=log)
+    lines = log.text().splitlines()
+    assert len(lines) == 2, lines
+    for family, line in zip(families, lines):
+        n = len(conformance.checks(family))
+        assert line.startswith(f"conformance[cpu] {family}: {n} checks, ") and " failed" in line, line
+    assert len(results) == sum(len(conformance.checks(f)) for f in families)
+    terminal = _Stream(tty=True)
+    run_with_progress(["ep"], "cpu", stream=terminal)
+    shown = terminal.text()
+    assert f"ep: {conformance.checks('ep')[0].name}" in shown and "conformance[cpu] ep: " in shown

@@ -181,10 +181,67 @@ def test_a_misspelled_backend_gets_a_did_you_mean():
         registry.get_backend("metal")
 
 
-def test_static_cache_runs_transformers_own_attention(op_calls):
-    """A static cache returns its whole preallocated buffer: those calls run transformers' attention."""
+def test_static_cache_runs_transformers_own_attention_and_says_so_once(op_calls):
+    """A static cache returns its whole preallocated buffer: those calls run transformers' attention, and one
+    warning (per model, not per layer or step) says so."""
     hf = hf_model(hf_config())
     prompt = token_ids(hf.config.vocab_size, seq_len=12)
     want = _greedy(hf, prompt, cache_implementation="static")
-    assert torch.equal(_greedy(kernelize(hf), prompt, cache_implementation="static"), want)
+    kernelized = kernelize(hf)
+    with pytest.warns(UserWarning) as record:
+        got = _greedy(kernelized, prompt, cache_implementation="static")
+        _greedy(kernelized, prompt, cache_implementation="static")  # the second run says nothing more
+    assert torch.equal(got, want)
     assert not {op for op, _ in op_calls} & {"dsa_sparse_prefill", "dsa_sparse_decode", "dsa_indexer_topk"}
+    said = [str(w.message) for w in record if "kernelize" in str(w.message)]
+    assert len(said) == 1 and "StaticCache" in said[0] and "transformers' own attention" in said[0], said
+
+
+def test_output_attentions_returns_transformers_weights_and_says_so_once():
+    """transformers' test_attention_outputs asks the eager model for its attention weights: the kernelized model
+    returns the same ones (each layer's [B, H, T, S], DSA's dropped keys at zero), with one warning."""
+    hf = hf_model(hf_config())
+    hf.set_attn_implementation("eager")
+    ids = token_ids(hf.config.vocab_size)
+    with torch.no_grad():
+        want = hf(ids, output_attentions=True)
+    kernelized = kernelize(hf)
+    with pytest.warns(UserWarning) as record, torch.no_grad():
+        got = kernelized(ids, output_attentions=True)
+        kernelized(ids, output_attentions=True)
+    said = [str(w.message) for w in record if "kernelize" in str(w.message)]
+    assert len(said) == 1 and "output_attentions" in said[0], said
+    assert len(got.attentions) == hf.config.num_hidden_layers == len(want.attentions)
+    for g, w in zip(got.attentions, want.attentions):  # the MoE layers are glm5-core's: equal within fp32 error
+        assert g.shape == (2, hf.config.num_attention_heads, SEQ_LEN, SEQ_LEN)
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+        assert torch.equal(g == 0, w == 0)  # the same keys dropped
+    assert (want.attentions[0][..., -1, :] == 0).sum() > SEQ_LEN  # past index_topk: DSA's unselected keys
+    assert rel_err(got.logits, want.logits) < FP32_RTOL
+
+
+def test_kernelize_refuses_transformers_older_than_5_17_in_one_line(monkeypatch):
+    """Releases before 5.17 compute another glm_moe_dsa function (docs/transformers.md): kernelize says so."""
+    import transformers
+
+    model = hf_model()
+    monkeypatch.setattr(transformers, "__version__", "5.16.2")
+    with pytest.raises(ImportError) as info:
+        kernelize(model)
+    message = str(info.value)
+    assert "\n" not in message and "transformers >= 5.17" in message and "got transformers 5.16.2" in message
+    assert "glm5-core[transformers]" in message
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    assert kernelize(model) is model
+
+
+def test_output_attentions_with_sdpa_is_what_transformers_gives():
+    """sdpa forms no weights: transformers returns none and warns; the kernelized model does the same (it
+    returned an empty tuple with no word)."""
+    hf = hf_model(hf_config())
+    assert hf.config._attn_implementation == "sdpa"
+    ids = token_ids(hf.config.vocab_size)
+    kernelized = kernelize(hf)
+    with pytest.warns(UserWarning, match="output_attentions=True runs transformers' own \\(sdpa\\)"), torch.no_grad():
+        got = kernelized(ids, output_attentions=True)
+    assert got.attentions == ()

@@ -92,3 +92,29 @@ def test_pretrain_refuses_ranks_whose_configs_differ(small_raw, tmp_path, spawna
         assert "config: expected the same on every rank" in said, (rank, said)
         assert "optimizer.weight_decay: 0.1 on rank 0, 0.5 on rank 1" in said, (rank, said)
         assert said.endswith("group left up: False"), (rank, said)
+
+
+def test_every_trainable_parameter_is_used_so_ddp_needs_no_unused_search():
+    """DDP runs without find_unused_parameters (its warning printed on every rank, every run): what a stage
+    cannot use is frozen, the MTP module included when loss.mtp_depths is 0 (it never runs then)."""
+    import torch
+
+    from glm5_core.model import GLM5Config, GLM5ForCausalLM
+    from glm5_core.train.config import StageConfig
+    from glm5_core.train.trainer import _set_trainable
+    from tests.train.small_run import SMALL_MODEL
+
+    cfg = GLM5Config.tiny(**{k: v for k, v in SMALL_MODEL.items() if k != "preset"})
+    model = GLM5ForCausalLM(cfg, backend="cpu")
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    for depths in (0, 2):
+        _set_trainable(model, StageConfig(kind="sparse", steps=1), depths)
+        out = model(ids, indexer_loss=True, mtp_depths=depths)
+        loss = out.logits.float().logsumexp(-1).mean() + out.indexer_kl
+        if depths:
+            loss = loss + sum(m.float().logsumexp(-1).mean() for m in out.mtp_logits)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        assert not unused, (depths, unused[:5])
+        assert any(not p.requires_grad for p in model.model.mtp.parameters()) == (depths == 0)

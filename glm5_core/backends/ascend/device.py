@@ -47,6 +47,21 @@ def npu_count() -> int:
     return npu.device_count() if npu is not None and npu.is_available() else 0
 
 
+# SoC names (torch.npu.get_device_name) whose cube units compute bf16 natively: Atlas A2 (Ascend910B1..B4) and
+# A3 (Ascend910_93xx) training series; the first-generation Ascend910A / 910ProB and the 310 inference chips do not
+BF16_SOC_PREFIXES = ("Ascend910B", "Ascend910_93")
+
+
+def native_bf16_gemm(device: torch.device) -> bool:
+    """Whether ``device``'s NPU multiplies bf16 natively (its SoC name), asked only when torch_npu is already
+    imported (never importing it): Muon's ``ns_dtype: auto`` picks bf16 there."""
+    npu = getattr(torch, "npu", None) if "torch_npu" in sys.modules else None
+    if npu is None or not npu.is_available():
+        return False
+    name = npu.get_device_name(device.index if device.index is not None else npu.current_device())
+    return str(name).startswith(BF16_SOC_PREFIXES)
+
+
 def hccl_process_group(store, rank: int, world_size: int, timeout: datetime.timedelta, device_host: str):
     try:
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # imported on request only
@@ -63,5 +78,6 @@ DEVICE = DeviceFacts(
     # fp64 is no dtype of the NPU's AI cores (torch_npu runs float64 on few ops, on the AI CPU)
     dtypes=COMMON_DTYPES - {torch.float64},
     count=npu_count,
+    native_bf16_gemm=native_bf16_gemm,
     process_group=hccl_process_group,
 )

@@ -107,3 +107,21 @@ def test_an_older_torch_npu_without_the_operator_is_declined_with_its_version():
     from tests.backends.ascend.vendor_semantics import AscendSemantics
 
     assert vendor.has_operator("npu_lightning_indexer", AscendSemantics()) == (True, "")
+
+
+@pytest.mark.parametrize("soc, native", [("Ascend910B3", True), ("Ascend910_9391", True), ("Ascend910A", False),
+                                         ("Ascend910ProB", False), ("Ascend310P3", False)])
+def test_muon_auto_asks_the_npus_soc_whether_bf16_is_native(monkeypatch, soc, native):
+    """ns_dtype: auto decided bf16 for cpu and cuda devices only: an Atlas A2 / A3 NPU computes bf16 natively."""
+    import types
+
+    from glm5_core.ops import muon
+
+    fake_npu = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: 0,
+                                     get_device_name=lambda index: soc if index == 1 else "none")
+    monkeypatch.setattr(torch, "npu", fake_npu, raising=False)
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))
+    npu1 = types.SimpleNamespace(type="npu", index=1)  # torch.device("npu", 1) needs torch_npu's registration
+    assert muon.native_bf16_gemm(npu1) is native
+    monkeypatch.delitem(sys.modules, "torch_npu")  # not imported: never asked, never imported
+    assert muon.native_bf16_gemm(npu1) is False
