@@ -120,3 +120,13 @@ def test_errors_name_the_argument():
         KimiDeltaAttention(hidden_size=8, linear_num_heads=1, linear_head_dim=4, linear_lower_bound=1.0)
     with pytest.raises(ValueError, match="^hidden_act"):
         KimiDeltaAttention(hidden_size=8, linear_num_heads=1, linear_head_dim=4, hidden_act="gelu")
+
+
+def test_bf16_layer_keeps_an_fp32_state():
+    layer = KimiDeltaAttention(hidden_size=16, linear_num_heads=2, linear_head_dim=8).to(torch.bfloat16)
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+    out, state = layer(x, use_cache=True)
+    step, state = layer(x[:, :1], state)
+    assert out.dtype == step.dtype == torch.bfloat16
+    assert state.conv_state.dtype == state.recurrent_state.dtype == torch.float32
+    assert state.conv_state.shape == (2, 3, 48) and state.recurrent_state.shape == (2, 2, 8, 8)
