@@ -3,7 +3,7 @@
 the command it already runs.
 
 Two processes join a group on the backend's collective (the device facts' ``dist_backend``: gloo on a host
-device, nccl / hccl / ... on one device per process). Every process builds the same concatenated batch (fp32,
+device, the accelerator's own collective on one device per process). Every process builds the same concatenated batch (fp32,
 identical generators), takes its own tokens and checks, against the single-device reference over the whole
 batch (``moe.dispatch_reference`` / ``moe.combine_reference``):
 
