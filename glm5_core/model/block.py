@@ -105,17 +105,17 @@ def build_kda(cfg: GLM5Config, backend: registry.BackendArg) -> nn.Module:
     return KimiDeltaAttention(hidden_size=cfg.hidden_size, linear_num_heads=cfg.linear_num_heads,
                               linear_head_dim=cfg.linear_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
                               linear_lower_bound=cfg.linear_lower_bound, rms_norm_eps=cfg.rms_norm_eps,
-                              backend=backend)
+                              backend=backend if isinstance(backend, (str, type(None))) else None)
 
 
 def kda_forward(kda: nn.Module, layer_idx: int, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
     """Run a KDA layer on x [B, T, D], reading and updating its conv + recurrent state in the cache."""
     if state.cache is None:
-        return kda(x)
+        return kda(x)[0]
     if isinstance(state.start_pos, torch.Tensor) and x.shape[1] > 1:
         raise ValueError("start_pos: expected an int when prefilling a model with KDA layers (their recurrent "
                          "state cannot skip the padding of ragged rows), got a tensor")
     kda_state = state.cache.kda_state(layer_idx)
-    out, new_state = kda(x, state=kda_state if not state.fresh else None)
+    out, new_state = kda(x, None if state.fresh else kda_state, use_cache=True)
     state.cache.set_kda_state(layer_idx, new_state)
     return out
