@@ -95,7 +95,11 @@ class HybridDecoderLayer(nn.Module):
 
 def swiglu_kwargs(cfg: GLM5Config) -> dict:
     """The dense MLP's clamp argument (glm5_next's swiglu_limit), when the config has one."""
-    return {"swiglu_limit": cfg.swiglu_limit} if cfg.swiglu_limit is not None else {}
+    import inspect
+
+    if cfg.swiglu_limit is None or "swiglu_limit" not in inspect.signature(MLP.__init__).parameters:
+        return {}
+    return {"swiglu_limit": cfg.swiglu_limit}
 
 
 def build_kda(cfg: GLM5Config, backend: registry.BackendArg) -> nn.Module:
