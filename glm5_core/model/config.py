@@ -80,7 +80,7 @@ class GLM5Config:
     q_lora_rank: int = field(2048, **_SIZE)
     kv_lora_rank: int = field(512, **_SIZE)
     qk_nope_head_dim: int = field(192, **_SIZE)
-    qk_rope_head_dim: int = field(64, **_SIZE)
+    qk_rope_head_dim: int = field(64, range=(0, MAX_SIZE))  # 0: NoPE attention (GLM-5.3)
     v_head_dim: int = field(256, **_SIZE)
     rope_theta: float = field(1_000_000.0, **_POSITIVE)
     rope_interleave: bool = True
