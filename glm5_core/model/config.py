@@ -105,7 +105,7 @@ class GLM5Config:
     q_lora_rank: int = field(2048, **_SIZE)
     kv_lora_rank: int = field(512, **_SIZE)
     qk_nope_head_dim: int = field(192, **_SIZE)
-    qk_rope_head_dim: int = field(64, range=(0, MAX_SIZE))  # 0 (NoPE) only in glm5_next
+    qk_rope_head_dim: int = field(64, range=(0, MAX_SIZE))  # 0: NoPE attention (GLM-5.3)
     v_head_dim: int = field(256, **_SIZE)
     rope_theta: float = field(1_000_000.0, **_POSITIVE)
     rope_interleave: bool = True
@@ -196,9 +196,6 @@ class GLM5Config:
             (self.num_experts_per_tok <= experts_kept,
              f"num_experts_per_tok: expected <= experts in the kept groups ({experts_kept}), "
              f"got {self.num_experts_per_tok}"),
-            (self.qk_rope_head_dim >= 1 or self.is_hybrid,
-             f"qk_rope_head_dim: expected an int in [1, {MAX_SIZE}] (glm_moe_dsa ropes its keys), "
-             f"got {self.qk_rope_head_dim}"),
             (self.qk_rope_head_dim % 2 == 0,
              f"qk_rope_head_dim: expected an even size (RoPE rotates pairs), got {self.qk_rope_head_dim}"),
             (self.index_head_dim >= self.qk_rope_head_dim,
