@@ -149,3 +149,127 @@ def test_config_errors_are_one_line():
         GLM5Config.tiny(hc_mult=4)
     with pytest.raises(ValueError, match=r"^text_config.hidden_act: expected 'silu'"):
         GLM5Config.from_hf_dict({"model_type": "glm5_next", "text_config": dict(TEXT, hidden_act="gelu")})
+
+
+# ---- GLM-5.3's published block-FP8 layout ----------------------------------------------------------------------
+BLOCK = (8, 8)  # GLM-5.3 ships [128, 128]; 8 x 8 exercises partial edge blocks on the tiny shapes
+
+
+def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM block-FP8: per [8, 8] block, scale_inv = amax / 448 and weight / scale_inv in e4m3."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // BLOCK[0]), -(-cols // BLOCK[1])
+    padded = torch.zeros(br * BLOCK[0], bc * BLOCK[1])
+    padded[:rows, :cols] = weight
+    blocks = padded.view(br, BLOCK[0], bc, BLOCK[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [br, bc]
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(br * BLOCK[0], bc * BLOCK[1])
+    return q[:rows, :cols].contiguous(), scale.float()
+
+
+def _published_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' Glm5NextForConditionalGeneration names -> the original (published) flat layout that
+    transformers' conversion_mapping.py ("glm5_next") renames on load: per-expert experts, separate q / k / v convs,
+    forget-gate and mHC parameters under the layer's / attention's own names."""
+    out = {}
+    for name, t in state.items():
+        if name.startswith("model.visual."):
+            continue
+        name = name.replace("model.language_model.", "model.")
+        for new, old in ((".self_attn.forget_gate.", ".self_attn."), (".attn_hc.", ".hc_attn_"),
+                         (".ffn_hc.", ".hc_ffn_")):
+            name = name.replace(new, old)
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate.clone()
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up.clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e, w in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = w.clone()
+        elif name.endswith(".self_attn.conv1d.weight"):
+            for part, w in zip("qkv", t.chunk(3, dim=0)):
+                out[name.replace("conv1d", f"{part}_conv1d")] = w.clone()
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def _write_fp8_checkpoint(path, ref, quantization_config) -> dict[str, torch.Tensor]:
+    """Write ``ref``'s language model in the published block-FP8 layout; return transformers' state dict with
+    the weights dequantized (what the checkpoint holds)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach() for k, v in ref.state_dict().items()}
+    published, dequantized = {}, dict(state)
+    for name, t in _published_names(state).items():
+        quantize = (name.startswith("model.layers.") and name.endswith("proj.weight") and t.dim() == 2
+                    and ".mlp.gate." not in name)
+        if quantize:
+            q, scale = _quantize(t)
+            published[name], published[name + "_scale_inv"] = q, scale
+        else:
+            published[name] = t.contiguous()
+    for name, t in state.items():  # the same dequantization, written independently of glm5-core's
+        if "visual" in name:
+            continue
+        flat = _published_names({name: t})
+        if len(flat) == 1 and (key := next(iter(flat))) + "_scale_inv" in published:
+            q, scale = published[key], published[key + "_scale_inv"]
+            full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:q.shape[0], :q.shape[1]]
+            dequantized[name] = q.float() * full
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = []
+            for e in range(t.shape[0]):
+                parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+                mats = []
+                for part in parts:
+                    key = name.replace("model.language_model.", "model.").rsplit(".", 1)[0] + f".{e}.{part}.weight"
+                    q, scale = published[key], published[key + "_scale_inv"]
+                    full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+                    mats.append(q.float() * full[:q.shape[0], :q.shape[1]])
+                rows.append(torch.cat(mats, dim=0))
+            dequantized[name] = torch.stack(rows)
+    save_file(published, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(TEXT, model_type="glm5_next", architectures=["Glm5NextForConditionalGeneration"],
+                  quantization_config=quantization_config)  # flat, as GLM-5.3-Flash's text-only config.json
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+
+
+def test_block_fp8_checkpoint_is_dequantized_on_load(tmp_path):
+    ref = transformers_model(seed=7)
+    dequantized = _write_fp8_checkpoint(tmp_path, ref, FP8_CONFIG)
+    ref.load_state_dict(dequantized)
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.model.layers[1].self_attn.q_a_proj.weight.dtype == torch.float32
+    ids = ids_for(seed=8)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        got = ours(ids).logits
+    assert relative(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"quant_method": "awq"}, r"^quantization_config.quant_method: expected 'fp8' .*got 'awq'$"),
+    ({"weight_block_size": [8, 0]}, r"^quantization_config.weight_block_size: expected"),
+])
+def test_other_quantization_is_refused_in_one_line(tmp_path, change, match):
+    _write_fp8_checkpoint(tmp_path, transformers_model(seed=7), dict(FP8_CONFIG, **change))
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(tmp_path)
+
+
+def test_fp8_scale_of_the_wrong_shape_is_refused_before_reading(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _write_fp8_checkpoint(tmp_path, transformers_model(seed=7), FP8_CONFIG)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
+    tensors[name] = torch.ones(1, 1)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"q_a_proj.weight_scale_inv: expected float32 \[3, 4\]"):
+        load_pretrained(tmp_path)
