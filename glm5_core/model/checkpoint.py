@@ -39,7 +39,8 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d{1,9})\.")
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d{1,9})\.mlp\.experts\.(\d{1,9})\.")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
+                      "U8": torch.uint8, "BOOL": torch.bool}
+FP8_DTYPES = dict(SAFETENSORS_DTYPES, F8_E4M3=torch.float8_e4m3fn)  # a checkpoint with an fp8 quantization_config
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
 
@@ -204,20 +205,21 @@ def _shard_files(path: str, weight_map: dict[str, str]) -> list[str]:
     return files
 
 
-def header_specs(handle, file: str) -> dict[str, TensorSpec]:
+def header_specs(handle, file: str, dtypes: Optional[dict[str, torch.dtype]] = None) -> dict[str, TensorSpec]:
     """{name: (shape, dtype)} of an open ``safetensors.safe_open`` handle, from its header only."""
+    dtypes = SAFETENSORS_DTYPES if dtypes is None else dtypes
     specs: dict[str, TensorSpec] = {}
     for name in sorted(handle.keys()):
         tensor_slice = handle.get_slice(name)
         dtype_name = tensor_slice.get_dtype()
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(SAFETENSORS_DTYPES)}, "
+        if dtype_name not in dtypes:
+            raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(dtypes)}, "
                              f"got {dtype_name!r}")
-        specs[name] = (tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES[dtype_name])
+        specs[name] = (tuple(tensor_slice.get_shape()), dtypes[dtype_name])
     return specs
 
 
-def _read_headers(path: str, weight_map: dict[str, str]) -> dict[str, TensorSpec]:
+def _read_headers(path: str, weight_map: dict[str, str], fp8: bool = False) -> dict[str, TensorSpec]:
     """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
     specs: dict[str, TensorSpec] = {}
     for file in _shard_files(path, weight_map):
@@ -229,7 +231,7 @@ def _read_headers(path: str, weight_map: dict[str, str]) -> dict[str, TensorSpec
                     extra, missing = sorted(names - listed), sorted(listed - names)
                     raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
                                      f"{extra[:5]}, in the index but not the file {missing[:5]}")
-            for name, spec in header_specs(f, file).items():
+            for name, spec in header_specs(f, file, FP8_DTYPES if fp8 else None).items():
                 if name in specs:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
                 specs[name] = spec
@@ -327,7 +329,7 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     raw = {key: value for key, value in raw.items() if key != "quantization_config"}
     next_layout = _is_next(raw)
     weight_map = _weight_map(path)
-    specs = _read_headers(path, weight_map)
+    specs = _read_headers(path, weight_map, fp8=block is not None)
     skipped = 0
     if next_layout:
         specs, skipped = hf_layout.next_entries(specs)

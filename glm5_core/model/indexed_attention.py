@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5_core import registry
+from glm5_core.model import indexer_loss
 from glm5_core.model.attention import MLA
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.state import ForwardState
@@ -77,31 +78,42 @@ def kpool_select(indexer: KPoolIndexer, q: torch.Tensor, keys: torch.Tensor, gat
                              kpool=indexer.kpool, select_tail=indexer.select_tail, start_pos=start_pos)
 
 
+def _positions(start_pos, B: int, T: int, device) -> torch.Tensor:
+    pos = start_pos if isinstance(start_pos, torch.Tensor) else torch.full((B,), int(start_pos), device=device)
+    return pos.to(device).long().view(B, 1) + torch.arange(T, device=device).view(1, T)  # [B, T]
+
+
+def pooled_index_scores(q, keys, gates, w, ape, *, kpool: int, start_pos) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, T, G] over the complete groups, -inf where a group's last key is not causal for the query;
+    visible bool [B, T, G]), in fp32 (fp64 for fp64 inputs), differentiable in q, keys, gates, w and ape."""
+    B, T, Hi, Di = q.shape
+    G = keys.shape[1] // kpool
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    positions = _positions(start_pos, B, T, q.device)
+    grouped_k = keys[:, :G * kpool].reshape(B, G, kpool, Di)
+    logits = gates[:, :G * kpool].reshape(B, G, kpool, Di).to(ct) + ape.to(ct)
+    probs = torch.softmax(logits, dim=2).to(grouped_k.dtype)
+    pooled = (probs * grouped_k).sum(dim=2)  # [B, G, Di]
+    scores = F.relu(torch.einsum("bthd,bgd->bthg", q.to(ct), pooled.to(ct)) * Di ** -0.5)
+    index = torch.einsum("bth,bthg->btg", w.to(ct), scores)  # [B, T, G]
+    group_end = (torch.arange(G, device=q.device) + 1) * kpool - 1  # [G]
+    visible = group_end.view(1, 1, G) <= positions.unsqueeze(-1)  # [B, T, G]
+    return index.masked_fill(~visible, float("-inf")), visible
+
+
 @torch.no_grad()
 def _kpool_topk_torch(q, keys, gates, w, ape, *, topk: int, kpool: int, select_tail: bool, start_pos
                       ) -> torch.Tensor:
     """The k-pool top-k in torch (what transformers' Glm5NextTextIndexer selects on unpadded rows); scores in
     fp32 (fp64 for fp64 inputs); ties go to the lower group."""
-    B, T, Hi, Di = q.shape
-    S = keys.shape[1]
-    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    G = S // kpool
+    B, T = q.shape[:2]
+    G = keys.shape[1] // kpool
     device = q.device
-    pos = start_pos if isinstance(start_pos, torch.Tensor) else torch.full((B,), int(start_pos), device=device)
-    positions = pos.to(device).long().view(B, 1) + torch.arange(T, device=device).view(1, T)  # [B, T]
+    positions = _positions(start_pos, B, T, device)
     out_width = topk + (kpool - 1 if select_tail else 0)
     parts = []
     if G > 0:
-        grouped_k = keys[:, :G * kpool].reshape(B, G, kpool, Di)
-        logits = gates[:, :G * kpool].reshape(B, G, kpool, Di).to(ct) + ape.to(ct)
-        probs = torch.softmax(logits, dim=2).to(grouped_k.dtype)
-        pooled = (probs * grouped_k).sum(dim=2)  # [B, G, Di]
-        scores = torch.einsum("bthd,bgd->bthg", q.to(ct), pooled.to(ct))
-        scores = F.relu(scores * Di ** -0.5)
-        index = torch.einsum("bth,bthg->btg", w.to(ct), scores)  # [B, T, G]
-        group_end = (torch.arange(G, device=device) + 1) * kpool - 1  # [G]
-        visible = group_end.view(1, 1, G) <= positions.unsqueeze(-1)  # [B, T, G]
-        index = index.masked_fill(~visible, float("-inf"))
+        index, visible = pooled_index_scores(q, keys, gates, w, ape, kpool=kpool, start_pos=start_pos)
         k_groups = min(topk // kpool, G)
         order = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :k_groups]  # [B, T, kg]
         chosen_ok = visible.gather(-1, order)
@@ -136,15 +148,18 @@ class IndexedMLA(MLA):
                                      "'full' layer just before it")
                 return state.shared_topk, None
             return None, None
+        if not (state.attention == "sparse" or state.indexer_loss or state.cache is not None):
+            return None, None
         q_i, k_i, g_i, w_i = self.indexer(x.detach(), q_latent.detach())
         keys_i, gates_i = k_i, g_i
         if state.cache is not None:
             keys_i, gates_i = state.cache.write_pool_keys(self.layer_idx, k_i, g_i, state.start_pos)
             if state.fresh:
                 keys_i, gates_i = k_i, g_i
-        if state.attention != "sparse":
-            return None, None
         index_start = 0 if state.fresh else state.start_pos
+        index_inputs = (q_i, keys_i, gates_i, w_i, index_start) if state.indexer_loss else None
+        if state.attention != "sparse":
+            return None, index_inputs
         topk_idx = kpool_select(self.indexer, q_i, keys_i, gates_i, w_i, index_start, self.kernels)
         if state.record_topk:
             if state.index_replay is not None:
@@ -154,4 +169,25 @@ class IndexedMLA(MLA):
             if state.cache is not None and state.cache.index_topk:
                 state.cache.write_index_topk(self.layer_idx, topk_idx, state.start_pos)
         state.shared_topk = topk_idx
-        return topk_idx, None
+        return topk_idx, index_inputs
+
+    def _indexer_signals(self, q_nope, q_pe, c_kv, k_pe, w_uk, attn_start, topk_idx, index_inputs, state,
+                         k_nope=None) -> None:
+        """The k-pool indexer's KL (both stages): KL(p_G || softmax(I_G)) over each query's complete causal groups,
+        p_G the main attention's head-summed, L1-normalised probabilities (``indexer_loss.attention_target``)
+        summed over each group and renormalised over those groups; queries with no complete group add 0. The
+        recall (sparse stage) is p's mass on the selected keys, the tail included."""
+        q_i, keys_i, gates_i, w_i, index_start = index_inputs
+        target = indexer_loss.attention_target(q_nope, q_pe, c_kv, k_pe, w_uk, scale=self.scale,
+                                               start_pos=attn_start)  # [B, T, S]
+        scores, visible = pooled_index_scores(q_i, keys_i, gates_i, w_i, self.indexer.index_kpool_compress_ape,
+                                              kpool=self.indexer.kpool, start_pos=index_start)  # [B, T, G]
+        B, T, G = scores.shape
+        P = self.indexer.kpool
+        groups = target[..., :G * P].reshape(B, T, G, P).sum(-1) * visible  # [B, T, G]
+        groups = groups / groups.sum(-1, keepdim=True).clamp_min(torch.finfo(groups.dtype).tiny)
+        any_visible = visible.any(-1, keepdim=True)
+        scores = torch.where(any_visible, scores, torch.zeros_like(scores))  # rows without a group: finite, kept out
+        state.kl_terms.append(indexer_loss.dense_kl(groups, scores) if G else scores.sum() * 0.0)
+        if topk_idx is not None and state.measure_recall:
+            state.recall_terms.append(indexer_loss.topk_recall(target, topk_idx))
