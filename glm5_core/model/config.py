@@ -477,6 +477,27 @@ class GLM5Config:
         return cls(**base).validate()
 
     @classmethod
+    def tiny_glm53(cls, **overrides: Any) -> GLM5Config:
+        """A CPU training preset of GLM-5.3's architecture (glm5_next): byte-level vocab, 4 layers (KDA, KDA,
+        indexed with its own k-pool indexer, indexed sharing its top-k; 1 dense + 3 MoE), 4 mHC streams, NoPE
+        MLA, clamped SwiGLU, one MTP module; sparse at seq 128 (index_topk 32 in groups of 4)."""
+        base = dict(
+            vocab_size=264, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
+            intermediate_size=384, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0,
+            v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=32, max_position_embeddings=512,
+            indexer_types=["full", "full", "full", "shared"], num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+            latent_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02, model_type=NEXT_MODEL_TYPE,
+            layer_types=["linear_attention", "linear_attention", "indexed_attention", "indexed_attention"],
+            index_kpool=4, index_kpool_always_select_tail=True, linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
+            swiglu_limit=10.0,
+        )
+        base.update(overrides)
+        return cls(**base).validate()
+
+    @classmethod
     def glm5(cls) -> GLM5Config:
         """GLM-5's published architecture (HF zai-org/GLM-5 config.json).
         For config round-trips only: never instantiate a model."""
