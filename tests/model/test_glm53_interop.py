@@ -273,3 +273,34 @@ def test_fp8_scale_of_the_wrong_shape_is_refused_before_reading(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"q_a_proj.weight_scale_inv: expected float32 \[3, 4\]"):
         load_pretrained(tmp_path)
+
+
+def test_kernelize_keeps_logits_and_greedy_generate(reference_dir, monkeypatch):
+    """kernelize (glm5_core.integrations.transformers) on Glm5NextForConditionalGeneration's text path: the same
+    logits (a prefill past index_topk) and the same greedy generation (KDA recurrent decode, pooled indexer keys
+    in transformers' cache)."""
+    from glm5_core.integrations.transformers import is_kernelized, kernelize
+
+    ref = Glm5NextForConditionalGeneration.from_pretrained(reference_dir).eval()
+    fast = kernelize(Glm5NextForConditionalGeneration.from_pretrained(reference_dir).eval(), backend="cpu")
+    assert is_kernelized(fast) and not is_kernelized(ref)
+    bound = {type(m).__name__ for m in fast.modules() if getattr(m, "glm5_backend", False) is not False}
+    assert bound == {"Glm5NextTextAttention", "Glm5NextTextIndexer", "Glm5NextTextLinearAttention",
+                     "Glm5NextTextHyperConnection", "Glm5NextTextTopkRouter"}
+    from glm5_core.ops import dsa, kda
+
+    calls: dict[str, int] = {}
+    for module, name in ((dsa, "sparse_prefill"), (dsa, "sparse_decode"), (kda, "chunked"), (kda, "recurrent")):
+        def counted(*args, _op=getattr(module, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    ids = ids_for(seed=9)
+    with torch.no_grad():
+        assert relative(fast(input_ids=ids).logits, ref(input_ids=ids).logits) <= 1e-5
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want = ref.generate(ids[:, :14], **kw)
+        got = fast.generate(ids[:, :14], **kw)
+    assert torch.equal(got, want)
+    # prefills: 1 logits call + 1 generate; decode steps: 5; two KDA and two indexed layers
+    assert calls == {"sparse_prefill": 4, "chunked": 4, "sparse_decode": 10, "recurrent": 10}
