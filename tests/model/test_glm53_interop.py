@@ -290,11 +290,14 @@ def test_kernelize_keeps_logits_and_greedy_generate(reference_dir, monkeypatch):
     from glm5_core.ops import dsa, kda
 
     calls: dict[str, int] = {}
+    def counting(op, name):
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return op(*args, **kwargs)
+        return counted
+
     for module, name in ((dsa, "sparse_prefill"), (dsa, "sparse_decode"), (kda, "chunked"), (kda, "recurrent")):
-        def counted(*args, _op=getattr(module, name), _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _op(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
+        monkeypatch.setattr(module, name, counting(getattr(module, name), name))
     ids = ids_for(seed=9)
     with torch.no_grad():
         assert relative(fast(input_ids=ids).logits, ref(input_ids=ids).logits) <= 1e-5
