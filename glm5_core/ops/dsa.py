@@ -4,6 +4,7 @@ The ops of this family (``OPS`` at the end declares them), each ``dsa_<name>`` w
 
   dsa_indexer_scores             indexer_scores             indexer_scores_reference
   dsa_indexer_topk               indexer_topk               indexer_topk_reference
+  dsa_kpool_topk                 kpool_topk                 ``ops/kpool_topk.py``'s reference  (GLM-5.3's k-pool)
   dsa_sparse_prefill             sparse_prefill             sparse_attention_reference   (absorbed, latent keys)
   dsa_sparse_decode              sparse_decode              sparse_attention_reference
   dsa_sparse_prefill_expanded    sparse_prefill_expanded    sparse_prefill_expanded_reference  (per-head keys)
@@ -39,6 +40,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.ops.kpool_topk import kpool_topk_reference
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
 from glm5_core.ops.selected_attention_target import NORMALISERS, selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
@@ -176,6 +178,7 @@ def sparse_prefill_expanded_reference(q_nope, q_pe, k_nope, k_pe, v, topk_idx, *
 OPS = (
     OpSpec("dsa_indexer_scores", indexer_scores_reference, family="dsa", differentiable=True),
     OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa", gradient_free=True),  # int32 indices
+    OpSpec("dsa_kpool_topk", kpool_topk_reference, family="dsa", gradient_free=True),  # int32 indices
     OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
     OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
     OpSpec("dsa_selected_index_scores", selected_index_scores_reference, family="dsa", differentiable=True),
@@ -198,6 +201,33 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *
     sizes = _validate_indexer(q, k, w, start_pos)
     _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
     return registry.call("dsa_indexer_topk", q, k, w, topk=topk, start_pos=start_pos, backend=backend)
+
+
+def kpool_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *,
+               topk: int, kpool: int, select_tail: bool = True, scale: Optional[float] = None,
+               start_pos: StartPos = 0, backend: registry.BackendArg = None) -> torch.Tensor:
+    """GLM-5.3's k-pool indexer top-k (``glm5_core.ops.kpool_topk`` states the contract): the ``topk // kpool`` best
+    complete pools of ``kpool`` keys, expanded to their token indices, then (``select_tail``) the query's
+    incomplete tail group. q [B, T, H, D], k [B, S, D] (the indexer keys), w [B, T, H] (head weights, already
+    times H^-0.5 as transformers' ``weights_proj``), gate [B, S, D] (the keys' compress-gate projection), ape
+    [kpool, D]; ``scale`` defaults to D^-0.5 (transformers' ``softmax_scale``). Returns int32 [B, T, topk (+
+    kpool - 1 with the tail)], -1 padded."""
+    sizes = _validate_indexer(q, k, w, start_pos)
+    _checks.tensor("gate", gate, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
+    _checks.positive_int("kpool", kpool)
+    _checks.tensor("ape", ape, dims=(kpool, "D"), sizes=sizes, legend="[kpool, D]")
+    _checks.same_device(q=q, gate=gate, ape=ape)
+    _checks.finite("gate", gate)
+    _checks.finite("ape", ape)
+    _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
+    if topk % kpool:
+        raise ValueError(f"topk: expected a multiple of kpool={kpool} (transformers' index_topk % index_kpool == 0), "
+                         f"got {topk}")
+    if not isinstance(select_tail, bool):
+        raise TypeError(f"select_tail: expected a bool, got {type(select_tail).__name__}")
+    scale = sizes["D"] ** -0.5 if scale is None else _checks.positive_float("scale", scale)
+    return registry.call("dsa_kpool_topk", q, k, w, gate, ape, topk=topk, kpool=kpool, select_tail=select_tail,
+                         scale=float(scale), start_pos=start_pos, backend=backend)
 
 
 def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk_idx: torch.Tensor, *,

@@ -106,12 +106,13 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr, n
                          stride_kb, stride_ks, stride_kd,
                          stride_wb, stride_wt, stride_wh,
                          H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, KP: tl.constexpr, INTERPRETED: tl.constexpr):
+                         BS: tl.constexpr, KP: tl.constexpr, INTERPRETED: tl.constexpr, POOL: tl.constexpr):
     row = tl.program_id(0)  # one query row: b * T + t
     row_b = row // T
     row_t = row % T
     pos = tl.load(start_ptr + row_b) + row_t  # absolute position: sees keys 0..pos
-    n_keys = tl.minimum(pos + 1, S)
+    # POOL > 1 (the k-pool indexer): keys are pools of POOL tokens, visible once their last token is
+    n_keys = tl.minimum((pos + 1) // POOL, S)
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
     k_row = k_ptr + row_b.to(tl.int64) * stride_kb
@@ -192,8 +193,9 @@ def scratch_shape(num_rows: int, topk: int, key_block: int):
     return (num_rows, 2 * _util.next_pow2(topk, key_block))
 
 
-def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
-    """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN)."""
+def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig, pool: int = 1):
+    """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN). ``pool`` > 1:
+    ``k`` holds pooled keys, pool j visible to the query at position p when (j + 1) * pool - 1 <= p."""
     B, T = q.shape[:2]
     S = k.shape[1]
     width = kernel_width(topk, S)
@@ -203,7 +205,7 @@ def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: Launch
     w = w.float() if w.dtype == torch.float64 else w
     _indexer_topk_kernel[(B * T,)](
         q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, nan_rows, T, S, width,
-        *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, **_pads(q),
+        *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, POOL=pool, **_pads(q),
         **config.launch_kwargs())
     if width < topk:  # columns past the key count: the contract's -1 padding
         out = torch.nn.functional.pad(out, (0, topk - width), value=-1)  # [B, T, topk]
