@@ -229,6 +229,58 @@ def make_expert_inputs(shape: MoEShape, *, dtype=torch.float32, device="cpu", se
     }
 
 
+# --------------------------------------------------------------------------------------------- KDA
+@dataclasses.dataclass(frozen=True)
+class KDAShape:
+    """B batch, T tokens, H heads, K key / V value head dims, C chunk size, W conv width."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    C: int = 16
+    W: int = 4
+
+    def __str__(self) -> str:
+        return f"B{self.B}T{self.T}H{self.H}K{self.K}V{self.V}C{self.C}"
+
+
+# odd T (not a multiple of C), one token, T an exact multiple of C, a single partial chunk
+KDA_SHAPES = (KDAShape(2, 37, 3, 16, 8), KDAShape(1, 1, 2, 8, 8), KDAShape(1, 32, 2, 32, 16), KDAShape(2, 5, 1, 8, 4))
+KDA_LOWER_BOUND = -5.0  # GLM-5.3's linear_lower_bound: g = -5 sigmoid(.) in (-5, 0)
+
+
+def make_kda_inputs(shape: KDAShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
+                    initial_state: bool = True) -> dict[str, torch.Tensor]:
+    """q, k, v, g (in (KDA_LOWER_BOUND, 0)), beta (in (0, 1)) in ``dtype``, and an fp32 (fp64) initial state."""
+    s = shape
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = {
+        "q": randn((s.B, s.T, s.H, s.K), seed=seed, dtype=dtype, device=device),
+        "k": randn((s.B, s.T, s.H, s.K), seed=seed + 1, dtype=dtype, device=device),
+        "v": randn((s.B, s.T, s.H, s.V), seed=seed + 2, dtype=dtype, device=device),
+        "g": (KDA_LOWER_BOUND * torch.sigmoid(randn((s.B, s.T, s.H, s.K), seed=seed + 3))).to(device, dtype),
+        "beta": torch.sigmoid(randn((s.B, s.T, s.H), seed=seed + 4)).to(device, dtype),
+    }
+    if initial_state:
+        x["initial_state"] = randn((s.B, s.H, s.K, s.V), seed=seed + 5, dtype=state_dtype, device=device, scale=0.5)
+    return x
+
+
+def make_conv_inputs(shape: KDAShape, *, dtype=torch.float32, device="cpu", seed: int = 0,
+                     conv_state: bool = True) -> dict[str, torch.Tensor]:
+    """x [B, T, D] (D = 3 H K, the layer's q, k, v channels), weight [D, W], and an fp32 (fp64) conv state."""
+    s = shape
+    D = 3 * s.H * s.K
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = {"x": randn((s.B, s.T, D), seed=seed, dtype=dtype, device=device),
+         "weight": randn((D, s.W), seed=seed + 1, dtype=dtype, device=device, scale=s.W ** -0.5)}
+    if conv_state:
+        x["conv_state"] = randn((s.B, s.W - 1, D), seed=seed + 2, dtype=state_dtype, device=device)
+    return x
+
+
 # --------------------------------------------------------------------------------------------- Muon
 MUON_SHAPES = ((7, 13), (13, 7), (3, 5, 9), (2, 16, 16), (1, 24))
 

@@ -20,6 +20,15 @@ MISSING = {
                                  "reference (gathers over the K selected keys) runs on the NPU",
     "dsa_selected_attention_target": "no vendor op returns attention probabilities at given keys; the reference "
                                      "(query blocks of dense scores, no [T, S] tensor) runs on the NPU",
+    "kda_recurrent": "torch_npu's npu_recurrent_gated_delta_rule (op-plugin; per-key decay gk, i.e. KDA's recurrence) "
+                     "takes and updates the state in bf16 in place, and the KDA contract keeps it in fp32: the "
+                     "reference runs as torch ops on the NPU",
+    "kda_chunked": "CANN's aclnnChunkGatedDeltaRule (the chunked gated delta rule) takes one scalar gate g per head "
+                   "and token, not KDA's per-channel gate, in bf16, with no backward: the differentiable reference "
+                   "runs as torch ops on the NPU",
+    "kda_causal_conv": "no vendor op mapped for the short causal depthwise conv with its state; the reference (W "
+                       "multiply-adds per element) runs on the NPU",
+    "kda_causal_conv_update": "no vendor op mapped for the conv's decode step; the reference runs on the NPU",
 }
 
 

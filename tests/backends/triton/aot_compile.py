@@ -31,6 +31,7 @@ def kernels():
         causal_lse,
         dsa_selected_attention_target,
         indexer,
+        kda,
         moe_experts,
         moe_experts_bwd,
         moe_permute,
@@ -127,6 +128,17 @@ def kernels():
         yield ("ns_gemm" + suffix, newton_schulz._gemm_kernel,
                _sig({"b_ptr": dtype, "x_ptr": dtype, "out_ptr": dtype}, [("R", I32), ("N", I32), ("a_coef", "fp32")],
                     ["BM", "BN", "BK", "BF16", "EMULATE"]), dict(BM=64, BN=64, BK=32, **ns_meta))
+    yield ("kda_recurrent", kda._recurrent_kernel,
+           _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+                 "s0_ptr": "*fp32", "o_ptr": "*bf16", "sT_ptr": "*fp32"},
+                [("T", I32), ("H", I32), ("K", I32), ("V", I32), ("scale", "fp32"), ("eps", "fp32")],
+                ["HAS_S0", "STORE_S", "L2NORM", "BK", "BV"]),
+           dict(HAS_S0=True, STORE_S=True, L2NORM=True, BK=128, BV=32))
+    yield ("kda_causal_conv", kda._conv_kernel,
+           _sig({"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*bf16", "s_ptr": "*fp32", "o_ptr": "*bf16"},
+                [("T", I32), ("D", I32)], ["HAS_BIAS", "HAS_STATE", "SILU", "W", "BT", "BD"]),
+           dict(HAS_BIAS=False, HAS_STATE=True, SILU=True, W=4, BT=16, BD=64))
+
 
 def main(vendor: str) -> int:
     import triton

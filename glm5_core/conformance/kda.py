@@ -1,0 +1,157 @@
+"""Conformance checks of the KDA family (``glm5_core.ops.kda``): each op against the reference (outputs and final
+states), the chunked and recurrent forms agreeing (outputs and states, fp64), a prefill then decode steps
+equalling one longer prefill (KDA and the conv), and the backward inputs of ``kda_chunked`` / ``kda_causal_conv``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from glm5_core import registry, testing
+from glm5_core.conformance.check import DTYPE_NAMES, Check, CheckFn, GradCase, fp64
+from glm5_core.ops import kda
+
+
+def _flat(out) -> torch.Tensor:
+    """(o, state) -> one fp64 vector (the state may be None)."""
+    return torch.cat([t.detach().to(torch.float64).flatten() for t in out if t is not None])
+
+
+def _both(cmp_o: testing.Comparison, cmp_s: testing.Comparison) -> testing.Comparison:
+    worst = cmp_o if not cmp_o.passed or cmp_s.passed else cmp_s
+    return testing.Comparison(cmp_o.passed and cmp_s.passed, worst.max_error, worst.allowed,
+                              f"output: {cmp_o.detail}; state: {cmp_s.detail}")
+
+
+def _kda_check(op: str, shape: testing.KDAShape, dtype: torch.dtype, l2norm: bool) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_kda_inputs(shape, dtype=dtype, device=device, seed=3)
+        extra = {"chunk_size": shape.C} if op == "kda_chunked" else {}
+        entry = kda.chunked if op == "kda_chunked" else kda.recurrent
+        o, s = entry(**x, output_final_state=True, use_qk_l2norm=l2norm, backend=backend, **extra)
+        ref = registry.reference(op)
+        ro, rs = ref(**x, output_final_state=True, use_qk_l2norm=l2norm, **extra)
+        eo, es = ref(**fp64(x), output_final_state=True, use_qk_l2norm=l2norm, **extra)
+        return _both(testing.compare_to_fp64(o, ro, eo, dtype), testing.compare_to_fp64(s, rs, es, dtype))
+
+    return fn
+
+
+def _conv_check(op: str, shape: testing.KDAShape, dtype: torch.dtype) -> CheckFn:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_conv_inputs(shape, dtype=dtype, device=device, seed=5)
+        ref = registry.reference(op)
+        if op == "kda_causal_conv":
+            got = kda.causal_conv(**x, output_final_state=True, backend=backend)
+            want, exact = ref(**x, output_final_state=True), ref(**fp64(x), output_final_state=True)
+        else:
+            x["x"] = x["x"][:, 0]
+            got = kda.causal_conv_update(**x, backend=backend)
+            want, exact = ref(**x), ref(**fp64(x))
+        return _both(testing.compare_to_fp64(got[0], want[0], exact[0], dtype),
+                     testing.compare_to_fp64(got[1], want[1], exact[1], dtype))
+
+    return fn
+
+
+def _agree(what: str, a, b, limit: float) -> testing.Comparison:
+    err = float((_flat(a) - _flat(b)).abs().max())
+    return testing.Comparison(err <= limit, err, limit, f"max |{what}| = {err:.3g} (fp64, outputs and states)")
+
+
+def _chunked_vs_recurrent(shape: testing.KDAShape) -> CheckFn:
+    """The backend's chunked and recurrent forms agree in fp64 (outputs and final states), to the fp64 atol."""
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x = testing.make_kda_inputs(shape, dtype=torch.float64, device=device, seed=7)
+        a = kda.chunked(**x, output_final_state=True, chunk_size=shape.C, use_qk_l2norm=True, backend=backend)
+        b = kda.recurrent(**x, output_final_state=True, use_qk_l2norm=True, backend=backend)
+        return _agree("chunked - recurrent", a, b, testing.TOLERANCES[torch.float64][0])
+
+    return fn
+
+
+def _prefill_then_decode(shape: testing.KDAShape, steps: int = 3) -> CheckFn:
+    """Chunked prefill of T tokens then ``steps`` recurrent decode steps (KDA and the conv update) equals a chunked
+    prefill of T + steps tokens, in fp64 (outputs of the decoded tokens and the final states)."""
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        s = testing.KDAShape(shape.B, shape.T + steps, shape.H, shape.K, shape.V, shape.C, shape.W)
+        x = testing.make_kda_inputs(s, dtype=torch.float64, device=device, seed=9, initial_state=False)
+        c = testing.make_conv_inputs(s, dtype=torch.float64, device=device, seed=9, conv_state=False)
+        T = shape.T
+        full = kda.chunked(**x, output_final_state=True, chunk_size=s.C, use_qk_l2norm=True, backend=backend)
+        conv_full = kda.causal_conv(**c, output_final_state=True, backend=backend)
+        head = {k: v[:, :T] for k, v in x.items()}
+        _, state = kda.chunked(**head, output_final_state=True, chunk_size=s.C, use_qk_l2norm=True, backend=backend)
+        _, conv_state = kda.causal_conv(c["x"][:, :T], c["weight"], output_final_state=True, backend=backend)
+        outs, conv_outs = [], []
+        for t in range(T, T + steps):
+            step = {k: v[:, t:t + 1] for k, v in x.items()}
+            o, state = kda.recurrent(**step, initial_state=state, output_final_state=True, use_qk_l2norm=True,
+                                     backend=backend)
+            co, conv_state = kda.causal_conv_update(c["x"][:, t], conv_state, c["weight"], backend=backend)
+            outs.append(o)
+            conv_outs.append(co.unsqueeze(1))
+        decoded = (torch.cat(outs, dim=1), state, torch.cat(conv_outs, dim=1), conv_state)
+        whole = (full[0][:, T:], full[1], conv_full[0][:, T:], conv_full[1])
+        return _agree("prefill + decode - longer prefill", decoded, whole, testing.TOLERANCES[torch.float64][0])
+
+    return fn
+
+
+def checks() -> list[Check]:
+    out = []
+    for op in ("kda_chunked", "kda_recurrent"):
+        for shape in testing.KDA_SHAPES:
+            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+                for l2norm in (True, False) if dtype == torch.float32 else (True,):
+                    name = f"{op}[{DTYPE_NAMES[dtype]}-{shape}{'' if l2norm else '-no_l2norm'}]"
+                    out.append(Check("kda", name, (op,), _kda_check(op, shape, dtype, l2norm)))
+    for op in ("kda_causal_conv", "kda_causal_conv_update"):
+        for shape in testing.KDA_SHAPES[:2]:
+            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+                out.append(Check("kda", f"{op}[{DTYPE_NAMES[dtype]}-{shape}]", (op,), _conv_check(op, shape, dtype)))
+    for shape in testing.KDA_SHAPES:
+        out.append(Check("kda", f"kda_chunked_vs_recurrent[fp64-{shape}]", ("kda_chunked", "kda_recurrent"),
+                         _chunked_vs_recurrent(shape), against_reference=False))
+    out.append(Check("kda", f"kda_prefill_then_decode[fp64-{testing.KDA_SHAPES[0]}]",
+                     ("kda_chunked", "kda_recurrent", "kda_causal_conv", "kda_causal_conv_update"),
+                     _prefill_then_decode(testing.KDA_SHAPES[0]), against_reference=False))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- gradients
+_GRAD_SHAPE = testing.KDAShape(B=1, T=11, H=2, K=8, V=4, C=4)
+
+
+def _chunked_grad(device: str) -> GradCase:
+    """Through the output and the final state (cat'd), from an initial state: every input's gradient."""
+    x = testing.make_kda_inputs(_GRAD_SHAPE, device=device, seed=23)
+
+    def entry(be, **t):
+        return torch.cat([p.flatten() for p in kda.chunked(**t, output_final_state=True, chunk_size=_GRAD_SHAPE.C,
+                                                           use_qk_l2norm=True, backend=be)])
+
+    def ref(**t):
+        return torch.cat([p.flatten() for p in kda.chunked_reference(**t, output_final_state=True,
+                                                                     chunk_size=_GRAD_SHAPE.C, use_qk_l2norm=True)])
+
+    return entry, ref, x
+
+
+def _conv_grad(device: str) -> GradCase:
+    x = testing.make_conv_inputs(_GRAD_SHAPE, device=device, seed=29)
+
+    def entry(be, **t):
+        return torch.cat([p.flatten() for p in kda.causal_conv(**t, output_final_state=True, backend=be)])
+
+    def ref(**t):
+        return torch.cat([p.flatten() for p in kda.causal_conv_reference(**t, output_final_state=True)])
+
+    return entry, ref, x
+
+
+# Inputs of the backward check of each differentiable op of the family (see ``gradients.py``).
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"kda_chunked": _chunked_grad, "kda_causal_conv": _conv_grad}
