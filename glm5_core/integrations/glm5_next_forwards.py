@@ -7,17 +7,17 @@ what transformers' forward computes through ``glm5_core.ops`` entry points on ``
   * ``Glm5NextTextAttention`` (NoPE MLA + DSA): projections transformers', the latent in transformers' cache,
     then ``dsa.sparse_prefill`` / ``dsa.sparse_decode`` (absorbed: kv_b_proj never expanded over the cache) over
     the indexer's selection (or the previous layer's, for a "shared" layer);
-  * ``Glm5NextTextIndexer``: the k-pool top-k (``indexed_attention.kpool_select``: ties to the lower group)
+  * ``Glm5NextTextIndexer``: the k-pool top-k (``dsa.kpool_topk``: ties to the lower group)
     over the pooled keys transformers' cache keeps (``update_indexer``); a padded batch (a mask with zeros) runs
     transformers' own indexer, whose pools start at each row's first real token;
   * ``Glm5NextTextLinearAttention`` (KDA): the conv through transformers' ``causal_conv1d_forward`` (its cache
     holds the conv state), the delta rule through ``kda.chunked`` / ``kda.recurrent`` from the cache's recurrent
     state; a cache that keeps intermediate recurrent states (speculative decoding) runs transformers' forward;
   * ``Glm5NextTextHyperConnection``: the Sinkhorn normalisation through ``mhc.sinkhorn``;
-  * ``Glm5NextTextTopkRouter``: ``moe.route`` (the glm_moe_dsa router forward: the same module).
-The routed experts stay transformers' (their SwiGLU is clamped: ``swiglu_limit``), as do embeddings, norms,
-dense MLPs, the shared experts, the stream mixing and lm_head. Calls with another cache than transformers'
-dynamic one run transformers' own forward.
+  * ``Glm5NextTextTopkRouter``: ``moe.route`` (the glm_moe_dsa router forward: the same module);
+  * ``Glm5NextTextExperts``: ``moe.fused_experts`` with the clamped SwiGLU (``swiglu_limit``).
+Embeddings, norms, dense MLPs, the shared experts, the stream mixing and lm_head stay transformers'. Calls with
+another cache than transformers' dynamic one run transformers' own forward.
 """
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5_core.integrations.glm_moe_dsa_forwards import _runs_here
-from glm5_core.model.indexed_attention import _kpool_topk_torch
-from glm5_core.ops import dsa, kda, mhc
+from glm5_core.ops import dsa, kda, mhc, moe
 
 
 def _hf_module(module) -> object:
@@ -86,13 +85,9 @@ def indexer_forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor, at
     keys, gates = packed[..., :Di], packed[..., Di:2 * Di]
     start = packed.shape[1] - T
     w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5
-    op = getattr(dsa, "kpool_topk", None)
-    if op is not None:
-        return op(q, keys, gates, w, self.index_kpool_compress_ape, topk=self.index_topk, kpool=self.index_kpool,
-                  select_tail=self.index_kpool_always_select_tail, start_pos=start, backend=self.glm5_backend)
-    return _kpool_topk_torch(q, keys, gates, w, self.index_kpool_compress_ape, topk=self.index_topk,
-                             kpool=self.index_kpool, select_tail=self.index_kpool_always_select_tail,
-                             start_pos=start)
+    return dsa.kpool_topk(q, keys, w, gates, self.index_kpool_compress_ape, topk=self.index_topk,
+                          kpool=self.index_kpool, select_tail=self.index_kpool_always_select_tail,
+                          scale=self.softmax_scale, start_pos=start, backend=self.glm5_backend)
 
 
 # ---- KDA ------------------------------------------------------------------------------------------------------
@@ -142,3 +137,13 @@ def hyper_connection_forward(self, hidden_streams: torch.Tensor):
                         backend=self.glm5_backend).view(B, S, n, n)
     collapsed = (pre.unsqueeze(-1) * hidden_streams).sum(dim=2).to(hidden_streams.dtype)
     return post, comb, collapsed
+
+
+# ---- MoE ------------------------------------------------------------------------------------------------------
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """Glm5NextTextExperts.forward over gate_up_proj [E, 2F, D] (gate rows first) and down_proj [E, D, F]: the
+    routed experts with transformers' clamp (gate <= L, |up| <= L), summed in slot order. Returns [N, D]."""
+    F_ = self.intermediate_dim
+    return moe.fused_experts(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index.to(torch.int32),
+                             self.gate_up_proj[:, :F_], self.gate_up_proj[:, F_:], self.down_proj,
+                             swiglu_limit=self.swiglu_limit, backend=self.glm5_backend)

@@ -99,7 +99,8 @@ def _next_classes() -> Optional[dict[str, type]]:
         return None
     return {"model": hf.Glm5NextForConditionalGeneration, "attention": hf.Glm5NextTextAttention,
             "indexer": hf.Glm5NextTextIndexer, "linear": hf.Glm5NextTextLinearAttention,
-            "hc": hf.Glm5NextTextHyperConnection, "router": hf.Glm5NextTextTopkRouter}
+            "hc": hf.Glm5NextTextHyperConnection, "router": hf.Glm5NextTextTopkRouter,
+            "experts": hf.Glm5NextTextExperts}
 
 
 def _kernelize_next(model, classes: dict[str, type], backend: Optional[str]):
@@ -117,7 +118,15 @@ def _kernelize_next(model, classes: dict[str, type], backend: Optional[str]):
              (classes["indexer"], next_forwards.indexer_forward),
              (classes["linear"], next_forwards.linear_attention_forward),
              (classes["hc"], next_forwards.hyper_connection_forward),
-             (classes["router"], forwards.router_forward))
+             (classes["router"], forwards.router_forward),
+             (classes["experts"], next_forwards.experts_forward))
+    for i, layer in enumerate(model.model.language_model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        for attr, want in _EXPERTS_LAYOUT.items():
+            if experts is not None and getattr(experts, attr, want) != want:
+                raise ValueError(f"kernelize: model.language_model.layers.{i}.mlp.experts.{attr}: expected "
+                                 f"{want!r} (the fused [gate; up] layout glm5-core reads), got "
+                                 f"{getattr(experts, attr)!r}")
     for module in model.model.language_model.modules():
         for cls, forward in table:
             if type(module) is cls:

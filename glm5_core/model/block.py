@@ -70,9 +70,9 @@ class HybridDecoderLayer(nn.Module):
                                         backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend)
+            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend, swiglu_limit=cfg.swiglu_limit)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **swiglu_kwargs(cfg))
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, swiglu_limit=cfg.swiglu_limit)
         hc = dict(hidden_size=cfg.hidden_size, hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters,
                   hc_eps=cfg.hc_eps, rms_norm_eps=cfg.rms_norm_eps, backend=backend)
         self.attn_hc = HyperConnection(**hc)
@@ -91,15 +91,6 @@ class HybridDecoderLayer(nn.Module):
         post, comb, x = self.ffn_hc(streams)
         out = run_ffn(self.mlp, self.post_attention_layernorm(x), state)
         return self.ffn_hc.mix(streams, out, post, comb)
-
-
-def swiglu_kwargs(cfg: GLM5Config) -> dict:
-    """The dense MLP's clamp argument (glm5_next's swiglu_limit), when the config has one."""
-    import inspect
-
-    if cfg.swiglu_limit is None or "swiglu_limit" not in inspect.signature(MLP.__init__).parameters:
-        return {}
-    return {"swiglu_limit": cfg.swiglu_limit}
 
 
 def build_kda(cfg: GLM5Config, backend: registry.BackendArg) -> nn.Module:

@@ -15,8 +15,7 @@ names) scores POOLED keys:
   (up to P - 1 of them) are appended. Width K (+ P - 1 with the tail), ``-1`` padding, int32.
 
 A "shared" layer reuses the top-k of the indexed "full" layer just before it (transformers passes the previous
-layer's selection only). The top-k itself is ``dsa.kpool_topk`` where the ops carry it (see
-:func:`kpool_select`).
+layer's selection only). The top-k itself is the op ``dsa.kpool_topk``.
 """
 from __future__ import annotations
 
@@ -69,27 +68,21 @@ class KPoolIndexer(nn.Module):
 
 def kpool_select(indexer: KPoolIndexer, q: torch.Tensor, keys: torch.Tensor, gates: torch.Tensor,
                  w: torch.Tensor, start_pos, backend: registry.BackendArg) -> torch.Tensor:
-    """The k-pool top-k int32 [B, T, width] of queries at ``start_pos`` over ``keys`` / ``gates`` [B, S, Di]."""
-    op = getattr(dsa, "kpool_topk", None)
-    if op is not None:
-        return op(q, keys, gates, w, indexer.index_kpool_compress_ape, topk=indexer.topk, kpool=indexer.kpool,
-                  select_tail=indexer.select_tail, start_pos=start_pos, backend=backend)
-    return _kpool_topk_torch(q, keys, gates, w, indexer.index_kpool_compress_ape, topk=indexer.topk,
-                             kpool=indexer.kpool, select_tail=indexer.select_tail, start_pos=start_pos)
-
-
-def _positions(start_pos, B: int, T: int, device) -> torch.Tensor:
-    pos = start_pos if isinstance(start_pos, torch.Tensor) else torch.full((B,), int(start_pos), device=device)
-    return pos.to(device).long().view(B, 1) + torch.arange(T, device=device).view(1, T)  # [B, T]
+    """The k-pool top-k int32 [B, T, width] of queries at ``start_pos`` over ``keys`` / ``gates`` [B, S, Di]
+    (the op ``dsa.kpool_topk``: ties to the lower group)."""
+    return dsa.kpool_topk(q, keys, w, gates, indexer.index_kpool_compress_ape, topk=indexer.topk,
+                          kpool=indexer.kpool, select_tail=indexer.select_tail, start_pos=start_pos, backend=backend)
 
 
 def pooled_index_scores(q, keys, gates, w, ape, *, kpool: int, start_pos) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [B, T, G] over the complete groups, -inf where a group's last key is not causal for the query;
-    visible bool [B, T, G]), in fp32 (fp64 for fp64 inputs), differentiable in q, keys, gates, w and ape."""
+    visible bool [B, T, G]), in fp32 (fp64 for fp64 inputs), differentiable in q, keys, gates, w and ape: what
+    the indexer's KL trains (the top-k itself is ``dsa.kpool_topk``)."""
     B, T, Hi, Di = q.shape
     G = keys.shape[1] // kpool
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
-    positions = _positions(start_pos, B, T, q.device)
+    pos = start_pos if isinstance(start_pos, torch.Tensor) else torch.full((B,), int(start_pos), device=q.device)
+    positions = pos.to(q.device).long().view(B, 1) + torch.arange(T, device=q.device).view(1, T)  # [B, T]
     grouped_k = keys[:, :G * kpool].reshape(B, G, kpool, Di)
     logits = gates[:, :G * kpool].reshape(B, G, kpool, Di).to(ct) + ape.to(ct)
     probs = torch.softmax(logits, dim=2).to(grouped_k.dtype)
@@ -99,35 +92,6 @@ def pooled_index_scores(q, keys, gates, w, ape, *, kpool: int, start_pos) -> tup
     group_end = (torch.arange(G, device=q.device) + 1) * kpool - 1  # [G]
     visible = group_end.view(1, 1, G) <= positions.unsqueeze(-1)  # [B, T, G]
     return index.masked_fill(~visible, float("-inf")), visible
-
-
-@torch.no_grad()
-def _kpool_topk_torch(q, keys, gates, w, ape, *, topk: int, kpool: int, select_tail: bool, start_pos
-                      ) -> torch.Tensor:
-    """The k-pool top-k in torch (what transformers' Glm5NextTextIndexer selects on unpadded rows); scores in
-    fp32 (fp64 for fp64 inputs); ties go to the lower group."""
-    B, T = q.shape[:2]
-    G = keys.shape[1] // kpool
-    device = q.device
-    positions = _positions(start_pos, B, T, device)
-    out_width = topk + (kpool - 1 if select_tail else 0)
-    parts = []
-    if G > 0:
-        index, visible = pooled_index_scores(q, keys, gates, w, ape, kpool=kpool, start_pos=start_pos)
-        k_groups = min(topk // kpool, G)
-        order = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :k_groups]  # [B, T, kg]
-        chosen_ok = visible.gather(-1, order)
-        tokens = order.unsqueeze(-1) * kpool + torch.arange(kpool, device=device)  # [B, T, kg, P]
-        tokens = tokens.masked_fill(~chosen_ok.unsqueeze(-1), -1).flatten(-2)
-        parts.append(tokens)
-    if select_tail and kpool > 1:
-        tail_count = (positions + 1) % kpool  # [B, T]
-        offsets = torch.arange(kpool - 1, device=device)
-        tail = (positions + 1 - tail_count).unsqueeze(-1) + offsets  # [B, T, P - 1]
-        parts.append(tail.masked_fill(offsets >= tail_count.unsqueeze(-1), -1))
-    idx = torch.cat(parts, dim=-1) if parts else positions.new_zeros(B, T, 0)
-    idx = F.pad(idx, (0, max(out_width - idx.shape[-1], 0)), value=-1)[..., :out_width]
-    return idx.to(torch.int32)
 
 
 class IndexedMLA(MLA):

@@ -286,7 +286,7 @@ def test_kernelize_keeps_logits_and_greedy_generate(reference_dir, monkeypatch):
     assert is_kernelized(fast) and not is_kernelized(ref)
     bound = {type(m).__name__ for m in fast.modules() if getattr(m, "glm5_backend", False) is not False}
     assert bound == {"Glm5NextTextAttention", "Glm5NextTextIndexer", "Glm5NextTextLinearAttention",
-                     "Glm5NextTextHyperConnection", "Glm5NextTextTopkRouter"}
+                     "Glm5NextTextHyperConnection", "Glm5NextTextTopkRouter", "Glm5NextTextExperts"}
     from glm5_core.ops import dsa, kda
 
     calls: dict[str, int] = {}
@@ -296,7 +296,8 @@ def test_kernelize_keeps_logits_and_greedy_generate(reference_dir, monkeypatch):
             return op(*args, **kwargs)
         return counted
 
-    for module, name in ((dsa, "sparse_prefill"), (dsa, "sparse_decode"), (kda, "chunked"), (kda, "recurrent")):
+    for module, name in ((dsa, "sparse_prefill"), (dsa, "sparse_decode"), (kda, "chunked"), (kda, "recurrent"),
+                         (dsa, "kpool_topk")):
         monkeypatch.setattr(module, name, counting(getattr(module, name), name))
     ids = ids_for(seed=9)
     with torch.no_grad():
@@ -306,4 +307,16 @@ def test_kernelize_keeps_logits_and_greedy_generate(reference_dir, monkeypatch):
         got = fast.generate(ids[:, :14], **kw)
     assert torch.equal(got, want)
     # prefills: 1 logits call + 1 generate; decode steps: 5; two KDA and two indexed layers
-    assert calls == {"sparse_prefill": 4, "chunked": 4, "sparse_decode": 10, "recurrent": 10}
+    assert calls == {"sparse_prefill": 4, "chunked": 4, "sparse_decode": 10, "recurrent": 10, "kpool_topk": 7}
+
+
+def test_clamped_swiglu_parity_where_the_clamp_acts(tmp_path):
+    """swiglu_limit 0.05 clamps most gate / up values of the dense MLP, the shared and the routed experts: the
+    logits still match transformers'."""
+    ref = transformers_model(seed=11, swiglu_limit=0.05)
+    ref.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.config.swiglu_limit == 0.05
+    ids = ids_for(seed=12)
+    with torch.no_grad():
+        assert relative(ours(ids).logits, ref(input_ids=ids).logits) <= 1e-5
