@@ -62,7 +62,8 @@ def row_window(cache: Cache, lo: int, hi: int) -> Cache:
 def read_rows(cache, slot: int, length: int) -> list[torch.Tensor]:
     """Clones of positions ``[0, length)`` of row ``slot``: ``[1, length, W]`` per tensor (a per-row state:
     its whole row, the state after the row's tokens)."""
-    return [(t[slot:slot + 1, :length] if positional else t[slot:slot + 1]).clone() for t, positional in _entries(cache)]
+    return [(t[slot:slot + 1, :length] if positional else t[slot:slot + 1]).clone()
+            for t, positional in _entries(cache)]
 
 
 def write_rows(cache, slot: int, rows: list[torch.Tensor], length: int) -> None:
