@@ -239,6 +239,9 @@ class GLM5ForCausalLM(nn.Module):
                                  top_k=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts)
             _checks.same_device(input_ids=input_ids, routing_replay=routing_replay)
         if index_replay is not None:
+            if cfg.is_hybrid:
+                raise ValueError("index_replay: expected None for a glm5_next model (its k-pool indexer's selection "
+                                 "is not replayed; routing_replay is)")
             if attention != "sparse":
                 raise ValueError(f"index_replay: expected attention='sparse' (the keys it replays are what sparse "
                                  f"attention reads), got attention={attention!r}")

@@ -121,6 +121,9 @@ class RolloutEngine:
         if self._hybrid and draft_tokens is not None:
             raise ValueError("speculative: expected none for a model with KDA layers (GLM-5.3: the drafts' "
                              "rejected tokens would have to be rolled back out of the recurrent state)")
+        if self._hybrid and record_index_topk:
+            raise ValueError("record_index_topk: expected False for a model with KDA layers (GLM-5.3: its k-pool "
+                             "indexer's selection is not replayed; record_routing is)")
         if self._hybrid:
             prefix_cache_entries, prefix_cache_tokens = 0, None
         if not isinstance(max_batch, int) or max_batch < 1:

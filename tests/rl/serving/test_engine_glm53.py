@@ -42,9 +42,34 @@ def test_engine_logprobs_and_topk_match_the_trainer(glm53_policy):
 def test_paths_a_recurrent_state_rules_out(glm53_policy):
     with pytest.raises(ValueError, match=r"^speculative: expected none for a model with KDA layers"):
         RolloutEngine(glm53_policy, max_batch=2, max_len=64, speculative={"draft_tokens": 2})
+    with pytest.raises(ValueError, match=r"^record_index_topk: expected False for a model with KDA layers"):
+        RolloutEngine(glm53_policy, max_batch=2, max_len=64, record_index_topk=True)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^index_replay: expected None for a glm5_next model"):
+        glm53_policy(ids, index_replay=torch.full((1, 4, 2, 11), -1, dtype=torch.int32))
     engine = RolloutEngine(glm53_policy, max_batch=2, max_len=64, seed=0)
     (req,) = make_requests(1, prompt_len=12, max_new=3, prefix="p")
     (res,) = engine.generate([req])
     follow = GenerateRequest(req.rid, req.input_ids + res.output_ids + [40], max_new_tokens=2)
     (res2,) = engine.generate([follow])
     assert res2.cached_tokens == 0  # no prefix reuse: the whole conversation is prefilled again
+
+
+def test_routing_replay_is_recorded_and_replays(glm53_policy):
+    """Routing replay (R3) on a GLM-5.3 model: the engine records each position's experts, and a forward that
+    replays them gives the engine's log-probs."""
+    from glm5_core.rl.serving import replay_trace
+
+    engine = RolloutEngine(glm53_policy, max_batch=2, max_len=64, seed=3, record_routing=True)
+    (req,) = make_requests(1, prompt_len=10, max_new=5, prefix="rr")
+    req.return_routed_experts = True
+    (res,) = engine.generate([req])
+    seq = req.input_ids + res.output_ids
+    P = len(seq) - 1
+    routed = replay_trace.decode(replay_trace.encode(res.routed_experts), "routed_experts", rows=P)  # [P, M, K]
+    ids = torch.tensor([seq[:-1]])
+    with torch.no_grad():
+        logits = glm53_policy(ids, routing_replay=routed.unsqueeze(0).to(torch.int32)).logits
+    logp = torch.log_softmax(logits[0], -1)[torch.arange(P), torch.tensor(seq[1:])]
+    got = logp[len(req.input_ids) - 1:]
+    assert (got - torch.tensor(res.logprobs)).abs().max() <= 1e-5
