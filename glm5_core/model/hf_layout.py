@@ -33,7 +33,10 @@ from glm5_core.model.config import MAX_EXPERTS, TRANSFORMERS_LATENT_NORM_EPS, GL
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 _FUSED_RE = re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_FP32_KEPT_SUFFIXES = (".mlp.gate.weight", ".self_attn.indexer.weights_proj.weight")
+_FP32_KEPT_SUFFIXES = (".mlp.gate.weight", ".self_attn.indexer.weights_proj.weight",
+                       # glm5_next (_keep_in_fp32_modules_strict): the KDA conv and forget gate, the mHC biases
+                       ".self_attn.conv1d.weight", ".forget_gate.dt_bias", ".forget_gate.A_log", ".attn_hc.base",
+                       ".attn_hc.scale", ".ffn_hc.base", ".ffn_hc.scale")
 _SHARED_EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
 
 

@@ -320,3 +320,19 @@ def test_clamped_swiglu_parity_where_the_clamp_acts(tmp_path):
     ids = ids_for(seed=12)
     with torch.no_grad():
         assert relative(ours(ids).logits, ref(input_ids=ids).logits) <= 1e-5
+
+
+def test_bf16_checkpoint_in_the_original_layout_loads(tmp_path, reference_dir):
+    """transformers' bf16 save of GLM-5.3 writes the original (published) layout: hc_attn_* / q_conv1d / A_log names
+    and fp32 for the modules it keeps in fp32 (the KDA conv and forget gate, the mHC biases, the router); it loads
+    with those dtypes, and the same weights computed in fp32 on both sides give transformers' logits (bf16
+    arithmetic itself differs: glm5-core keeps more of it in fp32)."""
+    ref = Glm5NextForConditionalGeneration.from_pretrained(reference_dir, dtype=torch.bfloat16).eval()
+    ref.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path).eval()
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert ours.model.layers[0].self_attn.conv1d.weight.dtype == torch.float32
+    ours, ref = ours.float(), ref.float()
+    ids = ids_for(seed=13)
+    with torch.no_grad():
+        assert relative(ours(ids).logits, ref(input_ids=ids).logits) <= 1e-5
