@@ -20,6 +20,13 @@ MISSING = {
                                  "reference (gathers over the K selected keys) runs on the NPU",
     "dsa_selected_attention_target": "no vendor op returns attention probabilities at given keys; the reference "
                                      "(query blocks of dense scores, no [T, S] tensor) runs on the NPU",
+    "dsa_kpool_topk": "torch_npu's npu_lightning_indexer scores single keys with its own causal rule, not "
+                      "softmax-pooled groups of index_kpool keys with a tail; the reference (elementwise pooling, "
+                      "a padded GEMM and a stable sort) runs on the NPU",
+    "mhc_sinkhorn": "no torch_npu op for Sinkhorn normalisation (and Triton-Ascend kernels are not wired in); the "
+                    "reference runs as elementwise torch ops on the NPU",
+    "mhc_mix": "no torch_npu op for the hyper-connection stream mix; the reference (a broadcast product and a "
+               "batched [N, N] x [N, D] matmul) runs on the NPU",
 }
 
 
