@@ -23,10 +23,11 @@ def check_sinkhorn(backend: str, device: str = "cpu", tol: float = 2e-5) -> None
     for R, N, iters in SINKHORN_CASES:
         logits = (torch.randn(R, N, N, generator=torch.Generator().manual_seed(R)) * 3).to(device)
         with registry.record_reference_runs() as log:
-            out, grads = _grads(lambda **t: mhc.sinkhorn(**t, iters=iters, eps=1e-6, backend=backend),
+            out, grads = _grads(lambda it=iters, **t: mhc.sinkhorn(**t, iters=it, eps=1e-6, backend=backend),
                                 {"logits": logits})
         assert not log, log
-        want, want_grads = _grads(lambda **t: mhc.sinkhorn_reference(**t, iters=iters, eps=1e-6), {"logits": logits})
+        want, want_grads = _grads(lambda it=iters, **t: mhc.sinkhorn_reference(**t, iters=it, eps=1e-6),
+                                  {"logits": logits})
         assert out.dtype == want.dtype
         torch.testing.assert_close(out, want, rtol=tol, atol=tol)
         torch.testing.assert_close(grads["logits"], want_grads["logits"], rtol=tol, atol=tol)
@@ -35,8 +36,8 @@ def check_sinkhorn(backend: str, device: str = "cpu", tol: float = 2e-5) -> None
 def check_mix(backend: str, device: str = "cpu", dtype=torch.float32, tol: float = 2e-5) -> None:
     for R, N, D in MIX_CASES:
         g = torch.Generator().manual_seed(R + N)
-        x = dict(residual=torch.randn(R, N, D, generator=g).to(dtype), block_out=torch.randn(R, D, generator=g).to(dtype),
-                 post=torch.rand(R, N, generator=g), comb=torch.rand(R, N, N, generator=g))
+        x = dict(residual=torch.randn(R, N, D, generator=g).to(dtype),
+                 block_out=torch.randn(R, D, generator=g).to(dtype), post=torch.rand(R, N, generator=g), comb=torch.rand(R, N, N, generator=g))
         x = {k: v.to(device) for k, v in x.items()}
         with registry.record_reference_runs() as log:
             out, grads = _grads(lambda **t: mhc.mix(**t, backend=backend), x)
