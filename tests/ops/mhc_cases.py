@@ -37,7 +37,8 @@ def check_mix(backend: str, device: str = "cpu", dtype=torch.float32, tol: float
     for R, N, D in MIX_CASES:
         g = torch.Generator().manual_seed(R + N)
         x = dict(residual=torch.randn(R, N, D, generator=g).to(dtype),
-                 block_out=torch.randn(R, D, generator=g).to(dtype), post=torch.rand(R, N, generator=g), comb=torch.rand(R, N, N, generator=g))
+                 block_out=torch.randn(R, D, generator=g).to(dtype),
+                 post=torch.rand(R, N, generator=g), comb=torch.rand(R, N, N, generator=g))
         x = {k: v.to(device) for k, v in x.items()}
         with registry.record_reference_runs() as log:
             out, grads = _grads(lambda **t: mhc.mix(**t, backend=backend), x)
