@@ -40,7 +40,7 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
-from glm5_core.ops.kpool_topk import kpool_topk_reference
+from glm5_core.ops.kpool_topk import kpool_topk_reference as kpool_topk_reference
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
 from glm5_core.ops.selected_attention_target import NORMALISERS, selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
