@@ -193,8 +193,7 @@ CHECKS: dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_prefill_decode": topk_prefill_decode,
     "topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu"),
     "topk_prefill_decode_near_ties": lambda be, dev: topk_prefill_decode(be, dev, ties="near_ties"),
-    "kpool_topk_repeatability": lambda be, dev: topk_repeatability(be, dev, kpool=True),
-    "kpool_topk_batch_invariance": lambda be, dev: topk_batch_invariance(be, dev, kpool=True),
+    # the k-pool top-k (its repeatability is in its prefill / decode checks, which compare many runs bitwise)
     "kpool_topk_batch_invariance_ties": lambda be, dev: topk_batch_invariance(be, dev, ties="duplicate_keys",
                                                                               kpool=True),
     "kpool_topk_prefill_decode": lambda be, dev: topk_prefill_decode(be, dev, kpool=True),

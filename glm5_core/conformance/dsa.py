@@ -174,10 +174,10 @@ def _selected_target_check(shape: testing.MLAShape, K: int, dtype: torch.dtype, 
 
 def checks() -> list[Check]:
     checks = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for ties in (None, "zero_relu", "duplicate_keys"):
-            checks.append(Check("dsa", f"dsa_kpool_topk[{DTYPE_NAMES[dtype]}-{KPOOL_SHAPE}-kpool4-ties_{ties}]",
-                                ("dsa_kpool_topk",), _kpool_check(dtype, ties)))
+    for dtype, ties in ((torch.float32, None), (torch.float32, "zero_relu"), (torch.bfloat16, None),
+                        (torch.bfloat16, "duplicate_keys")):
+        checks.append(Check("dsa", f"dsa_kpool_topk[{DTYPE_NAMES[dtype]}-{KPOOL_SHAPE}-kpool4-ties_{ties}]",
+                            ("dsa_kpool_topk",), _kpool_check(dtype, ties)))
     checks.append(Check("dsa", f"dsa_kpool_topk[fp32-{KPOOL_SHAPE}-kpool1-no_tail]", ("dsa_kpool_topk",),
                         _kpool_check(torch.float32, None, kpool=1, select_tail=False)))
     for shape in testing.INDEXER_SHAPES:
