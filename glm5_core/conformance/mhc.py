@@ -12,7 +12,7 @@ from glm5_core.conformance.check import DTYPE_NAMES, Check, CheckFn, GradCase, f
 from glm5_core.ops import mhc
 
 # (rows R, streams N, hidden D, Sinkhorn iterations): odd sizes, N = 4 as GLM-5.3, one stream, a 1-iteration run
-MHC_SHAPES = ((37, 4, 24, 20), (5, 3, 9, 3), (8, 1, 5, 2), (3, 6, 16, 1))
+MHC_SHAPES = ((37, 4, 24, 20), (5, 3, 9, 3), (3, 1, 5, 1))
 
 
 def _inputs(R: int, N: int, D: int, dtype: torch.dtype, device: str, seed: int) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def checks() -> list[Check]:
         for dtype in (torch.float32, torch.bfloat16):
             out.append(Check("mhc", f"mhc_sinkhorn[{DTYPE_NAMES[dtype]}-R{R}-N{N}-iters{iters}]", ("mhc_sinkhorn",),
                              _sinkhorn_check(R, N, iters, dtype)))
-        for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
+        for dtype in (torch.float32, torch.bfloat16):
             out.append(Check("mhc", f"mhc_mix[{DTYPE_NAMES[dtype]}-R{R}-N{N}-D{D}]", ("mhc_mix",),
                              _mix_check(R, N, D, dtype)))
     return out

@@ -26,7 +26,7 @@ Top-k contract (every backend):
     same keys ("RL-stable").
 
 How the reference keeps that promise on CPU BLAS: the q.k dot products go through one GEMM whose row
-count is padded to a multiple of ``_GEMM_ROW_BLOCK`` and whose key count to a multiple of ``_GEMM_KEY_BLOCK``
+count is padded to a multiple of ``_gemm.GEMM_ROW_BLOCK`` and whose key count to a multiple of ``GEMM_KEY_BLOCK``
 (BLAS libraries switch to GEMV or small-matrix kernels, with another summation order, for few rows or few
 keys: a 4-slot prefill and a 40-slot decode cache used to round the same q.k differently, and near-tied keys
 swapped), and the head sum is an explicit loop in head order, so every score is computed by the same
@@ -40,7 +40,8 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
-from glm5_core.ops.kpool_topk import kpool_topk_reference
+from glm5_core.ops._gemm import rows_dot_keys as _rows_dot_keys
+from glm5_core.ops.kpool_topk import kpool_topk_reference as kpool_topk_reference
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
 from glm5_core.ops.selected_attention_target import NORMALISERS, selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
@@ -48,8 +49,6 @@ from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
-_GEMM_ROW_BLOCK = 16
-_GEMM_KEY_BLOCK = 128  # MKL: fp32 GEMMs agree from 16 keys up, fp64 ones only past ~100
 _SPARSE_QUERY_CHUNK = 64  # bounds the reference's gathered [chunk, K, C] working set
 
 
@@ -69,21 +68,6 @@ def _validate_indexer(q, k, w, start_pos) -> dict[str, int]:
     _checks.finite("k", k)
     _checks.finite("w", w)
     return sizes
-
-
-def _pad_rows(t: torch.Tensor, block: int) -> torch.Tensor:
-    """[B, n, D] -> [B, n rounded up to a multiple of block, D], zero rows appended."""
-    B, n, D = t.shape
-    padded = -(-n // block) * block
-    return t if padded == n else torch.cat([t, t.new_zeros(B, padded - n, D)], dim=1)
-
-
-def _rows_dot_keys(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """rows [B, M, D] . keys [B, S, D] -> [B, M, S] with a summation order independent of M and S."""
-    M, S = rows.shape[1], keys.shape[1]
-    padded_rows = _pad_rows(rows, _GEMM_ROW_BLOCK)  # [B, M', D]
-    padded_keys = _pad_rows(keys, _GEMM_KEY_BLOCK)  # [B, S', D]
-    return torch.matmul(padded_rows, padded_keys.transpose(1, 2))[:, :M, :S]  # [B, M, S]
 
 
 def indexer_scores_reference(q, k, w, *, start_pos: StartPos = 0) -> torch.Tensor:

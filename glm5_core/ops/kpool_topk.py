@@ -31,6 +31,7 @@ from typing import Union
 import torch
 
 from glm5_core.ops import _checks
+from glm5_core.ops._gemm import rows_dot_keys  # the padded GEMM whose rounding does not depend on T or P
 
 StartPos = Union[int, torch.Tensor]
 
@@ -86,12 +87,10 @@ def expand(pool_idx: torch.Tensor, start_pos: StartPos, *, topk: int, kpool: int
 
 def kpool_scores_reference(q, pooled, w, *, scale: float, start_pos: StartPos, kpool: int) -> torch.Tensor:
     """I[b, t, j] [B, T, P] in the compute dtype, -inf for pools not visible."""
-    from glm5_core.ops.dsa import _rows_dot_keys  # the padded GEMM whose rounding does not depend on T or P
-
     ct = pooled.dtype
     B, T, H, D = q.shape
     P = pooled.shape[1]
-    dots = _rows_dot_keys(q.to(ct).reshape(B, T * H, D), pooled).view(B, T, H, P)  # [B, T, H, P]
+    dots = rows_dot_keys(q.to(ct).reshape(B, T * H, D), pooled).view(B, T, H, P)  # [B, T, H, P]
     heads, head_w = torch.relu(dots).unbind(2), (w.to(ct) * scale).unbind(2)
     scores = head_w[0].unsqueeze(-1) * heads[0]  # [B, T, P]
     for h in range(1, H):  # fixed head order

@@ -63,9 +63,11 @@ def test_gradients_match_transformers_fp32():
     t_post, t_comb, t_col = theirs(xs[1])
     (t_post.unsqueeze(-1) * (out * t_col).unsqueeze(-2) + torch.matmul(t_comb.transpose(-1, -2), xs[1])
      ).square().sum().backward()
-    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-5, atol=1e-6)
+    # fp32 (transformers computes the weights in fp32 whatever the input): the cpu kernels' hand-written backwards
+    # round in another order than autograd's chain
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-4, atol=1e-5)
     for name in ("fn", "base", "scale"):
-        torch.testing.assert_close(getattr(ours, name).grad, getattr(theirs, name).grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(getattr(ours, name).grad, getattr(theirs, name).grad, rtol=1e-4, atol=1e-5)
 
 
 def test_head_is_transformers_mean():

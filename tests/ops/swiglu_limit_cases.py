@@ -33,3 +33,33 @@ def sorted_inputs(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The ``experts`` op's inputs (expert-sorted rows and counts) of the same tokens."""
     x_sorted, _, counts = moe.dispatch_reference(x["x"], x["expert_ids"], num_experts=E)
     return dict(x_sorted=x_sorted, counts=counts, w_gate=x["w_gate"], w_up=x["w_up"], w_down=x["w_down"])
+
+
+def check_backend(op: str, backend: str, dtype: torch.dtype, device: str = "cpu", *, tol: float) -> None:
+    """The backend's kernel for ``op`` (moe_experts / moe_fused_experts) runs with the limit (no reference
+    fallback) and matches the reference, forward and the gradients of every float input (the clamps' included)."""
+    from glm5_core import registry
+
+    x = inputs(dtype, device)
+    if op == "moe_experts":
+        x = sorted_inputs(x)
+        entry, ref = moe.experts, moe.experts_reference
+        floats = ("x_sorted", "w_gate", "w_up", "w_down")
+    else:
+        entry, ref = moe.fused_experts, moe.fused_experts_reference
+        floats = ("x", "weights", "w_gate", "w_up", "w_down")
+
+    def run(fn, **kw):
+        leaves = {k: (v.detach().clone().requires_grad_() if k in floats else v) for k, v in x.items()}
+        out = fn(**leaves, swiglu_limit=LIMIT, **kw)
+        out.double().square().sum().backward()
+        return out, {k: leaves[k].grad for k in floats}
+
+    with registry.record_reference_runs() as log:
+        out, grads = run(entry, backend=backend)
+    assert not log, log
+    want, want_grads = run(ref)
+    torch.testing.assert_close(out.double(), want.double(), rtol=tol, atol=tol)
+    for k in floats:
+        torch.testing.assert_close(grads[k].double(), want_grads[k].double(), rtol=tol, atol=tol,
+                                   msg=lambda m, k=k: f"d{k}: {m}")

@@ -37,6 +37,7 @@ from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
 from glm5_core.backends.triton.shared_memory import ModelDims, Tile
 from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
+from glm5_core.ops import kpool_topk as kpool_topk_ops
 
 _SENTINEL = -(2 ** 63)  # below every packed key: an empty slot
 _INDEX_CEIL = 2 ** 31 - 1  # packed low word is _INDEX_CEIL - index (ascending index = descending word)
@@ -228,6 +229,28 @@ def indexer_topk(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
     return out
 
 
+def kpool_topk(q, k, w, gate, ape, *, topk: int, kpool: int, select_tail: bool, scale: float, start_pos=0,
+               config: LaunchConfig):
+    """``dsa_kpool_topk``: the pooled keys (``kpool_topk.pool_keys``: elementwise torch ops), this module's fused
+    top-k over them with POOL = kpool (pool j visible once its last token is), then the shared expansion to
+    token indices and the tail."""
+    B, T = q.shape[:2]
+    pooled = kpool_topk_ops.pool_keys(k, gate, ape, kpool)  # [B, P, D] fp32 (the reference's), so q goes fp32
+    P = pooled.shape[1]
+    if P == 0:  # no complete pool yet: only the tail
+        pools = torch.full((B, T, 1), -1, dtype=torch.int32, device=q.device)
+    else:
+        w_scaled = w.float() * scale
+        pools, nan_rows = indexer_topk_and_nan_rows(q.float(), pooled, w_scaled, topk=min(topk // kpool, P),
+                                                    start_pos=start_pos, config=config, pool=kpool)
+        raise_if_nan(nan_rows)
+    return kpool_topk_ops.expand(pools, start_pos, topk=topk, kpool=kpool, select_tail=select_tail)
+
+
+def kpool_supports(q, k, w, gate, ape, *args, topk: int = None, kpool: int = 1, **kwargs):
+    return supports(q, k, w, topk=None if topk is None else max(1, topk // kpool))
+
+
 def indexer_scores(q, k, w, *, start_pos=0, config: LaunchConfig):
     """The ``dsa_indexer_scores`` contract: fp32 [B, T, S], -inf where not causal."""
     B, T = q.shape[:2]
@@ -278,4 +301,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
 def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_indexer_topk as a torch.library op)."""
     return {"dsa_indexer_scores": bind(indexer_scores, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
-            "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}
+            "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
+            "dsa_kpool_topk": bind(kpool_topk, configs.get(FAMILY, DEFAULT_LAUNCH), kpool_supports)}
