@@ -101,24 +101,58 @@ def _prefill_then_decode(shape: testing.KDAShape, steps: int = 3) -> CheckFn:
     return fn
 
 
+def _repeatable(runs: int = 3) -> CheckFn:
+    """The backend's chunked forward + backward (its output, final state, every input's gradient), recurrent
+    step and conv are the same bits run to run (fp32, T not a multiple of the chunk)."""
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        shape = testing.KDAShape(B=2, T=11, H=2, K=8, V=4, C=4)  # three chunks, the last partial
+        x = testing.make_kda_inputs(shape, device=device, seed=11)
+        c = testing.make_conv_inputs(shape, device=device, seed=11)
+
+        def once():
+            leaves = {k: v.clone().requires_grad_() for k, v in x.items()}
+            o, s = kda.chunked(**leaves, output_final_state=True, chunk_size=shape.C, use_qk_l2norm=True,
+                               backend=backend)
+            (o.float().square().sum() + s.sum()).backward()
+            with torch.no_grad():
+                r = kda.recurrent(**x, output_final_state=True, use_qk_l2norm=True, backend=backend)
+                cv = kda.causal_conv(**c, output_final_state=True, backend=backend)
+            return [o, s, *r, *cv, *(leaves[k].grad for k in sorted(leaves))]
+
+        first = once()
+        for i in range(1, runs):
+            if not all(torch.equal(a, b) for a, b in zip(first, once())):
+                return testing.Comparison(False, float("inf"), 0.0, f"run {i} differs from run 0")
+        return testing.Comparison(True, 0.0, 0.0, f"{runs} runs bitwise identical (outputs, states, gradients)")
+
+    return fn
+
+
 def checks() -> list[Check]:
+    # every shape in fp32; bf16 / fp16 on the odd-T and the one-token shapes; q / k not normalised on one
+    # (kept small: every check runs on cuda and rocm under the interpreter in CI)
+    cases = [(shape, torch.float32, True) for shape in testing.KDA_SHAPES]
+    cases += [(shape, dtype, True) for shape in testing.KDA_SHAPES[:2] for dtype in (torch.bfloat16, torch.float16)]
+    cases += [(testing.KDA_SHAPES[0], torch.float32, False)]
     out = []
     for op in ("kda_chunked", "kda_recurrent"):
-        for shape in testing.KDA_SHAPES:
-            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
-                for l2norm in (True, False) if dtype == torch.float32 else (True,):
-                    name = f"{op}[{DTYPE_NAMES[dtype]}-{shape}{'' if l2norm else '-no_l2norm'}]"
-                    out.append(Check("kda", name, (op,), _kda_check(op, shape, dtype, l2norm)))
+        for shape, dtype, l2norm in cases:
+            name = f"{op}[{DTYPE_NAMES[dtype]}-{shape}{'' if l2norm else '-no_l2norm'}]"
+            out.append(Check("kda", name, (op,), _kda_check(op, shape, dtype, l2norm)))
+    conv_cases = [(testing.KDA_SHAPES[0], dtype) for dtype in testing.FLOAT_DTYPES_UNDER_TEST]
+    conv_cases += [(testing.KDA_SHAPES[1], torch.float32)]
     for op in ("kda_causal_conv", "kda_causal_conv_update"):
-        for shape in testing.KDA_SHAPES[:2]:
-            for dtype in testing.FLOAT_DTYPES_UNDER_TEST:
-                out.append(Check("kda", f"{op}[{DTYPE_NAMES[dtype]}-{shape}]", (op,), _conv_check(op, shape, dtype)))
-    for shape in testing.KDA_SHAPES:
+        for shape, dtype in conv_cases:
+            out.append(Check("kda", f"{op}[{DTYPE_NAMES[dtype]}-{shape}]", (op,), _conv_check(op, shape, dtype)))
+    for shape in (testing.KDA_SHAPES[0], testing.KDA_SHAPES[2]):  # a partial last chunk; whole chunks
         out.append(Check("kda", f"kda_chunked_vs_recurrent[fp64-{shape}]", ("kda_chunked", "kda_recurrent"),
                          _chunked_vs_recurrent(shape), against_reference=False))
     out.append(Check("kda", f"kda_prefill_then_decode[fp64-{testing.KDA_SHAPES[0]}]",
                      ("kda_chunked", "kda_recurrent", "kda_causal_conv", "kda_causal_conv_update"),
                      _prefill_then_decode(testing.KDA_SHAPES[0]), against_reference=False))
+    out.append(Check("kda", "kda_repeatability[fp32]",
+                     ("kda_chunked", "kda_recurrent", "kda_causal_conv"), _repeatable(), against_reference=False))
     return out
 
 
