@@ -77,7 +77,7 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
                     D_PAD=next_pow2(dims.indexer_head_dim, 16), BS=blocks["keys"], INTERPRETED=False)
         kp = next_pow2(dims.index_topk, blocks["keys"])
         ptrs = dict(q_ptr=fp, k_ptr=fp, start_ptr="*i32", out_ptr="*i32", scratch_ptr="*i64", nan_ptr="*i8")
-        yield "indexer_topk", indexer._indexer_topk_kernel, dict(pads, KP=kp), ptrs
+        yield "indexer_topk", indexer._indexer_topk_kernel, dict(pads, KP=kp, POOL=1), ptrs
         yield "indexer_scores", indexer._indexer_scores_kernel, pads, dict(ptrs, out_ptr="*fp32")
     elif family == "sparse_mla":
         tc = itemsize == 2
@@ -99,8 +99,8 @@ def launches(family: str, config, dims: smem.ModelDims, itemsize: int):
     elif family == "moe_experts":
         mnk = dict(BM=blocks["m"], BN=blocks["n"], BK=blocks["k"])
         tiles = dict(tile_expert_ptr="*i32", tile_row0_ptr="*i32", tile_row1_ptr="*i32")
-        yield "grouped_gemm", moe_experts._grouped_gemm_kernel, dict(mnk, SWIGLU=True), tiles
-        yield "swiglu_bwd", moe_experts_bwd._swiglu_bwd_kernel, mnk, tiles
+        yield "grouped_gemm", moe_experts._grouped_gemm_kernel, dict(mnk, SWIGLU=True, CLAMP=True), tiles
+        yield "swiglu_bwd", moe_experts_bwd._swiglu_bwd_kernel, dict(mnk, CLAMP=True), tiles
         yield "grouped_dx", moe_experts_bwd._grouped_dx_kernel, mnk, tiles
         yield "grouped_wgrad", moe_experts_bwd._grouped_wgrad_kernel, \
             dict(PAIR=True, BI=blocks["m"], BJ=blocks["n"], BR=blocks["k"]), \

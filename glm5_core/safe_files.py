@@ -171,6 +171,9 @@ def check_finite(name: str, tensor, where: str) -> None:
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return
     flat = tensor.reshape(-1)  # [numel], checked in chunks: the mask never costs more than 16 MB
-    bad = sum(int((~torch.isfinite(chunk)).sum()) for chunk in flat.split(1 << 24))
+    if flat.element_size() == 1:  # fp8 (no isfinite kernel): checked in fp32, a chunk at a time
+        bad = sum(int((~torch.isfinite(chunk.float())).sum()) for chunk in flat.split(1 << 22))
+    else:
+        bad = sum(int((~torch.isfinite(chunk)).sum()) for chunk in flat.split(1 << 24))
     if bad:
         raise ValueError(f"{where}: tensor {name!r} holds {bad} NaN / Inf values; expected finite weights")

@@ -7,6 +7,7 @@
   bitwise, the top-k computed for that query alone against a cache of the keys so far (decode), also
   when the cache is a larger preallocated buffer whose tail holds garbage, including for keys whose scores
   differ only by rounding (near ties);
+* the same three for the k-pool indexer's top-k (``dsa.kpool_topk``, GLM-5.3: pooled keys, the tail group);
 * backward repeatability: the gradients of the trained ops with kernels of their own (sparse MLA prefill,
   the routed experts) are the same bits run to run (no atomics in their backward).
 
@@ -23,6 +24,7 @@ from glm5_core.conformance.check import Check
 from glm5_core.ops import dsa, moe
 
 DETERMINISM_SHAPE = testing.IndexerShape(B=3, T=11, S=29, H=4, D=16, K=6)
+KPOOL, KPOOL_TOPK = 3, 6  # the k-pool checks: pools of 3 keys (29 slots: 9 pools and a partial one), 2 pools kept
 
 
 def _mismatch(what: str) -> testing.Comparison:
@@ -34,45 +36,61 @@ def _ok(what: str) -> testing.Comparison:
 
 
 def _inputs(device: str, ties=None, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    return testing.make_indexer_inputs(DETERMINISM_SHAPE, dtype=dtype, device=device, seed=11, ties=ties)
+    """q, k, w (and, for the k-pool checks, the keys' compress-gate projections and the pool's ape)."""
+    x = testing.make_indexer_inputs(DETERMINISM_SHAPE, dtype=dtype, device=device, seed=11, ties=ties)
+    s = DETERMINISM_SHAPE
+    gate = testing.randn((s.B, s.S, s.D), seed=12, dtype=dtype, device=device)
+    if ties == "duplicate_keys":  # the keys repeat with period 3 = KPOOL: equal gates too, so every pool ties
+        gate = gate[:, :3].repeat(1, -(-s.S // 3), 1)[:, :s.S]
+    return {**x, "gate": gate, "ape": testing.randn((KPOOL, s.D), seed=13, dtype=dtype, device=device)}
 
 
-def topk_repeatability(backend: str, device: str, runs: int = 3) -> testing.Comparison:
+def _topk(x: dict[str, torch.Tensor], kpool: bool, q, k, w, *, start_pos, backend: str, gate=None) -> torch.Tensor:
+    """The top-k under test: the indexer's (``dsa.indexer_topk``) or the k-pool indexer's (``dsa.kpool_topk``, its
+    compress-gate projections ``gate`` sliced as the keys ``k``)."""
+    if not kpool:
+        return dsa.indexer_topk(q, k, w, DETERMINISM_SHAPE.K, start_pos=start_pos, backend=backend)
+    gate = x["gate"][:, :k.shape[1]] if gate is None else gate
+    return dsa.kpool_topk(q, k, w, gate, x["ape"], topk=KPOOL_TOPK, kpool=KPOOL, select_tail=True,
+                          start_pos=start_pos, backend=backend)
+
+
+def topk_repeatability(backend: str, device: str, runs: int = 3, kpool: bool = False) -> testing.Comparison:
     x = _inputs(device)
-    K = DETERMINISM_SHAPE.K
     S, T = DETERMINISM_SHAPE.S, DETERMINISM_SHAPE.T
-    first = dsa.indexer_topk(x["q"], x["k"], x["w"], K, start_pos=S - T, backend=backend)
+    first = _topk(x, kpool, x["q"], x["k"], x["w"], start_pos=S - T, backend=backend)
     for i in range(1, runs):
-        again = dsa.indexer_topk(x["q"], x["k"], x["w"], K, start_pos=S - T, backend=backend)
+        again = _topk(x, kpool, x["q"], x["k"], x["w"], start_pos=S - T, backend=backend)
         if not torch.equal(first, again):
             return _mismatch(f"run {i} differs from run 0")
     return _ok(f"{runs} runs bitwise identical")
 
 
-def topk_batch_invariance(backend: str, device: str, ties=None) -> testing.Comparison:
+def topk_batch_invariance(backend: str, device: str, ties=None, kpool: bool = False) -> testing.Comparison:
     x = _inputs(device, ties)
     s = DETERMINISM_SHAPE
     base = s.S - s.T
-    full = dsa.indexer_topk(x["q"], x["k"], x["w"], s.K, start_pos=base, backend=backend)  # [B, T, K]
+    full = _topk(x, kpool, x["q"], x["k"], x["w"], start_pos=base, backend=backend)  # [B, T, K]
     for b in range(s.B):  # each batch row alone
-        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K, start_pos=base,
-                                 backend=backend)
+        alone = _topk(x, kpool, x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], start_pos=base,
+                      backend=backend, gate=x["gate"][b:b + 1])
         if not torch.equal(alone[0], full[b]):
             return _mismatch(f"batch row {b} alone differs from the batched call")
-    for chunk in (1, 4, 7):  # the queries in chunks, keys unchanged
+    for chunk in (4, 7) if kpool else (1, 4, 7):  # the queries in chunks, keys unchanged (k-pool: fewer calls)
         for t0 in range(0, s.T, chunk):
-            part = dsa.indexer_topk(x["q"][:, t0:t0 + chunk], x["k"], x["w"][:, t0:t0 + chunk], s.K,
-                                    start_pos=base + t0, backend=backend)
+            part = _topk(x, kpool, x["q"][:, t0:t0 + chunk], x["k"], x["w"][:, t0:t0 + chunk],
+                         start_pos=base + t0, backend=backend)
             if not torch.equal(part, full[:, t0:t0 + chunk]):
                 return _mismatch(f"query chunk [{t0}, {t0 + chunk}) of size {chunk} differs from the full call")
     ragged = torch.tensor([base, base - 3, 0], dtype=torch.int64, device=device)
-    together = dsa.indexer_topk(x["q"], x["k"], x["w"], s.K, start_pos=ragged, backend=backend)
+    together = _topk(x, kpool, x["q"], x["k"], x["w"], start_pos=ragged, backend=backend)
     for b in range(s.B):
-        alone = dsa.indexer_topk(x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], s.K,
-                                 start_pos=int(ragged[b]), backend=backend)
+        alone = _topk(x, kpool, x["q"][b:b + 1], x["k"][b:b + 1], x["w"][b:b + 1], start_pos=int(ragged[b]),
+                      backend=backend, gate=x["gate"][b:b + 1])
         if not torch.equal(alone[0], together[b]):
             return _mismatch(f"ragged batch: row {b} differs from the same row with an int start_pos")
-    return _ok("rows, query chunks (1, 4, 7) and ragged batches bitwise identical to the batched call")
+    return _ok(f"rows, query chunks ({'4, 7' if kpool else '1, 4, 7'}) and ragged batches bitwise identical to the "
+               f"batched call")
 
 
 def _near_tied_inputs(device: str) -> dict[str, torch.Tensor]:
@@ -81,7 +99,7 @@ def _near_tied_inputs(device: str) -> dict[str, torch.Tensor]:
     never have such pairs; a kernel whose rounding depends on the cache length flips them."""
     x = _inputs("cpu")
     s = DETERMINISM_SHAPE
-    q, k = x["q"].double(), x["k"].double()  # [B, T, H, D], [B, S, D]
+    q, k = x["q"].double(), x["k"].double()  # [B, T, H, D], [B, S, D]  (the gates stay as drawn)
     g = testing.generator(3)
     for b in range(s.B):
         for t in range(1, s.T):
@@ -93,23 +111,26 @@ def _near_tied_inputs(device: str) -> dict[str, torch.Tensor]:
     return {name: value.to(device) for name, value in x.items()}
 
 
-def topk_prefill_decode(backend: str, device: str, ties=None) -> testing.Comparison:
+def topk_prefill_decode(backend: str, device: str, ties=None, kpool: bool = False) -> testing.Comparison:
     x = _near_tied_inputs(device) if ties == "near_ties" else _inputs(device, ties)
     s = DETERMINISM_SHAPE
     T = s.T
     keys = x["k"][:, :T]  # prefill: T tokens, each query sees the keys up to itself
-    prefill = dsa.indexer_topk(x["q"], keys, x["w"], s.K, start_pos=0, backend=backend)  # [B, T, K]
+    prefill = _topk(x, kpool, x["q"], keys, x["w"], start_pos=0, backend=backend)  # [B, T, K]
     garbage = testing.randn((s.B, s.S - T, s.D), seed=99, dtype=keys.dtype, device=device, scale=50.0)
     big_cache = torch.cat([keys, garbage], dim=1)  # [B, S, D]: slots past the query are never visible
-    for t in range(T):
+    big_gate = torch.cat([x["gate"][:, :T], garbage.flip(1)], dim=1)  # [B, S, D], its garbage too
+    # k-pool: before the first pool, at pool boundaries (KPOOL = 3) and between them, fewer calls
+    for t in (0, 1, 2, 3, 5, 7, 8, 10) if kpool else range(T):
         q_t, w_t = x["q"][:, t:t + 1], x["w"][:, t:t + 1]
-        exact = dsa.indexer_topk(q_t, keys[:, :t + 1], w_t, s.K, start_pos=t, backend=backend)
+        exact = _topk(x, kpool, q_t, keys[:, :t + 1], w_t, start_pos=t, backend=backend)
         if not torch.equal(exact[:, 0], prefill[:, t]):
             return _mismatch(f"decode of token {t} against a {t + 1}-slot cache differs from prefill")
-        padded = dsa.indexer_topk(q_t, big_cache, w_t, s.K, start_pos=t, backend=backend)
+        padded = _topk(x, kpool, q_t, big_cache, w_t, start_pos=t, backend=backend, gate=big_gate)
         if not torch.equal(padded[:, 0], prefill[:, t]):
             return _mismatch(f"decode of token {t} against a preallocated {s.S}-slot cache differs from prefill")
-    return _ok(f"all {T} decode steps bitwise equal to prefill (exact and preallocated caches)")
+    return _ok(f"{'8 of the' if kpool else 'all'} {T} decode steps bitwise equal to prefill (exact and preallocated "
+               f"caches)")
 
 
 def route_batch_invariance(backend: str, device: str) -> testing.Comparison:
@@ -175,6 +196,11 @@ CHECKS: dict[str, Callable[[str, str], testing.Comparison]] = {
     "topk_prefill_decode": topk_prefill_decode,
     "topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu"),
     "topk_prefill_decode_near_ties": lambda be, dev: topk_prefill_decode(be, dev, ties="near_ties"),
+    # the k-pool top-k (its repeatability is in its prefill / decode checks, which compare many runs bitwise)
+    "kpool_topk_batch_invariance_ties": lambda be, dev: topk_batch_invariance(be, dev, ties="duplicate_keys",
+                                                                              kpool=True),
+    "kpool_topk_prefill_decode": lambda be, dev: topk_prefill_decode(be, dev, kpool=True),
+    "kpool_topk_prefill_decode_zero_relu": lambda be, dev: topk_prefill_decode(be, dev, ties="zero_relu", kpool=True),
     "route_batch_invariance": route_batch_invariance,
     "sparse_prefill_backward_repeatability": lambda be, dev: backward_repeatability(
         _sparse_prefill_grads, torch.bfloat16, be, dev),
@@ -186,6 +212,7 @@ CHECKS: dict[str, Callable[[str, str], testing.Comparison]] = {
 
 # Ops each check exercises (used to report fallbacks).
 CHECK_OPS: dict[str, list[str]] = {name: ["dsa_indexer_topk"] for name in CHECKS}
+CHECK_OPS.update({name: ["dsa_kpool_topk"] for name in CHECKS if name.startswith("kpool_")})
 CHECK_OPS["route_batch_invariance"] = ["moe_route"]
 CHECK_OPS["sparse_prefill_backward_repeatability"] = ["dsa_sparse_prefill"]
 CHECK_OPS["sparse_expanded_backward_repeatability"] = ["dsa_sparse_prefill_expanded"]

@@ -35,6 +35,58 @@ def _topk_check(shape: testing.IndexerShape, dtype: torch.dtype, ties: Optional[
     return fn
 
 
+KPOOL_SHAPE = testing.IndexerShape(B=2, T=13, S=31, H=3, D=16, K=8)  # pools of 4: 7 of them and a partial one
+
+
+def _kpool_check(dtype: torch.dtype, ties: Optional[str], kpool: int = 4, select_tail: bool = True) -> CheckFn:
+    """The k-pool top-k against its reference: with exact (tied) scores bitwise; else the same tail and pool
+    selections that differ only where the fp64 pool scores are within the tolerance of the last kept one."""
+    from glm5_core.ops.kpool_topk import kpool_scores_reference, pool_keys
+
+    def fn(backend: str, device: str) -> testing.Comparison:
+        s = KPOOL_SHAPE
+        x = testing.make_indexer_inputs(s, dtype=dtype, device=device, seed=7, ties=ties)
+        gate = testing.randn((s.B, s.S, s.D), seed=8, dtype=dtype, device=device)
+        if ties == "duplicate_keys":  # keys of period 3 and gates of period 3: pools tie in groups
+            gate = gate[:, :3].repeat(1, -(-s.S // 3), 1)[:, :s.S]
+        ape = testing.randn((kpool, s.D), seed=9, dtype=dtype, device=device)
+        start = s.S - s.T
+        kw = dict(topk=s.K, kpool=kpool, select_tail=select_tail, start_pos=start)
+        idx = dsa.kpool_topk(x["q"], x["k"], x["w"], gate, ape, **kw, backend=backend)
+        ref = dsa.kpool_topk_reference(x["q"], x["k"], x["w"], gate, ape, scale=s.D ** -0.5, **kw)
+        if idx.dtype != torch.int32 or idx.shape != ref.shape:
+            return testing.Comparison(False, float("inf"), 0.0, f"got {idx.dtype} {tuple(idx.shape)}, want int32 "
+                                                                f"{tuple(ref.shape)}")
+        idx = idx.cpu()
+        if torch.equal(idx, ref.cpu()):
+            return testing.Comparison(True, 0.0, 0.0, "bitwise equal to the reference")
+        if ties is not None:
+            return testing.Comparison(False, float("inf"), 0.0, "differs from the reference with exactly tied scores")
+        x64 = fp64(dict(x, gate=gate, ape=ape))
+        pooled = pool_keys(x64["k"], x64["gate"], x64["ape"], kpool)
+        scores = kpool_scores_reference(x64["q"], pooled, x64["w"], scale=s.D ** -0.5, start_pos=start,
+                                        kpool=kpool).cpu()
+        worst = 0.0
+        for b in range(s.B):
+            for t in range(s.T):
+                got_row, want_row = idx[b, t].tolist(), ref[b, t].tolist()
+                if [v < 0 for v in got_row] != [v < 0 for v in want_row]:
+                    return testing.Comparison(False, float("inf"), 0.0, f"row ({b},{t}): -1 padding differs")
+                pools = [sorted({v // kpool for v in r[:s.K] if v >= 0}) for r in (got_row, want_row)]
+                if got_row[s.K:] != want_row[s.K:] or len(pools[0]) != len(pools[1]):
+                    return testing.Comparison(False, float("inf"), 0.0, f"row ({b},{t}): the tail differs")
+                if pools[0] == pools[1]:
+                    continue
+                kth = float(scores[b, t, pools[1]].min())
+                for j in set(pools[0]) ^ set(pools[1]):
+                    worst = max(worst, abs(float(scores[b, t, j]) - kth) / max(abs(kth), 1e-30))
+        tol = TOPK_REL_TOL[dtype]
+        return testing.Comparison(worst <= tol, worst, tol, f"pools differ only within {worst:.3g} (relative) of the "
+                                                            f"last kept pool's score")
+
+    return fn
+
+
 def _scores_check(shape: testing.IndexerShape, dtype: torch.dtype) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         x = testing.make_indexer_inputs(shape, dtype=dtype, device=device, seed=4)
@@ -122,6 +174,12 @@ def _selected_target_check(shape: testing.MLAShape, K: int, dtype: torch.dtype, 
 
 def checks() -> list[Check]:
     checks = []
+    for dtype, ties in ((torch.float32, None), (torch.float32, "zero_relu"), (torch.bfloat16, None),
+                        (torch.bfloat16, "duplicate_keys")):
+        checks.append(Check("dsa", f"dsa_kpool_topk[{DTYPE_NAMES[dtype]}-{KPOOL_SHAPE}-kpool4-ties_{ties}]",
+                            ("dsa_kpool_topk",), _kpool_check(dtype, ties)))
+    checks.append(Check("dsa", f"dsa_kpool_topk[fp32-{KPOOL_SHAPE}-kpool1-no_tail]", ("dsa_kpool_topk",),
+                        _kpool_check(torch.float32, None, kpool=1, select_tail=False)))
     for shape in testing.INDEXER_SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             for ties in testing.TIE_MODES:

@@ -1,4 +1,5 @@
-"""glm5-core kernels inside a transformers ``GlmMoeDsaForCausalLM``: ``kernelize(model, backend=None)``.
+"""glm5-core kernels inside a transformers ``GlmMoeDsaForCausalLM`` or ``Glm5NextForConditionalGeneration`` (its
+text path: ``glm5_core.integrations.glm5_next_forwards``): ``kernelize(model, backend=None)``.
 
     from transformers import AutoModelForCausalLM
     from glm5_core.integrations.transformers import kernelize
@@ -104,6 +105,51 @@ def is_kernelized(model: torch.nn.Module) -> bool:
     return any(getattr(m, "glm5_backend", False) is not False for m in model.modules())
 
 
+NEXT_ARCHITECTURE = "Glm5NextForConditionalGeneration"
+
+
+def _next_classes() -> Optional[dict[str, type]]:
+    try:
+        from transformers.models.glm5_next import modeling_glm5_next as hf
+    except ImportError:
+        return None
+    return {"model": hf.Glm5NextForConditionalGeneration, "attention": hf.Glm5NextTextAttention,
+            "indexer": hf.Glm5NextTextIndexer, "linear": hf.Glm5NextTextLinearAttention,
+            "hc": hf.Glm5NextTextHyperConnection, "router": hf.Glm5NextTextTopkRouter,
+            "experts": hf.Glm5NextTextExperts}
+
+
+def _kernelize_next(model, classes: dict[str, type], backend: Optional[str]):
+    """GLM-5.3's text path (``glm5_next_forwards``); the vision tower stays transformers'."""
+    from glm5_core.integrations import glm5_next_forwards as next_forwards
+
+    text = model.config.get_text_config()
+    _check_config(text)
+    if getattr(text, "qk_rope_head_dim", 0):
+        raise ValueError(f"kernelize: text_config.qk_rope_head_dim: expected 0 (GLM-5.3's NoPE MLA), "
+                         f"got {text.qk_rope_head_dim}")
+    if is_kernelized(model):
+        return model
+    table = ((classes["attention"], next_forwards.attention_forward),
+             (classes["indexer"], next_forwards.indexer_forward),
+             (classes["linear"], next_forwards.linear_attention_forward),
+             (classes["hc"], next_forwards.hyper_connection_forward),
+             (classes["router"], forwards.router_forward),
+             (classes["experts"], next_forwards.experts_forward))
+    for i, layer in enumerate(model.model.language_model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        for attr, want in _EXPERTS_LAYOUT.items():
+            if experts is not None and getattr(experts, attr, want) != want:
+                raise ValueError(f"kernelize: model.language_model.layers.{i}.mlp.experts.{attr}: expected "
+                                 f"{want!r} (the fused [gate; up] layout glm5-core reads), got "
+                                 f"{getattr(experts, attr)!r}")
+    for module in model.model.language_model.modules():
+        for cls, forward in table:
+            if type(module) is cls:
+                _bind(module, forward, backend)
+    return model
+
+
 def kernelize(model, backend: Optional[str] = None):
     """Swap the DSA indexer top-k, sparse MLA attention, MoE router and experts of a transformers
     ``GlmMoeDsaForCausalLM`` for glm5-core ops on ``backend``; returns the same model object.
@@ -113,10 +159,16 @@ def kernelize(model, backend: Optional[str] = None):
     ``registry.BackendUnavailableError`` with its reason."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend: expected a backend name (str) or None, got {type(backend).__name__}")
+    next_classes = _next_classes()
+    if next_classes is not None and type(model) is next_classes["model"]:
+        if backend is not None and backend != "auto":
+            registry.require_available(backend)
+        return _kernelize_next(model, next_classes, backend)
     classes = _transformers_classes()
     if type(model) is not classes["model"]:
         kind = getattr(getattr(model, "config", None), "model_type", None)
-        raise TypeError(f"model: expected a transformers {SUPPORTED_ARCHITECTURE} (model_type 'glm_moe_dsa'), "
+        raise TypeError(f"model: expected a transformers {SUPPORTED_ARCHITECTURE} (model_type 'glm_moe_dsa') or "
+                        f"{NEXT_ARCHITECTURE}, "
                         f"got {type(model).__name__}" + (f" (model_type {kind!r})" if kind else ""))
     if backend is not None and backend != "auto":
         registry.require_available(backend)

@@ -16,7 +16,7 @@ the causal mask, so right-padded prompts can be prefilled together.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -34,6 +34,10 @@ class KVCache:
     index_k: list[Optional[torch.Tensor]]
     expert_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per main MoE layer (if recorded)
     index_topk: list[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)  # per layer, None: shared
+    # GLM-5.3 (glm5_next): per layer, the k-pool indexer's gate scores [B, L, Di] beside index_k (full indexed
+    # layers), and each KDA layer's conv + recurrent state (None until its first prefill; indexed layers None)
+    index_gate: list[Optional[torch.Tensor]] = dataclasses.field(default_factory=list)
+    kda: list[Optional[Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def new(cls, cfg: GLM5Config, batch_size: int, max_len: int, *, dtype: torch.dtype = torch.float32,
@@ -55,6 +59,9 @@ class KVCache:
         types = cfg.layer_indexer_types()
         num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         expert_dtype, key_dtype = replay.expert_id_dtype(cfg.n_routed_experts), replay.key_id_dtype(max_len)
+        if cfg.is_hybrid:
+            return cls._new_hybrid(cfg, zeros, ids, expert_dtype, key_dtype, num_moe, record_routing,
+                                   record_index_topk, batch_size, dtype, device)
         return cls(
             c_kv=[zeros(cfg.kv_lora_rank) for _ in range(cfg.num_hidden_layers)],
             k_pe=[zeros(cfg.qk_rope_head_dim) for _ in range(cfg.num_hidden_layers)],
@@ -63,6 +70,55 @@ class KVCache:
             index_topk=([ids(cfg.index_topk, key_dtype) if kind == "full" else None for kind in types]
                         if record_index_topk else []),
         )
+
+    @classmethod
+    def _new_hybrid(cls, cfg: GLM5Config, zeros, ids, expert_dtype, key_dtype, num_moe: int, record_routing: bool,
+                    record_index_topk: bool, batch_size: int, dtype: torch.dtype, device) -> KVCache:
+        """GLM-5.3: latent c_kv (no rope key: NoPE) for indexed layers, zero-width placeholders for KDA layers (their
+        conv + recurrent state lives in ``kda``: zeros, fp32 or fp64 as the model computes, per batch row),
+        indexer keys and gate scores for full indexed layers."""
+        from glm5_core.model.linear_attention import KDAState
+
+        kinds = cfg.layer_kinds()
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        qkv = cfg.linear_num_heads * cfg.linear_head_dim
+
+        def kda_state() -> KDAState:
+            return KDAState(
+                torch.zeros(batch_size, cfg.linear_conv_kernel_dim - 1, 3 * qkv, dtype=state_dtype, device=device),
+                torch.zeros(batch_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
+                            dtype=state_dtype, device=device))
+        full = set(cfg.full_indexer_layers())
+        width = cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail else 0)
+        indexed = [kind == "indexed_attention" for kind in kinds]
+        return cls(
+            c_kv=[zeros(cfg.kv_lora_rank if indexed[i] else 0) for i in range(cfg.num_hidden_layers)],
+            k_pe=[zeros(0) for _ in range(cfg.num_hidden_layers)],
+            index_k=[zeros(cfg.index_head_dim) if i in full else None for i in range(cfg.num_hidden_layers)],
+            index_gate=[zeros(cfg.index_head_dim) if i in full else None for i in range(cfg.num_hidden_layers)],
+            kda=[kda_state() if kind == "linear_attention" else None for kind in kinds],
+            expert_ids=[ids(cfg.num_experts_per_tok, expert_dtype) for _ in range(num_moe)] if record_routing else [],
+            index_topk=([ids(width, key_dtype) if i in full else None for i in range(cfg.num_hidden_layers)]
+                        if record_index_topk else []),
+        )
+
+    def kda_state(self, layer: int) -> Any:
+        """KDA layer ``layer``'s state (conv + recurrent, ``linear_attention.KDAState``, per batch row)."""
+        return self.kda[layer]
+
+    def set_kda_state(self, layer: int, state: Any) -> None:
+        """Store KDA layer ``layer``'s new state, in place (a cache of row views, ``kv_slots.row_window``, writes
+        through to the rows it views)."""
+        store = self.kda[layer]
+        store.conv_state.copy_(state.conv_state)
+        store.recurrent_state.copy_(state.recurrent_state)
+
+    def write_pool_keys(self, layer: int, index_k: torch.Tensor, gate: torch.Tensor,
+                        start_pos: StartPos) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the k-pool indexer's keys and gate scores [B, T, Di]; return their visible prefixes [B, S, Di]."""
+        store = self.index_gate[layer]
+        assert store is not None, f"layer {layer} has no k-pool indexer"
+        return self.write_index_keys(layer, index_k, start_pos), self._write(store, gate, start_pos)
 
     @property
     def batch_size(self) -> int:

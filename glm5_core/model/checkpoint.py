@@ -24,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from glm5_core.model import hf_layout
-from glm5_core.model.config import GLM5Config
+from glm5_core.model.config import NEXT_MODEL_TYPE, NEXT_TEXT_MODEL_TYPE, GLM5Config
 from glm5_core.model.modeling import GLM5ForCausalLM
 from glm5_core.model.rope import RotaryEmbedding
 from glm5_core.safe_files import check_finite, checkpoint_root, open_safetensors, read_json
@@ -40,6 +40,7 @@ _EXPERT_RE = re.compile(r"^model\.layers\.(\d{1,9})\.mlp\.experts\.(\d{1,9})\.")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
+FP8_DTYPES = dict(SAFETENSORS_DTYPES, F8_E4M3=torch.float8_e4m3fn)  # a checkpoint with an fp8 quantization_config
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.float64: "float64"}
 
@@ -94,7 +95,9 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     state = {name: t.detach().to("cpu").contiguous() for name, t in checkpoint_state(model).items()}
-    if transformers_form:  # what transformers computes with
+    if model.config.is_hybrid:  # transformers' Glm5NextForConditionalGeneration names (the language model)
+        cfg, state = model.config, hf_layout.to_next_names(state)
+    elif transformers_form:  # what transformers computes with
         cfg, state = hf_layout.to_transformers_form(model.config, state)
     else:
         cfg = model.config
@@ -118,10 +121,18 @@ def save_pretrained(model: GLM5ForCausalLM, path: PathLike, *, max_shard_bytes: 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _atomic_write_bytes(os.path.join(path, INDEX_NAME), json.dumps(index, indent=2).encode())
     config = cfg.to_hf_dict()
+    if cfg.is_hybrid and "vision_config" not in config:  # transformers builds a vision tower from it: a small
+        config["vision_config"] = dict(NEXT_PLACEHOLDER_VISION)  # one (its weights are not in this checkpoint)
     dtype = _DTYPE_NAMES.get(model.lm_head.weight.dtype, str(model.lm_head.weight.dtype))
     config["torch_dtype"] = config["dtype"] = dtype  # transformers 5 reads "dtype" first
     _atomic_write_bytes(os.path.join(path, CONFIG_NAME), json.dumps(config, indent=2).encode())
     return files
+
+
+# the vision_config save_pretrained writes for a glm5_next model that came with none: one small block, so that
+# transformers (which builds Glm5NextForConditionalGeneration's vision tower from it) does not build GLM-5.3's
+NEXT_PLACEHOLDER_VISION = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16,
+                           "out_hidden_size": 16, "projection_intermediate_size": 16}
 
 
 def load_hf_config(path: PathLike) -> GLM5Config:
@@ -133,14 +144,32 @@ def _read_config(path: str) -> dict:
     return _read_json(os.path.join(path, CONFIG_NAME), "config.json")
 
 
+def _is_next(raw: dict) -> bool:
+    return raw.get("model_type") in (NEXT_MODEL_TYPE, NEXT_TEXT_MODEL_TYPE)
+
+
+def _text_part(raw: dict) -> dict:
+    """The dict holding the text model's keys (glm5_next nests them in text_config)."""
+    if _is_next(raw) and isinstance(raw.get("text_config"), dict):
+        return raw["text_config"]
+    return raw
+
+
+def _with_mtp_layers(raw: dict, n: int) -> dict:
+    if _text_part(raw) is raw:
+        return dict(raw, num_nextn_predict_layers=n)
+    return dict(raw, text_config=dict(raw["text_config"], num_nextn_predict_layers=n))
+
+
 def _config_for_shards(raw: dict, names: Iterable[str]) -> tuple[GLM5Config, Optional[str]]:
     """The config to build, and why there is no MTP module when config.json declares one the shards lack
     (transformers runs no MTP and writes none: its checkpoints of GLM-5's config all declare one)."""
-    main = GLM5Config.from_hf_dict(dict(raw, num_nextn_predict_layers=0))  # every other value checked here
+    main = GLM5Config.from_hf_dict(_with_mtp_layers(raw, 0))  # every other value checked here
     mtp_prefix = f"model.layers.{main.num_hidden_layers}."
     if any(name.startswith(mtp_prefix) for name in names):
         return GLM5Config.from_hf_dict(raw), None
-    declared = raw.get("num_nextn_predict_layers", GLM5Config.num_nextn_predict_layers)
+    declared = _text_part(raw).get("num_nextn_predict_layers", 0 if _is_next(raw) else
+                                   GLM5Config.num_nextn_predict_layers)
     if isinstance(declared, bool) or not isinstance(declared, int) or not 0 <= declared <= main.num_hidden_layers:
         raise ValueError(f"num_nextn_predict_layers: expected an integer in [0, {main.num_hidden_layers}], "
                          f"got {declared!r:.40}")
@@ -176,20 +205,21 @@ def _shard_files(path: str, weight_map: dict[str, str]) -> list[str]:
     return files
 
 
-def header_specs(handle, file: str) -> dict[str, TensorSpec]:
+def header_specs(handle, file: str, dtypes: Optional[dict[str, torch.dtype]] = None) -> dict[str, TensorSpec]:
     """{name: (shape, dtype)} of an open ``safetensors.safe_open`` handle, from its header only."""
+    dtypes = SAFETENSORS_DTYPES if dtypes is None else dtypes
     specs: dict[str, TensorSpec] = {}
     for name in sorted(handle.keys()):
         tensor_slice = handle.get_slice(name)
         dtype_name = tensor_slice.get_dtype()
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(SAFETENSORS_DTYPES)}, "
+        if dtype_name not in dtypes:
+            raise ValueError(f"{file}: {name}: expected one of the dtypes {sorted(dtypes)}, "
                              f"got {dtype_name!r}")
-        specs[name] = (tuple(tensor_slice.get_shape()), SAFETENSORS_DTYPES[dtype_name])
+        specs[name] = (tuple(tensor_slice.get_shape()), dtypes[dtype_name])
     return specs
 
 
-def _read_headers(path: str, weight_map: dict[str, str]) -> dict[str, TensorSpec]:
+def _read_headers(path: str, weight_map: dict[str, str], fp8: bool = False) -> dict[str, TensorSpec]:
     """Every tensor's (shape, dtype) from the shards' headers, reading no tensor data."""
     specs: dict[str, TensorSpec] = {}
     for file in _shard_files(path, weight_map):
@@ -201,7 +231,7 @@ def _read_headers(path: str, weight_map: dict[str, str]) -> dict[str, TensorSpec
                     extra, missing = sorted(names - listed), sorted(listed - names)
                     raise ValueError(f"{file}: contents disagree with {INDEX_NAME}: in the file but not the index "
                                      f"{extra[:5]}, in the index but not the file {missing[:5]}")
-            for name, spec in header_specs(f, file).items():
+            for name, spec in header_specs(f, file, FP8_DTYPES if fp8 else None).items():
                 if name in specs:
                     raise ValueError(f"{file}: tensor {name!r} appears in more than one shard")
                 specs[name] = spec
@@ -254,12 +284,15 @@ def _check_tensors(specs: dict[str, TensorSpec], expected: dict[str, torch.Tenso
             raise ValueError(f"checkpoint: {name}: expected dtype {want.dtype}, got {dtype}")
 
 
-def _read_tensors(path: str, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Every tensor's data; NaN / Inf weights are refused here, naming the tensor."""
+def _read_tensors(path: str, weight_map: dict[str, str], skip=None) -> dict[str, torch.Tensor]:
+    """Every tensor's data (but those ``skip(name)`` is true of); NaN / Inf weights are refused here, naming
+    the tensor."""
     tensors: dict[str, torch.Tensor] = {}
     for file in _shard_files(path, weight_map):
         with open_safetensors(os.path.join(path, file), root=checkpoint_root(path)) as f:
             for name in f.keys():
+                if skip is not None and skip(name):
+                    continue
                 tensors[name] = f.get_tensor(name)
                 check_finite(name, tensors[name], f"checkpoint: {file}")
     return tensors
@@ -292,21 +325,37 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     and nothing is sized by config.json alone)."""
     path = check_checkpoint_dir(path, "path")
     raw = _read_config(path)
+    block = hf_layout.fp8_block_size(raw.get("quantization_config"))  # ValueError naming any other method
+    raw = {key: value for key, value in raw.items() if key != "quantization_config"}
+    next_layout = _is_next(raw)
     weight_map = _weight_map(path)
-    specs = hf_layout.drop_empty(hf_layout.split_fused_specs(_read_headers(path, weight_map)))
-    cfg, mtp_absent = _config_for_shards(raw, specs)
+    specs = _read_headers(path, weight_map, fp8=block is not None)
+    skipped = 0
+    if next_layout:
+        specs, skipped = hf_layout.next_entries(specs)
     embed = specs.get("model.embed_tokens.weight")
     if embed is None:
         raise ValueError("checkpoint: missing model.embed_tokens.weight")
-    if not embed[1].is_floating_point:
+    if not embed[1].is_floating_point or embed[1] == torch.float8_e4m3fn:
         raise ValueError(f"checkpoint: model.embed_tokens.weight: expected a floating dtype, got {embed[1]}")
+    if block is not None:
+        specs = hf_layout.fp8_specs(specs, block, embed[1])
+    specs = hf_layout.drop_empty(hf_layout.split_fused_specs(specs))
+    cfg, mtp_absent = _config_for_shards(raw, specs)
     _check_layout(cfg, specs)
     with torch.device("meta"):
         model = GLM5ForCausalLM(cfg, backend=backend)
     model.to(embed[1])  # the router's selection bias stays fp32 (Gate._apply)
     _check_tensors(specs, checkpoint_state(model))
 
-    tensors = hf_layout.drop_empty(hf_layout.split_fused_tensors(_read_tensors(path, weight_map)))
+    if next_layout:
+        tensors, _ = hf_layout.next_entries(_read_tensors(path, weight_map, skip=lambda name: hf_layout.next_name(
+            name) is None))
+    else:
+        tensors = _read_tensors(path, weight_map)
+    if block is not None:
+        tensors = hf_layout.fp8_tensors(tensors, block, embed[1])
+    tensors = hf_layout.drop_empty(hf_layout.split_fused_tensors(tensors))
     missing, unexpected = model.load_state_dict(tensors, strict=not cfg.tie_word_embeddings, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     if cfg.tie_word_embeddings:
@@ -315,6 +364,9 @@ def load_pretrained(path: PathLike, backend: Optional[str] = None) -> GLM5ForCau
     model.model.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta).to(embed[1])
     on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not on_meta, f"not materialised by the checkpoint: {on_meta[:5]}"
+    if skipped:
+        _LOG.warning("checkpoint: skipped %d vision-tower tensors (glm5-core loads the language model of a "
+                     "Glm5NextForConditionalGeneration checkpoint only)", skipped)
     if mtp_absent:
         model.mtp_absent_reason = mtp_absent
         _LOG.warning("%s; loaded the main model only (%s)", mtp_absent, path)

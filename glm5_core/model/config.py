@@ -26,6 +26,31 @@ from glm5_core.config_schema import TypeProblem, check, field, shown
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 INDEXER_TYPES = ("full", "shared")
+# GLM-5.3 (transformers 5.25 models/glm5_next): KDA and indexed (DSA, NoPE MLA) layers with mHC streams
+NEXT_MODEL_TYPE = "glm5_next"
+NEXT_TEXT_MODEL_TYPE = "glm5_next_text"
+NEXT_ARCHITECTURES = ("Glm5NextForConditionalGeneration",)
+MODEL_TYPES = (MODEL_TYPE, NEXT_MODEL_TYPE)
+NEXT_LAYER_TYPES = ("indexed_attention", "linear_attention")
+# the fields only GLM-5.3 (glm5_next) has, with the values a glm_moe_dsa config holds
+NEXT_ONLY_DEFAULTS: dict[str, Any] = {
+    "layer_types": None, "index_kpool": 1, "index_kpool_always_select_tail": False, "linear_num_heads": 64,
+    "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0, "hc_mult": 1,
+    "hc_eps": 1e-6, "hc_sinkhorn_iters": 20, "swiglu_limit": None}
+# transformers' Glm5NextTextConfig defaults (configuration_glm5_next.py, 5.25) where they differ from GLM5Config's
+NEXT_HF_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 4096, "num_hidden_layers": 45, "n_routed_experts": 288, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 0, "qk_nope_head_dim": 256, "max_position_embeddings": 1048576, "index_kpool": 16,
+    "index_kpool_always_select_tail": True, "hc_mult": 4, "swiglu_limit": 10.0, "num_nextn_predict_layers": 0}
+# keys of a glm5_next text_config this implementation has fixed (value -> why), checked then dropped
+_NEXT_FIXED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "experts, dense MLPs and the KDA conv use SiLU"),
+    "attention_bias": ((False,), "projections have no bias"),
+    "attention_dropout": ((0.0, 0), "attention dropout is not implemented"),
+    "output_router_logits": ((False,), "router logits are not returned"),
+}
+_NEXT_DROPPED_KEYS = ("num_key_value_heads", "head_dim", "qk_head_dim", "use_cache", "router_aux_loss_coef",
+                      "layer_types", "mlp_layer_types")
 
 # Keys whose value must equal what this implementation computes (the key -> (accepted values, why)).
 _FIXED_KEYS: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -80,7 +105,7 @@ class GLM5Config:
     q_lora_rank: int = field(2048, **_SIZE)
     kv_lora_rank: int = field(512, **_SIZE)
     qk_nope_head_dim: int = field(192, **_SIZE)
-    qk_rope_head_dim: int = field(64, **_SIZE)
+    qk_rope_head_dim: int = field(64, range=(0, MAX_SIZE))  # 0: NoPE attention (GLM-5.3)
     v_head_dim: int = field(256, **_SIZE)
     rope_theta: float = field(1_000_000.0, **_POSITIVE)
     rope_interleave: bool = True
@@ -95,6 +120,19 @@ class GLM5Config:
     latent_norm_eps: float = field(TRANSFORMERS_LATENT_NORM_EPS, **_POSITIVE)  # q_a_layernorm and kv_a_layernorm
     tie_word_embeddings: bool = False
     initializer_range: float = field(0.02, **_POSITIVE)
+    # ---- GLM-5.3 (glm5_next) fields, transformers' names; on a glm_moe_dsa config they keep NEXT_ONLY_DEFAULTS
+    model_type: str = field(MODEL_TYPE, choices=MODEL_TYPES)
+    layer_types: Optional[list[str]] = None  # per layer "indexed_attention" | "linear_attention" (KDA)
+    index_kpool: int = field(1, range=(1, 2 ** 16))  # the indexer scores pooled groups of this many keys
+    index_kpool_always_select_tail: bool = False  # the query's incomplete group is always attended
+    linear_num_heads: int = field(64, **_SIZE)
+    linear_head_dim: int = field(128, **_SIZE)
+    linear_conv_kernel_dim: int = field(4, range=(1, 64))
+    linear_lower_bound: Optional[float] = -5.0  # None: softplus forget gate without a lower bound
+    hc_mult: int = field(1, range=(1, 64))  # mHC residual streams
+    hc_eps: float = field(1e-6, **_POSITIVE)
+    hc_sinkhorn_iters: int = field(20, range=(1, 10000))
+    swiglu_limit: Optional[float] = None  # clamp of the SwiGLU gate (above) and up (both sides); None: no clamp
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # preserved HF keys
 
     # ---- derived sizes -------------------------------------------------------------------------------
@@ -111,6 +149,22 @@ class GLM5Config:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
+
+    @property
+    def is_hybrid(self) -> bool:
+        """GLM-5.3 (glm5_next): KDA and indexed layers with mHC streams."""
+        return self.model_type == NEXT_MODEL_TYPE
+
+    def layer_kinds(self) -> list[str]:
+        """Per main layer: "indexed_attention" (MLA with DSA) or "linear_attention" (KDA)."""
+        if self.layer_types is None:
+            return ["indexed_attention"] * self.num_hidden_layers
+        return ["indexed_attention" if kind == "full_attention" else kind for kind in self.layer_types]
+
+    def full_indexer_layers(self) -> list[int]:
+        """The main layers that run their own indexer (indexed layers whose indexer type is "full")."""
+        types, kinds = self.layer_indexer_types(), self.layer_kinds()
+        return [i for i in range(self.num_hidden_layers) if kinds[i] == "indexed_attention" and types[i] == "full"]
 
     # ---- validation ----------------------------------------------------------------------------------
     def validate(self) -> GLM5Config:
@@ -152,15 +206,51 @@ class GLM5Config:
              f"more keys), got {self.index_topk}"),
         ]
         problems = [message for ok, message in rules if not ok]
+        problems += self._next_problems()
         types = self.layer_indexer_types()
         if len(types) != self.num_hidden_layers:
             problems.append(f"indexer_types: expected a list of {self.num_hidden_layers} entries (one per layer: "
                             f"num_hidden_layers={self.num_hidden_layers}), got {shown(self.indexer_types)}")
         problems += [f"indexer_types[{i}]: expected one of {INDEXER_TYPES}, got {shown(kind)}"
                      for i, kind in enumerate(types) if kind not in INDEXER_TYPES]
-        if types and types[0] != "full":
+        if types and types[0] != "full" and not self.is_hybrid:
             problems.append(f"indexer_types[0]: expected 'full' (a 'shared' layer reuses the previous full "
                             f"layer's top-k), got {shown(types[0])}")
+        return problems
+
+    def _next_problems(self) -> list[str]:
+        """The rules of the glm5_next fields (transformers' validate_architecture and what its layers need)."""
+        if not self.is_hybrid:
+            return [f"{name}: expected {default!r} (a glm5_next field: set model_type='glm5_next'), "
+                    f"got {shown(getattr(self, name))}"
+                    for name, default in NEXT_ONLY_DEFAULTS.items() if getattr(self, name) != default]
+        problems = []
+        if self.qk_rope_head_dim != 0:
+            problems.append(f"qk_rope_head_dim: expected 0 (glm5_next's MLA is NoPE), got {self.qk_rope_head_dim}")
+        if self.index_topk % self.index_kpool:
+            problems.append(f"index_topk: expected a multiple of index_kpool={self.index_kpool}, got {self.index_topk}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            problems.append(f"swiglu_limit: expected a float > 0 or None, got {self.swiglu_limit!r}")
+        if self.tie_word_embeddings:
+            problems.append("tie_word_embeddings: expected False (glm5_next's lm_head is its own), got True")
+        if self.latent_norm_eps != self.rms_norm_eps:
+            problems.append(f"latent_norm_eps: expected rms_norm_eps={self.rms_norm_eps} (glm5_next's q_a_layernorm "
+                            f"and kv_a_layernorm use it), got {self.latent_norm_eps}")
+        kinds = self.layer_types
+        if kinds is not None and (not isinstance(kinds, list) or len(kinds) != self.num_hidden_layers):
+            return problems + [f"layer_types: expected a list of {self.num_hidden_layers} entries (one per layer), "
+                               f"got {shown(kinds)}"]
+        bad = [(i, k) for i, k in enumerate(self.layer_kinds()) if k not in NEXT_LAYER_TYPES]
+        if bad:
+            return problems + [f"layer_types[{bad[0][0]}]: expected one of {NEXT_LAYER_TYPES}, got {shown(bad[0][1])}"]
+        kinds, types = self.layer_kinds(), self.layer_indexer_types()
+        if len(types) != self.num_hidden_layers:
+            return problems  # reported by _rule_problems
+        for i in range(self.num_hidden_layers):
+            if kinds[i] == "indexed_attention" and types[i] == "shared" and (
+                    i == 0 or kinds[i - 1] != "indexed_attention" or types[i - 1] != "full"):
+                problems.append(f"indexer_types[{i}]: expected 'full' (a 'shared' indexed layer reuses the top-k "
+                                f"of the layer just before it, which must be an indexed 'full' layer), got 'shared'")
         return problems
 
     # ---- HF config.json ------------------------------------------------------------------------------
@@ -173,6 +263,8 @@ class GLM5Config:
         """Build from a ``config.json`` dict (see the module docstring for the key policy)."""
         if not isinstance(d, dict):
             raise TypeError(f"config: expected a dict (parsed config.json), got {type(d).__name__}")
+        if d.get("model_type") in (NEXT_MODEL_TYPE, NEXT_TEXT_MODEL_TYPE):
+            return cls._from_next_dict(d)
         d = dict(d)
         for key, (accepted, why) in _FIXED_KEYS.items():
             if key in d and d[key] not in accepted:
@@ -194,7 +286,7 @@ class GLM5Config:
                 kwargs["rope_theta"] = rope.pop("rope_theta")
             if rope:
                 raise ValueError(f"rope_parameters: unsupported keys {sorted(rope)} (only rope_type, rope_theta)")
-        names = set(cls.field_names())
+        names = set(cls.field_names()) - set(NEXT_ONLY_DEFAULTS) - {"model_type"}
         for key in list(d):
             if key in names:
                 kwargs[key] = d.pop(key)
@@ -233,14 +325,127 @@ class GLM5Config:
                                         or any(t not in DSA_LAYER_TYPES for t in layer_types)):
             raise ValueError(f"layer_types: {why['layer_types']}, got {layer_types!r}")
 
+    @classmethod
+    def _from_next_dict(cls, d: dict[str, Any]) -> GLM5Config:
+        """A transformers ``glm5_next`` config.json (``Glm5NextForConditionalGeneration``: the text fields in
+        ``text_config``, or flat as GLM-5.3-Flash's text-only checkpoints store them) or a ``glm5_next_text`` one.
+        Missing keys take transformers' defaults (Glm5NextTextConfig.__post_init__, 5.25); the outer keys
+        (vision_config, token ids, ...) are kept in ``extra``, the text config's unknown ones in
+        ``extra["text_config"]``."""
+        outer = dict(d)
+        if outer.get("model_type") == NEXT_TEXT_MODEL_TYPE:
+            text, outer = outer, {}
+        else:
+            text = outer.pop("text_config", None)
+            if text is None:  # flat: transformers forwards the top-level keys to the text config
+                text, outer = outer, {k: outer[k] for k in ("vision_config",) if k in outer}
+            elif not isinstance(text, dict):
+                raise ValueError(f"text_config: expected a dict, got {type(text).__name__}")
+            if outer.get("architectures") == list(NEXT_ARCHITECTURES):
+                outer.pop("architectures")
+            outer.pop("model_type", None)
+        text = dict(text)
+        text.pop("model_type", None)
+        text.pop("architectures", None)
+        for key, (accepted, why) in _NEXT_FIXED_KEYS.items():
+            if key in text and text[key] not in accepted:
+                raise ValueError(f"text_config.{key}: expected {accepted[0]!r} ({why}), got {text[key]!r}")
+            text.pop(key, None)
+        if "linear_attn_config" in text:  # transformers' older nested form
+            linear = text.pop("linear_attn_config")
+            if not isinstance(linear, dict):
+                raise ValueError(f"text_config.linear_attn_config: expected a dict, got {type(linear).__name__}")
+            for key, name in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                              ("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                              ("gate_lower_bound", "linear_lower_bound")):
+                if key in linear:
+                    text.setdefault(name, linear[key])
+            if linear.get("safe_gate", True) and text.get("linear_lower_bound", -5.0) is None:
+                text["linear_lower_bound"] = -5.0
+        kwargs: dict[str, Any] = dict(NEXT_HF_DEFAULTS, model_type=NEXT_MODEL_TYPE)
+        names = set(cls.field_names()) - {"rope_theta", "rope_interleave", "indexer_rope_interleave",
+                                          "latent_norm_eps", "first_k_dense_replace", "model_type"}
+        for key in list(text):
+            if key in names:
+                kwargs[key] = text.pop(key)
+        n = kwargs["num_hidden_layers"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYERS:
+            raise ValueError(f"text_config.num_hidden_layers: expected an int in [1, {MAX_LAYERS}], got {n!r:.40}")
+        mlp_types = text.pop("mlp_layer_types", None)
+        kwargs["first_k_dense_replace"] = (_dense_prefix(mlp_types) if mlp_types is not None else min(3, n))
+        if kwargs.get("layer_types") is None:
+            kwargs["layer_types"] = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if isinstance(kwargs["layer_types"], list):
+            kwargs["layer_types"] = ["indexed_attention" if t == "full_attention" else t for t in kwargs["layer_types"]]
+        if kwargs.get("indexer_types") is None:
+            pattern = text.pop("index_topk_pattern", None)
+            freq, offset = text.pop("index_topk_freq", 1), text.pop("index_skip_topk_offset", 2)
+            if isinstance(pattern, str):
+                if set(pattern) - {"F", "S"}:
+                    raise ValueError(f"text_config.index_topk_pattern: expected a string of 'F' / 'S', "
+                                     f"got {pattern!r:.60}")
+                kwargs["indexer_types"] = [{"F": "full", "S": "shared"}[c] for c in pattern]
+            elif pattern is not None:
+                kwargs["indexer_types"] = list(pattern)
+            else:
+                if not all(isinstance(v, int) and not isinstance(v, bool) for v in (freq, offset)):
+                    raise ValueError(f"text_config.index_topk_freq / index_skip_topk_offset: expected ints, "
+                                     f"got {freq!r:.20} / {offset!r:.20}")
+                freq = max(freq, 1)
+                kwargs["indexer_types"] = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                                           for i in range(n)]
+        elif isinstance(kwargs["indexer_types"], (list, tuple)):
+            kwargs["indexer_types"] = list(kwargs["indexer_types"])
+        if isinstance(kwargs.get("rms_norm_eps"), (int, float)) and not isinstance(kwargs["rms_norm_eps"], bool):
+            kwargs["latent_norm_eps"] = kwargs["rms_norm_eps"]
+        else:
+            kwargs["latent_norm_eps"] = kwargs.get("rms_norm_eps", cls.rms_norm_eps)
+        heads = text.pop("num_key_value_heads", None)
+        for key in _NEXT_DROPPED_KEYS:
+            text.pop(key, None)
+        extra = dict(outer)
+        if text:
+            extra["text_config"] = text
+        cfg = cls(**kwargs, extra=extra).validate()
+        if heads is not None and heads != cfg.num_attention_heads:
+            raise ValueError(f"text_config.num_key_value_heads: expected num_attention_heads="
+                             f"{cfg.num_attention_heads} (MLA expands every head from the latent), got {heads!r}")
+        return cfg
+
+    def _to_next_dict(self) -> dict[str, Any]:
+        """transformers' ``Glm5NextForConditionalGeneration`` config.json: the fields in ``text_config``."""
+        outer = {k: v for k, v in self.extra.items() if k != "text_config"}
+        text: dict[str, Any] = dict(self.extra.get("text_config", {}))
+        text["model_type"] = NEXT_TEXT_MODEL_TYPE
+        text.update({key: accepted[0] for key, (accepted, _) in _NEXT_FIXED_KEYS.items()})
+        skip = {"rope_theta", "rope_interleave", "indexer_rope_interleave", "latent_norm_eps",
+                "first_k_dense_replace", "model_type"}
+        for name in self.field_names():
+            if name not in skip:
+                value = getattr(self, name)
+                text[name] = list(value) if isinstance(value, list) else value
+        n, n_dense = self.num_hidden_layers, self.first_k_dense_replace
+        text["layer_types"] = self.layer_kinds()
+        text["indexer_types"] = self.layer_indexer_types()
+        text["mlp_layer_types"] = ["dense"] * n_dense + ["sparse"] * (n - n_dense)
+        text["num_key_value_heads"] = self.num_attention_heads
+        out: dict[str, Any] = {"architectures": list(NEXT_ARCHITECTURES), "model_type": NEXT_MODEL_TYPE}
+        out.update(outer)
+        out["model_type"] = NEXT_MODEL_TYPE
+        out["tie_word_embeddings"] = self.tie_word_embeddings
+        out["text_config"] = text
+        return out
+
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` dict: preserved keys, then every field (``rope_theta`` inside rope_parameters)."""
+        if self.is_hybrid:
+            return self._to_next_dict()
         out: dict[str, Any] = {"architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE}
         out.update(self.extra)
         out["model_type"] = MODEL_TYPE
         out.update({key: accepted[0] for key, (accepted, _) in _FIXED_KEYS.items()})  # what is implemented
         for name in self.field_names():
-            if name == "rope_theta":
+            if name == "rope_theta" or name in NEXT_ONLY_DEFAULTS or name == "model_type":
                 continue
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, list) else value
@@ -267,6 +472,27 @@ class GLM5Config:
             indexer_types=["full", "full", "shared", "full"], num_nextn_predict_layers=1,
             max_position_embeddings=512, rms_norm_eps=1e-5, latent_norm_eps=1e-5, tie_word_embeddings=False,
             initializer_range=0.02,
+        )
+        base.update(overrides)
+        return cls(**base).validate()
+
+    @classmethod
+    def tiny_glm53(cls, **overrides: Any) -> GLM5Config:
+        """A CPU training preset of GLM-5.3's architecture (glm5_next): byte-level vocab, 4 layers (KDA, KDA,
+        indexed with its own k-pool indexer, indexed sharing its top-k; 1 dense + 3 MoE), 4 mHC streams, NoPE
+        MLA, clamped SwiGLU, one MTP module; sparse at seq 128 (index_topk 32 in groups of 4)."""
+        base = dict(
+            vocab_size=264, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
+            intermediate_size=384, moe_intermediate_size=96, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=0,
+            v_head_dim=16, index_n_heads=4, index_head_dim=16, index_topk=32, max_position_embeddings=512,
+            indexer_types=["full", "full", "full", "shared"], num_nextn_predict_layers=1, rms_norm_eps=1e-5,
+            latent_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02, model_type=NEXT_MODEL_TYPE,
+            layer_types=["linear_attention", "linear_attention", "indexed_attention", "indexed_attention"],
+            index_kpool=4, index_kpool_always_select_tail=True, linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
+            swiglu_limit=10.0,
         )
         base.update(overrides)
         return cls(**base).validate()

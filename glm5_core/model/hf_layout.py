@@ -33,7 +33,10 @@ from glm5_core.model.config import MAX_EXPERTS, TRANSFORMERS_LATENT_NORM_EPS, GL
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
 _FUSED_RE = re.compile(r"^(model\.layers\.\d{1,9}\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_FP32_KEPT_SUFFIXES = (".mlp.gate.weight", ".self_attn.indexer.weights_proj.weight")
+_FP32_KEPT_SUFFIXES = (".mlp.gate.weight", ".self_attn.indexer.weights_proj.weight",
+                       # glm5_next (_keep_in_fp32_modules_strict): the KDA conv and forget gate, the mHC biases
+                       ".self_attn.conv1d.weight", ".forget_gate.dt_bias", ".forget_gate.A_log", ".attn_hc.base",
+                       ".attn_hc.scale", ".ffn_hc.base", ".ffn_hc.scale")
 _SHARED_EXPERT_RE = re.compile(r"^model\.layers\.\d{1,9}\.mlp\.shared_experts\.(gate|up|down)_proj\.weight$")
 
 
@@ -151,3 +154,152 @@ def to_transformers_form(cfg: GLM5Config, state: dict[str, torch.Tensor]
     form = cfg.replace(latent_norm_eps=TRANSFORMERS_LATENT_NORM_EPS, rope_interleave=True,
                        indexer_rope_interleave=True)
     return form, out
+
+
+# ---- GLM-5.3 (transformers glm5_next) -------------------------------------------------------------------
+# transformers' Glm5NextForConditionalGeneration stores the language model under model.language_model.* and the
+# vision tower under model.visual.*; GLM-5.3's published (original) layout stores it flat (model.layers.*) with
+# the names transformers' conversion_mapping.py ("glm5_next", 5.25) renames on load:
+_NEXT_RENAMES = ((".self_attn.f_a_proj.", ".self_attn.forget_gate.f_a_proj."),
+                 (".self_attn.f_b_proj.", ".self_attn.forget_gate.f_b_proj."),
+                 (".self_attn.dt_bias", ".self_attn.forget_gate.dt_bias"),
+                 (".self_attn.A_log", ".self_attn.forget_gate.A_log"),
+                 (".hc_attn_fn", ".attn_hc.fn"), (".hc_attn_base", ".attn_hc.base"),
+                 (".hc_attn_scale", ".attn_hc.scale"), (".hc_ffn_fn", ".ffn_hc.fn"),
+                 (".hc_ffn_base", ".ffn_hc.base"), (".hc_ffn_scale", ".ffn_hc.scale"))
+_SPLIT_CONV_RE = re.compile(r"^(model\.layers\.\d{1,9}\.self_attn\.)([qkv])_conv1d\.weight$")
+NEXT_PREFIX = "model.language_model."
+NEXT_VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+
+
+def next_name(name: str) -> str | None:
+    """glm5-core's name of a glm5_next checkpoint tensor; None for a vision-tower tensor (skipped)."""
+    if name.startswith(NEXT_VISION_PREFIXES):
+        return None
+    if name.startswith(NEXT_PREFIX):
+        name = "model." + name[len(NEXT_PREFIX):]
+    for old, new in _NEXT_RENAMES:
+        if old in name and new not in name:
+            name = name.replace(old, new)
+    return name
+
+
+def next_entries(entries: dict[str, TensorSpec | torch.Tensor]
+                 ) -> tuple[dict[str, TensorSpec | torch.Tensor], int]:
+    """Specs or tensors of a glm5_next checkpoint under glm5-core's names (the original layout's q / k / v
+    conv weights concatenated as transformers does), and how many vision tensors were skipped."""
+    out: dict[str, TensorSpec | torch.Tensor] = {}
+    convs: dict[str, dict[str, TensorSpec | torch.Tensor]] = {}
+    skipped = 0
+    for name, entry in entries.items():
+        new = next_name(name)
+        if new is None:
+            skipped += 1
+            continue
+        match = _SPLIT_CONV_RE.match(new)
+        if match:
+            convs.setdefault(match.group(1), {})[match.group(2)] = entry
+            continue
+        if new in out:
+            raise ValueError(f"checkpoint: {new} is stored twice (as {name} and under another name)")
+        out[new] = entry
+    for prefix, parts in convs.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise ValueError(f"checkpoint: {prefix}[qkv]_conv1d.weight: expected all three, got {sorted(parts)}")
+        name = prefix + "conv1d.weight"
+        if name in out:
+            raise ValueError(f"checkpoint: {name} is stored twice (fused and as q / k / v)")
+        q, k, v = parts["q"], parts["k"], parts["v"]
+        if isinstance(q, torch.Tensor):
+            out[name] = torch.cat((q, k, v), dim=0)
+        else:
+            shapes = {spec[0][1:] for spec in (q, k, v)} | set()
+            dtypes = {spec[1] for spec in (q, k, v)}
+            if len(shapes) != 1 or len(dtypes) != 1 or not q[0]:
+                raise ValueError(f"checkpoint: {prefix}[qkv]_conv1d.weight: expected equal shapes and dtypes, got "
+                                 f"{[list(s[0]) for s in (q, k, v)]}")
+            out[name] = ((q[0][0] + k[0][0] + v[0][0], *q[0][1:]), q[1])
+    return out, skipped
+
+
+def to_next_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """glm5-core's tensors under transformers' Glm5NextForConditionalGeneration names (the language model)."""
+    return {(NEXT_PREFIX + name[len("model."):] if name.startswith("model.") else name): t
+            for name, t in state.items()}
+
+
+# ---- block-FP8 checkpoints (quantization_config.quant_method "fp8", per-block weight_scale_inv) -------------
+FP8_SCALE_SUFFIX = "_scale_inv"  # weight name + this: fp32 [ceil(out / bo), ceil(in / bi)]
+MAX_FP8_BLOCK = 2 ** 16
+
+
+def fp8_block_size(quantization_config) -> tuple[int, int] | None:
+    """The (rows, cols) block of a ``fp8`` quantization_config; None without one; ValueError naming any other
+    method (only block-FP8 with per-block scales, GLM-5.3's published form, is dequantized)."""
+    if quantization_config is None:
+        return None
+    if not isinstance(quantization_config, dict):
+        raise ValueError(f"quantization_config: expected a dict, got {type(quantization_config).__name__}")
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method: expected 'fp8' (block-FP8 is dequantized on load; no "
+                         f"other quantization is supported), got {method!r:.60}")
+    fmt = quantization_config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt: expected 'e4m3', got {fmt!r:.40}")
+    block = quantization_config.get("weight_block_size", [128, 128])
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_FP8_BLOCK for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size: expected [rows, cols] of ints in "
+                         f"[1, {MAX_FP8_BLOCK}], got {block!r:.60}")
+    return int(block[0]), int(block[1])
+
+
+def fp8_specs(specs: dict[str, TensorSpec], block: tuple[int, int], dtype: torch.dtype) -> dict[str, TensorSpec]:
+    """Header specs with each fp8 weight (and its scale) replaced by the dequantized weight's spec in ``dtype``;
+    every scale's shape checked against its weight's before anything is read."""
+    out: dict[str, TensorSpec] = {}
+    for name, (shape, dt) in specs.items():
+        if name.endswith(FP8_SCALE_SUFFIX):
+            weight = name[:-len(FP8_SCALE_SUFFIX)]
+            if weight not in specs:
+                raise ValueError(f"checkpoint: {name}: a scale without its weight {weight}")
+            continue
+        scale = specs.get(name + FP8_SCALE_SUFFIX)
+        if dt == torch.float8_e4m3fn:
+            if scale is None:
+                raise ValueError(f"checkpoint: {name}: an fp8 weight without {name + FP8_SCALE_SUFFIX}")
+            if len(shape) != 2:
+                raise ValueError(f"checkpoint: {name}: expected a 2-d fp8 weight, got shape {list(shape)}")
+            want = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+            if tuple(scale[0]) != want or scale[1] != torch.float32:
+                raise ValueError(f"checkpoint: {name + FP8_SCALE_SUFFIX}: expected float32 {list(want)} (blocks of "
+                                 f"{list(block)} over {list(shape)}), got {scale[1]} {list(scale[0])}")
+            out[name] = (shape, dtype)
+        elif scale is not None:
+            raise ValueError(f"checkpoint: {name}: has a scale but is {dt}, not float8_e4m3fn")
+        else:
+            out[name] = (shape, dt)
+    return out
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """weight fp8 [out, in] times its block's scale (fp32), rounded once to ``dtype``."""
+    rows, cols = weight.shape
+    scale = scale_inv.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.to(torch.float32) * scale).to(dtype)
+
+
+def fp8_tensors(tensors: dict[str, torch.Tensor], block: tuple[int, int], dtype: torch.dtype
+                ) -> dict[str, torch.Tensor]:
+    """Tensors with each fp8 weight dequantized (checked by :func:`fp8_specs` first) and the scales dropped."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(FP8_SCALE_SUFFIX):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            out[name] = dequantize_fp8(t, tensors[name + FP8_SCALE_SUFFIX], block, dtype)
+        else:
+            out[name] = t
+    return out

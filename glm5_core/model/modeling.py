@@ -16,12 +16,12 @@ from torch import nn
 
 from glm5_core import registry
 from glm5_core.model import replay
-from glm5_core.model.block import DecoderLayer
+from glm5_core.model.block import DecoderLayer, HybridDecoderLayer
 from glm5_core.model.cache import KVCache
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.indexer_loss import KL_TARGETS
 from glm5_core.model.moe import MoE
-from glm5_core.model.mtp import MTPLayer
+from glm5_core.model.mtp import HybridMTPLayer, MTPLayer
 from glm5_core.model.norm import RMSNorm
 from glm5_core.model.rope import RotaryEmbedding, positions_of
 from glm5_core.model.state import ATTENTION_MODES, ForwardState
@@ -50,17 +50,34 @@ class GLM5Model(nn.Module):
     def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
         super().__init__()
         self.num_main_layers = cfg.num_hidden_layers
+        self.hc_mult = cfg.hc_mult if cfg.is_hybrid else None  # mHC streams (GLM-5.3); None: one residual stream
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         types = cfg.layer_indexer_types()
-        layers: list[nn.Module] = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
-        if cfg.num_nextn_predict_layers:
-            layers.append(MTPLayer(cfg, backend))
+        layers: list[nn.Module]
+        if cfg.is_hybrid:
+            layers = [HybridDecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers)]
+            if cfg.num_nextn_predict_layers:
+                layers.append(HybridMTPLayer(cfg, backend))
+        else:
+            layers = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
+            if cfg.num_nextn_predict_layers:
+                layers.append(MTPLayer(cfg, backend))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 
+    def streams_in(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The main layers' input: the embeddings, copied into hc_mult streams [B, T, N, D] for GLM-5.3."""
+        if self.hc_mult is None:
+            return embeds
+        return embeds.unsqueeze(2).expand(-1, -1, self.hc_mult, -1).contiguous()
+
+    def streams_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last main layer's output [B, T, D] (GLM-5.3: the mean of its streams, transformers' HyperHead)."""
+        return hidden if self.hc_mult is None else hidden.mean(dim=2)
+
     @property
-    def mtp(self) -> Optional[MTPLayer]:
+    def mtp(self) -> Optional[Union[MTPLayer, HybridMTPLayer]]:
         return self.layers[self.num_main_layers] if len(self.layers) > self.num_main_layers else None
 
     def main_layers(self) -> list[DecoderLayer]:
@@ -143,7 +160,7 @@ class GLM5ForCausalLM(nn.Module):
 
     def indexer_parameters(self) -> Iterator[nn.Parameter]:
         for layer in self.model.layers:
-            if layer.self_attn.indexer is not None:
+            if getattr(layer.self_attn, "indexer", None) is not None:
                 yield from layer.self_attn.indexer.parameters()
 
     def router_biases(self) -> list[torch.Tensor]:
@@ -222,6 +239,9 @@ class GLM5ForCausalLM(nn.Module):
                                  top_k=cfg.num_experts_per_tok, num_experts=cfg.n_routed_experts)
             _checks.same_device(input_ids=input_ids, routing_replay=routing_replay)
         if index_replay is not None:
+            if cfg.is_hybrid:
+                raise ValueError("index_replay: expected None for a glm5_next model (its k-pool indexer's selection "
+                                 "is not replayed; routing_replay is)")
             if attention != "sparse":
                 raise ValueError(f"index_replay: expected attention='sparse' (the keys it replays are what sparse "
                                  f"attention reads), got attention={attention!r}")
@@ -266,9 +286,10 @@ class GLM5ForCausalLM(nn.Module):
                              expert_counts=[None] * self.num_moe_layers,
                              routing_replay=list(routing_replay.unbind(2)) if routing_replay is not None else None,
                              index_replay=list(index_replay.unbind(2)) if index_replay is not None else None)
-        hidden = embeds
+        hidden = self.model.streams_in(embeds)
         for layer in self.model.main_layers():
             hidden = layer(hidden, state)
+        hidden = self.model.streams_out(hidden)
         main_hidden = hidden
         logits = self._logits(self.model.norm(hidden)) if return_logits else None
 

@@ -89,16 +89,20 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GLM5Config, moe_index: int, backend: registry.BackendArg):
+    def __init__(self, cfg: GLM5Config, moe_index: int, backend: registry.BackendArg,
+                 swiglu_limit: Optional[float] = None):
+        """``swiglu_limit``: GLM-5.3's clamped SwiGLU in the routed and shared experts (None: the plain one)."""
         super().__init__()
-        self.moe_index = moe_index  # row of this layer in expert_counts / router_biases()
+        self.moe_index = moe_index
+        self.swiglu_limit = swiglu_limit  # row of this layer in expert_counts / router_biases()
         self.kernels = registry.bind(backend)  # resolved once, here
         self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, self.kernels)
         self.reuse_stacked_weights = False  # see _stacked
         self._stacked_cache: dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(self.n_experts))
-        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, swiglu_limit)
+                                     for _ in range(self.n_experts))
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, swiglu_limit)
                                if cfg.n_shared_experts > 0 else None)
 
     def _stacked(self, name: str) -> torch.Tensor:
@@ -144,7 +148,7 @@ class MoE(nn.Module):
         else:
             routed = moe.fused_experts(flat, weights.to(flat.dtype), ids, self._stacked("gate_proj"),
                                        self._stacked("up_proj"), self._stacked("down_proj"),
-                                       backend=self.kernels)  # [N, D]
+                                       swiglu_limit=self.swiglu_limit, backend=self.kernels)  # [N, D]
             counts = self._tokens_per_expert(ids)
         if self.shared_experts is not None:
             routed = routed + self.shared_experts(flat)

@@ -4,6 +4,7 @@ The ops of this family (``OPS`` at the end declares them), each ``dsa_<name>`` w
 
   dsa_indexer_scores             indexer_scores             indexer_scores_reference
   dsa_indexer_topk               indexer_topk               indexer_topk_reference
+  dsa_kpool_topk                 kpool_topk                 ``ops/kpool_topk.py``'s reference  (GLM-5.3's k-pool)
   dsa_sparse_prefill             sparse_prefill             sparse_attention_reference   (absorbed, latent keys)
   dsa_sparse_decode              sparse_decode              sparse_attention_reference
   dsa_sparse_prefill_expanded    sparse_prefill_expanded    sparse_prefill_expanded_reference  (per-head keys)
@@ -25,7 +26,7 @@ Top-k contract (every backend):
     same keys ("RL-stable").
 
 How the reference keeps that promise on CPU BLAS: the q.k dot products go through one GEMM whose row
-count is padded to a multiple of ``_GEMM_ROW_BLOCK`` and whose key count to a multiple of ``_GEMM_KEY_BLOCK``
+count is padded to a multiple of ``_gemm.GEMM_ROW_BLOCK`` and whose key count to a multiple of ``GEMM_KEY_BLOCK``
 (BLAS libraries switch to GEMV or small-matrix kernels, with another summation order, for few rows or few
 keys: a 4-slot prefill and a 40-slot decode cache used to round the same q.k differently, and near-tied keys
 swapped), and the head sum is an explicit loop in head order, so every score is computed by the same
@@ -39,6 +40,8 @@ import torch
 
 from glm5_core import registry
 from glm5_core.ops import _checks
+from glm5_core.ops._gemm import rows_dot_keys as _rows_dot_keys
+from glm5_core.ops.kpool_topk import kpool_topk_reference as kpool_topk_reference
 from glm5_core.ops.mla import absorb_query, causal_mask, project_output, validate_mla_tensors
 from glm5_core.ops.selected_attention_target import NORMALISERS, selected_attention_target_reference
 from glm5_core.ops.selected_index_scores import selected_index_scores_reference
@@ -46,8 +49,6 @@ from glm5_core.opspec import OpSpec
 
 StartPos = Union[int, torch.Tensor]
 
-_GEMM_ROW_BLOCK = 16
-_GEMM_KEY_BLOCK = 128  # MKL: fp32 GEMMs agree from 16 keys up, fp64 ones only past ~100
 _SPARSE_QUERY_CHUNK = 64  # bounds the reference's gathered [chunk, K, C] working set
 
 
@@ -67,21 +68,6 @@ def _validate_indexer(q, k, w, start_pos) -> dict[str, int]:
     _checks.finite("k", k)
     _checks.finite("w", w)
     return sizes
-
-
-def _pad_rows(t: torch.Tensor, block: int) -> torch.Tensor:
-    """[B, n, D] -> [B, n rounded up to a multiple of block, D], zero rows appended."""
-    B, n, D = t.shape
-    padded = -(-n // block) * block
-    return t if padded == n else torch.cat([t, t.new_zeros(B, padded - n, D)], dim=1)
-
-
-def _rows_dot_keys(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """rows [B, M, D] . keys [B, S, D] -> [B, M, S] with a summation order independent of M and S."""
-    M, S = rows.shape[1], keys.shape[1]
-    padded_rows = _pad_rows(rows, _GEMM_ROW_BLOCK)  # [B, M', D]
-    padded_keys = _pad_rows(keys, _GEMM_KEY_BLOCK)  # [B, S', D]
-    return torch.matmul(padded_rows, padded_keys.transpose(1, 2))[:, :M, :S]  # [B, M, S]
 
 
 def indexer_scores_reference(q, k, w, *, start_pos: StartPos = 0) -> torch.Tensor:
@@ -176,6 +162,7 @@ def sparse_prefill_expanded_reference(q_nope, q_pe, k_nope, k_pe, v, topk_idx, *
 OPS = (
     OpSpec("dsa_indexer_scores", indexer_scores_reference, family="dsa", differentiable=True),
     OpSpec("dsa_indexer_topk", indexer_topk_reference, family="dsa", gradient_free=True),  # int32 indices
+    OpSpec("dsa_kpool_topk", kpool_topk_reference, family="dsa", gradient_free=True),  # int32 indices
     OpSpec("dsa_sparse_prefill", sparse_attention_reference, family="dsa", differentiable=True),
     OpSpec("dsa_sparse_decode", sparse_attention_reference, family="dsa"),
     OpSpec("dsa_selected_index_scores", selected_index_scores_reference, family="dsa", differentiable=True),
@@ -198,6 +185,33 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *
     sizes = _validate_indexer(q, k, w, start_pos)
     _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
     return registry.call("dsa_indexer_topk", q, k, w, topk=topk, start_pos=start_pos, backend=backend)
+
+
+def kpool_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *,
+               topk: int, kpool: int, select_tail: bool = True, scale: Optional[float] = None,
+               start_pos: StartPos = 0, backend: registry.BackendArg = None) -> torch.Tensor:
+    """GLM-5.3's k-pool indexer top-k (``glm5_core.ops.kpool_topk`` states the contract): the ``topk // kpool`` best
+    complete pools of ``kpool`` keys, expanded to their token indices, then (``select_tail``) the query's
+    incomplete tail group. q [B, T, H, D], k [B, S, D] (the indexer keys), w [B, T, H] (head weights, already
+    times H^-0.5 as transformers' ``weights_proj``), gate [B, S, D] (the keys' compress-gate projection), ape
+    [kpool, D]; ``scale`` defaults to D^-0.5 (transformers' ``softmax_scale``). Returns int32 [B, T, topk (+
+    kpool - 1 with the tail)], -1 padded."""
+    sizes = _validate_indexer(q, k, w, start_pos)
+    _checks.tensor("gate", gate, dims=("B", "S", "D"), sizes=sizes, legend="[B, S, D]")
+    _checks.positive_int("kpool", kpool)
+    _checks.tensor("ape", ape, dims=(kpool, "D"), sizes=sizes, legend="[kpool, D]")
+    _checks.same_device(q=q, gate=gate, ape=ape)
+    _checks.finite("gate", gate)
+    _checks.finite("ape", ape)
+    _checks.topk_width("topk", topk, batch=sizes["B"], queries=sizes["T"], keys=sizes["S"], device=q.device)
+    if topk % kpool:
+        raise ValueError(f"topk: expected a multiple of kpool={kpool} (transformers' index_topk % index_kpool == 0), "
+                         f"got {topk}")
+    if not isinstance(select_tail, bool):
+        raise TypeError(f"select_tail: expected a bool, got {type(select_tail).__name__}")
+    scale = sizes["D"] ** -0.5 if scale is None else _checks.positive_float("scale", scale)
+    return registry.call("dsa_kpool_topk", q, k, w, gate, ape, topk=topk, kpool=kpool, select_tail=select_tail,
+                         scale=float(scale), start_pos=start_pos, backend=backend)
 
 
 def selected_index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk_idx: torch.Tensor, *,

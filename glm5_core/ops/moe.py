@@ -163,8 +163,18 @@ def combine_reference(y_sorted, sort_idx, weights):
     return out.to(y_sorted.dtype)
 
 
-def experts_reference(x_sorted, counts, w_gate, w_up, w_down):
-    """Per expert e, over its contiguous rows: (silu(x Wg^T) * (x Wu^T)) Wd^T. Returns [M, D]."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: Optional[float] = None) -> torch.Tensor:
+    """silu(gate) * up; with ``swiglu_limit`` L, GLM-5.3's clamped form as transformers' ``Glm5NextTextExperts.
+    _apply_gate``: silu(gate.clamp(max=L)) * up.clamp(-L, L) (autograd gives the clamps' gradients: they pass
+    where min <= value <= max, the ends included)."""
+    if swiglu_limit is not None:
+        gate = gate.clamp(min=None, max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return F.silu(gate) * up
+
+
+def experts_reference(x_sorted, counts, w_gate, w_up, w_down, *, swiglu_limit: Optional[float] = None):
+    """Per expert e, over its contiguous rows: swiglu(x Wg^T, x Wu^T, swiglu_limit) Wd^T. Returns [M, D]."""
     ct = _checks.compute_dtype(x_sorted.dtype)
     outputs = []
     start = 0
@@ -172,7 +182,7 @@ def experts_reference(x_sorted, counts, w_gate, w_up, w_down):
         if n == 0:
             continue
         xe = x_sorted[start:start + n].to(ct)  # [n, D]
-        hidden = F.silu(xe @ w_gate[e].to(ct).T) * (xe @ w_up[e].to(ct).T)  # [n, F]
+        hidden = swiglu(xe @ w_gate[e].to(ct).T, xe @ w_up[e].to(ct).T, swiglu_limit)  # [n, F]
         outputs.append(hidden @ w_down[e].to(ct).T)  # [n, D]
         start += n
     if not outputs:
@@ -180,18 +190,27 @@ def experts_reference(x_sorted, counts, w_gate, w_up, w_down):
     return torch.cat(outputs).to(x_sorted.dtype)
 
 
-def fused_experts_reference(x, weights, expert_ids, w_gate, w_up, w_down):
+def fused_experts_reference(x, weights, expert_ids, w_gate, w_up, w_down, *, swiglu_limit: Optional[float] = None):
     """The routed FFN: combine(experts(dispatch(x)), weights). Returns [N, D] in x's dtype."""
     x_sorted, sort_idx, counts = dispatch_reference(x, expert_ids, num_experts=w_gate.shape[0])
-    return combine_reference(experts_reference(x_sorted, counts, w_gate, w_up, w_down), sort_idx, weights)
+    y_sorted = experts_reference(x_sorted, counts, w_gate, w_up, w_down, swiglu_limit=swiglu_limit)
+    return combine_reference(y_sorted, sort_idx, weights)
 
 
-def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, backend: str):
+def _limit_kwargs(swiglu_limit: Optional[float]) -> dict:
+    """``swiglu_limit`` goes to the kernels only when set: a call without it is the call of before the clamp
+    (every kernel's unclamped path, bit for bit)."""
+    return {} if swiglu_limit is None else {"swiglu_limit": swiglu_limit}
+
+
+def fused_experts_composite(x, weights, expert_ids, w_gate, w_up, w_down, *, backend: str,
+                            swiglu_limit: Optional[float] = None):
     """``fused_experts`` on a backend without a fused kernel: its dispatch, experts and combine kernels
     (each with its own reference fallback)."""
     x_sorted, sort_idx, counts = registry.call("moe_dispatch", x, expert_ids, num_experts=w_gate.shape[0],
                                                backend=backend)
-    y_sorted = registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
+    y_sorted = registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend,
+                             **_limit_kwargs(swiglu_limit))
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
 
 
@@ -267,9 +286,15 @@ def combine(y_sorted: torch.Tensor, sort_idx: torch.Tensor, weights: torch.Tenso
     return registry.call("moe_combine", y_sorted, sort_idx, weights, backend=backend)
 
 
+def _check_limit(swiglu_limit) -> Optional[float]:
+    return None if swiglu_limit is None else _checks.positive_float("swiglu_limit", swiglu_limit)
+
+
 def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-            w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
-    """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]."""
+            w_down: torch.Tensor, *, swiglu_limit: Optional[float] = None,
+            backend: registry.BackendArg = None) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted rows (``counts[e]`` rows each). Returns [M, D]. ``swiglu_limit`` L > 0:
+    the clamped SwiGLU of GLM-5.3 (see :func:`swiglu`); None (the default) the plain one."""
     sizes: dict[str, int] = {}
     _checks.tensor("x_sorted", x_sorted, dims=("M", "D"), sizes=sizes, legend="[M, D]")
     _checks.tensor("counts", counts, dims=("E",), dtypes=_checks.INDEX_DTYPES, sizes=sizes, legend="[E] int64")
@@ -281,13 +306,17 @@ def experts(x_sorted: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, 
     if _checks.value_checks_enabled() and counts.numel() and (int(counts.min()) < 0 or int(counts.sum()) != sizes["M"]):
         raise ValueError(f"counts: expected non-negative counts summing to M={sizes['M']}, "
                          f"got sum {int(counts.sum())}, min {int(counts.min())}")
-    return registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend)
+    swiglu_limit = _check_limit(swiglu_limit)
+    return registry.call("moe_experts", x_sorted, counts, w_gate, w_up, w_down, backend=backend,
+                         **_limit_kwargs(swiglu_limit))
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, w_gate: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, *, backend: registry.BackendArg = None) -> torch.Tensor:
-    """The routed experts of a MoE layer: every token through its K experts (SwiGLU), weighted and summed
-    in slot order. Equals ``combine(experts(dispatch(x)), weights)``. Returns [N, D]."""
+                  w_up: torch.Tensor, w_down: torch.Tensor, *, swiglu_limit: Optional[float] = None,
+                  backend: registry.BackendArg = None) -> torch.Tensor:
+    """The routed experts of a MoE layer: every token through its K experts (SwiGLU, clamped at ``swiglu_limit``
+    when given), weighted and summed in slot order. Equals ``combine(experts(dispatch(x)), weights)``. Returns
+    [N, D]."""
     sizes: dict[str, int] = {}
     _checks.tensor("x", x, dims=("N", "D"), sizes=sizes, legend="[N, D]")
     _checks.tensor("weights", weights, dims=("N", "K"), sizes=sizes, legend="[N, K]")
@@ -299,7 +328,9 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tens
     _checks.same_dtype(x=x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     _checks.same_device(x=x, weights=weights, expert_ids=expert_ids, w_gate=w_gate, w_up=w_up, w_down=w_down)
     _checks.index_range("expert_ids", expert_ids, 0, sizes["E"] - 1)
-    return registry.call("moe_fused_experts", x, weights, expert_ids, w_gate, w_up, w_down, backend=backend)
+    swiglu_limit = _check_limit(swiglu_limit)
+    return registry.call("moe_fused_experts", x, weights, expert_ids, w_gate, w_up, w_down, backend=backend,
+                         **_limit_kwargs(swiglu_limit))
 
 
 def grouped_swiglu(*args, **kwargs) -> torch.Tensor:

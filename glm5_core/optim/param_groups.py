@@ -7,8 +7,13 @@ Rules, first match wins:
   2. a DSA indexer parameter                          -> AdamW, role "indexer" (its own learning rate)
   3. rank < 2 (norm weights, biases, a trainable router bias) -> AdamW without weight decay
   4. token embeddings and the output head             -> AdamW with weight decay
-  5. every other matrix                               -> Muon; with Muon Split, q_b_proj / kv_b_proj are cut into
+  5. GLM-5.3: an mHC site's mixing projection ``*_hc.fn`` (its output is routing-like coefficients, not a
+     hidden state) and a KDA layer's depthwise ``conv1d.weight`` ([C, 1, W], no matrix)  -> AdamW
+  6. every other matrix                               -> Muon; with Muon Split, q_b_proj / kv_b_proj are cut into
                                                         per-head row blocks and o_proj into per-head column blocks
+                                                        (MLA's heads; a KDA layer's o_proj, whose heads are
+                                                        linear_num_heads, is one whole matrix, as are its
+                                                        q / k / v / gate projections)
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ ROW_SPLIT_SUFFIXES = ("q_b_proj.weight", "kv_b_proj.weight")  # [H * d, lora]: p
 COLUMN_SPLIT_SUFFIXES = ("o_proj.weight",)  # [hidden, H * d_v]: per-head column blocks
 EMBEDDING_MARKERS = ("embed_tokens.", "lm_head.")
 INDEXER_MARKER = ".indexer."
+MHC_SUFFIXES = ("attn_hc.fn", "ffn_hc.fn")  # GLM-5.3's mHC sites' projections
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,8 @@ def assign_parameters(model: torch.nn.Module, *, split_heads: bool = True,
         indexer_params = model.indexer_parameters()
     indexer_ids: Optional[set[int]] = None if indexer_params is None else {id(p) for p in indexer_params}
     out: list[Assignment] = []
+    kda_attention = {name[:-len("q_proj.weight")] for name, _ in model.named_parameters()
+                     if name.endswith(".self_attn.q_proj.weight")}  # KDA layers (MLA has q_a_proj / q_b_proj)
     for name, p in model.named_parameters():  # named_parameters() already drops duplicates (tied weights)
         is_indexer = INDEXER_MARKER in f".{name}" if indexer_ids is None else id(p) in indexer_ids
         if not p.requires_grad:
@@ -62,6 +70,12 @@ def assign_parameters(model: torch.nn.Module, *, split_heads: bool = True,
             out.append(Assignment(name, p, "adamw", weight_decay=False, reason="vector (norm, bias)"))
         elif _is_embedding(name):
             out.append(Assignment(name, p, "adamw", reason="embedding / output head"))
+        elif name.endswith(MHC_SUFFIXES):
+            out.append(Assignment(name, p, "adamw", reason="mHC mixing projection"))
+        elif p.dim() > 2 and name.endswith(".conv1d.weight"):
+            out.append(Assignment(name, p, "adamw", weight_decay=False, reason="KDA depthwise conv"))
+        elif name.endswith(".o_proj.weight") and name[:-len("o_proj.weight")] in kda_attention:
+            out.append(Assignment(name, p, "muon", reason="KDA output projection (whole matrix)"))
         elif split_heads and name.endswith(ROW_SPLIT_SUFFIXES):
             out.append(Assignment(name, p, "muon", split_dim=0, reason="per-head row blocks"))
         elif split_heads and name.endswith(COLUMN_SPLIT_SUFFIXES):

@@ -22,7 +22,7 @@ from glm5_core.ops.selected_attention_target import NORMALISERS as INDEXER_KL_TA
 from glm5_core.optim import OptimizerConfig
 
 STAGE_KINDS = ("dense", "indexer_warmup", "sparse")
-MODEL_PRESETS = ("tiny",)
+MODEL_PRESETS = ("tiny", "tiny_glm53")
 PARALLEL_STRATEGIES = ("ddp", "fsdp2")
 MAX_SEED = 2 ** 64 - 1  # torch.manual_seed's largest
 

@@ -82,3 +82,36 @@ def test_backward_repeatability_catches_gradients_that_change_between_runs():
     assert not result.passed and "backward run 1 differs" in result.detail
     steady = determinism.backward_repeatability(lambda *a: [torch.ones(3)], torch.float32, "cpu", "cpu")
     assert steady.passed
+
+
+def _random_tie_kpool_topk(q, k, w, gate, ape, *, topk, kpool, select_tail, scale, start_pos=0):
+    """The k-pool reference with tied pools ordered at random (pools, then the shared expansion)."""
+    import torch
+
+    from glm5_core.ops import kpool_topk
+
+    pooled = kpool_topk.pool_keys(k, gate, ape, kpool)
+    scores = kpool_topk.kpool_scores_reference(q, pooled, w, scale=scale, start_pos=start_pos, kpool=kpool)
+    perm = torch.randperm(scores.shape[-1])
+    order = perm[torch.sort(scores[..., perm], dim=-1, descending=True, stable=True).indices]
+    order = order[..., :min(topk // kpool, scores.shape[-1])]
+    order = torch.where(torch.isinf(torch.gather(scores, -1, order)), -1, order)
+    return kpool_topk.expand(order, start_pos, topk=topk, kpool=kpool, select_tail=select_tail)
+
+
+def test_the_kpool_checks_catch_a_kpool_topk_that_breaks_ties_at_random(monkeypatch):
+    import torch
+
+    from glm5_core import registry
+    from glm5_core.conformance import determinism
+
+    known = registry.backends()
+    fake = registry.Backend(name="randomkpool", device_type="cpu", dist_backend="gloo", probe=lambda: (True, "test"),
+                            kernel_table=lambda: {"dsa_kpool_topk": _random_tie_kpool_topk})
+    monkeypatch.setattr(registry, "_discover", lambda: {**known, "randomkpool": fake})
+    torch.manual_seed(0)
+    verdicts = {name: fn("randomkpool", "cpu").passed for name, fn in determinism.CHECKS.items()
+                if name.startswith("kpool_")}
+    registry._kernel_table.cache_clear()
+    assert not verdicts["kpool_topk_batch_invariance_ties"] and not verdicts["kpool_topk_prefill_decode_zero_relu"]
+    assert verdicts["kpool_topk_prefill_decode"], verdicts  # no ties there: the random order never shows

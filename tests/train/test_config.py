@@ -12,7 +12,7 @@ def _problems(raw):
     return info.value.problems
 
 
-@pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/small.yaml"])
+@pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/small.yaml", "configs/tiny_glm53.yaml"])
 def test_the_shipped_configs_parse(path, monkeypatch):
     monkeypatch.setenv("GLM5_MEMORY_BYTES", str(64 << 30))  # small.yaml is for an accelerator node
     cfg = load_config(path)
@@ -48,7 +48,7 @@ def test_the_shipped_configs_parse(path, monkeypatch):
     ({"model": {"preset": "tiny", "hiden_size": 64}}, "model.hiden_size: unknown key; did you mean 'hidden_size'?"),
     ({"model": {"preset": "tiny", "num_attention_heads": 0}},
      "model.num_attention_heads: expected an integer in [1, 16777216], got 0"),
-    ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, got 'huge'"),
+    ({"model": {"preset": "huge"}}, "model.preset: expected one of tiny, tiny_glm53, got 'huge'"),
     ({"data": {"source": "path"}}, "data.path: expected a file or folder when data.source is 'path'"),
     ({"data": {"eos_token": "</s>"}}, "data.eos_token: only read with an HF tokenizer.json"),
     ({"loss": {"mtp_weight": -0.1}}, "loss.mtp_weight: expected a number in [0, inf), got -0.1"),

@@ -29,6 +29,13 @@ MISSING = {
     "kda_causal_conv": "no vendor op mapped for the short causal depthwise conv with its state; the reference (W "
                        "multiply-adds per element) runs on the NPU",
     "kda_causal_conv_update": "no vendor op mapped for the conv's decode step; the reference runs on the NPU",
+    "dsa_kpool_topk": "torch_npu's npu_lightning_indexer scores single keys with its own causal rule, not "
+                      "softmax-pooled groups of index_kpool keys with a tail; the reference (elementwise pooling, "
+                      "a padded GEMM and a stable sort) runs on the NPU",
+    "mhc_sinkhorn": "no torch_npu op for Sinkhorn normalisation (and Triton-Ascend kernels are not wired in); the "
+                    "reference runs as elementwise torch ops on the NPU",
+    "mhc_mix": "no torch_npu op for the hyper-connection stream mix; the reference (a broadcast product and a "
+               "batched [N, N] x [N, D] matmul) runs on the NPU",
 }
 
 

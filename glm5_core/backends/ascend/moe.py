@@ -24,12 +24,11 @@ from collections.abc import Mapping
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from glm5_core.backends.ascend import moe_layouts as L
 from glm5_core.backends.ascend.vendor import Decision, dtype_in, first_output, npu_kernel, vendor_ops
 from glm5_core.kernel import Kernel
-from glm5_core.ops.moe import route_reference
+from glm5_core.ops.moe import route_reference, swiglu
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GATING_MAX_EXPERTS = 2048
@@ -101,7 +100,7 @@ def dispatch(x, expert_ids, *, num_experts: int, npu: Optional[object] = None):
 
 
 # ---------------------------------------------------------------------------------------------- experts
-def experts_limits(x_sorted, counts, w_gate, w_up, w_down) -> Decision:
+def experts_limits(x_sorted, counts, w_gate, w_up, w_down, **kwargs) -> Decision:
     op = "npu_grouped_matmul"
     E, Fdim, D = w_gate.shape
     if E > GROUPED_MATMUL_MAX_GROUPS:
@@ -119,14 +118,17 @@ def _grouped(ops, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tenso
                                                group_type=0, group_list_type=0))
 
 
-def experts(x_sorted, counts, w_gate, w_up, w_down, *, npu: Optional[object] = None) -> torch.Tensor:
-    """SwiGLU experts over expert-sorted rows. Returns [M, D] in the input dtype."""
+def experts(x_sorted, counts, w_gate, w_up, w_down, *, swiglu_limit: Optional[float] = None,
+            npu: Optional[object] = None) -> torch.Tensor:
+    """SwiGLU experts over expert-sorted rows. Returns [M, D] in the input dtype. The activation runs in torch
+    between the grouped matmuls, so GLM-5.3's clamped SwiGLU (``swiglu_limit``) is the same torch clamp as the
+    reference's."""
     ops = vendor_ops(npu)
     groups = L.cumulative_groups(counts)
     x = x_sorted.contiguous()
     gate = _grouped(ops, x, L.as_matmul_weight(w_gate), groups)  # [M, F]
     up = _grouped(ops, x, L.as_matmul_weight(w_up), groups)  # [M, F]
-    hidden = (F.silu(gate.float()) * up.float()).to(x.dtype)  # [M, F]
+    hidden = swiglu(gate.float(), up.float(), swiglu_limit).to(x.dtype)  # [M, F]
     return _grouped(ops, hidden, L.as_matmul_weight(w_down), groups)  # [M, D]
 
 

@@ -4,7 +4,7 @@ The C++/OpenMP extension (``csrc/cpu_*.cpp``) is built on first use, i.e. the fi
 on this backend (``kernel_table``), never at import. When it cannot be built (``GLM5_SKIP_EXT=1``, no
 compiler, no ninja, a compile error) every op it backs runs the reference, and ``explain()`` / ``glm5 backends``
 give the reason for each op. The kernels built on torch's own fused CPU ops (``TORCH_KERNEL_MODULES``: dense
-MLA prefill through ``scaled_dot_product_attention``) need no extension and are always in the table.
+MLA prefill through ``scaled_dot_product_attention``, mHC) need no extension and are always in the table.
 """
 import importlib
 from collections.abc import Iterator, Mapping
@@ -17,7 +17,7 @@ from glm5_core.registry import Backend, Kernel
 KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.dsa_selected_attention_target",
                   "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon")
 # The modules whose kernels call torch's own CPU kernels only: in the table whether or not the extension builds.
-TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla", "glm5_core.backends.cpu.kda")
+TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla", "glm5_core.backends.cpu.kda", "glm5_core.backends.cpu.mhc")
 
 
 def _kernels_of(module_names) -> dict[str, Kernel]:

@@ -20,6 +20,7 @@ import torch
 
 from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
+from glm5_core.ops import kpool_topk as kpool_topk_ops
 from glm5_core.ops.mla import absorb_query, project_output
 
 
@@ -44,6 +45,27 @@ def indexer_topk(q, k, w, *, topk: int, start_pos=0) -> torch.Tensor:
 
 def _indexer_supports(q, k, w, *, topk: int, start_pos=0):
     return _on_cpu(q, k, w, start_pos)
+
+
+def kpool_topk(q, k, w, gate, ape, *, topk: int, kpool: int, select_tail: bool, scale: float,
+               start_pos=0) -> torch.Tensor:
+    """``dsa_kpool_topk``: the pooled keys (``kpool_topk.pool_keys``, elementwise torch ops), the native top-k
+    over the pools (``indexer_topk`` with ``pool`` = kpool: pool j visible once its last token is), then the
+    shared expansion to token indices and the tail."""
+    ct = _checks.compute_dtype(q.dtype)
+    B, T = q.shape[:2]
+    pooled = kpool_topk_ops.pool_keys(k, gate, ape, kpool)  # [B, P, D] in ct
+    P = pooled.shape[1]
+    if P == 0:  # no complete pool yet: only the tail
+        pools = torch.full((B, T, 1), -1, dtype=torch.int32, device=q.device)
+    else:
+        pools = torch.ops.glm5_cpu.indexer_topk(q.to(ct), pooled, w.to(ct) * scale,
+                                                _start_tensor(start_pos, B), min(topk // kpool, P), kpool)
+    return kpool_topk_ops.expand(pools, start_pos, topk=topk, kpool=kpool, select_tail=select_tail)
+
+
+def _kpool_supports(q, k, w, gate, ape, **kwargs):
+    return _on_cpu(q, k, w, gate, ape, kwargs.get("start_pos", 0))
 
 
 def sparse_decode(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, topk_idx, *, scale: float) -> torch.Tensor:
@@ -158,6 +180,7 @@ def _sparse_expanded_supports(q_nope, q_pe, k_nope, k_pe, v, topk_idx, *, scale:
 
 KERNELS: Mapping[str, Kernel] = {
     "dsa_indexer_topk": Kernel(indexer_topk, supports=_indexer_supports),
+    "dsa_kpool_topk": Kernel(kpool_topk, supports=_kpool_supports),
     "dsa_sparse_decode": Kernel(sparse_decode, supports=_sparse_supports),
     # native backward (sparse_prefill_backward) over the selected rows only
     "dsa_sparse_prefill": Kernel(sparse_prefill, supports=_sparse_supports, differentiable=True),

@@ -15,7 +15,7 @@ NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selec
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
 
 
-def _indexer_topk(q, k, w, start, topk):
+def _indexer_topk(q, k, w, start, topk, pool=1):
     return q.new_empty((q.shape[0], q.shape[1], topk), dtype=torch.int32)  # [B, T, K]
 
 
@@ -71,11 +71,11 @@ def _moe_combine(y_sorted, sort_idx, weights):
     return y_sorted.new_empty((weights.shape[0], y_sorted.shape[1]))  # [N, D]
 
 
-def _moe_experts(x_sorted, counts, w_gate, w_up, w_down):
+def _moe_experts(x_sorted, counts, w_gate, w_up, w_down, swiglu_limit=None):
     return x_sorted.new_empty(x_sorted.shape)  # [M, D]
 
 
-def _moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
+def _moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit=None):
     return x.new_empty(x.shape)  # [N, D]
 
 
@@ -83,14 +83,15 @@ def _compute_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _moe_fused_experts_train(x, weights, expert_ids, w_gate, w_up, w_down):
+def _moe_fused_experts_train(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit=None):
     rows, width = expert_ids.shape[0] * expert_ids.shape[1], w_gate.shape[1]  # M, F
     kept = x.new_empty((rows, width), dtype=_compute_dtype(x))  # gate / up [M, F]
     return (x.new_empty(x.shape), kept, torch.empty_like(kept), x.new_empty((rows,), dtype=torch.int64),
             x.new_empty((w_gate.shape[0],), dtype=torch.int64))
 
 
-def _moe_fused_experts_backward(grad_out, x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down):
+def _moe_fused_experts_backward(grad_out, x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down,
+                                swiglu_limit=None):
     return (x.new_empty(x.shape), weights.new_empty(weights.shape), w_gate.new_empty(w_gate.shape),
             w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
 

@@ -93,12 +93,13 @@ def _dispatch_supports(x, expert_ids, *, num_experts: int):
     return _on_cpu(x)
 
 
-def experts(x_sorted, counts, w_gate, w_up, w_down):
-    """y [M, D] in x_sorted's dtype (computed in fp32, fp64 for fp64 inputs, as the reference)."""
-    return torch.ops.glm5_cpu.moe_experts(x_sorted, counts, w_gate, w_up, w_down)
+def experts(x_sorted, counts, w_gate, w_up, w_down, *, swiglu_limit=None):
+    """y [M, D] in x_sorted's dtype (computed in fp32, fp64 for fp64 inputs, as the reference); ``swiglu_limit``:
+    the clamped SwiGLU."""
+    return torch.ops.glm5_cpu.moe_experts(x_sorted, counts, w_gate, w_up, w_down, swiglu_limit)
 
 
-def _experts_supports(x_sorted, counts, w_gate, w_up, w_down):
+def _experts_supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):
     return _on_cpu(x_sorted)
 
 
@@ -109,31 +110,33 @@ class _FusedExperts(torch.autograd.Function):
     expert weight stacks; none to the integer ids."""
 
     @staticmethod
-    def forward(ctx, x, weights, expert_ids, w_gate, w_up, w_down):
+    def forward(ctx, x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit):
         out, gate, up, sort_idx, counts = torch.ops.glm5_cpu.moe_fused_experts_train(x, weights, expert_ids, w_gate,
-                                                                                      w_up, w_down)
+                                                                                      w_up, w_down, swiglu_limit)
         ctx.save_for_backward(x, weights, sort_idx, counts, gate, up, w_gate, w_up, w_down)  # not outputs
+        ctx.swiglu_limit = swiglu_limit
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = torch.ops.glm5_cpu.moe_fused_experts_backward(grad_out, *ctx.saved_tensors)  # dx, dw, dWg, dWu, dWd
+        grads = torch.ops.glm5_cpu.moe_fused_experts_backward(grad_out, *ctx.saved_tensors,
+                                                              ctx.swiglu_limit)  # dx, dw, dWg, dWu, dWd
         dx, dweights, dw_gate, dw_up, dw_down = (g if need else None for g, need in
                                                  zip(grads, [ctx.needs_input_grad[i] for i in (0, 1, 3, 4, 5)]))
-        return dx, dweights, None, dw_gate, dw_up, dw_down
+        return dx, dweights, None, dw_gate, dw_up, dw_down, None
 
 
-def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down):
+def fused_experts(x, weights, expert_ids, w_gate, w_up, w_down, *, swiglu_limit=None):
     """out [N, D]: dispatch, experts and combine in one native op (no [M, D] copy of the inputs); with
     gradients, the same forward through the native backward."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate, w_up, w_down)):
-        return _FusedExperts.apply(x, weights, expert_ids, w_gate, w_up, w_down)
-    return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down)
+        return _FusedExperts.apply(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit)
+    return torch.ops.glm5_cpu.moe_fused_experts(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit)
 
 
 
 
-def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down):
+def _fused_supports(x, weights, expert_ids, w_gate, w_up, w_down, **kwargs):
     return _on_cpu(x)
 
 

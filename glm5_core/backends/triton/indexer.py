@@ -37,6 +37,7 @@ from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
 from glm5_core.backends.triton.shared_memory import ModelDims, Tile
 from glm5_core.kernel import Kernel
 from glm5_core.ops import _checks
+from glm5_core.ops import kpool_topk as kpool_topk_ops
 
 _SENTINEL = -(2 ** 63)  # below every packed key: an empty slot
 _INDEX_CEIL = 2 ** 31 - 1  # packed low word is _INDEX_CEIL - index (ascending index = descending word)
@@ -106,12 +107,13 @@ def _indexer_topk_kernel(q_ptr, k_ptr, w_ptr, start_ptr, out_ptr, scratch_ptr, n
                          stride_kb, stride_ks, stride_kd,
                          stride_wb, stride_wt, stride_wh,
                          H: tl.constexpr, D: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                         BS: tl.constexpr, KP: tl.constexpr, INTERPRETED: tl.constexpr):
+                         BS: tl.constexpr, KP: tl.constexpr, INTERPRETED: tl.constexpr, POOL: tl.constexpr):
     row = tl.program_id(0)  # one query row: b * T + t
     row_b = row // T
     row_t = row % T
     pos = tl.load(start_ptr + row_b) + row_t  # absolute position: sees keys 0..pos
-    n_keys = tl.minimum(pos + 1, S)
+    # POOL > 1 (the k-pool indexer): keys are pools of POOL tokens, visible once their last token is
+    n_keys = tl.minimum((pos + 1) // POOL, S)
     q_HD, w_H = _load_query(q_ptr, w_ptr, row_b, row_t, stride_qb, stride_qt, stride_qh, stride_qd,
                             stride_wb, stride_wt, stride_wh, H, D, H_PAD, D_PAD)
     k_row = k_ptr + row_b.to(tl.int64) * stride_kb
@@ -192,8 +194,9 @@ def scratch_shape(num_rows: int, topk: int, key_block: int):
     return (num_rows, 2 * _util.next_pow2(topk, key_block))
 
 
-def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
-    """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN)."""
+def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig, pool: int = 1):
+    """(int32 [B, T, topk] as ``dsa_indexer_topk``, int8 [B * T]: 1 where a visible score is NaN). ``pool`` > 1:
+    ``k`` holds pooled keys, pool j visible to the query at position p when (j + 1) * pool - 1 <= p."""
     B, T = q.shape[:2]
     S = k.shape[1]
     width = kernel_width(topk, S)
@@ -203,7 +206,7 @@ def indexer_topk_and_nan_rows(q, k, w, *, topk: int, start_pos=0, config: Launch
     w = w.float() if w.dtype == torch.float64 else w
     _indexer_topk_kernel[(B * T,)](
         q, k, w, _util.start_tensor(start_pos, B, q.device), out, scratch, nan_rows, T, S, width,
-        *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, **_pads(q),
+        *_common_args(q, k, w), BS=config.block("keys"), KP=scratch.shape[1] // 2, POOL=pool, **_pads(q),
         **config.launch_kwargs())
     if width < topk:  # columns past the key count: the contract's -1 padding
         out = torch.nn.functional.pad(out, (0, topk - width), value=-1)  # [B, T, topk]
@@ -224,6 +227,28 @@ def indexer_topk(q, k, w, *, topk: int, start_pos=0, config: LaunchConfig):
     out, nan_rows = indexer_topk_and_nan_rows(q, k, w, topk=topk, start_pos=start_pos, config=config)
     raise_if_nan(nan_rows)
     return out
+
+
+def kpool_topk(q, k, w, gate, ape, *, topk: int, kpool: int, select_tail: bool, scale: float, start_pos=0,
+               config: LaunchConfig):
+    """``dsa_kpool_topk``: the pooled keys (``kpool_topk.pool_keys``: elementwise torch ops), this module's fused
+    top-k over them with POOL = kpool (pool j visible once its last token is), then the shared expansion to
+    token indices and the tail."""
+    B, T = q.shape[:2]
+    pooled = kpool_topk_ops.pool_keys(k, gate, ape, kpool)  # [B, P, D] fp32 (the reference's), so q goes fp32
+    P = pooled.shape[1]
+    if P == 0:  # no complete pool yet: only the tail
+        pools = torch.full((B, T, 1), -1, dtype=torch.int32, device=q.device)
+    else:
+        w_scaled = w.float() * scale
+        pools, nan_rows = indexer_topk_and_nan_rows(q.float(), pooled, w_scaled, topk=min(topk // kpool, P),
+                                                    start_pos=start_pos, config=config, pool=kpool)
+        raise_if_nan(nan_rows)
+    return kpool_topk_ops.expand(pools, start_pos, topk=topk, kpool=kpool, select_tail=select_tail)
+
+
+def kpool_supports(q, k, w, gate, ape, *args, topk: int = None, kpool: int = 1, **kwargs):
+    return supports(q, k, w, topk=None if topk is None else max(1, topk // kpool))
 
 
 def indexer_scores(q, k, w, *, start_pos=0, config: LaunchConfig):
@@ -276,4 +301,5 @@ def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
 def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     """op -> kernel (``custom_ops`` then wraps dsa_indexer_topk as a torch.library op)."""
     return {"dsa_indexer_scores": bind(indexer_scores, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
-            "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports)}
+            "dsa_indexer_topk": bind(indexer_topk, configs.get(FAMILY, DEFAULT_LAUNCH), supports),
+            "dsa_kpool_topk": bind(kpool_topk, configs.get(FAMILY, DEFAULT_LAUNCH), kpool_supports)}

@@ -5,6 +5,7 @@ Legend: M expert-sorted rows, D hidden, F expert FFN width, E experts; BM / BN /
 A host-side schedule lists the row tiles of every expert (expert id, first row, end row), so one
 launch covers all experts with no padding of the token dimension:
   pass 1 (SWIGLU):  hidden[M, F] = silu(x @ Wg[e]^T) * (x @ Wu[e]^T)      fp32
+                    (with GLM-5.3's ``swiglu_limit`` L: silu(min(g, L)) * clamp(u, -L, L); CLAMP constexpr)
   pass 2:           out[M, D]    = hidden @ Wd[e]^T
 Both passes are the same kernel (``_grouped_gemm_kernel``), with or without the gated pair.
 Accumulation is fp32 with exact fp32 products (16-bit tiles are widened), like the reference.
@@ -12,6 +13,8 @@ Accumulation is fp32 with exact fp32 products (16-bit tiles are widened), like t
 and gives the gradients of the rows and of the three weight stacks.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -25,8 +28,9 @@ from glm5_core.kernel import Kernel
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b1_ptr, b2_ptr, out_ptr, tile_expert_ptr, tile_row0_ptr, tile_row1_ptr,
-                         NOUT, KDIM, stride_am, stride_be, stride_bn, stride_om,
-                         SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         NOUT, KDIM, stride_am, stride_be, stride_bn, stride_om, limit,
+                         SWIGLU: tl.constexpr, CLAMP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     row0 = tl.load(tile_row0_ptr + tile)
@@ -48,6 +52,9 @@ def _grouped_gemm_kernel(a_ptr, b1_ptr, b2_ptr, out_ptr, tile_expert_ptr, tile_r
             b2 = tl.load(b2_ptr + b_offs, mask=b_mask, other=0.0).to(tl.float32)
             acc2 = tl.dot(a, tl.trans(b2), acc2, input_precision="ieee")
     if SWIGLU:
+        if CLAMP:  # transformers' gate.clamp(max=L), up.clamp(-L, L)
+            acc1 = tl.minimum(acc1, limit)
+            acc2 = tl.minimum(tl.maximum(acc2, -limit), limit)
         acc1 = acc1 / (1.0 + tl.exp(-acc1)) * acc2  # silu(gate) * up
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], acc1,
              mask=(offs_m[:, None] < row1) & (offs_n[None, :] < NOUT))
@@ -67,15 +74,16 @@ def tile_schedule(counts: torch.Tensor, block_m: int):
     return as_tensor(experts), as_tensor(row0s), as_tensor(row1s)
 
 
-def _launch(a, b1, b2, out, schedule, config: LaunchConfig, swiglu: bool):
+def _launch(a, b1, b2, out, schedule, config: LaunchConfig, swiglu: bool, limit: Optional[float] = None):
     BM, BN, BK = config.block("m"), config.block("n"), config.block("k")
     n_out, k_dim = b1.shape[1], b1.shape[2]
     _grouped_gemm_kernel[(schedule[0].numel(), triton.cdiv(n_out, BN))](
         a, b1, b2, out, *schedule, n_out, k_dim, a.stride(0), b1.stride(0), b1.stride(1), out.stride(0),
-        SWIGLU=swiglu, BM=BM, BN=BN, BK=BK, **config.launch_kwargs())
+        0.0 if limit is None else float(limit), SWIGLU=swiglu, CLAMP=limit is not None, BM=BM, BN=BN, BK=BK,
+        **config.launch_kwargs())
 
 
-def _forward(x, counts, w_gate, w_up, w_down, schedule, config: LaunchConfig):
+def _forward(x, counts, w_gate, w_up, w_down, schedule, config: LaunchConfig, limit: Optional[float] = None):
     """fp32 [M, D] for contiguous operands."""
     M, D = x.shape
     F = w_gate.shape[1]
@@ -83,33 +91,34 @@ def _forward(x, counts, w_gate, w_up, w_down, schedule, config: LaunchConfig):
     if schedule[0].numel() == 0:
         return out
     hidden = torch.empty((M, F), dtype=torch.float32, device=x.device)
-    _launch(x, w_gate, w_up, hidden, schedule, config, swiglu=True)
+    _launch(x, w_gate, w_up, hidden, schedule, config, swiglu=True, limit=limit)
     _launch(hidden, w_down, w_down, out, schedule, config, swiglu=False)
     return out
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_sorted, counts, w_gate, w_up, w_down, config):
+    def forward(ctx, x_sorted, counts, w_gate, w_up, w_down, config, limit):
         x, w_gate_c, w_up_c, w_down_c = (t.contiguous() for t in (x_sorted, w_gate, w_up, w_down))
         schedule = tile_schedule(counts, config.block("m"))
         ctx.save_for_backward(x, counts, w_gate_c, w_up_c, w_down_c, *schedule)
-        ctx.config = config
+        ctx.config, ctx.limit = config, limit
         ctx.dtypes = (x_sorted.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
-        return _forward(x, counts, w_gate_c, w_up_c, w_down_c, schedule, config).to(x_sorted.dtype)
+        return _forward(x, counts, w_gate_c, w_up_c, w_down_c, schedule, config, limit).to(x_sorted.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         x, counts, w_gate, w_up, w_down, *schedule = ctx.saved_tensors
         dx, d_wg, d_wu, d_wd = moe_experts_bwd.experts_backward(
-            x, counts, w_gate, w_up, w_down, d_out.contiguous(), schedule, ctx.config)
+            x, counts, w_gate, w_up, w_down, d_out.contiguous(), schedule, ctx.config, ctx.limit)
         x_dt, wg_dt, wu_dt, wd_dt = ctx.dtypes
-        return dx.to(x_dt), None, d_wg.to(wg_dt), d_wu.to(wu_dt), d_wd.to(wd_dt), None
+        return dx.to(x_dt), None, d_wg.to(wg_dt), d_wu.to(wu_dt), d_wd.to(wd_dt), None, None
 
 
-def experts(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig):
-    """``moe_experts``: [M, D] in x_sorted's dtype; differentiable in x_sorted and the three weight stacks."""
-    return _GroupedSwiGLU.apply(x_sorted, counts, w_gate, w_up, w_down, config)
+def experts(x_sorted, counts, w_gate, w_up, w_down, *, config: LaunchConfig, swiglu_limit: Optional[float] = None):
+    """``moe_experts``: [M, D] in x_sorted's dtype; differentiable in x_sorted and the three weight stacks
+    (``swiglu_limit``: the clamped SwiGLU, the clamps' gradients included)."""
+    return _GroupedSwiGLU.apply(x_sorted, counts, w_gate, w_up, w_down, config, swiglu_limit)
 
 
 def supports(x_sorted, counts, w_gate, w_up, w_down, **kwargs):

@@ -4,6 +4,8 @@ Legend: M expert-sorted rows, D hidden, F expert FFN width, E experts; BM / BN /
 row-tile kernels, BI / BJ / BR tiles of the weight-gradient kernel. Per expert e over its rows x:
   g = x Wg^T, u = x Wu^T, h = silu(g) * u, out = h Wd^T                               (forward)
   dh = dO Wd;  dg = dh * u * silu'(g);  du = dh * silu(g)           (pass 1, g / u recomputed)
+  (``swiglu_limit`` L: g, u clamped as the forward, dg zero where g > L, du zero outside [-L, L]: torch's
+  clamp gradients, the ends passing)
   dx = dg Wg + du Wu                                                                   (pass 2)
   dWd = dO^T h,  dWg = dg^T x,  dWu = du^T x                      (pass 3, sums over e's rows)
 Passes 1 and 2 walk the same host-side tile schedule as the forward (one launch covers every expert);
@@ -12,6 +14,8 @@ so the gradients are bitwise repeatable, and an expert with no row gets a zero g
 is fp32 with exact products (16-bit tiles are widened), like the forward and the reference.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -22,8 +26,8 @@ from glm5_core.backends.triton.launch import LaunchConfig
 
 @triton.jit
 def _swiglu_bwd_kernel(x_ptr, dout_ptr, wg_ptr, wu_ptr, wd_ptr, h_ptr, dg_ptr, du_ptr,
-                       tile_expert_ptr, tile_row0_ptr, tile_row1_ptr, F, D,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       tile_expert_ptr, tile_row0_ptr, tile_row1_ptr, F, D, limit,
+                       CLAMP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Pass 1 on rows [BM] x width [BN]: h, dg, du (fp32 [M, F]); x, dO are [M, D], Wg / Wu [E, F, D], Wd [E, D, F]."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -51,10 +55,18 @@ def _swiglu_bwd_kernel(x_ptr, dout_ptr, wg_ptr, wu_ptr, wd_ptr, h_ptr, dg_ptr, d
         acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
         acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
         acc_dh = tl.dot(dout, tl.trans(wd), acc_dh, input_precision="ieee")
+    if CLAMP:  # the forward's clamps, and their gradients' masks (computed on the unclamped values)
+        pass_g = acc_g <= limit
+        pass_u = (acc_u >= -limit) & (acc_u <= limit)
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     sig = 1.0 / (1.0 + tl.exp(-acc_g))
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # the forward's formula: the same h bitwise
     d_gate = acc_dh * acc_u * sig * (1.0 + acc_g * (1.0 - sig))  # silu'(g) = s (1 + g (1 - s))
     d_up = acc_dh * acc_g * sig
+    if CLAMP:
+        d_gate = tl.where(pass_g, d_gate, 0.0)
+        d_up = tl.where(pass_u, d_up, 0.0)
     out_offs = offs_m[:, None].to(tl.int64) * F + offs_f[None, :]
     out_mask = (offs_m[:, None] < row1) & (offs_f[None, :] < F)
     tl.store(h_ptr + out_offs, h, mask=out_mask)
@@ -133,7 +145,8 @@ def _weight_grads(a1, a2, b, counts, num_experts: int, config: LaunchConfig):
     return out1, (out2 if a2 is not None else None)
 
 
-def experts_backward(x, counts, w_gate, w_up, w_down, d_out, schedule, config: LaunchConfig):
+def experts_backward(x, counts, w_gate, w_up, w_down, d_out, schedule, config: LaunchConfig,
+                     limit: Optional[float] = None):
     """(dx [M, D], dWg [E, F, D], dWu [E, F, D], dWd [E, D, F]), fp32, for contiguous operands."""
     M, D = x.shape
     E, F = w_gate.shape[0], w_gate.shape[1]
@@ -145,7 +158,8 @@ def experts_backward(x, counts, w_gate, w_up, w_down, d_out, schedule, config: L
     if n_tiles:
         _swiglu_bwd_kernel[(n_tiles, triton.cdiv(F, BN))](
             x, d_out, w_gate, w_up, w_down, hidden, d_gate, d_up, *schedule, F, D,
-            BM=BM, BN=BN, BK=BK, **config.launch_kwargs())
+            0.0 if limit is None else float(limit), CLAMP=limit is not None, BM=BM, BN=BN, BK=BK,
+            **config.launch_kwargs())
         _grouped_dx_kernel[(n_tiles, triton.cdiv(D, BN))](
             d_gate, d_up, w_gate, w_up, dx, *schedule, F, D, BM=BM, BN=BN, BK=BK, **config.launch_kwargs())
     d_wg, d_wu = _weight_grads(d_gate, d_up, x, counts, E, config)

@@ -281,8 +281,9 @@ def latent_backward(q_lat, q_pe, c_kv, k_pe, idx, out, lse, d_out, scale: float,
             q_lat, q_pe, c_kv, k_pe, idx, d_out, lse, delta, dkv_slots, dkr_slots, row0, T, H, K, scale,
             *strides, **meta, **config.launch_kwargs())
         flat = targets[row0:row0 + n].reshape(-1)  # [n * K]
-        dkv.index_put_((flat,), dkv_slots.view(-1, C), accumulate=True)
-        dkr.index_put_((flat,), dkr_slots.view(-1, DR), accumulate=True)
+        dkv.index_put_((flat,), dkv_slots.view(n * K, C), accumulate=True)
+        if DR:  # NoPE (qk_rope_head_dim = 0): no rope key, nothing to accumulate
+            dkr.index_put_((flat,), dkr_slots.view(n * K, DR), accumulate=True)
     return dq_lat, dq_pe, dkv[:-1].view(B, S, C), dkr[:-1].view(B, S, DR)
 
 

@@ -115,6 +115,17 @@ class RolloutEngine:
                  record_index_topk: bool = False):
         config = model.config
         draft_tokens = parse_setting(speculative)
+        # GLM-5.3 (KDA layers): their state is the state after a row's tokens, not per position, so a trajectory's
+        # prefix cannot be reused from the prefix cache nor drafted by the MTP layer's row caches
+        self._hybrid = bool(getattr(config, "is_hybrid", False))
+        if self._hybrid and draft_tokens is not None:
+            raise ValueError("speculative: expected none for a model with KDA layers (GLM-5.3: the drafts' "
+                             "rejected tokens would have to be rolled back out of the recurrent state)")
+        if self._hybrid and record_index_topk:
+            raise ValueError("record_index_topk: expected False for a model with KDA layers (GLM-5.3: its k-pool "
+                             "indexer's selection is not replayed; record_routing is)")
+        if self._hybrid:
+            prefix_cache_entries, prefix_cache_tokens = 0, None
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: expected an int >= 1, got {max_batch!r}")
         max_len = int(max_len or config.max_position_embeddings)
@@ -411,6 +422,10 @@ class RolloutEngine:
         trajectory's cached prefix, one right-padded forward computes the rest (ragged ``start_pos``), and the
         rows are copied into the requests' slots."""
         k = len(admitted)
+        if self._hybrid and k > 1 and len({len(r.input_ids) for _, r, _ in admitted}) > 1:
+            for item in admitted:  # KDA layers: a right-padded row's state would take in its padding
+                self._prefill([item])
+            return
         reuse = []
         scratch = self._new_cache(k)
         main_fields = len(kv_slots.tensors(scratch))

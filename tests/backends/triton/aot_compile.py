@@ -46,8 +46,8 @@ def kernels():
     yield ("indexer_topk", indexer._indexer_topk_kernel,
            _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*fp32", "start_ptr": "*i32", "out_ptr": "*i32",
                  "scratch_ptr": "*i64", "nan_ptr": "*i8"}, [("T", I32), ("S", I32), ("K", I32)] + idx_strides,
-                list(pads) + ["KP"]),
-           dict(pads, KP=128))
+                list(pads) + ["KP", "POOL"]),
+           dict(pads, KP=128, POOL=16))  # POOL: the k-pool indexer's pool size (1: every key a pool)
     yield ("indexer_scores", indexer._indexer_scores_kernel,
            _sig({"q_ptr": "*fp32", "k_ptr": "*fp32", "w_ptr": "*fp32", "start_ptr": "*i32", "out_ptr": "*fp32"},
                 [("T", I32), ("S", I32)] + idx_strides, list(pads)), pads)
@@ -100,17 +100,18 @@ def kernels():
     yield ("moe_combine", moe_permute._combine_kernel,
            _sig({"y_ptr": "*bf16", "inverse_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16"},
                 [("D", I32), ("K", I32)], ["BD"]), dict(BD=128))
-    gemm_meta = dict(SWIGLU=True, BM=64, BN=64, BK=32)
+    gemm_meta = dict(SWIGLU=True, CLAMP=True, BM=64, BN=64, BK=32)  # CLAMP: GLM-5.3's swiglu_limit
     yield ("grouped_gemm", moe_experts._grouped_gemm_kernel,
            _sig({"a_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16", "out_ptr": "*fp32", "tile_expert_ptr": "*i32",
                  "tile_row0_ptr": "*i32", "tile_row1_ptr": "*i32"},
                 [("NOUT", I32), ("KDIM", I32), ("stride_am", I32), ("stride_be", I32), ("stride_bn", I32),
-                 ("stride_om", I32)], list(gemm_meta)), gemm_meta)
+                 ("stride_om", I32), ("limit", "fp32")], list(gemm_meta)), gemm_meta)
     tiles = {"tile_expert_ptr": "*i32", "tile_row0_ptr": "*i32", "tile_row1_ptr": "*i32"}
     yield ("swiglu_bwd", moe_experts_bwd._swiglu_bwd_kernel,
            _sig(dict({"x_ptr": "*bf16", "dout_ptr": "*bf16", "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16",
-                      "h_ptr": "*fp32", "dg_ptr": "*fp32", "du_ptr": "*fp32"}, **tiles), [("F", I32), ("D", I32)],
-                ["BM", "BN", "BK"]), dict(BM=64, BN=64, BK=32))
+                      "h_ptr": "*fp32", "dg_ptr": "*fp32", "du_ptr": "*fp32"}, **tiles),
+                [("F", I32), ("D", I32), ("limit", "fp32")], ["CLAMP", "BM", "BN", "BK"]),
+           dict(CLAMP=True, BM=64, BN=64, BK=32))
     yield ("grouped_dx", moe_experts_bwd._grouped_dx_kernel,
            _sig(dict({"dg_ptr": "*fp32", "du_ptr": "*fp32", "wg_ptr": "*bf16", "wu_ptr": "*bf16", "dx_ptr": "*fp32"},
                      **tiles), [("F", I32), ("D", I32)], ["BM", "BN", "BK"]), dict(BM=64, BN=64, BK=32))

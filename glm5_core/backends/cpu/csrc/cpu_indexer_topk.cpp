@@ -235,7 +235,10 @@ struct WorkItem {
 
 template <typename T>
 void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* start, int64_t B, int64_t T_,
-                         int64_t S, int64_t H, int64_t D, int64_t K, int32_t* out) {
+                         int64_t S, int64_t H, int64_t D, int64_t K, int64_t pool, int32_t* out) {
+  // The last key query t of row b sees: its position start + t; with ``pool`` > 1 (the k-pool indexer, keys
+  // being pools of ``pool`` tokens) the last pool whose every token is at or before that position.
+  auto last_visible = [&](int64_t b, int64_t t) { return (start[b] + t + 1) / pool - 1; };
   using V = typename Simd<T>::V;
   using Key = typename RankKey<T>::type;
   constexpr int64_t NR = kTileVecs * Simd<T>::width;
@@ -252,7 +255,7 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t g = 0; g < groups_per_row; ++g) {
       const int64_t t0 = g * kQueryGroup, t1 = std::min(T_, t0 + kQueryGroup);
-      const int64_t key_end = std::min(S, start[b] + t1);  // the last query sees keys <= start + t1 - 1
+      const int64_t key_end = std::min(S, last_visible(b, t1 - 1) + 1);  // what the group's last query sees
       key_panels = std::max(key_panels, (key_end + NR - 1) / NR);
       const int64_t blocks = (key_end + kKeyBlock - 1) / kKeyBlock;
       const int64_t segs = std::min(segments_wanted, blocks);
@@ -304,7 +307,7 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
           for (int64_t p = 0; p < panels; ++p) {
             for (int64_t tl = 0; tl < nq; ++tl) {
               const int64_t t = it.t0 + tl;
-              if (s0 + p * NR > start[it.b] + t) continue;  // whole panel in this query's future
+              if (s0 + p * NR > last_visible(it.b, t)) continue;  // whole panel in this query's future
               V score_N[kTileVecs];
               for (int v = 0; v < kTileVecs; ++v) score_N[v] = V{};
               const int64_t row = it.b * T_ + t;
@@ -314,7 +317,7 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
             }
           }
           for (int64_t tl = 0; tl < nq; ++tl) {
-            const int64_t visible_end = std::min(s1, start[it.b] + it.t0 + tl + 1);
+            const int64_t visible_end = std::min(s1, last_visible(it.b, it.t0 + tl) + 1);
             if (visible_end > s0)
               saw_nan = push_block(tops[tl], scores + tl * kKeyBlock, visible_end - s0, s0) || saw_nan;
           }
@@ -357,11 +360,12 @@ void indexer_topk_kernel(const T* q, const T* k, const T* w, const int64_t* star
 }
 
 at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& w, const at::Tensor& start,
-                        int64_t topk) {
+                        int64_t topk, int64_t pool) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 3 && w.dim() == 3 && start.dim() == 1, "indexer_topk: bad ranks");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == w.scalar_type(), "indexer_topk: dtypes differ");
   TORCH_CHECK(start.scalar_type() == at::kLong, "indexer_topk: start must be int64");
   TORCH_CHECK(topk >= 1, "indexer_topk: topk must be >= 1");
+  TORCH_CHECK(pool >= 1, "indexer_topk: pool must be >= 1");
   const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1);
   TORCH_CHECK(S < INT32_MAX, "indexer_topk: key count must fit int32");
   auto qc = q.contiguous(), kc = k.contiguous(), wc = w.contiguous(), sc = start.contiguous();
@@ -369,11 +373,11 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (B == 0 || T_ == 0) return out;  // no query rows (the work split below divides by their count)
   if (q.scalar_type() == at::kDouble) {
     indexer_topk_kernel<double>(qc.data_ptr<double>(), kc.data_ptr<double>(), wc.data_ptr<double>(),
-                                sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, out.data_ptr<int32_t>());
+                                sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, pool, out.data_ptr<int32_t>());
   } else {
     TORCH_CHECK(q.scalar_type() == at::kFloat, "indexer_topk: expected float32 or float64");
     indexer_topk_kernel<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), wc.data_ptr<float>(),
-                               sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, out.data_ptr<int32_t>());
+                               sc.data_ptr<int64_t>(), B, T_, S, H, D, topk, pool, out.data_ptr<int32_t>());
   }
   return out;
 }
@@ -381,7 +385,7 @@ at::Tensor indexer_topk(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
-  m.def("indexer_topk(Tensor q, Tensor k, Tensor w, Tensor start, int topk) -> Tensor");
+  m.def("indexer_topk(Tensor q, Tensor k, Tensor w, Tensor start, int topk, int pool=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) { m.impl("indexer_topk", &indexer_topk); }

@@ -276,11 +276,21 @@ void for_each_expert(const std::vector<int64_t>& count_E, const ExpertTask& task
   errors.rethrow_if_failed("moe_experts");
 }
 
+// The clamped SwiGLU's activation (GLM-5.3's ``swiglu_limit`` L, as transformers' Glm5NextTextExperts):
+// silu(min(gate, L)) * clamp(up, -L, L); without a limit silu(gate) * up. ``up`` is consumed (it may be a
+// temporary), ``gate`` is left as it is (the training path keeps it for the backward).
+at::Tensor swiglu(const at::Tensor& gate, at::Tensor up, const c10::optional<double>& limit) {
+  if (!limit.has_value()) return at::silu(gate).mul_(up);
+  const double L = *limit;
+  return at::silu(at::clamp_max(gate, L)).mul_(at::clamp(up, -L, L));
+}
+
 // y_MD = SwiGLU of each expert over its rows. With gate_MF / up_MF defined (training), the gate and up
-// projections [M, F] are kept there for the backward; the arithmetic is the same either way.
+// projections [M, F] are kept there (before any clamp) for the backward; the arithmetic is the same either way.
 void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_E, const at::Tensor& w_gate_EFD,
                     const at::Tensor& w_up_EFD, const at::Tensor& w_down_EDF, at::Tensor& y_MD,
-                    at::Tensor gate_MF = at::Tensor(), at::Tensor up_MF = at::Tensor()) {
+                    const c10::optional<double>& limit, at::Tensor gate_MF = at::Tensor(),
+                    at::Tensor up_MF = at::Tensor()) {
   const at::ScalarType ct = y_MD.scalar_type();
   const bool keep = gate_MF.defined();
   for_each_expert(count_E, [&](int64_t e, int64_t first, int64_t n) {
@@ -291,9 +301,9 @@ void experts_kernel(const RowSource& rows_of, const std::vector<int64_t>& count_
       at::Tensor gate = gate_MF.narrow(0, first, n), up = up_MF.narrow(0, first, n);  // [n, F] each
       at::mm_out(gate, x_rows, wg.t());
       at::mm_out(up, x_rows, wu.t());
-      hidden = at::silu(gate).mul_(up);
+      hidden = limit.has_value() ? swiglu(gate, up, limit) : at::silu(gate).mul_(up);
     } else {
-      hidden = at::silu(at::mm(x_rows, wg.t())).mul_(at::mm(x_rows, wu.t()));
+      hidden = swiglu(at::mm(x_rows, wg.t()), at::mm(x_rows, wu.t()), limit);
     }
     at::Tensor y_rows = y_MD.narrow(0, first, n);  // [n, D]
     at::mm_out(y_rows, hidden, wd.t());
@@ -327,7 +337,7 @@ void check_expert_weights(const at::Tensor& x, const at::Tensor& w_gate, const a
 }
 
 at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, const at::Tensor& w_gate,
-                       const at::Tensor& w_up, const at::Tensor& w_down) {
+                       const at::Tensor& w_up, const at::Tensor& w_down, c10::optional<double> swiglu_limit) {
   check_expert_weights(x_sorted, w_gate, w_up, w_down, "moe_experts");
   TORCH_CHECK(counts.dim() == 1 && counts.size(0) == w_gate.size(0), "moe_experts: counts must be [E]");
   const int64_t M = x_sorted.size(0), D = x_sorted.size(1);
@@ -336,7 +346,7 @@ at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, con
   auto y = empty_large({M, D}, x_sorted.options().dtype(ct));
   auto x = x_sorted.contiguous();
   experts_kernel([&](int64_t first, int64_t n) { return x.narrow(0, first, n).to(ct); }, count_E,
-                 w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y);
+                 w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y, swiglu_limit);
   return y.scalar_type() == x_sorted.scalar_type() ? y : y.to(x_sorted.scalar_type());
 }
 
@@ -347,7 +357,7 @@ at::Tensor moe_experts(const at::Tensor& x_sorted, const at::Tensor& counts, con
 // up in the compute dtype and expert-sorted row order; undefined tensors otherwise.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_forward(
     const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids, const at::Tensor& w_gate,
-    const at::Tensor& w_up, const at::Tensor& w_down, bool keep, const char* op) {
+    const at::Tensor& w_up, const at::Tensor& w_down, const c10::optional<double>& limit, bool keep, const char* op) {
   check_expert_weights(x, w_gate, w_up, w_down, op);
   TORCH_CHECK(expert_ids.dim() == 2 && expert_ids.size(0) == x.size(0) && weights.sizes() == expert_ids.sizes(),
               op, ": expert_ids and weights must be [N, K]");
@@ -366,20 +376,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_for
   auto gather_rows = [&](int64_t first, int64_t n) {
     return at::index_select(xc, 0, token_of_row.narrow(0, first, n)).to(ct);  // [n, D]
   };
-  experts_kernel(gather_rows, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y, gate, up);
+  experts_kernel(gather_rows, count_E, w_gate.contiguous(), w_up.contiguous(), w_down.contiguous(), y, limit, gate,
+                 up);
   if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
   return {moe_combine(y, sort_idx, weights), gate, up, sort_idx, counts};
 }
 
 at::Tensor moe_fused_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids,
-                             const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down) {
-  return std::get<0>(fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, false, "moe_fused_experts"));
+                             const at::Tensor& w_gate, const at::Tensor& w_up, const at::Tensor& w_down,
+                             c10::optional<double> swiglu_limit) {
+  return std::get<0>(
+      fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit, false, "moe_fused_experts"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused_experts_train(
     const at::Tensor& x, const at::Tensor& weights, const at::Tensor& expert_ids, const at::Tensor& w_gate,
-    const at::Tensor& w_up, const at::Tensor& w_down) {
-  return fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, true, "moe_fused_experts_train");
+    const at::Tensor& w_up, const at::Tensor& w_down, c10::optional<double> swiglu_limit) {
+  return fused_forward(x, weights, expert_ids, w_gate, w_up, w_down, swiglu_limit, true, "moe_fused_experts_train");
 }
 
 // out = a b, written into ``out`` (a slice of a gradient stack) whatever its dtype.
@@ -400,13 +413,16 @@ void mm_into(at::Tensor out, const at::Tensor& a, const at::Tensor& b) {
 //   dh = w * p, du = dh * silu(g), dg = dh * u * s * (1 + g * (1 - s))
 //   dWg = dg^T x[t], dWu = du^T x[t]        [F, D]
 //   dx_rows = dg Wg + du Wu                 [n, D]
+// With a ``swiglu_limit`` L, h = silu(gc) * uc of gc = min(g, L), uc = clamp(u, -L, L), and the clamps' gradients
+// as torch's: dg = dh * uc * s(gc) * (1 + gc (1 - s(gc))) where g <= L (else 0), du = dh * silu(gc) where
+// -L <= u <= L (else 0).
 // then dx[n] = the sum of its K rows in slot order. Six GEMMs per expert, all on the expert's own rows: the
 // cost never depends on the experts a token did not visit. Each expert's weight gradients are written once by
 // the thread that owns the expert, an expert without rows gets zeros; no atomics, so bitwise repeatable.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused_experts_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& sort_idx,
     const at::Tensor& counts, const at::Tensor& gate, const at::Tensor& up, const at::Tensor& w_gate,
-    const at::Tensor& w_up, const at::Tensor& w_down) {
+    const at::Tensor& w_up, const at::Tensor& w_down, c10::optional<double> swiglu_limit) {
   const char* op = "moe_fused_experts_backward";
   check_expert_weights(x, w_gate, w_up, w_down, op);
   const int64_t N = x.size(0), D = x.size(1), E = w_gate.size(0), F = w_gate.size(1);
@@ -439,7 +455,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused
     at::Tensor x_rows = at::index_select(xc, 0, tokens).to(ct);    // [n, D]
     at::Tensor go_rows = at::index_select(gc, 0, tokens).to(ct);   // [n, D]
     at::Tensor w_rows = w_sorted.narrow(0, first, n).unsqueeze(1);  // [n, 1]
-    at::Tensor g = g_MF.narrow(0, first, n), u = u_MF.narrow(0, first, n);  // [n, F]
+    at::Tensor g_raw = g_MF.narrow(0, first, n), u_raw = u_MF.narrow(0, first, n);  // [n, F]
+    at::Tensor g = g_raw, u = u_raw;                                // the activation's inputs (clamped with a limit)
+    if (swiglu_limit.has_value()) {
+      g = at::clamp_max(g_raw, *swiglu_limit);
+      u = at::clamp(u_raw, -*swiglu_limit, *swiglu_limit);
+    }
     at::Tensor wg = wg_EFD[e].to(ct), wu = wu_EFD[e].to(ct), wd = wd_EDF[e].to(ct);
     at::Tensor silu_g = at::silu(g);
     at::Tensor hidden = silu_g * u;                                 // [n, F], as in the forward
@@ -451,6 +472,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_fused
     at::Tensor s = at::sigmoid(g);
     at::Tensor dg = dh * u * s * (1 + g * (1 - s));                 // [n, F]
     at::Tensor du = dh.mul_(silu_g);                                // [n, F]
+    if (swiglu_limit.has_value()) {                                 // the clamps' gradients (torch's: ends pass)
+      const double L = *swiglu_limit;
+      dg.mul_(g_raw.le(L));
+      du.mul_(u_raw.ge(-L).logical_and_(u_raw.le(L)));
+    }
     mm_into(dw_gate[e], dg.t(), x_rows);                            // [F, D]
     mm_into(dw_up[e], du.t(), x_rows);                              // [F, D]
     at::Tensor dx_e = dx_rows.narrow(0, first, n);                  // [n, D]
@@ -472,14 +498,15 @@ TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
         "bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)");
   m.def("moe_dispatch(Tensor x, Tensor expert_ids, int num_experts) -> (Tensor, Tensor, Tensor)");
   m.def("moe_combine(Tensor y_sorted, Tensor sort_idx, Tensor weights) -> Tensor");
-  m.def("moe_experts(Tensor x_sorted, Tensor counts, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor");
+  m.def("moe_experts(Tensor x_sorted, Tensor counts, Tensor w_gate, Tensor w_up, Tensor w_down, "
+        "float? swiglu_limit=None) -> Tensor");
   m.def("moe_fused_experts(Tensor x, Tensor weights, Tensor expert_ids, Tensor w_gate, Tensor w_up, "
-        "Tensor w_down) -> Tensor");
+        "Tensor w_down, float? swiglu_limit=None) -> Tensor");
   m.def("moe_fused_experts_train(Tensor x, Tensor weights, Tensor expert_ids, Tensor w_gate, Tensor w_up, "
-        "Tensor w_down) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor w_down, float? swiglu_limit=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_fused_experts_backward(Tensor grad_out, Tensor x, Tensor weights, Tensor sort_idx, Tensor counts, "
-        "Tensor gate, Tensor up, Tensor w_gate, Tensor w_up, Tensor w_down) -> (Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)");
+        "Tensor gate, Tensor up, Tensor w_gate, Tensor w_up, Tensor w_down, float? swiglu_limit=None) -> (Tensor, "
+        "Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
