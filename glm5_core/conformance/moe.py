@@ -81,15 +81,21 @@ def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
     return fn
 
 
-def _fused_experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> CheckFn:
+def _clamping_limit(x: torch.Tensor, w_gate: torch.Tensor) -> float:
+    """A ``swiglu_limit`` that clamps about half of the gate projections (their median magnitude)."""
+    return float((x.double() @ w_gate[0].double().T).abs().median())
+
+
+def _fused_experts_check(shape: testing.MoEShape, dtype: torch.dtype, clamped: bool = False) -> CheckFn:
     def fn(backend: str, device: str) -> testing.Comparison:
         x = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=26)
         weights, ids = _reference_routing(shape, device, seed=27)
         args = (x["x"], weights.to(dtype), ids, x["w_gate"], x["w_up"], x["w_down"])
-        out = moe.fused_experts(*args, backend=backend)
+        kw = {"swiglu_limit": _clamping_limit(x["x"], x["w_gate"])} if clamped else {}
+        out = moe.fused_experts(*args, backend=backend, **kw)
         ref = moe.fused_experts_reference
-        return testing.compare_to_fp64(out, ref(*args), ref(*(t.double() if t.is_floating_point() else t
-                                                              for t in args)), dtype)
+        return testing.compare_to_fp64(out, ref(*args, **kw), ref(*(t.double() if t.is_floating_point() else t
+                                                                    for t in args), **kw), dtype)
 
     return fn
 
@@ -110,6 +116,9 @@ def checks() -> list[Check]:
             checks.append(Check("moe", f"moe_experts[{tag}]", ("moe_experts",), _experts_check(shape, dtype)))
             checks.append(Check("moe", f"moe_fused_experts[{tag}]", ("moe_fused_experts",),
                                 _fused_experts_check(shape, dtype)))
+    for dtype in (torch.float32, torch.bfloat16):  # GLM-5.3's clamped SwiGLU
+        checks.append(Check("moe", f"moe_fused_experts[{DTYPE_NAMES[dtype]}-{_GRAD_MOE}-swiglu_limit]",
+                            ("moe_fused_experts",), _fused_experts_check(_GRAD_MOE, dtype, clamped=True)))
     return checks
 
 
@@ -141,10 +150,11 @@ def _dispatch_grad(device: str) -> GradCase:
             lambda **t: moe.dispatch_reference(**t, expert_ids=ids, num_experts=E)[0], {"x": x["x"]})
 
 
-def _fused_experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
+def _fused_experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE, clamped: bool = False) -> GradCase:
     x, weights, ids = _expert_grad_inputs(device, shape)
-    return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be),
-            lambda **t: moe.fused_experts_reference(**t, expert_ids=ids),
+    kw = {"swiglu_limit": _clamping_limit(x["x"], x["w_gate"])} if clamped else {}
+    return (lambda be, **t: moe.fused_experts(**t, expert_ids=ids, backend=be, **kw),
+            lambda **t: moe.fused_experts_reference(**t, expert_ids=ids, **kw),
             {"x": x["x"], "weights": weights, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
 
 
@@ -155,11 +165,12 @@ def _combine_grad(device: str) -> GradCase:
             lambda **t: moe.combine_reference(**t, sort_idx=sort_idx), {"y_sorted": x_sorted, "weights": weights})
 
 
-def _experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE) -> GradCase:
+def _experts_grad(device: str, shape: testing.MoEShape = _GRAD_MOE, clamped: bool = False) -> GradCase:
     x, _, ids = _expert_grad_inputs(device, shape)
     x_sorted, _, counts = moe.dispatch_reference(x["x"], ids, num_experts=shape.E)
-    return (lambda be, **t: moe.experts(**t, counts=counts, backend=be),
-            lambda **t: moe.experts_reference(**t, counts=counts),
+    kw = {"swiglu_limit": _clamping_limit(x["x"], x["w_gate"])} if clamped else {}
+    return (lambda be, **t: moe.experts(**t, counts=counts, backend=be, **kw),
+            lambda **t: moe.experts_reference(**t, counts=counts, **kw),
             {"x_sorted": x_sorted, "w_gate": x["w_gate"], "w_up": x["w_up"], "w_down": x["w_down"]})
 
 
@@ -176,6 +187,9 @@ GRAD_CASES: dict[str, Callable[[str], GradCase]] = {
 GRAD_EDGE_CASES: tuple[tuple[str, str, Callable[[str], GradCase]], ...] = (
     ("moe_experts", "K1-empty_experts", lambda dev: _experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
     ("moe_fused_experts", "K1-empty_experts", lambda dev: _fused_experts_grad(dev, _GRAD_MOE_SPARSE_ROUTING)),
+    # GLM-5.3's clamped SwiGLU: the clamps' gradients (zero past the limit)
+    ("moe_experts", "swiglu_limit", lambda dev: _experts_grad(dev, clamped=True)),
+    ("moe_fused_experts", "swiglu_limit", lambda dev: _fused_experts_grad(dev, clamped=True)),
 )
 # Ops whose backward is also checked with bf16 inputs (their kernels have a bf16 path).
 BF16_GRAD_OPS = ("moe_experts", "moe_dispatch", "moe_combine", "moe_fused_experts")

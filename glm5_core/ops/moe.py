@@ -20,6 +20,10 @@ Routing contract (every backend):
   the UNBIASED scores of the chosen experts, optionally renormalised to sum 1, times
   ``routed_scaling_factor``.
 
+SwiGLU: silu(x Wg^T) * (x Wu^T); with ``swiglu_limit`` L (GLM-5.3, ``experts`` / ``fused_experts``) the gate is
+clamped to <= L and the up projection to [-L, L] first, as transformers' ``Glm5NextTextExperts`` (``swiglu``); every
+backend's kernel takes the limit (forward and backward), and a call without it is the unclamped call of before.
+
 Dispatch sorts the M = N*K (token, slot) assignments by expert id, stably, so within an expert tokens
 stay in token order (then slot order); ``sort_idx[m]`` is the flat assignment index ``n * K + j`` of
 sorted row ``m`` and ``counts[e]`` the number of rows of expert ``e``. Combine is its deterministic
