@@ -51,7 +51,8 @@ SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, .
 # -- values every layer checks (the engines, the fleet and the trainer import them from here) ----------------------
 GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
 MAX_DRAFT_TOKENS = 16  # MTP drafts per decode step (rl/serving/speculative.py)
-_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}))?")
+_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}(?:-\d{1,4})?(?:\+\d{1,4}(?:-\d{1,4})?)*))?")
+_CORE_SET_SIZE = 4096  # cores one host-device set may name (a guard against "cpu:0-9999")
 
 
 def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
@@ -114,17 +115,63 @@ def _list_example(kinds: dict[str, DeviceFacts]) -> str:
     return f"'{kind}:1,{kind}:2'"
 
 
-def parse_device(text: Any, where: str) -> tuple[str, Optional[int]]:
-    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
-    The device types are the vendors' (:func:`glm5_core.device_kinds.device_types`), read at each call."""
+def _split_device(text: Any, where: str) -> tuple[str, Optional[str]]:
     kinds = device_kinds.device_types()
     match = _DEVICE.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None or match.group(1) not in kinds:
         raise ValueError(f"{where}: expected a device such as {_examples(kinds)}, got {text!r:.80}")
-    kind, index = match.group(1), match.group(2)
-    if not kinds[kind].is_host and index is None:
-        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'), got {text!r:.80}")
-    return kind, None if index is None else int(index)
+    kind, suffix = match.group(1), match.group(2)
+    if not kinds[kind].is_host and (suffix is None or not suffix.isdigit()):
+        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'; core sets such as "
+                         f"'<host>:0-3' are for the host device only), got {text!r:.80}")
+    return kind, suffix
+
+
+def parse_device(text: Any, where: str) -> tuple[str, Optional[int]]:
+    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
+    The host device (the vendor facts' ``is_host``) also takes a core set, ``"cpu:0-1"`` / ``"cpu:0-1+4"``
+    (see :func:`core_set`): its index is the set's first core. The device types are the vendors'
+    (:func:`glm5_core.device_kinds.device_types`), read at each call."""
+    kind, suffix = _split_device(text, where)
+    cores = core_set(text, where)
+    if cores is not None:
+        return kind, cores[0]
+    return kind, None if suffix is None else int(suffix)
+
+
+def core_set(text: Any, where: str) -> Optional[tuple[int, ...]]:
+    """The CPU cores a host-device entry pins its process to, sorted, or None (an accelerator, or the bare host
+    device: no pinning). ``"cpu:2"`` -> ``(2,)``, ``"cpu:0-3"`` -> ``(0, 1, 2, 3)``, ``"cpu:0-1+6"`` ->
+    ``(0, 1, 6)``: Linux cpu-list ranges joined by ``+`` (taskset's ``,`` separates the entries of
+    ``rollout.devices`` already). ``ValueError`` naming ``where`` for an empty or reversed range."""
+    kind, suffix = _split_device(text, where)
+    if suffix is None or not device_kinds.device_types()[kind].is_host:
+        return None
+    cores: set[int] = set()
+    for part in suffix.split("+"):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first or last - first >= _CORE_SET_SIZE:
+            raise ValueError(f"{where}: expected a core range low-high with low <= high (at most {_CORE_SET_SIZE} "
+                             f"cores), got {text!r:.80}")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def _normal(kind: str, index: Optional[int], cores: Optional[tuple[int, ...]]) -> str:
+    if cores is not None and len(cores) > 1:
+        return f"{kind}:" + "+".join(f"{a}-{b}" if a != b else f"{a}" for a, b in _runs(cores))
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _runs(cores: tuple[int, ...]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return runs
 
 
 def parse_devices(value: Any, where: str) -> list[str]:
@@ -136,8 +183,37 @@ def parse_devices(value: Any, where: str) -> list[str]:
     out = []
     for i, item in enumerate(items):
         kind, index = parse_device(item, f"{where}[{i}]")
-        out.append(kind if index is None else f"{kind}:{index}")
+        out.append(_normal(kind, index, core_set(item, f"{where}[{i}]")))
     return out
+
+
+def torch_device_name(device: str, where: str = "device") -> str:
+    """The torch device of a device entry: the host device's core set is a placement, not a torch index."""
+    kind, index = parse_device(device, where)
+    if device_kinds.device_types()[kind].is_host:
+        return kind
+    return f"{kind}:{index}"
+
+
+def check_core_sets(train_device: Optional[str], engine_devices: Optional[Any]) -> None:
+    """``ValueError`` when the core sets of ``train.device`` and ``rollout.devices`` overlap (one entry shared by
+    all engines is one set): pinned roles never share a core."""
+    named: list[tuple[str, tuple[int, ...]]] = []
+    if train_device is not None:
+        cores = core_set(train_device, "train.device")
+        if cores is not None:
+            named.append(("train.device", cores))
+    if engine_devices is not None:
+        for i, device in enumerate(parse_devices(engine_devices, "rollout.devices")):
+            cores = core_set(device, f"rollout.devices[{i}]")
+            if cores is not None:
+                named.append((f"rollout.devices[{i}]", cores))
+    for a in range(len(named)):
+        for b in range(a + 1, len(named)):
+            shared = sorted(set(named[a][1]) & set(named[b][1]))
+            if shared:
+                raise ValueError(f"{named[b][0]}: expected CPU cores no other role is pinned to, got cores "
+                                 f"{shared} also in {named[a][0]}")
 
 
 def check_engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> None:
@@ -405,6 +481,7 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> list[str]:
                         "remove rollout.devices")
     try:
         check_engine_devices(r.devices, r.num_engines)  # builds nothing of num_engines' size
+        check_core_sets(t.device, r.devices)
     except ValueError as exc:
         problems.append(str(exc))
     if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:

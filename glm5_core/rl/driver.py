@@ -28,8 +28,6 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch
-
 from glm5_core.rl import run_state
 from glm5_core.rl.algorithm.buffer import build_buffer, staleness
 from glm5_core.rl.algorithm.trainer import build_trainer
@@ -37,7 +35,7 @@ from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.evaluation import build_evaluator
 from glm5_core.rl.fleet.executors import build_executor
-from glm5_core.rl.fleet.placement import check_visible, engine_devices, probe_accelerators
+from glm5_core.rl.fleet.placement import check_visible, engine_devices, pin_trainer, probe_accelerators
 from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import build_router
 from glm5_core.rl.fleet.weight_sync import build_weight_sync
@@ -114,7 +112,7 @@ class RLRun:
         check_visible([d for d in self.engine_devices if d], "rollout.devices", probe)
         if cfg.train.device:
             check_visible([cfg.train.device], "train.device", probe)
-        torch.set_num_threads(cfg.torch_threads)
+        self.trainer_cores = pin_trainer(cfg.train.device, cfg.torch_threads)  # a core set: pinned, 1 thread/core
         self.model = build_starting_policy(cfg, checkpoint, self.backend, self.out_dir, resume, log)
         if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
             from glm5_core.rl.serving.speculative import check_draft_model
