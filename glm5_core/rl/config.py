@@ -43,6 +43,7 @@ MAX_THREADS = 4096
 MAX_ENGINES = 1 << 20  # far above any fleet; the driver lists one entry per engine
 
 
+ADMISSIONS = ("slots", "staleness")  # see rl/algorithm/buffer.py (try_admit)
 TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
 WEIGHT_SYNCS = ("disk", "distributed")
 SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, ...), read when a config is checked
@@ -263,6 +264,12 @@ def _check_devices(devices, key: str) -> None:
         parse_devices(devices, key)
 
 
+def _check_mask_offpolicy(value, key: str) -> None:
+    if value is None or value == "partial" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise ValueError(f"{key}: expected null, 'partial' or an int >= 0 (versions), got {value!r:.60}")
+
+
 def _check_pass_k(values, key: str) -> None:
     if not values or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in values):
         raise ValueError(f"{key}: expected a non-empty list of ints >= 1, got {list(values)!r}")
@@ -278,6 +285,10 @@ class RolloutConfig:
     top_p: float = field(1.0, check=check_top_p)
     max_inflight_groups: int = field(8, range=(1, None))
     max_buffered: int = field(64, range=(1, None))  # async: pause new groups while this many trajectories wait
+    # async: "slots" starts a group whenever an in-flight slot is free (samples too stale are dropped at take
+    # time); "staleness" (AReaL's staleness manager) starts one only if it can be trained within
+    # train.max_staleness versions of the weights it starts under, so no admitted group is dropped as stale
+    admission: str = field("slots", choices=ADMISSIONS)
     engine_threads: int = field(1, range=(1, MAX_THREADS))
     routing: str = field("dp_aware", choices=ROUTINGS)
     virtual_nodes: int = field(150, range=(1, 1 << 16))
@@ -349,6 +360,10 @@ class RLTrainConfig:
     # a trajectory cut by rollout.max_len: trained as it is, masked out of the loss, or given truncation_reward
     truncation: str = field("as_is", choices=TRUNCATION_POLICIES)
     truncation_reward: float = field(-1.0)
+    # partial rollout (slime's --mask-offpolicy-in-partial-rollout): null trains every sampled token; "partial"
+    # masks a trajectory's tokens sampled under older weights than its newest (those from before a push it
+    # lived through); an int X masks tokens sampled more than X versions behind the policy being trained
+    mask_offpolicy: Any = field(None, check=_check_mask_offpolicy)
 
 
 @dataclasses.dataclass
@@ -484,6 +499,9 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> list[str]:
         check_core_sets(t.device, r.devices)
     except ValueError as exc:
         problems.append(str(exc))
+    if r.admission == "staleness" and t.max_staleness is None:
+        problems.append("rollout.admission: 'staleness' paces admission by train.max_staleness; set it, or use "
+                        "rollout.admission: slots")
     if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:
         problems.append(f"train.optim.push_every: expected <= train.max_staleness + 1 = {t.max_staleness + 1} "
                         f"(after the first push every sample would be too stale to train on; lower push_every or "

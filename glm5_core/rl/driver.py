@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from glm5_core.rl import run_state
 from glm5_core.rl.algorithm.buffer import build_buffer, staleness
+from glm5_core.rl.algorithm.offpolicy_mask import mask_offpolicy
 from glm5_core.rl.algorithm.trainer import build_trainer
 from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
@@ -130,6 +131,8 @@ class RLRun:
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
+        self.pushed_version = self.latest_version  # the engines boot from (or are first pushed) these weights
+        self.masked_offpolicy_tokens = 0
         self.router = build_router(r)
         self.executor = build_executor(cfg, self._spec)
         names = self.executor.names if self.external else [f"engine{i}" for i in range(r.num_engines)]
@@ -205,6 +208,10 @@ class RLRun:
         """The trainer's weights to every engine (``rollout.weight_sync``)."""
         self.latest_weights = self.trainer.save_weights(self.weights_dir)  # what a restarted worker boots from
         self.latest_version = self.trainer.version
+        self._push_latest()
+        self.pushed_version = self.latest_version  # every engine holds it (or is caught up before it serves)
+
+    def _push_latest(self) -> None:
         if self.cfg.rollout.weight_sync == "distributed":
             self.weight_sync.push(self.model, self.latest_version, saved=self.latest_weights)
         elif self.external:  # SGLang loads an HF-format directory
@@ -286,9 +293,14 @@ class RLRun:
                 target=self.runner.run_forever, name="rl-producer", daemon=True,
                 kwargs=dict(sink=self._accept, max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                             backlog=self.buffer.num_ready, max_buffered=self.cfg.rollout.max_buffered,
-                            errors=self._producer_errors, drain_timeout=PRODUCER_DRAIN_S))
+                            errors=self._producer_errors, drain_timeout=PRODUCER_DRAIN_S,
+                            admit=self._admit if self.buffer.admission else None))
             self._producer.start()
         return progress
+
+    def _admit(self, group_id: str) -> bool:
+        """Staleness-paced admission: the group starts under ``pushed_version`` (every engine holds it)."""
+        return self.buffer.try_admit(group_id, self.pushed_version, self.trainer.version)
 
     def _next_batch(self, progress: _Progress):
         """The next training batch (None: none this time); raises :class:`TrainerStarvedError` once none came
@@ -344,6 +356,8 @@ class RLRun:
     def _train_on(self, batch, progress: _Progress) -> dict:
         """One optimizer step on ``batch`` (and a weight push when due); the step's metrics row."""
         ages = staleness(batch, self.trainer.version)  # versions behind the trainer
+        batch, masked = mask_offpolicy(batch, self.trainer.version, self.cfg.train.mask_offpolicy)
+        self.masked_offpolicy_tokens += masked
         stats = self.trainer.train_step(for_training(batch, self.cfg.train.truncation))
         if self.trainer.should_push():
             self._push_weights()
@@ -369,6 +383,10 @@ class RLRun:
     def _plugin_counters(self) -> dict:
         """Dynamic sampling, truncation and reward-plug-in counters, run totals so far."""
         out = {"truncated_trajectories": self.truncated_trajectories}
+        if self.cfg.train.mask_offpolicy is not None:
+            out["masked_offpolicy_tokens"] = self.masked_offpolicy_tokens
+        if self.buffer.admission:
+            out["admission_refusals"] = self.buffer.admission_refusals
         if self.buffer.dynamic is not None:
             out.update(self.buffer.dynamic.counters())
         if self.reward is not None:
