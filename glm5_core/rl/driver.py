@@ -36,7 +36,13 @@ from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.evaluation import build_evaluator
 from glm5_core.rl.fleet.executors import build_executor
-from glm5_core.rl.fleet.placement import check_visible, engine_devices, pin_trainer, probe_accelerators
+from glm5_core.rl.fleet.placement import (
+    allowed_cores,
+    check_visible,
+    engine_devices,
+    pin_trainer,
+    probe_accelerators,
+)
 from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import build_router
 from glm5_core.rl.fleet.weight_sync import build_weight_sync
@@ -113,6 +119,7 @@ class RLRun:
         check_visible([d for d in self.engine_devices if d], "rollout.devices", probe)
         if cfg.train.device:
             check_visible([cfg.train.device], "train.device", probe)
+        self._affinity_before = allowed_cores()  # restored when the run ends (a caller may start another run)
         self.trainer_cores = pin_trainer(cfg.train.device, cfg.torch_threads)  # a core set: pinned, 1 thread/core
         self.model = build_starting_policy(cfg, checkpoint, self.backend, self.out_dir, resume, log)
         if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
@@ -465,6 +472,8 @@ class RLRun:
         self.weight_sync.shutdown()
         self.replicas.shutdown()
         self.metrics.close()
+        if self.trainer_cores is not None and self._affinity_before:
+            os.sched_setaffinity(0, self._affinity_before)  # the calling process gets its cores back
 
     def accounting(self) -> dict[str, list[str]]:
         """Where every issued trajectory ended up (for exactly-once checks)."""

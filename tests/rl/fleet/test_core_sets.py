@@ -78,6 +78,7 @@ RUN = textwrap.dedent("""
         seen["trainer_threads"] = torch.get_num_threads()
         seen["engines"] = [sorted(os.sched_getaffinity(run.executor.pid(f"engine{i}"))) for i in range(len(engines))]
     RLRun(cfg, hooks=[look], log=lambda m: None).run()
+    seen["after"] = sorted(os.sched_getaffinity(0))  # the run gives the caller its cores back
     print("AFFINITY " + json.dumps(seen))
 """)
 
@@ -92,7 +93,7 @@ def test_trainer_and_spawned_engine_workers_run_on_the_cores_asked_for(tmp_path)
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.split("AFFINITY ", 1)[1])
-    assert seen == {"trainer": [cores[0]], "trainer_threads": 1, "engines": [[cores[1]]]}
+    assert seen == {"trainer": [cores[0]], "trainer_threads": 1, "engines": [[cores[1]]], "after": cores}
 
 
 PIN = textwrap.dedent("""
