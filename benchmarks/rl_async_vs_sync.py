@@ -195,16 +195,28 @@ BUBBLES = {
 }
 
 
-def bubble(async_row: dict, speedup: float, target_speedup: float, target_idle: float) -> Optional[str]:
-    """The component of the async trainer's time that keeps the targets from being met (None: they are met)."""
+def bubble(async_row: dict, sync_row: dict, speedup: float, target_speedup: float,
+           target_idle: float) -> Optional[str]:
+    """What keeps the targets from being met (None: they are met): the largest idle component of the async
+    trainer's time, or, with the trainer busy, the trainer's own compute (overlap can remove only the rollout
+    wait sync had)."""
     idle = async_row["trainer_idle_ratio_corrected"]
     if speedup >= target_speedup and idle <= target_idle:
         return None
+    engines_idle = async_row["engine_idle_ratio"] if async_row["engine_idle_ratio"] is not None else float("nan")
+    if idle <= target_idle:
+        busy = async_row["compute_s"] + async_row["push_s"]
+        ceiling = sync_row["elapsed_s"] / max(busy, 1e-9) * (async_row["steps"] / max(sync_row["steps"], 1))
+        wait = sync_row["take_wait_s"] / max(sync_row["elapsed_s"], 1e-9)
+        return (f"trainer compute-bound: the async trainer computes {1 - idle:.0%} of its time, so async can be at "
+                f"most ~{ceiling:.2f}x sync here (sync waited for rollouts only {wait:.0%} of its time; 2x needs "
+                f"rollout >= training time at equal placement); engines idle {engines_idle:.0%}: the episodes' "
+                "client threads share the trainer's cores, so requests reach the engines late")
     name = max(BUBBLES, key=lambda k: async_row[k])
     share = async_row[name] / max(async_row["elapsed_s"], 1e-9)
     return (f"{name} ({share:.0%} of the async trainer's time): {BUBBLES[name]}; trainer compute "
             f"{async_row['compute_s'] / max(async_row['elapsed_s'], 1e-9):.0%}, engines idle "
-            f"{async_row['engine_idle_ratio'] if async_row['engine_idle_ratio'] is not None else float('nan'):.0%}")
+            f"{engines_idle:.0%}")
 
 
 def plot(runs: dict, path: str) -> Optional[str]:
@@ -298,6 +310,7 @@ def main() -> int:
     idle = med("async", "trainer_idle_ratio_corrected")
     target_speedup, target_idle = 2.0, 0.20
     median_async = sorted(runs["async"], key=lambda r: r["trained_tokens_per_s"])[len(runs["async"]) // 2]
+    median_sync = sorted(runs["sync"], key=lambda r: r["trained_tokens_per_s"])[len(runs["sync"]) // 2]
     result = {
         "command": "python " + " ".join(sys.argv), "config": args.config, "orders": orders,
         "inflight_trajectories": runs["sync"][0]["inflight_trajectories"], "runs": runs,
@@ -313,7 +326,7 @@ def main() -> int:
                     "reward_per_s": "async >= sync"},
         "passed": speedup >= target_speedup and idle <= target_idle
         and med("async", "reward_per_s") >= med("sync", "reward_per_s"),
-        "bubble": bubble(median_async, speedup, target_speedup, target_idle),
+        "bubble": bubble(median_async, median_sync, speedup, target_speedup, target_idle),
         "loadavg_1min_end": os.getloadavg()[0],
     }
     if args.plot:

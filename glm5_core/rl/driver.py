@@ -56,7 +56,7 @@ from glm5_core.rl.rollout.runner import build_runner
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.run_state import RunState
 from glm5_core.rl.serving.client import EngineClient
-from glm5_core.rl.serving.worker import WorkerSpec
+from glm5_core.rl.serving.worker import WorkerSpec, set_process_affinity
 
 StepHook = Callable[[int, "RLRun"], None]
 PRODUCER_DRAIN_S = 300.0  # after the last step, how long trajectories in flight may take to finish
@@ -473,7 +473,7 @@ class RLRun:
         self.replicas.shutdown()
         self.metrics.close()
         if self.trainer_cores is not None and self._affinity_before:
-            os.sched_setaffinity(0, self._affinity_before)  # the calling process gets its cores back
+            set_process_affinity(self._affinity_before)  # the calling process gets its cores back
 
     def accounting(self) -> dict[str, list[str]]:
         """Where every issued trajectory ended up (for exactly-once checks)."""

@@ -100,6 +100,11 @@ def test_outcomes_and_the_named_bubble(tmp_path):
     out = bench.outcomes(summary, curve)
     assert (out["dropped_fraction"], out["dropped_stale_fraction"], out["reward_per_s"]) == (0.2, 0.1, 0.75)
     row = {"elapsed_s": 10.0, "take_wait_s": 6.0, "compute_s": 3.0, "push_s": 0.5, "eval_s": 0.0, "other_s": 0.5,
-           "trainer_idle_ratio_corrected": 0.7, "engine_idle_ratio": 0.1}
-    assert bench.bubble(row, 1.2, 2.0, 0.2).startswith("take_wait_s (60% of the async trainer's time)")
-    assert bench.bubble(dict(row, trainer_idle_ratio_corrected=0.1), 2.5, 2.0, 0.2) is None
+           "trainer_idle_ratio_corrected": 0.7, "engine_idle_ratio": 0.1, "steps": 4}
+    sync = dict(row, elapsed_s=20.0, take_wait_s=8.0)
+    assert bench.bubble(row, sync, 1.2, 2.0, 0.2).startswith("take_wait_s (60% of the async trainer's time)")
+    assert bench.bubble(dict(row, trainer_idle_ratio_corrected=0.1), sync, 2.5, 2.0, 0.2) is None
+    busy = dict(row, compute_s=9.0, push_s=1.0, take_wait_s=0.0, trainer_idle_ratio_corrected=0.1)
+    assert bench.bubble(busy, sync, 1.5, 2.0, 0.2).startswith(
+        "trainer compute-bound: the async trainer computes 90% of its time, so async can be at most ~2.00x sync "
+        "here (sync waited for rollouts only 40% of its time")

@@ -88,7 +88,9 @@ def pin_trainer(device: Optional[str], threads: int) -> Optional[tuple[int, ...]
     if cores is None:
         torch.set_num_threads(threads)
         return None
-    os.sched_setaffinity(0, cores)
+    from glm5_core.rl.serving.worker import set_process_affinity
+
+    set_process_affinity(cores)
     torch.set_num_threads(len(cores))
     return cores
 

@@ -40,14 +40,31 @@ class WorkerSpec:
     cpu_cores: Optional[tuple[int, ...]] = None  # a host-device core set: the worker pins itself to these cores
 
 
+def set_process_affinity(cores) -> None:
+    """Every thread of this process on ``cores``: ``os.sched_setaffinity(0)`` moves only the calling thread
+    (Linux), so the threads already running (torch's intra-op pool, a caller's) are moved one by one; threads
+    started later inherit it."""
+    os.sched_setaffinity(0, cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread (and the threads it starts) only
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def pin_to_cores(cores: Optional[tuple[int, ...]]) -> None:
-    """Pin this process to ``cores`` (``os.sched_setaffinity``) with one torch thread per core; None: nothing.
-    Called by the worker process itself (a spawned process or a Ray actor), never by an in-process engine."""
+    """Pin this process to ``cores`` (every thread, :func:`set_process_affinity`) with one torch thread per core;
+    None: nothing. Called by the worker process itself (a spawned process or a Ray actor), never by an in-process
+    engine."""
     if cores is None:
         return
     import torch
 
-    os.sched_setaffinity(0, cores)
+    set_process_affinity(cores)
     torch.set_num_threads(len(cores))
 
 

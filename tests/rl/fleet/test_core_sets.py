@@ -97,15 +97,21 @@ def test_trainer_and_spawned_engine_workers_run_on_the_cores_asked_for(tmp_path)
 
 
 PIN = textwrap.dedent("""
-    import json, os, sys, torch
+    import json, os, sys, threading, torch
     from glm5_core.rl.fleet.placement import pin_trainer
     from glm5_core.rl.serving.worker import pin_to_cores
     torch.set_num_threads(7)
+    started, stop = threading.Event(), threading.Event()
+    tid = []
+    def earlier():  # a thread started before the pin (as torch's intra-op pool may be)
+        tid.append(threading.get_native_id()); started.set(); stop.wait()
+    threading.Thread(target=earlier, daemon=True).start(); started.wait()
     pin_to_cores(tuple(json.loads(sys.argv[1])))
-    worker = [sorted(os.sched_getaffinity(0)), torch.get_num_threads()]
+    worker = [sorted(os.sched_getaffinity(0)), torch.get_num_threads(), sorted(os.sched_getaffinity(tid[0]))]
     pin_trainer(sys.argv[2], 3)
     print("PINNED " + json.dumps({"worker": worker, "trainer": [sorted(os.sched_getaffinity(0)),
-                                                                 torch.get_num_threads()]}))
+                                                                 torch.get_num_threads(),
+                                                                 sorted(os.sched_getaffinity(tid[0]))]}))
 """)
 
 
@@ -117,5 +123,5 @@ def test_a_worker_and_the_trainer_pin_themselves_with_one_torch_thread_per_core(
     out = subprocess.run([sys.executable, "-c", PIN, json.dumps(worker), f"cpu:{trainer}"], capture_output=True,
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.split("PINNED ", 1)[1]) == {"worker": [worker, len(worker)],
-                                                             "trainer": [[trainer], 1]}
+    assert json.loads(out.stdout.split("PINNED ", 1)[1]) == {"worker": [worker, len(worker), worker],
+                                                             "trainer": [[trainer], 1, [trainer]]}
