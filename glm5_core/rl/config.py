@@ -43,6 +43,7 @@ MAX_THREADS = 4096
 MAX_ENGINES = 1 << 20  # far above any fleet; the driver lists one entry per engine
 
 
+ADMISSIONS = ("slots", "staleness")  # see rl/algorithm/buffer.py (try_admit)
 TRUNCATION_POLICIES = ("as_is", "mask", "penalize")  # see rl/algorithm/truncation.py
 WEIGHT_SYNCS = ("disk", "distributed")
 SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, ...), read when a config is checked
@@ -51,7 +52,8 @@ SYNC_BACKENDS = DIST_BACKEND_NAMES  # the vendors' distributed backends (gloo, .
 # -- values every layer checks (the engines, the fleet and the trainer import them from here) ----------------------
 GREEDY_BELOW = 1e-6  # temperatures under this decode greedily (as SGLang does): logits / 1e-39 would overflow
 MAX_DRAFT_TOKENS = 16  # MTP drafts per decode step (rl/serving/speculative.py)
-_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}))?")
+_DEVICE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::(\d{1,4}(?:-\d{1,4})?(?:\+\d{1,4}(?:-\d{1,4})?)*))?")
+_CORE_SET_SIZE = 4096  # cores one host-device set may name (a guard against "cpu:0-9999")
 
 
 def check_training_temperature(temperature, name: str = "rollout.temperature") -> float:
@@ -114,17 +116,63 @@ def _list_example(kinds: dict[str, DeviceFacts]) -> str:
     return f"'{kind}:1,{kind}:2'"
 
 
-def parse_device(text: Any, where: str) -> tuple[str, Optional[int]]:
-    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
-    The device types are the vendors' (:func:`glm5_core.device_kinds.device_types`), read at each call."""
+def _split_device(text: Any, where: str) -> tuple[str, Optional[str]]:
     kinds = device_kinds.device_types()
     match = _DEVICE.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None or match.group(1) not in kinds:
         raise ValueError(f"{where}: expected a device such as {_examples(kinds)}, got {text!r:.80}")
-    kind, index = match.group(1), match.group(2)
-    if not kinds[kind].is_host and index is None:
-        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'), got {text!r:.80}")
-    return kind, None if index is None else int(index)
+    kind, suffix = match.group(1), match.group(2)
+    if not kinds[kind].is_host and (suffix is None or not suffix.isdigit()):
+        raise ValueError(f"{where}: expected an index for {kind} (e.g. '{kind}:0'; core sets such as "
+                         f"'<host>:0-3' are for the host device only), got {text!r:.80}")
+    return kind, suffix
+
+
+def parse_device(text: Any, where: str) -> tuple[str, Optional[int]]:
+    """``"<type>:1"`` -> ``("<type>", 1)``; ``"cpu"`` -> ``("cpu", None)``; ``ValueError`` naming ``where``.
+    The host device (the vendor facts' ``is_host``) also takes a core set, ``"cpu:0-1"`` / ``"cpu:0-1+4"``
+    (see :func:`core_set`): its index is the set's first core. The device types are the vendors'
+    (:func:`glm5_core.device_kinds.device_types`), read at each call."""
+    kind, suffix = _split_device(text, where)
+    cores = core_set(text, where)
+    if cores is not None:
+        return kind, cores[0]
+    return kind, None if suffix is None else int(suffix)
+
+
+def core_set(text: Any, where: str) -> Optional[tuple[int, ...]]:
+    """The CPU cores a host-device entry pins its process to, sorted, or None (an accelerator, or the bare host
+    device: no pinning). ``"cpu:2"`` -> ``(2,)``, ``"cpu:0-3"`` -> ``(0, 1, 2, 3)``, ``"cpu:0-1+6"`` ->
+    ``(0, 1, 6)``: Linux cpu-list ranges joined by ``+`` (taskset's ``,`` separates the entries of
+    ``rollout.devices`` already). ``ValueError`` naming ``where`` for an empty or reversed range."""
+    kind, suffix = _split_device(text, where)
+    if suffix is None or not device_kinds.device_types()[kind].is_host:
+        return None
+    cores: set[int] = set()
+    for part in suffix.split("+"):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first or last - first >= _CORE_SET_SIZE:
+            raise ValueError(f"{where}: expected a core range low-high with low <= high (at most {_CORE_SET_SIZE} "
+                             f"cores), got {text!r:.80}")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def _normal(kind: str, index: Optional[int], cores: Optional[tuple[int, ...]]) -> str:
+    if cores is not None and len(cores) > 1:
+        return f"{kind}:" + "+".join(f"{a}-{b}" if a != b else f"{a}" for a, b in _runs(cores))
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _runs(cores: tuple[int, ...]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return runs
 
 
 def parse_devices(value: Any, where: str) -> list[str]:
@@ -136,8 +184,37 @@ def parse_devices(value: Any, where: str) -> list[str]:
     out = []
     for i, item in enumerate(items):
         kind, index = parse_device(item, f"{where}[{i}]")
-        out.append(kind if index is None else f"{kind}:{index}")
+        out.append(_normal(kind, index, core_set(item, f"{where}[{i}]")))
     return out
+
+
+def torch_device_name(device: str, where: str = "device") -> str:
+    """The torch device of a device entry: the host device's core set is a placement, not a torch index."""
+    kind, index = parse_device(device, where)
+    if device_kinds.device_types()[kind].is_host:
+        return kind
+    return f"{kind}:{index}"
+
+
+def check_core_sets(train_device: Optional[str], engine_devices: Optional[Any]) -> None:
+    """``ValueError`` when the core sets of ``train.device`` and ``rollout.devices`` overlap (one entry shared by
+    all engines is one set): pinned roles never share a core."""
+    named: list[tuple[str, tuple[int, ...]]] = []
+    if train_device is not None:
+        cores = core_set(train_device, "train.device")
+        if cores is not None:
+            named.append(("train.device", cores))
+    if engine_devices is not None:
+        for i, device in enumerate(parse_devices(engine_devices, "rollout.devices")):
+            cores = core_set(device, f"rollout.devices[{i}]")
+            if cores is not None:
+                named.append((f"rollout.devices[{i}]", cores))
+    for a in range(len(named)):
+        for b in range(a + 1, len(named)):
+            shared = sorted(set(named[a][1]) & set(named[b][1]))
+            if shared:
+                raise ValueError(f"{named[b][0]}: expected CPU cores no other role is pinned to, got cores "
+                                 f"{shared} also in {named[a][0]}")
 
 
 def check_engine_devices(devices: Optional[Any], num_engines: int, where: str = "rollout.devices") -> None:
@@ -187,6 +264,12 @@ def _check_devices(devices, key: str) -> None:
         parse_devices(devices, key)
 
 
+def _check_mask_offpolicy(value, key: str) -> None:
+    if value is None or value == "partial" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return
+    raise ValueError(f"{key}: expected null, 'partial' or an int >= 0 (versions), got {value!r:.60}")
+
+
 def _check_pass_k(values, key: str) -> None:
     if not values or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in values):
         raise ValueError(f"{key}: expected a non-empty list of ints >= 1, got {list(values)!r}")
@@ -202,6 +285,10 @@ class RolloutConfig:
     top_p: float = field(1.0, check=check_top_p)
     max_inflight_groups: int = field(8, range=(1, None))
     max_buffered: int = field(64, range=(1, None))  # async: pause new groups while this many trajectories wait
+    # async: "slots" starts a group whenever an in-flight slot is free (samples too stale are dropped at take
+    # time); "staleness" (AReaL's staleness manager) starts one only if it can be trained within
+    # train.max_staleness versions of the weights it starts under, so no admitted group is dropped as stale
+    admission: str = field("slots", choices=ADMISSIONS)
     engine_threads: int = field(1, range=(1, MAX_THREADS))
     routing: str = field("dp_aware", choices=ROUTINGS)
     virtual_nodes: int = field(150, range=(1, 1 << 16))
@@ -273,6 +360,10 @@ class RLTrainConfig:
     # a trajectory cut by rollout.max_len: trained as it is, masked out of the loss, or given truncation_reward
     truncation: str = field("as_is", choices=TRUNCATION_POLICIES)
     truncation_reward: float = field(-1.0)
+    # partial rollout (slime's --mask-offpolicy-in-partial-rollout): null trains every sampled token; "partial"
+    # masks a trajectory's tokens sampled under older weights than its newest (those from before a push it
+    # lived through); an int X masks tokens sampled more than X versions behind the policy being trained
+    mask_offpolicy: Any = field(None, check=_check_mask_offpolicy)
 
 
 @dataclasses.dataclass
@@ -405,8 +496,12 @@ def _fleet_problems(r: RolloutConfig, t: RLTrainConfig) -> list[str]:
                         "remove rollout.devices")
     try:
         check_engine_devices(r.devices, r.num_engines)  # builds nothing of num_engines' size
+        check_core_sets(t.device, r.devices)
     except ValueError as exc:
         problems.append(str(exc))
+    if r.admission == "staleness" and t.max_staleness is None:
+        problems.append("rollout.admission: 'staleness' paces admission by train.max_staleness; set it, or use "
+                        "rollout.admission: slots")
     if t.max_staleness is not None and t.optim.push_every > t.max_staleness + 1:
         problems.append(f"train.optim.push_every: expected <= train.max_staleness + 1 = {t.max_staleness + 1} "
                         f"(after the first push every sample would be too stale to train on; lower push_every or "

@@ -28,16 +28,21 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch
-
 from glm5_core.rl import run_state
 from glm5_core.rl.algorithm.buffer import build_buffer, staleness
+from glm5_core.rl.algorithm.offpolicy_mask import mask_offpolicy
 from glm5_core.rl.algorithm.trainer import build_trainer
 from glm5_core.rl.algorithm.truncation import for_training, penalized
 from glm5_core.rl.config import RLConfig
 from glm5_core.rl.evaluation import build_evaluator
 from glm5_core.rl.fleet.executors import build_executor
-from glm5_core.rl.fleet.placement import check_visible, engine_devices, probe_accelerators
+from glm5_core.rl.fleet.placement import (
+    allowed_cores,
+    check_visible,
+    engine_devices,
+    pin_trainer,
+    probe_accelerators,
+)
 from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import build_router
 from glm5_core.rl.fleet.weight_sync import build_weight_sync
@@ -51,7 +56,7 @@ from glm5_core.rl.rollout.runner import build_runner
 from glm5_core.rl.rollout.trajectory import Trajectory
 from glm5_core.rl.run_state import RunState
 from glm5_core.rl.serving.client import EngineClient
-from glm5_core.rl.serving.worker import WorkerSpec
+from glm5_core.rl.serving.worker import WorkerSpec, set_process_affinity
 
 StepHook = Callable[[int, "RLRun"], None]
 PRODUCER_DRAIN_S = 300.0  # after the last step, how long trajectories in flight may take to finish
@@ -114,7 +119,8 @@ class RLRun:
         check_visible([d for d in self.engine_devices if d], "rollout.devices", probe)
         if cfg.train.device:
             check_visible([cfg.train.device], "train.device", probe)
-        torch.set_num_threads(cfg.torch_threads)
+        self._affinity_before = allowed_cores()  # restored when the run ends (a caller may start another run)
+        self.trainer_cores = pin_trainer(cfg.train.device, cfg.torch_threads)  # a core set: pinned, 1 thread/core
         self.model = build_starting_policy(cfg, checkpoint, self.backend, self.out_dir, resume, log)
         if r.speculative is not None and not self.external:  # e.g. a checkpoint whose shards hold no MTP layer
             from glm5_core.rl.serving.speculative import check_draft_model
@@ -132,6 +138,8 @@ class RLRun:
         self.weights_dir = os.path.join(self.out_dir, "weights")
         self.latest_weights = self.trainer.save_weights(self.weights_dir)
         self.latest_version = self.trainer.version
+        self.pushed_version = self.latest_version  # the engines boot from (or are first pushed) these weights
+        self.masked_offpolicy_tokens = 0
         self.router = build_router(r)
         self.executor = build_executor(cfg, self._spec)
         names = self.executor.names if self.external else [f"engine{i}" for i in range(r.num_engines)]
@@ -207,6 +215,10 @@ class RLRun:
         """The trainer's weights to every engine (``rollout.weight_sync``)."""
         self.latest_weights = self.trainer.save_weights(self.weights_dir)  # what a restarted worker boots from
         self.latest_version = self.trainer.version
+        self._push_latest()
+        self.pushed_version = self.latest_version  # every engine holds it (or is caught up before it serves)
+
+    def _push_latest(self) -> None:
         if self.cfg.rollout.weight_sync == "distributed":
             self.weight_sync.push(self.model, self.latest_version, saved=self.latest_weights)
         elif self.external:  # SGLang loads an HF-format directory
@@ -311,9 +323,14 @@ class RLRun:
                 target=self.runner.run_forever, name="rl-producer", daemon=True,
                 kwargs=dict(sink=self._accept, max_inflight_groups=self.cfg.rollout.max_inflight_groups,
                             backlog=self.buffer.num_ready, max_buffered=self.cfg.rollout.max_buffered,
-                            errors=self._producer_errors, drain_timeout=PRODUCER_DRAIN_S))
+                            errors=self._producer_errors, drain_timeout=PRODUCER_DRAIN_S,
+                            admit=self._admit if self.buffer.admission else None))
             self._producer.start()
         return progress
+
+    def _admit(self, group_id: str) -> bool:
+        """Staleness-paced admission: the group starts under ``pushed_version`` (every engine holds it)."""
+        return self.buffer.try_admit(group_id, self.pushed_version, self.trainer.version)
 
     def _next_batch(self, progress: _Progress):
         """The next training batch (None: none this time); raises :class:`TrainerStarvedError` once none came
@@ -369,6 +386,8 @@ class RLRun:
     def _train_on(self, batch, progress: _Progress) -> dict:
         """One optimizer step on ``batch`` (and a weight push when due); the step's metrics row."""
         ages = staleness(batch, self.trainer.version)  # versions behind the trainer
+        batch, masked = mask_offpolicy(batch, self.trainer.version, self.cfg.train.mask_offpolicy)
+        self.masked_offpolicy_tokens += masked
         stats = self.trainer.train_step(for_training(batch, self.cfg.train.truncation))
         if self.trainer.should_push():
             self._push_weights()
@@ -394,6 +413,10 @@ class RLRun:
     def _plugin_counters(self) -> dict:
         """Dynamic sampling, truncation and reward-plug-in counters, run totals so far."""
         out = {"truncated_trajectories": self.truncated_trajectories}
+        if self.cfg.train.mask_offpolicy is not None:
+            out["masked_offpolicy_tokens"] = self.masked_offpolicy_tokens
+        if self.buffer.admission:
+            out["admission_refusals"] = self.buffer.admission_refusals
         if self.buffer.dynamic is not None:
             out.update(self.buffer.dynamic.counters())
         if self.reward is not None:
@@ -475,6 +498,8 @@ class RLRun:
         self.weight_sync.shutdown()
         self.replicas.shutdown()
         self.metrics.close()
+        if self.trainer_cores is not None and self._affinity_before:
+            set_process_affinity(self._affinity_before)  # the calling process gets its cores back
 
     def accounting(self) -> dict[str, list[str]]:
         """Where every issued trajectory ended up (for exactly-once checks)."""

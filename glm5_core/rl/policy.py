@@ -8,12 +8,14 @@ from typing import Callable, Optional
 import torch
 
 from glm5_core.rl import run_state, starting_policy
+from glm5_core.rl.config import torch_device_name
 from glm5_core.rl.device import runtime_device
 
 
 def policy_device(cfg, backend: Optional[str]) -> torch.device:
     """``train.device``, default: the runtime device of ``backend``."""
-    return torch.device(cfg.train.device) if cfg.train.device else runtime_device(backend)
+    return torch.device(torch_device_name(cfg.train.device, "train.device")) if cfg.train.device \
+        else runtime_device(backend)
 
 
 def build_policy(cfg, checkpoint: Optional[str], backend: Optional[str]):

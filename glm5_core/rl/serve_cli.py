@@ -79,8 +79,9 @@ def build(args: argparse.Namespace):
     from glm5_core.model import load_pretrained
     from glm5_core.model.checkpoint import check_checkpoint_dir
     from glm5_core.registry import require_available, resolve_backend_name
+    from glm5_core.rl.config import torch_device_name
     from glm5_core.rl.device import runtime_device
-    from glm5_core.rl.fleet.placement import check_visible, parse_device, probe_accelerators
+    from glm5_core.rl.fleet.placement import check_visible, parse_device, pin_trainer, probe_accelerators
     from glm5_core.rl.serving.engine import RolloutEngine
     from glm5_core.rl.serving.server import EngineServer
 
@@ -91,9 +92,9 @@ def build(args: argparse.Namespace):
     if args.device is not None:
         parse_device(args.device, "--device")
         check_visible([args.device], "--device", probe_accelerators)
-    torch.set_num_threads(args.torch_threads)
+    pin_trainer(args.device, args.torch_threads)  # a CPU core set (--device cpu:0-1): pinned, one thread a core
     model = load_pretrained(args.checkpoint, backend=backend)
-    model = model.to(torch.device(args.device) if args.device else runtime_device(backend))
+    model = model.to(torch.device(torch_device_name(args.device)) if args.device else runtime_device(backend))
     engine = RolloutEngine(model, max_batch=args.max_batch, max_len=args.max_len,
                            prefix_cache_entries=args.prefix_cache_entries, seed=args.seed,
                            reuse_stacked_weights=True,  # the server owns its model

@@ -79,3 +79,32 @@ def test_trainer_clock_counts_compute_push_and_in_loop_eval(monkeypatch):
 def test_median_of_an_even_count_is_the_mean_of_the_middle_two():
     assert bench.median([3.0, 1.0, 4.0, 2.0]) == 2.5
     assert bench.median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_both_modes_get_the_same_placement_and_async_the_admission(tmp_path):
+    base = bench.load_sections(str(ROOT / "configs" / "rl_longtail.yaml"))
+    args = flags(trainer_device="cpu:0", engine_devices="cpu:1", admission="slots")
+    for mode in bench.MODES:
+        cfg = bench.run_config(base, args, mode, 2, str(tmp_path))
+        assert (cfg.train.device, cfg.rollout.devices, cfg.rollout.admission) == ("cpu:0", "cpu:1", "slots")
+        assert cfg.rollout.max_inflight_groups * cfg.rollout.group_size == cfg.train.batch_size
+
+
+def test_outcomes_and_the_named_bubble(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "reward": 0.25, "elapsed_s": 2.0}\n{"step": 2, "reward": 0.5, "elapsed_s": 4.0}\n')
+    curve = bench.reward_curve(str(metrics), batch_size=4)
+    assert curve == [(2.0, 1.0), (4.0, 3.0)]
+    summary = {"issued_trajectories": 10, "dropped_stale": 1, "env_failures": 1, "rollout_failures": 0,
+               "dropped_malformed": 0, "rollout_idle_ratio": 0.3, "elapsed_s": 4.0}
+    out = bench.outcomes(summary, curve)
+    assert (out["dropped_fraction"], out["dropped_stale_fraction"], out["reward_per_s"]) == (0.2, 0.1, 0.75)
+    row = {"elapsed_s": 10.0, "take_wait_s": 6.0, "compute_s": 3.0, "push_s": 0.5, "eval_s": 0.0, "other_s": 0.5,
+           "trainer_idle_ratio_corrected": 0.7, "engine_idle_ratio": 0.1, "steps": 4}
+    sync = dict(row, elapsed_s=20.0, take_wait_s=8.0)
+    assert bench.bubble(row, sync, 1.2, 2.0, 0.2).startswith("take_wait_s (60% of the async trainer's time)")
+    assert bench.bubble(dict(row, trainer_idle_ratio_corrected=0.1), sync, 2.5, 2.0, 0.2) is None
+    busy = dict(row, compute_s=9.0, push_s=1.0, take_wait_s=0.0, trainer_idle_ratio_corrected=0.1)
+    assert bench.bubble(busy, sync, 1.5, 2.0, 0.2).startswith(
+        "trainer compute-bound: the async trainer computes 90% of its time, so async can be at most ~2.00x sync "
+        "here (sync waited for rollouts only 40% of its time")

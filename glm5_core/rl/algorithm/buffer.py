@@ -8,6 +8,10 @@
 * dynamic sampling (``dynamic``, see ``dynamic_sampling``): a completed group with equal rewards is held back,
   and fills a batch only once the sampling rounds for it are spent; the held-back groups a batch did not
   use are dropped when it is taken.
+* staleness-paced admission (``admission=True``, ``rollout.admission: staleness``; AReaL's staleness manager made
+  exact): a group is admitted (started) only if it can still be trained within ``max_staleness`` versions of
+  the weights it starts under, and the trainer takes batches earliest-deadline-first and waits rather than step
+  past an admitted group's deadline, so admitted work is never dropped as stale (see :meth:`try_admit`).
 
 :meth:`state_dict` holds the counters a resumed run continues (drops, the staleness histogram, trajectories
 trained), not trajectories: a sync run's buffer is empty between steps; what an async run had buffered is lost.
@@ -31,7 +35,7 @@ def staleness(trajectories: list[Trajectory], policy_version: int) -> list[int]:
 
 class TrajectoryBuffer:
     def __init__(self, *, batch_size: int, group_size: int, max_staleness: Optional[int] = None,
-                 dynamic_max_rounds: Optional[int] = None):
+                 dynamic_max_rounds: Optional[int] = None, admission: bool = False):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         if not isinstance(group_size, int) or group_size < 1 or batch_size % group_size:
@@ -52,8 +56,41 @@ class TrajectoryBuffer:
         self.staleness_histogram: dict[int, int] = collections.Counter()
         self._closed = False
         self._trained_before = 0  # trajectories trained before a resume
+        if admission and (max_staleness is None or dynamic_max_rounds is not None):
+            raise ValueError("admission: staleness-paced admission needs max_staleness and no dynamic sampling")
+        self.admission = admission
+        self._deadlines: dict[str, int] = {}  # admitted, untrained group -> the last version it may be taken at
+        self._next_take: Optional[int] = None  # the policy version of the next take (admission's clock)
+        self.admission_refusals = 0  # times a group was held back because it could not finish in time
         self.dynamic = (DynamicSampler(max_rounds=dynamic_max_rounds, groups_per_batch=batch_size // group_size)
                         if dynamic_max_rounds is not None else None)
+
+    def _feasible(self, deadlines: list[int], next_take: int) -> bool:
+        """Every group can be taken by its deadline, ``batch_size`` trajectories a take from ``next_take`` on:
+        for each deadline d, the trajectories due by d fit in the takes at versions next_take..d."""
+        due = 0
+        for d in sorted(deadlines):
+            due += self.group_size
+            if due > (d - next_take + 1) * self.batch_size:
+                return False
+        return True
+
+    def try_admit(self, group_id: str, weights_version: int, trainer_version: int) -> bool:
+        """Admission mode: admit group ``group_id`` to start under ``weights_version`` (the newest version every
+        engine holds, so its tokens are sampled at that version or later) if, with it, every admitted untrained
+        group can still be taken within ``max_staleness`` of its start (``trainer_version``: the version of the
+        next take). True: admitted, its deadline recorded. Without admission mode: always True."""
+        if not self.admission:
+            return True
+        with self._cond:
+            if self._next_take is None or trainer_version > self._next_take:
+                self._next_take = trainer_version
+            deadline = weights_version + self.max_staleness
+            if not self._feasible([*self._deadlines.values(), deadline], self._next_take):
+                self.admission_refusals += 1
+                return False
+            self._deadlines[group_id] = deadline
+            return True
 
     def put(self, trajectory: Trajectory) -> None:
         with self._cond:
@@ -87,21 +124,35 @@ class TrajectoryBuffer:
             for group in self.dynamic.held:
                 if not self._is_stale(group, policy_version):
                     continue
+                self._deadlines.pop(group[0].group_id, None)
                 self.dropped_stale += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
             self.dynamic.held = fresh
         keep = []
         for group in self._ready:
             if any(t.env_failed for t in group):
+                self._deadlines.pop(group[0].group_id, None)
                 self.dropped_env_failures += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
                 continue
             if self._is_stale(group, policy_version):
+                self._deadlines.pop(group[0].group_id, None)
                 self.dropped_stale += len(group)
                 self.dropped_ids.extend(t.trajectory_id for t in group)
             else:
                 keep.append(group)
         self._ready = keep
+
+    def _admitted_batch_ready(self, policy_version: int) -> bool:
+        """Admission mode: order the ready groups earliest deadline first; True when ``batch_size`` are ready
+        and, once they are taken, every admitted group left (running ones included) can still be taken by its
+        deadline. False: the trainer waits for the running groups that are due (a bubble, named in metrics)."""
+        if sum(len(g) for g in self._ready) < self.batch_size:
+            return False
+        self._ready.sort(key=lambda g: self._deadlines.get(g[0].group_id, policy_version + self.max_staleness))
+        taken = {g[0].group_id for g in self._ready[:self.batch_size // self.group_size]}
+        left = [d for gid, d in self._deadlines.items() if gid not in taken]
+        return self._feasible(left, policy_version + 1)
 
     def _filled_from_held(self, fill_held: bool) -> bool:
         """Dynamic sampling with its rounds spent (``fill_held``: the caller says so; async: counted here):
@@ -123,7 +174,10 @@ class TrajectoryBuffer:
         with self._cond:
             while True:
                 self._drop_stale(policy_version)
-                if sum(len(g) for g in self._ready) >= self.batch_size or self._filled_from_held(fill_held):
+                if self.admission:
+                    if self._admitted_batch_ready(policy_version):
+                        break
+                elif sum(len(g) for g in self._ready) >= self.batch_size or self._filled_from_held(fill_held):
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if self._closed or (remaining is not None and remaining <= 0):
@@ -132,6 +186,10 @@ class TrajectoryBuffer:
             batch: list[Trajectory] = []
             while len(batch) < self.batch_size:
                 batch.extend(self._ready.pop(0))
+            for group_id in {t.group_id for t in batch}:
+                self._deadlines.pop(group_id, None)
+            if self.admission:
+                self._next_take = policy_version + 1
             self.taken_ids.extend(t.trajectory_id for t in batch)
             self.staleness_histogram.update(staleness(batch, policy_version))
             if self.dynamic is not None:
@@ -182,4 +240,5 @@ def build_buffer(cfg) -> TrajectoryBuffer:
     ds = cfg.dynamic_sampling
     return TrajectoryBuffer(batch_size=cfg.train.batch_size, group_size=cfg.rollout.group_size,
                             max_staleness=cfg.train.max_staleness,
-                            dynamic_max_rounds=ds.max_rounds if ds.enabled else None)
+                            dynamic_max_rounds=ds.max_rounds if ds.enabled else None,
+                            admission=cfg.mode == "async" and cfg.rollout.admission == "staleness")

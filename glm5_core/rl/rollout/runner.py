@@ -148,6 +148,11 @@ class RolloutRunner:
         decode = getattr(codec, "decode", None)
         return self.reward_fn(reward_input(trajectory_id, episode, samples, decode))
 
+    def next_group_id(self) -> str:
+        """The id the next group will get."""
+        with self._lock:
+            return f"g{self._next_group}"
+
     def _submit_group(self) -> list[concurrent.futures.Future]:
         futures = []
         for i, episode in enumerate(self._new_group()):
@@ -164,12 +169,15 @@ class RolloutRunner:
 
     def run_forever(self, sink: Callable[[Trajectory], None], *, max_inflight_groups: int,
                     backlog: Callable[[], int], max_buffered: int, errors: list[BaseException],
-                    drain_timeout: float = 300.0) -> None:
+                    drain_timeout: float = 300.0, admit: Optional[Callable[[str], bool]] = None) -> None:
         """Async mode: keep groups in flight until :meth:`stop`; finished trajectories go to ``sink``.
-        After the stop, trajectories in flight are finished and sunk too, so none is abandoned."""
+        After the stop, trajectories in flight are finished and sunk too, so none is abandoned. ``admit(group
+        id)`` (staleness-paced admission): False holds the next group back until a later check."""
         inflight: dict[concurrent.futures.Future, None] = {}
         while not self._stop.is_set():
             while len(inflight) < max_inflight_groups * self.group_size and backlog() < max_buffered:
+                if admit is not None and not admit(self.next_group_id()):
+                    break
                 for f in self._submit_group():
                     inflight[f] = None
             if not inflight:

@@ -37,6 +37,35 @@ class WorkerSpec:
     # derived from ``placement`` by the executor that starts the worker (rl.fleet.executors.worker_placement):
     device: Optional[str] = None  # the engine's torch device inside the worker, e.g. "<type>:0" (None: the backend's)
     environment: dict[str, str] = dataclasses.field(default_factory=dict)  # set first thing in a local worker process
+    cpu_cores: Optional[tuple[int, ...]] = None  # a host-device core set: the worker pins itself to these cores
+
+
+def set_process_affinity(cores) -> None:
+    """Every thread of this process on ``cores``: ``os.sched_setaffinity(0)`` moves only the calling thread
+    (Linux), so the threads already running (torch's intra-op pool, a caller's) are moved one by one; threads
+    started later inherit it."""
+    os.sched_setaffinity(0, cores)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread (and the threads it starts) only
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def pin_to_cores(cores: Optional[tuple[int, ...]]) -> None:
+    """Pin this process to ``cores`` (every thread, :func:`set_process_affinity`) with one torch thread per core;
+    None: nothing. Called by the worker process itself (a spawned process or a Ray actor), never by an in-process
+    engine."""
+    if cores is None:
+        return
+    import torch
+
+    set_process_affinity(cores)
+    torch.set_num_threads(len(cores))
 
 
 def build_model(spec: WorkerSpec):
@@ -56,7 +85,7 @@ def build_server(spec: WorkerSpec):
     from glm5_core.rl.serving.engine import RolloutEngine
     from glm5_core.rl.serving.server import EngineServer
 
-    torch.set_num_threads(max(1, int(spec.torch_threads)))
+    torch.set_num_threads(len(spec.cpu_cores) if spec.cpu_cores else max(1, int(spec.torch_threads)))
     model = build_model(spec)
     engine = RolloutEngine(model, max_batch=spec.max_batch, max_len=spec.max_len,
                            prefix_cache_entries=spec.prefix_cache_entries,
@@ -97,6 +126,7 @@ def process_main(spec: WorkerSpec, conn, parent_pid: Optional[int] = None) -> No
     With ``parent_pid`` (the executor's pid) the worker exits by itself when that process dies. Only the
     accelerator of ``spec.placement`` is made visible (``spec.environment``), before anything touches the device."""
     os.environ.update(spec.environment)
+    pin_to_cores(spec.cpu_cores)
     if parent_pid is not None:
         exit_with_parent(parent_pid)
     try:

@@ -23,8 +23,9 @@ def _actor_class():
         def __init__(self, spec: WorkerSpec):
             import os
 
-            from glm5_core.rl.serving.worker import build_server
+            from glm5_core.rl.serving.worker import build_server, pin_to_cores
 
+            pin_to_cores(spec.cpu_cores)
             self._server = build_server(spec).start()
             self._pid = os.getpid()
 

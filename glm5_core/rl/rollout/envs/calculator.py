@@ -7,6 +7,14 @@ asks for the answer, and the reward is 1.0 iff the model's final line is exactly
 ``n`` is long-tailed: ``1 + floor(pareto(alpha))`` capped at ``max_numbers``, so most episodes are short and a
 few are very long, which is what leaves a synchronous RL loop waiting on stragglers.
 
+The distribution, stated: an episode that runs to its answer takes ``n`` model turns (``n - 1`` calculator calls,
+then the answer; every member of a group gets the same numbers). With Pareto scale 1, ``P(n >= k) = (k - 1) **
+-alpha`` for ``max(2, min_numbers) <= k <= max_numbers`` (``n >= 2`` always unless ``max_numbers`` is 1), and
+``n = max_numbers`` with probability ``(max_numbers - 1) ** -alpha``. ``pareto_alpha: 1.0, max_numbers: 50``
+(``configs/rl_longtail.yaml``) gives episodes of 2 to 50 turns: half take 2, a quarter 4 or more, 5% 21 or more,
+2.5% 41 or more, 2% the full 50; mean ``1 + H_49`` = 5.48 turns (H: the harmonic number). A smaller alpha
+fattens the tail. ``tests/rl/rollout/test_calculator_turns.py`` checks these figures against draws.
+
 With a chat tokenizer (``rollout.tokenizer``) the same conversation goes through its chat template
 (:mod:`chat_prompts`): the prompt is a user message, each tool result a ``role: tool`` message followed by a user
 message with the next number (or ``answer:``), appended after the model's sampled ids; a folded tool result is a
