@@ -3,9 +3,9 @@
 the command it already runs.
 
 Two processes join a group on the backend's collective (the device facts' ``dist_backend``: gloo on a host
-device, the accelerator's own collective on one device per process). Every process builds the same concatenated batch (fp32,
-identical generators), takes its own tokens and checks, against the single-device reference over the whole
-batch (``moe.dispatch_reference`` / ``moe.combine_reference``):
+device, the accelerator's own collective on one device per process). Every process builds the same concatenated
+batch (fp32, identical generators), takes its own tokens and checks, against the single-device reference over the
+whole batch (``moe.dispatch_reference`` / ``moe.combine_reference``):
 
 * ``random``: the rows and counts its experts receive, bitwise (expert-major, within an expert by source rank,
   source token, slot), and combine's output for its tokens, bitwise;

@@ -131,7 +131,7 @@ def _repeatable(runs: int = 3) -> CheckFn:
 
 def checks() -> list[Check]:
     # every shape in fp32; bf16 / fp16 on the odd-T and the one-token shapes; q / k not normalised on one
-    # (kept small: every check runs on cuda and rocm under the interpreter in CI)
+    # (kept small: every check runs on the Triton backends under the interpreter in CI)
     cases = [(shape, torch.float32, True) for shape in testing.KDA_SHAPES]
     cases += [(shape, dtype, True) for shape in testing.KDA_SHAPES[:2] for dtype in (torch.bfloat16, torch.float16)]
     cases += [(testing.KDA_SHAPES[0], torch.float32, False)]
