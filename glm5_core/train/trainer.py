@@ -39,6 +39,7 @@ from glm5_core.model.checkpoint import RUN_EXPORT_DIR
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
+from glm5_core.train import dcp_checkpoint
 from glm5_core.train import distributed as dist_utils
 from glm5_core.train import fsdp
 from glm5_core.train.config import StageConfig, TrainConfig
@@ -163,9 +164,16 @@ class PretrainTrainer:
         if options.resume:
             configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             folder = ckpt.resolve_checkpoint(Path(options.resume), log=_stderr if self.dist.is_main else _quiet)
-            state = ckpt.load_checkpoint(folder, model=self.model,
-                                         optimizer=self.optimizer, total_steps=self.schedule.total_steps,
-                                         world_size=self.dist.world_size, device_type=self.dist.device.type)
+            if dcp_checkpoint.is_dcp_checkpoint(folder):  # sharded: any EP size and world size, EP or not
+                state = dcp_checkpoint.load(folder, model=self.model, optimizer=self.optimizer,
+                                            total_steps=self.schedule.total_steps, device_type=self.dist.device.type)
+            elif cfg.parallel.ep is not None:
+                raise ValueError(f"--resume: {folder} holds whole-tensor files (a run without parallel.ep); an "
+                                 f"expert-parallel run resumes from sharded checkpoints only")
+            else:
+                state = ckpt.load_checkpoint(folder, model=self.model,
+                                             optimizer=self.optimizer, total_steps=self.schedule.total_steps,
+                                             world_size=self.dist.world_size, device_type=self.dist.device.type)
             self._history = ckpt_folders.lineage(checkpoints, folder)
             changed = _restore_configured_hyperparameters(self.optimizer.param_groups, configured)
             if changed and self.dist.is_main:
@@ -292,6 +300,16 @@ class PretrainTrainer:
     def _save(self, done: int) -> None:
         # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
         root = self.output_dir / "checkpoints"
+        if self.cfg.parallel.ep is not None:  # sharded: every rank writes its own shards (train/dcp_checkpoint.py)
+            written = dcp_checkpoint.save(root, step=done, model=self.model, optimizer=self.optimizer,
+                                          data_state=self.packer.state_dict(), world_size=self.dist.world_size,
+                                          device_type=self.dist.device.type, ep=self.cfg.parallel.ep,
+                                          keep_last=self.cfg.checkpoint.keep_last, is_main=self.dist.is_main,
+                                          history=self._history)
+            if written is not None:
+                self._history = ckpt_folders.read_history(root)
+            dist_utils.barrier(self.dist)
+            return
         written = ckpt.save_checkpoint(root, step=done, model=self.model,
                                        optimizer=self.optimizer, data_state=self.packer.state_dict(),
                                        world_size=self.dist.world_size, device_type=self.dist.device.type,
