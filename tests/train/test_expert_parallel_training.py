@@ -1,0 +1,128 @@
+"""``glm5 pretrain --parallel ep=N`` on real gloo processes (torchrun): training at EP=2 / EP=4 tracks the run without
+expert sharding at the same world size (EP=1) to the fp32 tolerance table and repeats its golden trace bitwise
+(``tests/train/ep_golden.py`` made them; its docstring has the command); a sharded (DCP) checkpoint written at
+EP=2 and stopped mid-run resumes at EP=4, EP=2 and EP=1 on the same curve; the refusals of a bad ``ep``.
+
+The default run keeps one 2-process test (6 of the 20 golden steps, then a resume on one process); the full
+20-step and 4-process checks are marked slow.
+"""
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm5_core.testing import TOLERANCES
+from glm5_core.train.config import TrainConfig
+from glm5_core.train.config_loader import load_config
+from glm5_core.train.trainer import RunOptions, pretrain
+from tests.train import ep_golden
+
+ATOL, RTOL = TOLERANCES[torch.float32]
+
+pytestmark = pytest.mark.skipif(shutil.which(ep_golden.torchrun_cmd(1)[0]) is None, reason="torchrun is not installed")
+
+
+def _golden(name: str) -> dict:
+    golden = ep_golden.load(name)
+    differs = ep_golden.environment_differs(golden)
+    if differs:
+        pytest.skip(f"golden trace {name} was made elsewhere ({differs}): regenerate with {golden['command']}")
+    return golden
+
+
+def _same_trace(got: dict, golden: dict, steps: int) -> None:
+    """Bitwise: the first ``steps`` steps' loss, LM loss and gradient norm."""
+    for key in ("loss", "lm_loss", "grad_norm"):
+        assert got[key][:steps] == golden[key][:steps], f"{key} differs from the golden trace {golden['setting']}"
+
+
+def _tracks(got: dict, baseline: dict, steps: int) -> None:
+    """To the fp32 tolerance table: every step's loss and gradient norm."""
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key][:steps], dtype=torch.float64),
+                                   torch.tensor(baseline[key][:steps], dtype=torch.float64), atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
+    """EP=2 on 2 processes: 6 steps bitwise its golden trace and to tolerance the EP=1 run's; the DCP checkpoint
+    at step 6 resumes on ONE process (every expert whole there), whose steps 7..10 track the golden."""
+    golden, baseline = _golden("ep2"), _golden("ep1_w2")
+    out = tmp_path / "ep2"
+    got = ep_golden.run(tmp_path, 2, 2, max_steps=6, output=out)
+    assert got["steps"] == [1, 2, 3, 4, 5, 6] and got["digests_agree"]
+    _same_trace(got, golden, 6)
+    _tracks(got, baseline, 6)
+    assert (out / "checkpoints" / "step_00000006" / "dcp").is_dir()
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(out), "parallel.ep": 1,
+                                                       "parallel.strategy": "fsdp2"})
+    pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out), resume=str(out), max_steps=10))
+    resumed = ep_golden.trace(out)
+    assert resumed["steps"] == list(range(1, 11))
+    _tracks({k: v[6:] for k, v in resumed.items() if isinstance(v, list)},
+            {k: v[6:] for k, v in golden.items() if isinstance(v, list)}, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ep2", "ep4"])
+def test_twenty_steps_golden_and_tracking(tmp_path, name):
+    """20 steps at EP=2 (2 processes) / EP=4 (4 processes): bitwise the golden trace (run-to-run repetition),
+    digests equal on every rank, and every step within the fp32 tolerance of the EP=1 run at that world size."""
+    processes, ep = ep_golden.SETTINGS[name]
+    golden, baseline = _golden(name), _golden(f"ep1_w{processes}")
+    got = ep_golden.run(tmp_path, processes, ep)
+    _same_trace(got, golden, ep_golden.STEPS)
+    assert got["parameter_digest"] == golden["parameter_digest"] and got["digests_agree"]
+    _tracks(got, baseline, ep_golden.STEPS)
+
+
+@pytest.mark.slow
+def test_stopped_at_ep2_resumes_at_ep4_ep2_and_ep1(tmp_path):
+    """A run stopped after 8 steps at EP=2 (its DCP checkpoint) resumes at EP=4 on 4 processes, at EP=2 (bitwise
+    the uninterrupted run) and at EP=1 on 2 processes; every resumed curve tracks the uninterrupted EP=2 one."""
+    golden = _golden("ep2")
+    stopped = tmp_path / "stopped"
+    ep_golden.run(tmp_path, 2, 2, max_steps=8, output=stopped)
+    for processes, ep in ((4, 4), (2, 2), (2, 1)):
+        out = tmp_path / f"resume_p{processes}_ep{ep}"
+        shutil.copytree(stopped, out)
+        got = ep_golden.run(tmp_path, processes, ep, resume=True, output=out)
+        assert got["steps"] == list(range(1, 21))
+        if (processes, ep) == (2, 2):
+            _same_trace(got, golden, ep_golden.STEPS)
+        _tracks(got, golden, ep_golden.STEPS)
+
+
+def test_ep_must_divide_the_experts(tmp_path):
+    """parallel.ep that does not divide n_routed_experts (4): one config problem naming the key."""
+    raw_path = ep_golden.config(tmp_path)
+    with pytest.raises(ValueError, match=r"parallel\.ep: expected a divisor of model\.n_routed_experts \(4\), got 3"):
+        load_config(raw_path, [], {"parallel.ep": 3, "parallel.strategy": "fsdp2"})
+    with pytest.raises(ValueError, match="parallel.ep: expert parallelism shards with FSDP2"):
+        load_config(raw_path, [], {"parallel.ep": 2})
+
+
+def test_ep_must_divide_the_world_size(tmp_path):
+    """ep=2 on one process: refused before any step, naming the key and the world size."""
+    cfg = load_config(ep_golden.config(tmp_path), [], {"parallel.ep": 2, "parallel.strategy": "fsdp2",
+                                                       "output_dir": str(tmp_path / "x")})
+    assert isinstance(cfg, TrainConfig)
+    with pytest.raises(ValueError, match=r"parallel\.ep: expected a divisor of the world size 1, got 2"):
+        pretrain(cfg, RunOptions(backend="cpu"))
+
+
+def test_cli_parallel_ep_refusals_are_one_line(tmp_path):
+    """--parallel ep=3 (4 experts) and --parallel ep=x: one error line on stderr (argparse's usage before a
+    malformed flag), no traceback, exit status 2."""
+    cfg = ep_golden.config(tmp_path)
+    for flag, expected in (("ep=3", "parallel.ep: expected a divisor of model.n_routed_experts"),
+                           ("ep=x", "--parallel")):
+        proc = subprocess.run([sys.executable, "-m", "glm5_core.cli", "pretrain", "--config", str(cfg),
+                               "--parallel", flag, "--check-config"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert expected in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        errors = [line for line in lines if "error" in line]
+        assert len(errors) == 1 and expected in errors[0], lines  # argparse prints its usage before the error line
