@@ -48,7 +48,8 @@ def _tracks(got: dict, baseline: dict, steps: int) -> None:
 
 def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
     """EP=2 on 2 processes: 6 steps bitwise its golden trace and to tolerance the EP=1 run's; the DCP checkpoint
-    at step 6 resumes on ONE process (every expert whole there), whose steps 7..10 track the golden."""
+    at step 6 resumes on ONE process, at EP=1 (every expert whole there; steps 7..10) and without parallel.ep
+    (steps 7, 8), tracking the golden."""
     golden, baseline = _golden("ep2"), _golden("ep1_w2")
     out = tmp_path / "ep2"
     got = ep_golden.run(tmp_path, 2, 2, max_steps=6, output=out)
@@ -56,6 +57,12 @@ def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
     _same_trace(got, golden, 6)
     _tracks(got, baseline, 6)
     assert (out / "checkpoints" / "step_00000006" / "dcp").is_dir()
+    plain = tmp_path / "plain"  # a run without parallel.ep resumes the sharded checkpoint too
+    shutil.copytree(out, plain)
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(plain)})
+    pretrain(cfg, RunOptions(backend="cpu", output_dir=str(plain), resume=str(plain), max_steps=8))
+    _tracks({k: v[6:] for k, v in ep_golden.trace(plain).items() if isinstance(v, list)},
+            {k: v[6:8] for k, v in golden.items() if isinstance(v, list)}, 2)
     cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(out), "parallel.ep": 1,
                                                        "parallel.strategy": "fsdp2"})
     pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out), resume=str(out), max_steps=10))
