@@ -9,7 +9,7 @@ settings, run in one invocation so the ratios are measured under the same load:
 Models: ``tiny`` (configs/tiny.yaml as it is: hidden 128, 8 experts of FFN 96) and ``small`` (the same file with
 the ``SMALL`` overrides: hidden 256, 16 experts of FFN 256, dense FFN 768, larger MLA ranks).
 
-    python benchmarks/train_ep_vs_ddp.py [--steps 20] [--models tiny small] [--out benchmarks/results/train_ep_vs_ddp.json]
+    python benchmarks/train_ep_vs_ddp.py [--steps 20] [--models tiny small] [--out PATH.json]
 """
 from __future__ import annotations
 

@@ -30,8 +30,14 @@ import torch
 
 from glm5_core.safe_files import read_json
 from glm5_core.train import checkpoint_folders as folders
-from glm5_core.train.checkpoint import (FORMAT_VERSION, MAX_STATE_BYTES, _python_rng_state, _restore_rng,
-                                        _rng_tensors, _write_json)
+from glm5_core.train.checkpoint import (
+    FORMAT_VERSION,
+    MAX_STATE_BYTES,
+    _python_rng_state,
+    _restore_rng,
+    _rng_tensors,
+    _write_json,
+)
 from glm5_core.train.fsdp import is_dtensor
 
 DCP_DIR = "dcp"

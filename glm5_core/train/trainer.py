@@ -39,9 +39,8 @@ from glm5_core.model.checkpoint import RUN_EXPORT_DIR
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
-from glm5_core.train import dcp_checkpoint
+from glm5_core.train import dcp_checkpoint, fsdp
 from glm5_core.train import distributed as dist_utils
-from glm5_core.train import fsdp
 from glm5_core.train.config import StageConfig, TrainConfig
 from glm5_core.train.data import build_packer
 from glm5_core.train.losses import mtp_loss, next_token_loss

@@ -88,7 +88,8 @@ def trace(out: Path) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     return {"steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
             "lm_loss": [r.get("lm_loss") for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "parameter_digest": summary["parameter_digests"][0], "digests_agree": len(set(summary["parameter_digests"])) == 1}
+            "parameter_digest": summary["parameter_digests"][0],
+            "digests_agree": len(set(summary["parameter_digests"])) == 1}
 
 
 def load(name: str) -> dict:
