@@ -56,7 +56,15 @@ def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
     assert got["steps"] == [1, 2, 3, 4, 5, 6] and got["digests_agree"]
     _same_trace(got, golden, 6)
     _tracks(got, baseline, 6)
-    assert (out / "checkpoints" / "step_00000006" / "dcp").is_dir()
+    shards = sorted((out / "checkpoints" / "step_00000006" / "dcp").glob("*.safetensors"))
+    assert len(shards) == 2  # one file per rank, each with only its own experts (no rank wrote the whole model)
+    from safetensors import safe_open
+
+    held = []
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            held.append(sorted({k.split(".experts.")[1].split(".")[0] for k in f.keys() if ".experts." in k}))
+    assert held == [["0", "1"], ["2", "3"]], held
     plain = tmp_path / "plain"  # a run without parallel.ep resumes the sharded checkpoint too
     shutil.copytree(out, plain)
     cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(plain)})
