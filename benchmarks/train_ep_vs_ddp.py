@@ -9,8 +9,10 @@ settings, run in one invocation so the ratios are measured under the same load:
 Models: ``tiny`` (configs/tiny.yaml as it is: hidden 128, 8 experts of FFN 96), ``small`` (the same file with
 the ``SMALL`` overrides: hidden 256, 16 experts of FFN 256, dense FFN 768, larger MLA ranks) and ``small_short``
 (small on 2 sequences of 32 tokens a step, where the model state rather than the activations sets the peak).
-Peak memory is reported as the peak RSS and as the peak RSS above the RSS at the worker's start (after importing
-torch and glm5_core, the same in every setting).
+Peak memory is reported three ways per rank: the process's peak RSS; that above the RSS at the worker's start
+(torch and glm5_core imported, the same in every setting); and the peak RSS of the training steps alone (reset
+when the step loop starts, read when it ends: model build and sharding before, and the end-of-run digest and HF
+export, which gather the whole model, after, are left out). The last is the one EP is meant to lower.
 
     python benchmarks/train_ep_vs_ddp.py [--steps 20] [--models tiny small] [--out PATH.json]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -42,18 +45,40 @@ def _current_rss() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def _peak_rss_kib() -> int:
+    """VmHWM (the peak resident size, KiB) of this process (Linux)."""
+    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
+
+
 def worker(argv: list[str]) -> int:
     """torchrun worker: ``glm5 pretrain`` with the given arguments, then this rank's peak RSS into
-    ``<output dir>/peak_rss_rank<r>.json``."""
+    ``<output dir>/peak_rss_rank<r>.json``: over the whole process, and over the training steps alone (the
+    peak is reset when the step loop starts, ``/proc/self/clear_refs``, and read when it ends, before the
+    end-of-run digest and HF export, which gather the whole model)."""
     from glm5_core.cli import main as cli_main
+    from glm5_core.train import trainer
 
     start = _current_rss()  # torch and glm5_core imported: what every setting holds before training
+    steps: dict[str, int] = {}
+    run, finish = trainer.PretrainTrainer.run, trainer.PretrainTrainer._finish
+
+    def run_with_reset(self):
+        steps["start"] = _current_rss()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+        return run(self)
+
+    def finish_after_reading(self, *args, **kwargs):
+        steps["peak"] = _peak_rss_kib() * 1024
+        return finish(self, *args, **kwargs)
+
+    trainer.PretrainTrainer.run, trainer.PretrainTrainer._finish = run_with_reset, finish_after_reading
     code = cli_main(["pretrain", *argv])
     out = Path(argv[argv.index("--output-dir") + 1])
     rank = int(os.environ.get("RANK", "0"))
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    (out / f"peak_rss_rank{rank}.json").write_text(json.dumps({"peak_rss_bytes": peak_kib * 1024,
-                                                              "peak_rss_above_start_bytes": peak_kib * 1024 - start}))
+    (out / f"peak_rss_rank{rank}.json").write_text(json.dumps({
+        "peak_rss_bytes": peak_kib * 1024, "peak_rss_above_start_bytes": peak_kib * 1024 - start,
+        "steps_peak_rss_bytes": steps["peak"], "steps_start_rss_bytes": steps["start"]}))
     return code or 0
 
 
@@ -76,6 +101,8 @@ def run(model: str, setting: str, args, out: Path) -> dict:
     peaks = [json.loads((out / f"peak_rss_rank{r}.json").read_text()) for r in range(2)]
     row["peak_rss_bytes_per_rank"] = [p["peak_rss_bytes"] for p in peaks]
     row["peak_rss_above_start_bytes_per_rank"] = [p["peak_rss_above_start_bytes"] for p in peaks]
+    row["steps_peak_rss_bytes_per_rank"] = [p["steps_peak_rss_bytes"] for p in peaks]
+    row["steps_start_rss_bytes_per_rank"] = [p["steps_start_rss_bytes"] for p in peaks]
     row["model_state_bytes_per_rank"] = row["parameter_bytes_per_rank"] + row["optimizer_state_bytes_per_rank"]
     return row
 
@@ -109,6 +136,8 @@ def main() -> int:
                 "ep2_over_ddp_peak_rss": max(ep2["peak_rss_bytes_per_rank"]) / max(ddp["peak_rss_bytes_per_rank"]),
                 "ep2_over_ddp_peak_rss_above_start": max(ep2["peak_rss_above_start_bytes_per_rank"]) /
                     max(ddp["peak_rss_above_start_bytes_per_rank"]),
+                "ep2_over_ddp_steps_peak_rss": max(ep2["steps_peak_rss_bytes_per_rank"]) /
+                    max(ddp["steps_peak_rss_bytes_per_rank"]),
             }
             print(json.dumps({model: {k: v for k, v in result["models"][model].items() if k != "rows"}}))
     finally:
