@@ -260,6 +260,13 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, ep_group=None
     grads = [p.grad for p in params if p.grad is not None]
     if not any(is_dtensor(g) for g in grads) and ep_group is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if ep_group is None and not expert_params:  # one mesh: as before expert parallelism existed, bit for bit
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # DTensors, partial over the shards
+        total = full_tensor(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for g in grads:
+            g.mul_(coef)
+        return total
     by_mesh: dict[tuple[bool, int], list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:

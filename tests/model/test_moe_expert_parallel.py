@@ -96,26 +96,15 @@ def _forward(model, rank):
     return out.logits, outs, out.expert_ids
 
 
-def _worker(rank, world, ep_size, port, queue):
+def _worker(rank, world, ep_sizes, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        groups = [dist.new_group(list(range(s, s + ep_size))) for s in range(0, world, ep_size)]
-        group = groups[rank // ep_size]
         plain = _model().shard_experts(None)  # no EP: every expert here
         logits0, moe0, ids0 = _forward(plain, rank)
-        sharded = _model().shard_experts(group)
-        held = sorted(int(k) for k in sharded.moe_layers()[0].experts.keys())
-        L = 8 // ep_size
-        assert held == list(range((rank % ep_size) * L, (rank % ep_size + 1) * L)), held
-        logits1, moe1, ids1 = _forward(sharded, rank)
-        assert torch.equal(logits0, logits1), (rank, (logits0 - logits1).abs().max())
-        assert len(moe0) == len(moe1) == 2
-        for a, b in zip(moe0, moe1):
-            assert torch.equal(a, b), (rank, (a - b).abs().max())
-        for a, b in zip(ids0, ids1):
-            assert torch.equal(a, b)
+        for ep_size in ep_sizes:
+            _check_ep(rank, world, ep_size, logits0, moe0, ids0)
         queue.put((rank, "ok"))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -125,7 +114,24 @@ def _worker(rank, world, ep_size, port, queue):
         dist.destroy_process_group()
 
 
-def _run(world, ep_size):
+def _check_ep(rank, world, ep_size, logits0, moe0, ids0):
+    """EP groups of ``ep_size`` consecutive ranks: this rank's forward bitwise the no-EP one."""
+    groups = [dist.new_group(list(range(s, s + ep_size))) for s in range(0, world, ep_size)]  # every rank makes all
+    group = groups[rank // ep_size]
+    sharded = _model().shard_experts(group)
+    held = sorted(int(k) for k in sharded.moe_layers()[0].experts.keys())
+    L = 8 // ep_size
+    assert held == list(range((rank % ep_size) * L, (rank % ep_size + 1) * L)), held
+    logits1, moe1, ids1 = _forward(sharded, rank)
+    assert torch.equal(logits0, logits1), (rank, (logits0 - logits1).abs().max())
+    assert len(moe0) == len(moe1) == 2
+    for a, b in zip(moe0, moe1):
+        assert torch.equal(a, b), (rank, (a - b).abs().max())
+    for a, b in zip(ids0, ids1):
+        assert torch.equal(a, b)
+
+
+def _run(world, *ep_sizes):
     import socket
 
     with socket.socket() as s:
@@ -133,7 +139,7 @@ def _run(world, ep_size):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, ep_size, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, ep_sizes, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=300) for _ in procs)
@@ -150,5 +156,4 @@ def test_forward_bitwise_ep2():
 @pytest.mark.slow
 def test_forward_bitwise_ep4():
     """EP=4 on 4 ranks, and EP=2 inside a world of 4 (two expert-parallel groups)."""
-    _run(4, 4)
-    _run(4, 2)
+    _run(4, 4, 2)
