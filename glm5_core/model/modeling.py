@@ -141,6 +141,15 @@ class GLM5ForCausalLM(nn.Module):
         """MoE layers in expert_counts row order (main layers, then the MTP layer)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    def shard_experts(self, group) -> GLM5ForCausalLM:
+        """Expert parallelism over ``group`` (a ProcessGroup of N ranks, or None for N = 1): every MoE layer keeps
+        only this rank's E/N experts and moves tokens to their experts with ``ep.dispatch`` / ``ep.combine``
+        (``MoE.shard_experts``). Call it on every rank, right after building and initialising the model the same
+        way everywhere (the seed), before FSDP2 or the optimizer. Returns self."""
+        for layer in self.moe_layers():
+            layer.shard_experts(group)
+        return self
+
     def reuse_stacked_expert_weights(self, enabled: bool = True) -> GLM5ForCausalLM:
         """Inference servers: keep each MoE layer's stacked expert weights between no-grad forwards
         (see ``MoE._stacked``; weights written through ``param.data`` are not detected). Returns self."""

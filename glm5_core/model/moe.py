@@ -24,7 +24,7 @@ from torch import nn
 from glm5_core import registry
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.mlp import MLP
-from glm5_core.ops import moe
+from glm5_core.ops import ep, moe
 
 
 class Gate(nn.Module):
@@ -88,6 +88,22 @@ class Gate(nn.Module):
         return weights * self.scaling, ids.to(torch.int32)
 
 
+class LocalExperts(nn.ModuleDict):
+    """The routed experts one rank holds under expert parallelism, keyed by their GLOBAL ids (``"4"``, ``"5"``,
+    ...), so the state-dict names are those of the whole model (``experts.5.gate_proj.weight``): checkpoints and
+    the HF export name an expert the same whatever the expert-parallel size. Its ``forward`` runs the experts
+    over expert-major rows (a module call, so FSDP2's hooks gather its parameters around it)."""
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [R, D] expert-major, counts int64 [L] -> [R, D] (``moe.experts_batch_invariant``)."""
+        mlps = list(self.values())
+        dtype = rows.dtype
+        stacked = [torch.stack([getattr(m, name).weight for m in mlps]).to(dtype)
+                   for name in ("gate_proj", "up_proj", "down_proj")]
+        limit = getattr(mlps[0], "swiglu_limit", None) if mlps else None  # the layer's clamp, kept by its MLPs
+        return moe.experts_batch_invariant(rows, counts, *stacked, swiglu_limit=limit)
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: GLM5Config, moe_index: int, backend: registry.BackendArg,
                  swiglu_limit: Optional[float] = None):
@@ -104,6 +120,31 @@ class MoE(nn.Module):
                                      for _ in range(self.n_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, swiglu_limit)
                                if cfg.n_shared_experts > 0 else None)
+        # expert parallelism (shard_experts): off by default, the layer then runs moe.fused_experts as always
+        self.expert_parallel = False
+        self.ep_group = None
+
+    def shard_experts(self, group) -> None:
+        """Switch this layer to expert parallelism over ``group`` (a ProcessGroup, or None for a group of one):
+        keep only this rank's experts [r*E/N, (r+1)*E/N) (the others are dropped), route tokens to their
+        experts with ``ep.dispatch`` / ``ep.combine`` and run the experts batch-invariantly
+        (``moe.experts_batch_invariant``), so the forward is bitwise the same at every group size. Call it on
+        every rank of the group, on identically initialised layers, before any sharding (FSDP2) or optimizer."""
+        rank, world = ep.group_rank_size(group)
+        if self.n_experts % world:
+            raise ValueError(f"group: expected an expert-parallel size dividing n_routed_experts="
+                             f"{self.n_experts}, got {world}")
+        local = self.n_experts // world
+        held = dict(self.experts.items()) if isinstance(self.experts, LocalExperts) else \
+            {str(e): m for e, m in enumerate(self.experts)}
+        wanted = [str(e) for e in range(rank * local, (rank + 1) * local)]
+        missing = [e for e in wanted if e not in held]
+        if missing:
+            raise ValueError(f"group: rank {rank} of {world} needs experts {wanted[0]}..{wanted[-1]}, this layer "
+                             f"holds only {sorted(held, key=int)}")
+        self.experts = LocalExperts({e: held[e] for e in wanted})
+        self.expert_parallel, self.ep_group = True, group
+        self._stacked_cache.clear()
 
     def _stacked(self, name: str) -> torch.Tensor:
         """The experts' ``name`` weights as one tensor, [E, F, D] or [E, D, F].
@@ -143,7 +184,12 @@ class MoE(nn.Module):
         flat = x.reshape(B * T, D)  # [N, D]
         flat_replay = replay_ids.reshape(B * T, -1) if replay_ids is not None else None  # [N, K]
         weights, ids = self.gate(flat, flat_replay)  # [N, K]
-        if torch.onnx.is_in_onnx_export():
+        if self.expert_parallel:
+            handle = ep.dispatch(flat, ids, weights.to(flat.dtype), group=self.ep_group, num_experts=self.n_experts,
+                                 backend=self.kernels)
+            routed = ep.combine(self.experts(handle.rows, handle.counts), handle, backend=self.kernels)  # [N, D]
+            counts = self._tokens_per_expert(ids)
+        elif torch.onnx.is_in_onnx_export():
             routed, counts = self._all_experts(flat, weights, ids)
         else:
             routed = moe.fused_experts(flat, weights.to(flat.dtype), ids, self._stacked("gate_proj"),

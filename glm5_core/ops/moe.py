@@ -194,6 +194,50 @@ def experts_reference(x_sorted, counts, w_gate, w_up, w_down, *, swiglu_limit: O
     return torch.cat(outputs).to(x_sorted.dtype)
 
 
+ROW_BLOCK = 16  # rows per GEMM of experts_batch_invariant: every GEMM there is [ROW_BLOCK, D] x [D, F] (or F x D)
+
+
+def _blocked_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [n, d_in] @ w.T ([d_out, d_in]) as fixed-shape GEMMs of ROW_BLOCK rows (the last block zero-padded):
+    every call has the same shape, so a row's result does not depend on n or on the other rows. Returns
+    [n, d_out]."""
+    n = x.shape[0]
+    if n == 0:
+        return x @ w.T  # [0, d_out], still a function of w (its gradient is zeros)
+    blocks = -(-n // ROW_BLOCK)
+    padded = torch.cat([x, x.new_zeros(blocks * ROW_BLOCK - n, x.shape[1])]) if blocks * ROW_BLOCK != n else x
+    wt = w.T
+    return torch.cat([padded[b * ROW_BLOCK:(b + 1) * ROW_BLOCK] @ wt for b in range(blocks)])[:n]
+
+
+def experts_batch_invariant(x_sorted, counts, w_gate, w_up, w_down, *, swiglu_limit: Optional[float] = None):
+    """:func:`experts_reference`'s function (SwiGLU per expert over its contiguous rows, in fp32 / fp64), computed
+    so that each row's result is bitwise the same whatever other rows share the call: every GEMM is a fixed
+    [ROW_BLOCK, ...] block (BLAS picks other kernels and reduction orders for other row counts: measured on
+    MKL 2024.2, ``x[:n] @ W.T`` changes a row's bits for n from 1 to 100), and SiLU is ``h * sigmoid(h)`` from
+    exactly rounded elementwise ops (``_Sigmoid``), whose bits do not depend on where a value sits in the
+    tensor. Expert parallelism needs this: an expert's GEMM sees the rows of every rank of the group, without
+    EP only those of its own rank. Differentiable (torch ops); every expert's weights stay in the graph, an
+    expert with no rows included (its gradient is zeros). ``swiglu_limit``: GLM-5.3's clamp, as in :func:`swiglu`
+    (the clamps are elementwise: batch-invariant too). Any device; returns [M, D] in x_sorted's dtype."""
+    ct = _checks.compute_dtype(x_sorted.dtype)
+    outputs = []
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x_sorted[start:start + n].to(ct)  # [n, D]
+        gate = _blocked_linear(xe, w_gate[e].to(ct))  # [n, F]
+        up = _blocked_linear(xe, w_up[e].to(ct))  # [n, F]
+        if swiglu_limit is not None:
+            gate = gate.clamp(min=None, max=swiglu_limit)
+            up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        hidden = gate * _sigmoid(gate) * up  # [n, F]
+        outputs.append(_blocked_linear(hidden, w_down[e].to(ct)))  # [n, D]
+        start += n
+    if not outputs:
+        return x_sorted.new_zeros(x_sorted.shape)
+    return torch.cat(outputs).to(x_sorted.dtype)
+
+
 def fused_experts_reference(x, weights, expert_ids, w_gate, w_up, w_down, *, swiglu_limit: Optional[float] = None):
     """The routed FFN: combine(experts(dispatch(x)), weights). Returns [N, D] in x's dtype."""
     x_sorted, sort_idx, counts = dispatch_reference(x, expert_ids, num_experts=w_gate.shape[0])

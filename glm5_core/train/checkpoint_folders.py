@@ -43,6 +43,7 @@ from glm5_core.safe_files import read_bytes, read_json
 
 LATEST = "latest"
 FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer_state.json")
+SHARDED_FILES = ("dcp", "rng.safetensors", "trainer_state.json")  # train/dcp_checkpoint.py's layout
 MAX_LATEST_BYTES = 1024 * 1024
 MAX_STATE_BYTES = 16 * 1024 * 1024  # trainer_state.json: a step, a data position, 625 Python RNG words
 _STEP = re.compile(r"step_\d{8,12}")
@@ -68,7 +69,8 @@ def temp_folder(root: Path, step: int) -> Path:
 def is_complete(folder: Path) -> bool:
     """A real folder (not a link to one elsewhere) holding every checkpoint file (their contents are checked
     when loaded)."""
-    return folder.is_dir() and not folder.is_symlink() and all(os.path.lexists(folder / f) for f in FILES)
+    return folder.is_dir() and not folder.is_symlink() and (all(os.path.lexists(folder / f) for f in FILES) or
+                                                            all(os.path.lexists(folder / f) for f in SHARDED_FILES))
 
 
 def fsync_path(path: Path) -> None:

@@ -29,11 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="PATH",
                         help="continue from a checkpoint folder, a checkpoints root or a run folder "
                              "(no PATH: the output dir's latest checkpoint)")
-    parser.add_argument("--parallel", choices=PARALLEL_STRATEGIES, default=None,
+    parser.add_argument("--parallel", type=parse_parallel, default=None, metavar="{ddp,fsdp2,ep=N}",
                         help="data parallelism under torchrun: ddp (replicated) or fsdp2 (sharded parameters, "
-                             "gradients and optimizer state); overrides the config's parallel.strategy")
+                             "gradients and optimizer state); ep=N: expert parallelism over N ranks with FSDP2 "
+                             "(parallel.ep = N, parallel.strategy = fsdp2); overrides the config's parallel section")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many steps of the schedule (a checkpoint is written there)")
+
+
+def parse_parallel(text: str) -> dict[str, object]:
+    """``--parallel``: ``ddp``, ``fsdp2`` or ``ep=N`` -> the parallel.* keys it sets."""
+    if text in PARALLEL_STRATEGIES:
+        return {"parallel.strategy": text}
+    if text.startswith("ep="):
+        value = text[3:]
+        if value.isdigit() and int(value) >= 1:
+            return {"parallel.strategy": "fsdp2", "parallel.ep": int(value)}
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(PARALLEL_STRATEGIES)} or ep=N (N >= 1), "
+                                     f"got {text!r}")
 
 
 def check_fresh_output_dir(output_dir: str) -> None:
@@ -55,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps: expected an int >= 1, got {args.max_steps}")
-    flags = {key: value for key, value in (("output_dir", args.output_dir), ("parallel.strategy", args.parallel))
-             if value is not None}  # applied after --set, and checked with the config
+    flags = {"output_dir": args.output_dir} if args.output_dir is not None else {}
+    flags.update(args.parallel or {})  # applied after --set, and checked with the config
     cfg = load_config(args.config, args.set, flags)
     if args.check_config:
         print(yaml.safe_dump(as_plain(cfg), sort_keys=False), end="")

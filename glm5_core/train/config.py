@@ -103,9 +103,17 @@ class LoggingConfig:
 class ParallelConfig:
     """How the ranks of a ``torchrun`` job share the work: ``ddp`` replicates the model and all-reduces
     gradients; ``fsdp2`` shards parameters, gradients and optimizer state on dim 0 (FSDP2's ``fully_shard``).
-    Both give every rank ``data.batch_size / world`` rows per step and save the same checkpoint format."""
+    Both give every rank ``data.batch_size / world`` rows per step and save the same checkpoint format.
+
+    ``ep`` (expert parallelism, off when unset): every rank holds ``n_routed_experts / ep`` experts and tokens move
+    to them by all-to-all (``glm5_core.ops.ep``), on a 2-D DeviceMesh (world / ep, ep): FSDP2 shards the other
+    parameters over every rank and the experts over the world / ep ranks that hold the same experts, as
+    torchtitan does. It needs ``strategy: fsdp2`` (``--parallel ep=N`` sets both), saves sharded
+    ``torch.distributed.checkpoint`` checkpoints, and ``ep: 1`` is the same layout without expert sharding (every
+    expert on every rank, the batch-invariant experts kernel): the bitwise baseline of any EP size."""
 
     strategy: str = field("ddp", choices=PARALLEL_STRATEGIES)
+    ep: Optional[int] = field(None, **positive())
 
 
 @dataclasses.dataclass
@@ -180,6 +188,13 @@ def _cross_problems(cfg: TrainConfig) -> list[str]:
     if cfg.data.source == "stdlib" and cfg.data.path:
         problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
     model = cfg.model_config()
+    if cfg.parallel.ep is not None:
+        if cfg.parallel.strategy != "fsdp2":
+            problems.append(f"parallel.ep: expert parallelism shards with FSDP2; set parallel.strategy: fsdp2 "
+                            f"(--parallel ep=N does), got strategy {cfg.parallel.strategy!r}")
+        if model.n_routed_experts % cfg.parallel.ep:
+            problems.append(f"parallel.ep: expected a divisor of model.n_routed_experts ({model.n_routed_experts}), "
+                            f"got {cfg.parallel.ep}")
     if cfg.loss.mtp_depths > 0 and model.num_nextn_predict_layers == 0:
         problems.append(f"loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, "
                         f"got {cfg.loss.mtp_depths}")

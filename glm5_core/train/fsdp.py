@@ -113,21 +113,44 @@ def stored_name(group: list[str]) -> str:
     return min(group)
 
 
-def full_state_dict(model: nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, keep: bool = True, ep_group=None) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered to its whole tensor, detached, on the CPU.
 
     A collective under FSDP2: every rank must call it, in the same order. ``keep=False`` (the ranks that do
     not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Every
-    name is present; tied names (see :func:`tied_groups`) map to one gathered tensor, gathered once."""
+    name is present; tied names (see :func:`tied_groups`) map to one gathered tensor, gathered once.
+
+    ``ep_group`` (expert parallelism): each rank holds only its experts; they are gathered whole on their mesh,
+    then exchanged over the EP group (``all_gather_object``), so a keeping rank gets every expert (for the HF
+    export and the digest; checkpoints never do this, see ``train/dcp_checkpoint.py``)."""
+    exchange = ep_group is not None and torch.distributed.get_world_size(ep_group) > 1
+    experts = expert_names(model) if exchange else set()
     gathered: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+    mine: dict[str, torch.Tensor] = {}  # this rank's experts, whole (sent over the EP group)
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in gathered:  # the same collectives on every rank, kept or not
             whole = full_tensor(t.detach()).cpu()
-            gathered[id(t)] = whole if keep else None
+            gathered[id(t)] = whole if keep or name in experts else None
+        if name in experts:
+            mine[name] = gathered[id(t)]
         if keep:
             out[name] = gathered[id(t)]
+    if exchange:
+        every: list = [None] * torch.distributed.get_world_size(ep_group)
+        torch.distributed.all_gather_object(every, mine, group=ep_group)
+        if keep:
+            for part in every:
+                out.update(part)
     return out
+
+
+def expert_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the expert-parallel layers' local experts."""
+    from glm5_core.model.moe import LocalExperts
+
+    return {f"{prefix}.{key}" for prefix, module in model.named_modules() if isinstance(module, LocalExperts)
+            for key in module.state_dict().keys()}
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -181,9 +204,30 @@ def _pass_dataclasses_through(unit: nn.Module) -> None:
     unit.register_forward_pre_hook(_unbox, with_kwargs=True)
 
 
-def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Module:
+def expert_parallel_mesh(device_type: str, world_size: int, ep: int):
+    """The 2-D DeviceMesh of expert parallelism, (world / ep, ep) named ("dp_mod_ep", "ep") as torchtitan names
+    them: rank ``d * ep + e`` holds the experts of EP rank ``e`` (the "ep" dim: the ranks tokens are exchanged
+    between), and the "dp_mod_ep" dim joins the world / ep ranks that hold the same experts (FSDP2 shards
+    them there). Refuses an ``ep`` that does not divide the world size, in one line."""
+    if world_size % ep:
+        raise ValueError(f"parallel.ep: expected a divisor of the world size {world_size}, got {ep}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp_mod_ep", "ep"))
+
+
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """The expert-parallel MoE layers' local experts (``LocalExperts``), each an FSDP2 unit of its own."""
+    return [layer.experts for layer in model.moe_layers() if layer.expert_parallel]
+
+
+def shard_model(model: nn.Module, device_type: str, world_size: int, expert_mesh=None) -> nn.Module:
     """Apply FSDP2 to a GLM5ForCausalLM in place (units: see the module docstring); returns it.
 
+    ``expert_mesh`` (expert parallelism, the 1-D "dp_mod_ep" mesh of :func:`expert_parallel_mesh`): each
+    layer's local experts become a unit sharded over it instead of over every rank, with gradients divided by
+    the world size (not the mesh's size: an expert's gradient already sums the rows of every rank of its EP
+    group, so the mean over all ranks' batches is sum / world; torchtitan's ``set_gradient_divide_factor``).
     Needs the default process group (``torchrun``); the model must already be on this rank's device."""
     fully_shard = fully_shard_function()
     from torch.distributed.device_mesh import init_device_mesh
@@ -191,6 +235,10 @@ def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Modul
     if not torch.distributed.is_initialized():
         raise ValueError("parallel.strategy: 'fsdp2' needs a process group (run under torchrun with WORLD_SIZE > 1)")
     mesh = init_device_mesh(device_type, (world_size,))
+    if expert_mesh is not None:
+        for unit in expert_units(model):
+            fully_shard(unit, mesh=expert_mesh)
+            unit.set_gradient_divide_factor(float(world_size))
     for unit in sharding_units(model):
         fully_shard(unit, mesh=mesh)
         _pass_dataclasses_through(unit)
@@ -198,17 +246,44 @@ def shard_model(model: nn.Module, device_type: str, world_size: int) -> nn.Modul
     return model
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, ep_group=None,
+                   expert_params: frozenset = frozenset()) -> torch.Tensor:
     """``clip_grad_norm_`` over plain or DTensor gradients; returns the global 2-norm as a plain tensor.
 
     With sharded gradients each rank holds part of every gradient: each per-gradient norm is a partial
     DTensor, and gathering their norm gives the norm of the whole gradients on every rank, so every rank
-    scales its shards by the same factor (torch's rule: ``min(1, max_norm / (norm + 1e-6))``)."""
+    scales its shards by the same factor (torch's rule: ``min(1, max_norm / (norm + 1e-6))``).
+
+    Expert parallelism: the experts (``expert_params``, ids of parameters) are sharded over another mesh and
+    each EP rank holds other experts, so their squared norms are gathered on their own mesh, then summed over
+    ``ep_group``; the others' over every rank, as above."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(is_dtensor(g) for g in grads):
+    if not any(is_dtensor(g) for g in grads) and ep_group is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # DTensors, partial over the shards
-    total = full_tensor(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+    if ep_group is None and not expert_params:  # one mesh: as before expert parallelism existed, bit for bit
+        norms = [torch.linalg.vector_norm(g, 2.0) for g in grads]  # DTensors, partial over the shards
+        total = full_tensor(torch.linalg.vector_norm(torch.stack(norms), 2.0))
+        coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        for g in grads:
+            g.mul_(coef)
+        return total
+    by_mesh: dict[tuple[bool, int], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        mesh = p.grad.device_mesh if is_dtensor(p.grad) else None
+        by_mesh.setdefault((id(p) in expert_params, id(mesh)), []).append(
+            torch.linalg.vector_norm(p.grad, 2.0))  # partial DTensors over a mesh's shards, or plain
+    squares = {True: torch.zeros((), dtype=torch.float32), False: torch.zeros((), dtype=torch.float32)}
+    for (expert, _), norms in sorted(by_mesh.items(), key=lambda kv: kv[0][0]):  # the same order on every rank
+        whole = full_tensor(torch.linalg.vector_norm(torch.stack(norms), 2.0)).float().cpu()
+        squares[expert] = squares[expert] + whole * whole
+    expert_sq = squares[True]
+    if ep_group is not None:
+        expert_sq = expert_sq.to(grads[0].device if not is_dtensor(grads[0]) else grads[0].to_local().device)
+        torch.distributed.all_reduce(expert_sq, group=ep_group)
+        expert_sq = expert_sq.cpu()
+    total = torch.sqrt(squares[False] + expert_sq)
     coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
     for g in grads:
         g.mul_(coef)

@@ -39,8 +39,8 @@ from glm5_core.model.checkpoint import RUN_EXPORT_DIR
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
+from glm5_core.train import dcp_checkpoint, fsdp
 from glm5_core.train import distributed as dist_utils
-from glm5_core.train import fsdp
 from glm5_core.train.config import StageConfig, TrainConfig
 from glm5_core.train.data import build_packer
 from glm5_core.train.losses import mtp_loss, next_token_loss
@@ -154,8 +154,10 @@ class PretrainTrainer:
         self.model.to(self.dist.device)
         # fsdp2 on one process has nothing to shard: the model stays whole, as with ddp.
         self.sharded = cfg.parallel.strategy == "fsdp2" and self.dist.enabled
+        self.ep_group, expert_mesh = self._expert_parallel()
         if self.sharded:
-            fsdp.shard_model(self.model, self.dist.device.type, self.dist.world_size)
+            fsdp.shard_model(self.model, self.dist.device.type, self.dist.world_size, expert_mesh=expert_mesh)
+        self.expert_params = frozenset(id(p) for unit in fsdp.expert_units(self.model) for p in unit.parameters())
         self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
                                          lr=cfg.schedule.lr, backend=self.backend.name)
         self.start_step = 0
@@ -167,9 +169,16 @@ class PretrainTrainer:
         if options.resume:
             configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             folder = ckpt.resolve_checkpoint(Path(options.resume), log=_stderr if self.dist.is_main else _quiet)
-            state = ckpt.load_checkpoint(folder, model=self.model,
-                                         optimizer=self.optimizer, total_steps=self.schedule.total_steps,
-                                         world_size=self.dist.world_size, device_type=self.dist.device.type)
+            if dcp_checkpoint.is_dcp_checkpoint(folder):  # sharded: any EP size and world size, EP or not
+                state = dcp_checkpoint.load(folder, model=self.model, optimizer=self.optimizer,
+                                            total_steps=self.schedule.total_steps, device_type=self.dist.device.type)
+            elif cfg.parallel.ep is not None:
+                raise ValueError(f"--resume: {folder} holds whole-tensor files (a run without parallel.ep); an "
+                                 f"expert-parallel run resumes from sharded checkpoints only")
+            else:
+                state = ckpt.load_checkpoint(folder, model=self.model,
+                                             optimizer=self.optimizer, total_steps=self.schedule.total_steps,
+                                             world_size=self.dist.world_size, device_type=self.dist.device.type)
             self._history = ckpt_folders.lineage(checkpoints, folder)
             changed = _restore_configured_hyperparameters(self.optimizer.param_groups, configured)
             if changed and self.dist.is_main:
@@ -186,6 +195,24 @@ class PretrainTrainer:
         # ddp: DDP-wrapped for the current stage's trainable set; fsdp2: the sharded model itself (FSDP2
         # follows requires_grad changes without re-wrapping)
         self._wrapped: torch.nn.Module = self.model
+
+    def _expert_parallel(self):
+        """``parallel.ep``: shard the experts over the "ep" dim of a (world / ep, ep) DeviceMesh (every rank
+        keeps its E / ep experts); returns (the EP process group or None, the "dp_mod_ep" mesh the experts'
+        FSDP2 units shard over, or None). Unset: (None, None), the model as it was."""
+        ep = self.cfg.parallel.ep
+        if ep is None:
+            return None, None
+        world = self.dist.world_size
+        if world % ep:
+            raise ValueError(f"parallel.ep: expected a divisor of the world size {world}, got {ep}")
+        if not self.dist.enabled:  # one process: every expert here, no exchange
+            self.model.shard_experts(None)
+            return None, None
+        mesh = fsdp.expert_parallel_mesh(self.dist.device.type, world, ep)
+        group = mesh["ep"].get_group() if ep > 1 else None
+        self.model.shard_experts(group)
+        return group, mesh["dp_mod_ep"]
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:
@@ -215,7 +242,8 @@ class PretrainTrainer:
         trainable = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = None
         if cfg.optimizer.grad_clip > 0 and trainable:
-            grad_norm = float(fsdp.clip_grad_norm(trainable, cfg.optimizer.grad_clip))
+            grad_norm = float(fsdp.clip_grad_norm(trainable, cfg.optimizer.grad_clip, ep_group=self.ep_group,
+                                                  expert_params=self.expert_params))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         counts = dist_utils.all_reduce_sum(out.expert_counts.clone(), d)  # [moe layers, E]
@@ -308,6 +336,16 @@ class PretrainTrainer:
     def _save(self, done: int) -> None:
         # Every rank takes part (sharded tensors are gathered whole); only rank 0 writes.
         root = self.output_dir / "checkpoints"
+        if self.cfg.parallel.ep is not None:  # sharded: every rank writes its own shards (train/dcp_checkpoint.py)
+            written = dcp_checkpoint.save(root, step=done, model=self.model, optimizer=self.optimizer,
+                                          data_state=self.packer.state_dict(), world_size=self.dist.world_size,
+                                          device_type=self.dist.device.type, ep=self.cfg.parallel.ep,
+                                          keep_last=self.cfg.checkpoint.keep_last, is_main=self.dist.is_main,
+                                          history=self._history)
+            if written is not None:
+                self._history = ckpt_folders.read_history(root)
+            dist_utils.barrier(self.dist)
+            return
         written = ckpt.save_checkpoint(root, step=done, model=self.model,
                                        optimizer=self.optimizer, data_state=self.packer.state_dict(),
                                        world_size=self.dist.world_size, device_type=self.dist.device.type,
@@ -320,9 +358,9 @@ class PretrainTrainer:
     def _export_model(self) -> Optional[GLM5ForCausalLM]:
         """The model to export in HF layout on rank 0 (None elsewhere): the model itself, or under fsdp2 an
         unsharded copy built from the gathered weights (every rank must call this)."""
-        if not self.sharded:
+        if not self.sharded and self.cfg.parallel.ep is None:
             return self.model if self.dist.is_main else None
-        state = fsdp.full_state_dict(self.model, keep=self.dist.is_main)
+        state = fsdp.full_state_dict(self.model, keep=self.dist.is_main, ep_group=self.ep_group)
         if not self.dist.is_main:
             return None
         whole = GLM5ForCausalLM(self.cfg.model_config(), backend=self.backend.name)
@@ -341,10 +379,11 @@ class PretrainTrainer:
                 "optimizer_state_bytes_per_rank": sum(local_bytes(v) for v in states)}
 
     def _finish(self, wall_s: float, rates: list[float], skipped: list[str]) -> dict:
-        digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model), self.dist)
+        digests = dist_utils.gather_strings(dist_utils.parameter_digest(self.model, self.ep_group), self.dist)
         export = self._export_model()
         summary = {"backend": self.backend.name, "world_size": self.dist.world_size,
                    "parallel": self.cfg.parallel.strategy if self.dist.enabled else "none",
+                   **({"expert_parallel": self.cfg.parallel.ep} if self.cfg.parallel.ep is not None else {}),
                    "steps": [self.start_step, self.stop_step], "wall_s": wall_s,
                    "median_tokens_per_s": statistics.median(rates) if rates else None,
                    "parameter_digests": digests, **self._memory_per_rank()}

@@ -1,0 +1,153 @@
+"""``glm5 pretrain --parallel ep=N`` on real gloo processes (torchrun): training at EP=2 / EP=4 tracks the run without
+expert sharding at the same world size (EP=1) to the fp32 tolerance table and repeats its golden trace bitwise
+(``tests/train/ep_golden.py`` made them; its docstring has the command); a sharded (DCP) checkpoint written at
+EP=2 and stopped mid-run resumes at EP=4, EP=2 and EP=1 on the same curve; the refusals of a bad ``ep``.
+
+The default run re-runs 4 of EP=2's 20 golden steps on 2 processes (then resumes on one process) and compares
+the stored 20-step traces of EP=2 / EP=4 with EP=1's; the 4-process re-run and the resume at EP=4 / EP=2 / EP=1
+are marked slow.
+"""
+import shutil
+
+import pytest
+import torch
+
+from glm5_core.testing import TOLERANCES
+from glm5_core.train.config import TrainConfig
+from glm5_core.train.config_loader import load_config
+from glm5_core.train.trainer import RunOptions, pretrain
+from tests.train import ep_golden
+
+ATOL, RTOL = TOLERANCES[torch.float32]
+
+pytestmark = pytest.mark.skipif(shutil.which(ep_golden.torchrun_cmd(1)[0]) is None, reason="torchrun is not installed")
+
+
+def _golden(name: str) -> dict:
+    golden = ep_golden.load(name)
+    differs = ep_golden.environment_differs(golden)
+    if differs:
+        pytest.skip(f"golden trace {name} was made elsewhere ({differs}): regenerate with {golden['command']}")
+    return golden
+
+
+def _same_trace(got: dict, golden: dict, steps: int) -> None:
+    """Bitwise: the first ``steps`` steps' loss, LM loss and gradient norm."""
+    for key in ("loss", "lm_loss", "grad_norm"):
+        assert got[key][:steps] == golden[key][:steps], f"{key} differs from the golden trace {golden['setting']}"
+
+
+def _tracks(got: dict, baseline: dict, steps: int) -> None:
+    """To the fp32 tolerance table: every step's loss and gradient norm."""
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(got[key][:steps], dtype=torch.float64),
+                                   torch.tensor(baseline[key][:steps], dtype=torch.float64), atol=ATOL, rtol=RTOL,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
+    """EP=2 on 2 processes: 4 steps bitwise its golden trace and to tolerance the EP=1 run's; the DCP checkpoint
+    at step 4 resumes on ONE process, at EP=1 (every expert whole there; steps 5..7) and without parallel.ep
+    (step 5), tracking the golden."""
+    golden, baseline = _golden("ep2"), _golden("ep1_w2")
+    out = tmp_path / "ep2"
+    got = ep_golden.run(tmp_path, 2, 2, max_steps=4, output=out)
+    assert got["steps"] == [1, 2, 3, 4] and got["digests_agree"]
+    _same_trace(got, golden, 4)
+    _tracks(got, baseline, 4)
+    shards = sorted((out / "checkpoints" / "step_00000004" / "dcp").glob("*.safetensors"))
+    assert len(shards) == 2  # one file per rank, each with only its own experts (no rank wrote the whole model)
+    from safetensors import safe_open
+
+    held = []
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            held.append(sorted({k.split(".experts.")[1].split(".")[0] for k in f.keys() if ".experts." in k}))
+    assert held == [["0", "1"], ["2", "3"]], held
+    plain = tmp_path / "plain"  # a run without parallel.ep resumes the sharded checkpoint too
+    shutil.copytree(out, plain)
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(plain)})
+    pretrain(cfg, RunOptions(backend="cpu", output_dir=str(plain), resume=str(plain), max_steps=5))
+    _tracks({k: v[4:] for k, v in ep_golden.trace(plain).items() if isinstance(v, list)},
+            {k: v[4:5] for k, v in golden.items() if isinstance(v, list)}, 1)
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(out), "parallel.ep": 1,
+                                                       "parallel.strategy": "fsdp2"})
+    pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out), resume=str(out), max_steps=7))
+    resumed = ep_golden.trace(out)
+    assert resumed["steps"] == list(range(1, 8))
+    _tracks({k: v[4:] for k, v in resumed.items() if isinstance(v, list)},
+            {k: v[4:] for k, v in golden.items() if isinstance(v, list)}, 3)
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_golden_traces_track_the_runs_without_ep(processes):
+    """The stored 20-step traces: EP=N within the fp32 tolerance table of EP=1 at the same world size, every step
+    (the traces were made by one command, ``tests.train.ep_golden``; the run-to-run tests below re-run them)."""
+    ep = _golden(f"ep{processes}")
+    baseline = _golden(f"ep1_w{processes}")
+    assert ep["steps"] == baseline["steps"] == list(range(1, ep_golden.STEPS + 1))
+    assert ep["digests_agree"] and baseline["digests_agree"]
+    _tracks(ep, baseline, ep_golden.STEPS)
+
+
+@pytest.mark.slow
+def test_ep4_twenty_steps_repeat_the_golden_trace(tmp_path):
+    """20 steps at EP=4 on 4 processes: bitwise the golden trace (loss, LM loss, gradient norm, final digest),
+    digests equal on every rank. (EP=2 repeats its golden in the default run, 4 steps.)"""
+    golden = _golden("ep4")
+    got = ep_golden.run(tmp_path, 4, 4)
+    _same_trace(got, golden, ep_golden.STEPS)
+    assert got["parameter_digest"] == golden["parameter_digest"] and got["digests_agree"]
+
+
+@pytest.mark.slow
+def test_stopped_at_ep2_resumes_at_ep4_ep2_and_ep1(tmp_path):
+    """A run stopped after 14 steps at EP=2 (its DCP checkpoint) resumes at EP=4 on 4 processes, at EP=2 (bitwise
+    the uninterrupted run) and at EP=1 on 2 processes; every resumed curve tracks the uninterrupted EP=2 one."""
+    golden = _golden("ep2")
+    stopped = tmp_path / "stopped"
+    ep_golden.run(tmp_path, 2, 2, max_steps=14, output=stopped)
+    for processes, ep in ((4, 4), (2, 2), (2, 1)):
+        out = tmp_path / f"resume_p{processes}_ep{ep}"
+        shutil.copytree(stopped, out)
+        got = ep_golden.run(tmp_path, processes, ep, resume=True, output=out)
+        assert got["steps"] == list(range(1, 21))
+        if (processes, ep) == (2, 2):
+            _same_trace(got, golden, ep_golden.STEPS)
+        _tracks(got, golden, ep_golden.STEPS)
+
+
+def test_ep_must_divide_the_experts(tmp_path):
+    """parallel.ep that does not divide n_routed_experts (4): one config problem naming the key."""
+    raw_path = ep_golden.config(tmp_path)
+    with pytest.raises(ValueError, match=r"parallel\.ep: expected a divisor of model\.n_routed_experts \(4\), got 3"):
+        load_config(raw_path, [], {"parallel.ep": 3, "parallel.strategy": "fsdp2"})
+    with pytest.raises(ValueError, match="parallel.ep: expert parallelism shards with FSDP2"):
+        load_config(raw_path, [], {"parallel.ep": 2})
+
+
+def test_ep_must_divide_the_world_size(tmp_path):
+    """ep=2 on one process: refused before any step, naming the key and the world size."""
+    cfg = load_config(ep_golden.config(tmp_path), [], {"parallel.ep": 2, "parallel.strategy": "fsdp2",
+                                                       "output_dir": str(tmp_path / "x")})
+    assert isinstance(cfg, TrainConfig)
+    with pytest.raises(ValueError, match=r"parallel\.ep: expected a divisor of the world size 1, got 2"):
+        pretrain(cfg, RunOptions(backend="cpu"))
+
+
+def test_cli_parallel_ep_refusals_are_one_line(tmp_path, capsys):
+    """--parallel ep=3 (4 experts) and --parallel ep=x: one error line on stderr (argparse's usage before a
+    malformed flag), no traceback, exit status 2."""
+    from glm5_core.cli import main
+
+    cfg = ep_golden.config(tmp_path)
+    for flag, expected in (("ep=3", "parallel.ep: expected a divisor of model.n_routed_experts"),
+                           ("ep=x", "argument --parallel: expected one of ddp, fsdp2 or ep=N")):
+        try:
+            code = main(["pretrain", "--config", str(cfg), "--parallel", flag, "--check-config"])
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2, err
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
