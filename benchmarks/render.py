@@ -4,6 +4,7 @@ has it), and a summary of every backend's and peer's speed-up over the reference
 
     pytest benchmarks --backends cpu,reference --benchmark-json bench.json
     python benchmarks/render.py bench.json            # prints the tables, writes bench.md and bench.png
+    python benchmarks/render.py a.json b.json --out both   # several runs' files, one report
 
 The baseline of a group is the first implementation (``extra_info['impl']``) of ``--baseline`` present in it;
 speed-up = baseline median / this median (> 1: faster than the baseline).
@@ -19,21 +20,30 @@ from pathlib import Path
 BASELINES = "reference,hf_loop,torch_muon_loop,dense_reference,batched,torch.optim.Muon"
 
 
-def load_groups(path: Path) -> dict[str, list[dict]]:
-    """{group: [benchmark]} of a pytest-benchmark JSON file. Raises ValueError naming the file and what is wrong."""
+def load_groups(*paths: Path) -> dict[str, list[dict]]:
+    """{group: [benchmark]} of pytest-benchmark JSON files, in order. Raises ValueError naming the file and what is
+    wrong."""
+    groups: dict[str, list[dict]] = collections.OrderedDict()
+    for path in paths:
+        for bench in _benchmarks(path):
+            groups.setdefault(bench.get("group") or bench["name"], []).append(bench)
+    return groups
+
+
+def _benchmarks(path: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: expected a pytest-benchmark JSON file (--benchmark-json), got {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ValueError(f"{path}: expected a pytest-benchmark JSON file with a 'benchmarks' list")
-    groups: dict[str, list[dict]] = collections.OrderedDict()
     for bench in data["benchmarks"]:
-        if not isinstance(bench, dict) or not isinstance(bench.get("stats"), dict) or "name" not in bench:
-            raise ValueError(f"{path}: expected every benchmark to have a name and stats")
-        bench.setdefault("extra_info", {})
-        groups.setdefault(bench.get("group") or bench["name"], []).append(bench)
-    return groups
+        if (not isinstance(bench, dict) or not isinstance(bench.get("stats"), dict) or "name" not in bench
+                or not isinstance(bench["stats"].get("median"), (int, float))):
+            raise ValueError(f"{path}: expected every benchmark to have a name and a median in its stats")
+        if not isinstance(bench.setdefault("extra_info", {}), dict):
+            raise ValueError(f"{path}: expected every benchmark's extra_info to be a mapping")
+    return data["benchmarks"]
 
 
 def _impl(bench: dict) -> str:
@@ -70,8 +80,8 @@ def _speedups(groups: dict[str, list[dict]]) -> list[str]:
              "reference; - : not timed there).", ""]
     if not with_reference:
         return lines + ["(no group has the reference)", ""]
-    lines += ["| group | reference (ms) | " + " | ".join(backends) + (" | " if backends else "") + "peers and variants |",
-              "|---|---|" + "---|" * len(backends) + "---|"]
+    header = ["group", "reference (ms)", *backends, "peers and variants"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for group, benches in with_reference.items():
         by_impl = {_impl(b): b for b in benches}
         ref = by_impl["reference"]["stats"]["median"]
@@ -133,20 +143,23 @@ def plot(groups: dict[str, list[dict]], out: Path, baselines: list[str]) -> None
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="pytest-benchmark --benchmark-json output")
+    parser.add_argument("json", type=Path, nargs="+", help="pytest-benchmark --benchmark-json output(s)")
     parser.add_argument("--baseline", default=BASELINES,
                         help="comma-separated impl names, first present in a group is its baseline")
-    parser.add_argument("--out", type=Path, default=None, help="output stem (default: next to the JSON)")
+    parser.add_argument("--out", type=Path, default=None, help="output stem (default: next to the first JSON)")
     parser.add_argument("--no-plot", action="store_true", help="write the tables only (no matplotlib needed)")
     args = parser.parse_args(argv)
     try:
-        groups = load_groups(args.json)
+        groups = load_groups(*args.json)
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"render.py: {exc}", file=sys.stderr)
+        return 2
     if not groups:
-        parser.error(f"{args.json}: no benchmarks in the file (were they all skipped?)")
+        print(f"render.py: {', '.join(map(str, args.json))}: expected benchmarks, got none (all skipped?)",
+              file=sys.stderr)
+        return 2
     baselines = args.baseline.split(",")
-    stem = args.out or args.json.with_suffix("")
+    stem = args.out or args.json[0].with_suffix("")
     table = markdown(groups, baselines)
     print(table)
     Path(f"{stem}.md").write_text(table)
