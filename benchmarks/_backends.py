@@ -1,7 +1,8 @@
 """Which backends the benchmarks time (``--backends`` / ``GLM5_BENCH_BACKENDS``), and the ``impl`` a
 benchmark receives for each (imported as ``_backends`` from the benchmarks' folder and by its conftest).
 
-A request is ``all`` (every available backend: the default) or a comma-separated list of backend names
+A request is ``all`` (the default: every available backend running on its own device, so not cuda under
+Triton's interpreter, which runs by name only) or a comma-separated list of backend names
 (``glm5 backends`` lists them) and ``reference``. For every device the requested backends run on, a
 benchmark taking the ``impl`` fixture is parametrized over the reference on that device, the peers its
 ``@pytest.mark.peers(...)`` names (what a user would pick instead: transformers' path, torch.optim.Muon),
@@ -42,8 +43,9 @@ def parse_request(text: Optional[str]) -> list[str]:
 
     known = list(registry.backends())
     text = (text or "all").strip()
-    if text.lower() == "all":
-        return [REFERENCE] + [name for name, backend in registry.backends().items() if backend.available()[0]]
+    if text.lower() == "all":  # emulated backends (cuda under Triton's interpreter: cpu tensors) only by name
+        return [REFERENCE] + [name for name, backend in registry.backends().items()
+                              if backend.available()[0] and backend.device() == backend.device_type]
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names:
         raise ValueError(f"--backends: expected 'all' or a comma-separated list of {', '.join([REFERENCE] + known)}, "
