@@ -27,8 +27,9 @@ EXTRAS = {
     # real tokenizers with chat templates (the ``tokenizer:`` setting) and the OpenAI-compatible rollout proxy
     "agents": ["transformers>=4.45", "tokenizers>=0.15", "jinja2>=3.1", "openai>=1.40"],  # openai: env openai_agent
     "metrics": ["tensorboard>=2.14", "matplotlib>=3.7"],
-    # pytest benchmarks --backends ...: pytest-benchmark, render.py's plot, the transformers peer (bench_moe.py)
-    "bench": ["pytest>=7", "pytest-benchmark>=4", "matplotlib>=3.7", "transformers>=5.24,<6"],
+    # pytest benchmarks --backends ...: pytest-benchmark, ninja (builds the cpu kernels), render.py's plot, the
+    # transformers peer (bench_moe.py)
+    "bench": ["pytest>=7", "pytest-benchmark>=4", "ninja>=1.11", "matplotlib>=3.7", "transformers>=5.24,<6"],
     "dev": [
         "pytest>=7",
         "hypothesis>=6.80",
