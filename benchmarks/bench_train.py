@@ -53,8 +53,10 @@ def test_train_step_throughput(benchmark, backend, kind, threads, tmp_path, rest
     trainer = PretrainTrainer(cfg, RunOptions(backend=backend, output_dir=str(tmp_path)))
     step = _first_common_step_of(cfg, kind)
     tokens = cfg.data.batch_size * cfg.data.seq_len
-    benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len})"
-    benchmark.extra_info.update(impl=backend, kind="backend", backend=backend, stage=kind, tokens_per_step=tokens,
+    device = registry.get_backend(backend).device()
+    benchmark.group = f"train step {kind} (tiny: B{cfg.data.batch_size} T{cfg.data.seq_len}) [{device}]"
+    benchmark.extra_info.update(impl=f"{backend} threads={torch.get_num_threads()}", kind="backend", backend=backend,
+                                stage=kind, tokens_per_step=tokens,
                                 device=str(trainer.dist.device), torch_threads=torch.get_num_threads())
     benchmark.pedantic(lambda: trainer.train_step(step), rounds=5, iterations=1, warmup_rounds=1)
     benchmark.extra_info["tokens_per_s"] = tokens / benchmark.stats.stats.median

@@ -58,7 +58,7 @@ def baseline_of(benches: list[dict], baselines: list[str]):
 def _fmt_extra(extra: dict) -> str:
     shown = []
     for key, value in extra.items():
-        if key in ("impl", "device", "T", "S", "H", "D", "K", "N", "E", "C", "F", "flops", "shape", "matrices"):
+        if key in ("impl", "kind", "device", "T", "S", "H", "D", "K", "N", "E", "C", "F", "flops", "shape", "matrices"):
             continue
         if key.endswith("bytes"):
             shown.append(f"{key}={value / 2**20:.0f} MiB")
@@ -125,6 +125,8 @@ def plot(groups: dict[str, list[dict]], out: Path, baselines: list[str]) -> None
     for ax, (group, benches) in zip(axes[:, 0], groups.items()):
         base_name, base = baseline_of(benches, baselines)
         names = [_impl(b) for b in benches]
+        if len(set(names)) < len(names):  # the same impl twice (another parameter): the test ids tell them apart
+            names = [b["name"].partition("[")[2].rstrip("]") or b["name"] for b in benches]
         medians = [b["stats"]["median"] * 1e3 for b in benches]
         colors = ["tab:gray" if n == base_name else "tab:blue" for n in names]
         bars = ax.barh(names, medians, color=colors)
