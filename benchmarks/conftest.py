@@ -2,7 +2,8 @@
 
 Default sizes run in about a minute per file (fit for CI). ``--bench-large`` adds the issue-target
 sizes (minutes each, GiB of memory for the references). ``--backends`` (or ``GLM5_BENCH_BACKENDS``) picks the
-backends timed: ``all`` (default: every available one) or a comma-separated list such as ``cpu,reference``;
+backends timed: ``all`` (default: every available one on its own device; cuda under Triton's interpreter only by
+name) or a comma-separated list such as ``cpu,reference``;
 a benchmark taking the ``impl`` fixture runs once per implementation (the reference, its peers, each backend:
 ``benchmarks/_backends.py``), one taking ``backend`` once per requested backend. Every benchmark sets
 ``benchmark.group`` to "<op> <size> [<device>]" and ``extra_info`` (implementation, size, and measured extras
@@ -19,8 +20,8 @@ def pytest_addoption(parser):
     parser.addoption("--bench-large", action="store_true", default=False,
                      help="also run the issue-target sizes (slow, GiB of memory)")
     parser.addoption("--backends", default=None,
-                     help=f"backends to time: 'all' (default: every available one) or a comma-separated list such "
-                          f"as cpu,cuda,reference (also the environment variable {ENV})")
+                     help=f"backends to time: 'all' (default: every available one on its own device) or a "
+                          f"comma-separated list such as cpu,cuda,reference (also the environment variable {ENV})")
 
 
 def requested_backends(config) -> list:
