@@ -29,6 +29,9 @@ EXTRAS = {
     "transformers": ["transformers>=5.17,<6"],
     "agents": ["transformers>=5.17,<6", "tokenizers>=0.15", "jinja2>=3.1", "openai>=1.40"],  # openai: env openai_agent
     "metrics": ["tensorboard>=2.14", "matplotlib>=3.7"],
+    # pytest benchmarks --backends ...: pytest-benchmark, ninja (builds the cpu kernels), render.py's plot, the
+    # transformers peer (bench_moe.py)
+    "bench": ["pytest>=7", "pytest-benchmark>=4", "ninja>=1.11", "matplotlib>=3.7", "transformers>=5.24,<6"],
     "dev": [
         "pytest>=7",
         "hypothesis>=6.80",

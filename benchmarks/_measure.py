@@ -1,5 +1,5 @@
-"""Helpers for the benchmarks: which implementations to time, peak extra memory in a fresh process, and
-the fp32 GEMM rate.
+"""Helpers for the benchmarks: peak extra memory in a fresh process, and the fp32 GEMM rate (which
+implementations to time: ``_backends.py``).
 
 Peak extra memory: a child Python process builds the inputs, runs the op once on a tiny problem (so
 libraries, thread pools and the native extension are loaded), reads its resident set size (RSS, from
@@ -75,15 +75,3 @@ def fp32_matmul_rate(rows: int, depth: int, cols: int, repeats: int = 3) -> floa
     b = torch.randn(depth, cols)
     seconds = median_seconds(lambda: a @ b, repeats)
     return 2.0 * rows * depth * cols / seconds
-
-
-def implementations(op: str):
-    """The implementations of ``op`` worth timing here: the reference, and the cpu backend's kernel when
-    the native extension provides one (the cuda interpreter is not a speed path)."""
-    from glm5_core import registry
-
-    impls = {"reference": registry.reference(op)}
-    resolution = registry.resolve(op, "cpu")
-    if not resolution.is_reference:
-        impls["cpu"] = resolution.impl
-    return impls

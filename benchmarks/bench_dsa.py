@@ -1,5 +1,5 @@
-"""DSA lightning-indexer top-k: the reference (materialises [B, T, H, S] dot products) vs the cpu
-backend's fused streaming kernel.
+"""DSA lightning-indexer top-k: the reference (materialises [B, T, H, S] dot products) vs each requested
+backend's kernel (``--backends``; the cpu backend's is a fused streaming kernel), same inputs.
 
 Issue-4 targets (``--bench-large``), one run, medians:
   * 512 queries x 32K keys, 32 heads x 128 dims, fp32: cpu >= 1.3x faster than the reference and
@@ -9,12 +9,13 @@ Issue-4 targets (``--bench-large``), one run, medians:
 Queries are the last T positions (start_pos = S - T), so nearly every key is visible to every query.
 """
 import pytest
-from _measure import fp32_matmul_rate, implementations, peak_extra_bytes
+from _backends import Impl, sizes
+from _measure import fp32_matmul_rate, peak_extra_bytes
 
 from glm5_core import testing
 
 H, D, K = 32, 128, 2048
-SMALL = [(32, 8192)]
+SMALL = sizes([(32, 8192)], [(8, 4096)])
 LARGE = [(512, 32768)]
 GIB = 1 << 30
 
@@ -36,44 +37,39 @@ def _memory(name: str, T: int, S: int) -> int:
                             warm_args=f"4, {K}")
 
 
-def _bench(benchmark, name, impl, T, S, rounds, measure_memory):
+def _bench(benchmark, impl: Impl, T, S, rounds, measure_memory):
+    fn = impl.op("dsa_indexer_topk")
     shape = testing.IndexerShape(B=1, T=T, S=S, H=H, D=D, K=K)
-    x = testing.make_indexer_inputs(shape, seed=0)
-    benchmark.group = f"dsa_indexer_topk T{T} S{S} H{H} D{D} K{K}"
-    benchmark.extra_info.update(impl=name, T=T, S=S, H=H, D=D, K=K, flops=2 * T * S * H * D)
-    benchmark.pedantic(lambda: impl(x["q"], x["k"], x["w"], topk=K, start_pos=S - T), rounds=rounds,
+    x = impl.to(testing.make_indexer_inputs(shape, seed=0))
+    benchmark.group = impl.group(f"dsa_indexer_topk T{T} S{S} H{H} D{D} K{K}")
+    benchmark.extra_info.update(impl=impl.name, kind=impl.kind, device=impl.device, T=T, S=S, H=H, D=D, K=K,
+                                flops=2 * T * S * H * D)
+    benchmark.pedantic(impl.timed(lambda: fn(x["q"], x["k"], x["w"], topk=K, start_pos=S - T)), rounds=rounds,
                        iterations=1, warmup_rounds=1)
-    if measure_memory:
-        benchmark.extra_info["peak_extra_bytes"] = _memory(name, T, S)
+    if measure_memory and impl.device == "cpu" and impl.name in ("reference", "cpu"):  # host RSS: cpu only
+        benchmark.extra_info["peak_extra_bytes"] = _memory(impl.name, T, S)
     return benchmark.stats.stats.median
 
 
-def _implementation(name: str):
-    """The ``dsa_indexer_topk`` implementation ``name`` (skips when the native extension is not built)."""
-    impls = implementations("dsa_indexer_topk")
-    if name not in impls:
-        pytest.skip("native extension not built")
-    return impls[name]
-
-
 @pytest.mark.parametrize("T,S", SMALL, ids=lambda v: str(v))
-@pytest.mark.parametrize("name", ["reference", "cpu"])
-def test_indexer_topk(benchmark, name, T, S):
-    _bench(benchmark, name, _implementation(name), T, S, rounds=3, measure_memory=False)
+def test_indexer_topk(benchmark, impl, T, S):
+    _bench(benchmark, impl, T, S, rounds=3, measure_memory=False)
 
 
 @pytest.mark.large
 @pytest.mark.parametrize("T,S", LARGE, ids=lambda v: str(v))
-@pytest.mark.parametrize("name", ["reference", "cpu"])
-def test_indexer_topk_large(benchmark, name, T, S):
-    _bench(benchmark, name, _implementation(name), T, S, rounds=3, measure_memory=True)
+def test_indexer_topk_large(benchmark, impl, T, S):
+    _bench(benchmark, impl, T, S, rounds=3, measure_memory=True)
 
 
 @pytest.mark.large
-def test_indexer_topk_128k_gemm_bound(benchmark):
-    """cpu kernel only (the reference would need ~9 GiB here): memory and fraction of the GEMM bound."""
+def test_indexer_topk_128k_gemm_bound(benchmark, backend):
+    """The backends' kernels only (the reference would need ~9 GiB here): memory and fraction of the GEMM bound
+    (of the cpu fp32 matmul rate: meaningful for the cpu backend)."""
+    if backend != "cpu":
+        pytest.skip(f"{backend}: the GEMM bound here is the cpu fp32 matmul rate")
     T, S = 512, 131072
-    median = _bench(benchmark, "cpu", _implementation("cpu"), T, S, rounds=3, measure_memory=True)
+    median = _bench(benchmark, Impl("cpu", "backend", "cpu"), T, S, rounds=3, measure_memory=True)
     # The fp32 matmul rate is that of a compute-bound square GEMM: the indexer's own shape
     # ([T*H, 128] @ [128, S]) is bound by writing its huge output, which would flatter the kernel.
     rate = fp32_matmul_rate(2048, 2048, 2048)

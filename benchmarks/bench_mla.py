@@ -1,55 +1,52 @@
 """MLA decode against a long latent cache: dense absorbed decode (``ops.mla.decode`` reference) vs DSA
-sparse decode over the top-k selected rows (reference and cpu native).
+sparse decode over the top-k selected rows: the reference and each requested backend's kernel
+(``--backends``); ``dense_reference`` is the peer (what decode costs without DSA).
 
 Issue-4 target (``--bench-large``): 64K-token latent cache, top-k 2048, 16 heads: the cpu sparse decode
 >= 10x faster than dense absorbed decode. GLM-5 widths: C=512 latent, 64 rope, 192 nope, 256 value.
 """
 import pytest
 import torch
-from _measure import implementations
+from _backends import Impl, sizes
 
 from glm5_core import registry, testing
 
 H, DN, DR, DV, C, K = 16, 192, 64, 256, 512, 2048
-SMALL = [8192]
+SMALL = sizes([8192], [2048])
 LARGE = [65536]
 NAMES = ("q_nope", "q_pe", "c_kv", "k_pe", "w_uk", "w_uv")
 
 
-def _inputs(S):
+def _inputs(S, k):
     shape = testing.MLAShape(B=1, T=1, S=S, H=H, Dn=DN, Dr=DR, Dv=DV, C=C)
     x = testing.make_mla_inputs(shape, seed=0)
-    x["topk_idx"] = torch.randperm(S, generator=testing.generator(1))[:K].view(1, 1, K).to(torch.int32)
+    x["topk_idx"] = torch.randperm(S, generator=testing.generator(1))[:k].view(1, 1, k).to(torch.int32)
     return [x[n] for n in NAMES], x["topk_idx"], DN ** -0.5
 
 
-def _run(benchmark, S, name, rounds):
-    tensors, idx, scale = _inputs(S)
-    benchmark.group = f"mla_decode S{S} H{H} K{K}"
-    benchmark.extra_info.update(impl=name, S=S, H=H, K=K, C=C)
-    if name == "dense_reference":
-        fn = registry.reference("mla_decode")
-        benchmark.pedantic(lambda: fn(*tensors, scale=scale, start_pos=S - 1), rounds=rounds, iterations=1,
-                           warmup_rounds=1)
-        return
-    impls = implementations("dsa_sparse_decode")
-    impl_name = name.replace("sparse_", "")
-    if impl_name not in impls:
-        pytest.skip("native extension not built")
-    fn = impls[impl_name]
-    benchmark.pedantic(lambda: fn(*tensors, idx, scale=scale), rounds=rounds, iterations=1, warmup_rounds=1)
+def _run(benchmark, S, impl: Impl, rounds):
+    k = min(K, S // 2)
+    fn = registry.reference("mla_decode") if impl.name == "dense_reference" else impl.op("dsa_sparse_decode")
+    tensors, idx, scale = impl.to(_inputs(S, k))
+    benchmark.group = impl.group(f"mla_decode S{S} H{H} K{k}")
+    benchmark.extra_info.update(impl=impl.name, kind=impl.kind, device=impl.device, S=S, H=H, K=k, C=C)
+    if impl.name == "dense_reference":
+        call = impl.timed(lambda: fn(*tensors, scale=scale, start_pos=S - 1))
+    else:
+        call = impl.timed(lambda: fn(*tensors, idx, scale=scale))
+    benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
 
 
+@pytest.mark.peers("dense_reference")
 @pytest.mark.parametrize("S", SMALL)
-@pytest.mark.parametrize("name", ["dense_reference", "sparse_reference", "sparse_cpu"])
-def test_decode(benchmark, name, S):
+def test_decode(benchmark, impl, S):
     with torch.no_grad():
-        _run(benchmark, S, name, rounds=5)
+        _run(benchmark, S, impl, rounds=5)
 
 
 @pytest.mark.large
+@pytest.mark.peers("dense_reference")
 @pytest.mark.parametrize("S", LARGE)
-@pytest.mark.parametrize("name", ["dense_reference", "sparse_reference", "sparse_cpu"])
-def test_decode_large(benchmark, name, S):
+def test_decode_large(benchmark, impl, S):
     with torch.no_grad():
-        _run(benchmark, S, name, rounds=7)
+        _run(benchmark, S, impl, rounds=7)

@@ -4,11 +4,14 @@ leaves them to AdamW), at equal steps (5) and coefficients (Keller Jordan's, tor
 
   * torch_muon_loop: a loop over the matrices calling torch.optim.Muon's own Newton-Schulz
     (torch.optim._muon._zeropower_via_newtonschulz, bf16 internally, as torch.optim.Muon runs it);
-  * reference / cpu: ops.muon.orthogonalize's implementations, one call per group of equal shapes
-    (the batching our optimizer uses).
+  * reference / <backend>: ops.muon.orthogonalize's implementations (the reference, each requested backend's
+    kernel: ``--backends``), one call per group of equal shapes (the batching our optimizer uses).
 Issue-4 target: cpu >= 1.3x faster than torch_muon_loop with no worse orthogonality error
-(extra_info: mean and max over the matrices of max_i |sigma_i - 1|). ``cpu_bf16`` is the cpu kernel
+(extra_info: mean and max over the matrices of max_i |sigma_i - 1|). ``<backend>_bf16`` is the kernel
 iterating in bf16 (``compute_dtype=torch.bfloat16``), as torch's does.
+
+``test_optimizer_step``: whole ``step()`` calls, glm5's ``Muon`` (fp32 and bf16 Newton-Schulz) on each requested
+backend vs ``torch.optim.Muon`` (the peer a user would pick), the same matrices and hyper-parameters.
 
 As a script (issue 15, Newton-Schulz compute dtype), whole optimizer steps, one thread, process CPU time,
 the variants interleaved round by round, medians:
@@ -29,7 +32,7 @@ import time
 
 import pytest
 import torch
-from _measure import implementations
+from _backends import sizes, tiny
 
 from glm5_core import registry, testing
 from glm5_core.backends.cpu import muon as cpu_muon
@@ -76,32 +79,70 @@ def _ortho_errors(outputs):
     return float(errs.mean()), float(errs.max())
 
 
-@pytest.mark.parametrize("name", ["torch_muon_loop", "reference", "cpu", "cpu_bf16"])
-def test_tiny_model_matrices(benchmark, name):
+def _tiny_case():
     matrices = tiny_model_matrices()
-    if name == "torch_muon_loop":
-        fn = torch_muon_loop
+    return matrices[:4] if tiny() else matrices
+
+
+@pytest.mark.peers("torch_muon_loop")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tiny_model_matrices(benchmark, impl, dtype):
+    if dtype == "bf16" and impl.kind != "backend":
+        pytest.skip("bf16 Newton-Schulz: timed for the backends' kernels (torch_muon_loop is bf16 already)")
+    matrices = impl.to(_tiny_case())
+    if impl.name == "torch_muon_loop":
+        fn, name = torch_muon_loop, impl.name
     else:
-        impls = implementations("muon_orthogonalize")
-        if name.split("_")[0] not in impls:
-            pytest.skip("native extension not built")
-        impl = impls[name.split("_")[0]]
-        dtype = torch.bfloat16 if name == "cpu_bf16" else torch.float32
-        fn = grouped(lambda G, **kw: impl(G, compute_dtype=dtype, **kw))
-    mean_err, max_err = _ortho_errors(fn(matrices))
-    benchmark.group = f"muon tiny-config matrices ({len(matrices)} matrices, {STEPS} steps, jordan)"
-    benchmark.extra_info.update(impl=name, matrices=len(matrices), ortho_err_mean=mean_err, ortho_err_max=max_err)
+        op = impl.op("muon_orthogonalize")
+        compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+        fn = grouped(lambda G, **kw: op(G, compute_dtype=compute, **kw))
+        name = f"{impl.name}_bf16" if dtype == "bf16" else impl.name
+    mean_err, max_err = _ortho_errors([X.cpu() for X in fn(matrices)])
+    benchmark.group = impl.group(f"muon tiny-config matrices ({len(matrices)} matrices, {STEPS} steps, jordan)")
+    benchmark.extra_info.update(impl=name, kind=impl.kind, device=impl.device, matrices=len(matrices),
+                                ortho_err_mean=mean_err, ortho_err_max=max_err)
     with torch.no_grad():
-        benchmark.pedantic(lambda: fn(matrices), rounds=7, iterations=1, warmup_rounds=1)
+        benchmark.pedantic(impl.timed(lambda: fn(matrices)), rounds=7, iterations=1, warmup_rounds=1)
 
 
-POLICY_SHAPES = [(32, 128, 4096), (32, 64, 512), (72, 96, 128)]
+STEP_SHAPES = sizes([(512, 1536)] * 4 + [(1536, 512)] * 4, [(64, 192)] * 2 + [(192, 64)] * 2)
+
+
+@pytest.mark.peers("torch.optim.Muon")
+@pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+def test_optimizer_step(benchmark, impl, ns_dtype):
+    """One ``step()`` over 4 x [512, 1536] + 4 x [1536, 512] matrices, Jordan's coefficients, 5 steps."""
+    if impl.kind == "reference":
+        pytest.skip("the optimizer runs a backend's kernels (the reference: compare test_tiny_model_matrices)")
+    if impl.kind == "peer" and ns_dtype != "bfloat16":
+        pytest.skip("torch.optim.Muon iterates in bf16 only")
+    from glm5_core.optim import Muon
+
+    hyper = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=STEPS)
+    params = [torch.nn.Parameter(impl.to(testing.make_muon_input(s, seed=i))) for i, s in enumerate(STEP_SHAPES)]
+    for i, p in enumerate(params):
+        p.grad = impl.to(testing.make_muon_input(p.shape, seed=1000 + i))
+    if impl.kind == "peer":
+        opt = torch.optim.Muon(params, ns_coefficients=JORDAN.steps[0], **hyper)
+        name = impl.name
+    else:
+        impl.op("muon_orthogonalize")  # skips where the backend would run the reference
+        opt = Muon(params, coefficients="jordan", ns_dtype=ns_dtype, backend=impl.name, **hyper)
+        name = f"glm5_muon_{impl.name}" + ("_bf16" if ns_dtype == "bfloat16" else "")
+    benchmark.group = impl.group(f"muon optimizer step ({len(params)} matrices, {STEPS} steps, jordan)")
+    benchmark.extra_info.update(impl=name, kind=impl.kind, device=impl.device, matrices=len(params))
+    benchmark.pedantic(impl.timed(opt.step), rounds=7, iterations=1, warmup_rounds=1)
+
+
+POLICY_SHAPES = sizes([(32, 128, 4096), (32, 64, 512), (72, 96, 128)], [(4, 32, 128)])
 
 
 @pytest.mark.parametrize("shape", POLICY_SHAPES, ids=str)
 @pytest.mark.parametrize("policy", ["batched", "loop"])
-def test_batching_policy(benchmark, monkeypatch, shape, policy):
+def test_batching_policy(benchmark, monkeypatch, backend, shape, policy):
     """One batched call vs a per-matrix loop (cpu native). Sets cpu_muon.LOOP_MIN_ELEMENTS by evidence."""
+    if backend != "cpu":
+        pytest.skip(f"{backend}: the batching policy is the cpu backend's")
     if registry.resolve("muon_orthogonalize", "cpu").is_reference:
         pytest.skip("native extension not built")
     monkeypatch.setattr(cpu_muon, "use_loop", lambda batch, m, n: policy == "loop")

@@ -1,6 +1,7 @@
 """The benchmark scripts under test, each loaded as a fresh module, and the checks every kernel benchmark
 (a kernel timed against its reference) must pass. Not collected itself (not test_*.py)."""
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,6 +18,7 @@ def load_benchmark(monkeypatch, name: str) -> ModuleType:
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their folder's _results
     spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
