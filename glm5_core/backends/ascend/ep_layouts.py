@@ -1,7 +1,7 @@
 """Argument building, documented limits and result conversion for the expert-parallel vendor ops (pure torch;
 tested on CPU against ``tests/backends/ascend/ep_vendor_semantics.py``).
 
-Vendor contract used (op-plugin ``docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md`` and
+Vendor contract used (``op-plugin/docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md`` and
 ``torch_npu-npu_moe_distribute_combine_v2.md``; CANN ``aclnnMoeDistributeDispatchV2.md`` /
 ``aclnnMoeDistributeCombineV2.md``):
   * dispatch_v2(x [BS, H], expert_ids int32 [BS, K], group_ep, ep_world_size, ep_rank_id, moe_expert_num, ...)

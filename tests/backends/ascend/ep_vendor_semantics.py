@@ -1,6 +1,6 @@
 """Executable statement of the documented semantics of torch_npu's ``npu_moe_distribute_dispatch_v2`` /
 ``npu_moe_distribute_combine_v2``, on simulated ranks in one process (one thread per rank, a barrier where the
-real ops exchange). Written from op-plugin ``docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md`` /
+real ops exchange). Written from ``op-plugin/docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md`` /
 ``..._combine_v2.md`` and CANN ``aclnnMoeDistributeDispatchV2.md`` (none of glm5-core's code inside):
 
   * argument contract: x fp16/bf16 [BS, H]; expert_ids int32 [BS, K], values in [0, moe_expert_num), the K of a
