@@ -8,7 +8,7 @@ reference ``<name>_reference``:
   ep_experts    experts    experts_reference    x, ids, weights, w_gate / w_up [L, F, D], w_down [L, D, F] -> [T, D]
 
 ``ep_experts`` is the optional fused slot (dispatch + grouped SwiGLU + combine in one call) for vendors whose
-fast path fuses the exchange with the GEMMs (Ascend MC2, DeepGEMM Mega-MoE). It is a composite (``OpSpec``
+fast path fuses the exchange with the GEMMs (MC2-class fused ops, DeepGEMM Mega-MoE). It is a composite (``OpSpec``
 ``composite`` / ``parts``): a backend without a fused kernel runs its own ``ep_dispatch``, ``moe_experts`` and
 ``ep_combine`` kernels; its reference composes the three references. The weights are this rank's L experts.
 
