@@ -2,9 +2,11 @@
 
 In ONE process (``group=None``: expert parallelism of size 1) a backend's ``ep_dispatch`` / ``ep_combine`` must
 be bitwise the single-device reference (``moe.dispatch_reference`` / ``moe.combine_reference``), and carry the
-reference's gradients. The multi-process contract (EP=2 bitwise the concatenated batch on one device, uneven
-routing, a bad argument raised on every rank) is the check ``ep_group[2 processes]`` (``ep_group.py``: two
-processes on the backend's collective); ``tests/ops/test_ep.py`` checks the reference at 2 and 4 processes.
+reference's gradients; the fused ``ep_experts`` slot must agree with ``moe.fused_experts_reference`` to the
+tolerance table (its GEMMs are a vendor's). The multi-process contract (EP=2 bitwise the concatenated batch on
+one device, uneven routing, a bad argument raised on every rank) is the check ``ep_group[2 processes]``
+(``ep_group.py``: two processes on the backend's collective); ``tests/ops/test_ep.py`` checks the reference
+at 2 and 4 processes.
 
 The runner reads :func:`checks` (the ``ep`` family, found from ``OpSpec.family``) and :data:`GRAD_CASES` (the
 backward inputs, read by ``gradients.py``).
@@ -61,6 +63,20 @@ def _combine_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str
     return fn
 
 
+def _experts_check(shape: testing.MoEShape, dtype: torch.dtype) -> Callable[[str, str], testing.Comparison]:
+    def fn(backend: str, device: str) -> testing.Comparison:
+        x, weights, ids = _inputs(shape, dtype, device, seed=48)
+        w = testing.make_expert_inputs(shape, dtype=dtype, device=device, seed=49)
+        experts = (w["w_gate"], w["w_up"], w["w_down"])
+        out = ep.experts(x, ids, weights, *experts, group=None, num_experts=shape.E, backend=backend)
+        ref = moe.fused_experts_reference
+        return testing.compare_to_fp64(out, ref(x, weights, ids, *experts),
+                                       ref(x.double(), weights.double(), ids, *(t.double() for t in experts)),
+                                       dtype)
+
+    return fn
+
+
 def checks() -> list[Check]:
     """Each check of the ``ep`` family."""
     from glm5_core.conformance import ep_group
@@ -72,6 +88,8 @@ def checks() -> list[Check]:
                                _dispatch_check(shape, dtype)))
             found.append(Check("ep", f"ep_combine[{tag}-{shape}-group_None]", ("ep_combine",),
                                _combine_check(shape, dtype)))
+            found.append(Check("ep", f"ep_experts[{tag}-{shape}-group_None]", ("ep_experts",),
+                               _experts_check(shape, dtype)))
     return found
 
 
@@ -96,4 +114,14 @@ def _combine_grad(device: str) -> GradCase:
             {"rows": rows, "weights": weights})
 
 
-GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"ep_dispatch": _dispatch_grad, "ep_combine": _combine_grad}
+def _experts_grad(device: str) -> GradCase:
+    x, weights, ids = _inputs(GRAD_SHAPE, torch.float32, device, seed=50)
+    w = testing.make_expert_inputs(GRAD_SHAPE, device=device, seed=51)
+    E = GRAD_SHAPE.E
+    return (lambda be, **t: ep.experts(**t, expert_ids=ids, group=None, num_experts=E, backend=be),
+            lambda **t: ep.experts_reference(**t, expert_ids=ids, group=None, num_experts=E),
+            {"x": x, "weights": weights, "w_gate": w["w_gate"], "w_up": w["w_up"], "w_down": w["w_down"]})
+
+
+GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"ep_dispatch": _dispatch_grad, "ep_combine": _combine_grad,
+                                                    "ep_experts": _experts_grad}

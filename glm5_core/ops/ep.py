@@ -5,6 +5,12 @@ reference ``<name>_reference``:
 
   ep_dispatch   dispatch   dispatch_reference   x [T, D], ids [T, K], weights [T, K] -> DispatchHandle
   ep_combine    combine    combine_reference    rows [R, D], handle -> [T, D]
+  ep_experts    experts    experts_reference    x, ids, weights, w_gate / w_up [L, F, D], w_down [L, D, F] -> [T, D]
+
+``ep_experts`` is the optional fused slot (dispatch + grouped SwiGLU + combine in one call) for vendors whose
+fast path fuses the exchange with the GEMMs (MC2-class fused ops, DeepGEMM Mega-MoE). It is a composite (``OpSpec``
+``composite`` / ``parts``): a backend without a fused kernel runs its own ``ep_dispatch``, ``moe_experts`` and
+``ep_combine`` kernels; its reference composes the three references. The weights are this rank's L experts.
 
 Legend (sizes): T tokens on this rank, K experts per token (top-k), D hidden size, E routed experts in all,
 N ranks of the expert-parallel group, L = E / N experts per rank, R rows this rank's experts receive.
@@ -172,9 +178,28 @@ def combine_reference(rows, weights, handle: DispatchHandle):
     return moe.combine_reference(back, handle.sort_idx, weights)
 
 
+def experts_reference(x, expert_ids, weights, w_gate, w_up, w_down, *, group, num_experts: int):
+    """combine(moe.experts(dispatch(x))): the routed FFN with this rank's L experts. Returns [T, D]."""
+    handle = dispatch_reference(x, expert_ids, weights, group=group, num_experts=num_experts)
+    y = moe.experts_reference(handle.rows, handle.counts, w_gate, w_up, w_down)  # [R, D]
+    return combine_reference(y, weights, handle)
+
+
+def experts_composite(x, expert_ids, weights, w_gate, w_up, w_down, *, group, num_experts: int, backend: str):
+    """``ep_experts`` on a backend without a fused kernel: its dispatch, experts and combine kernels (each with
+    its own reference fallback). Every rank takes the same path through the parts, so no rank is left alone in
+    a collective."""
+    handle = registry.call("ep_dispatch", x, expert_ids, weights, group=group, num_experts=num_experts,
+                           backend=backend)
+    y = registry.call("moe_experts", handle.rows, handle.counts, w_gate, w_up, w_down, backend=backend)
+    return registry.call("ep_combine", y, weights, handle, backend=backend)
+
+
 OPS = (
     OpSpec("ep_dispatch", dispatch_reference, family="ep", differentiable=True),
     OpSpec("ep_combine", combine_reference, family="ep", differentiable=True),
+    OpSpec("ep_experts", experts_reference, family="ep", differentiable=True,
+           composite=experts_composite, parts=("ep_dispatch", "moe_experts", "ep_combine")),
 )
 
 
@@ -285,3 +310,29 @@ def combine(rows: torch.Tensor, handle: DispatchHandle, *, backend: registry.Bac
     _checks.same_device(rows=rows, weights=handle.weights)
     # the weights go to the kernel as a tensor argument, so the registry sees when they need a gradient
     return registry.call("ep_combine", rows, handle.weights, handle, backend=backend)
+
+
+def experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+            w_up: torch.Tensor, w_down: torch.Tensor, *, group: Optional[dist.ProcessGroup], num_experts: int,
+            backend: registry.BackendArg = None) -> torch.Tensor:
+    """The routed FFN across the expert-parallel group in one call: dispatch, this rank's L = E / N SwiGLU experts
+    (``w_gate`` / ``w_up`` [L, F, D], ``w_down`` [L, D, F]), combine. Returns [T, D]. A vendor may fuse it (the
+    ``ep_experts`` slot); elsewhere it is its backend's dispatch + experts + combine. Call it on every rank."""
+    rank, world = group_rank_size(group)
+    problem = _local_problem(x, expert_ids, weights, num_experts, world, group)
+    if problem is None:
+        try:
+            L = num_experts // world
+            D = x.shape[1]
+            _checks.tensor("w_gate", w_gate, dims=(L, None, D), legend=f"[L={L}, F, D={D}] (this rank's experts)")
+            F_ = w_gate.shape[1]
+            _checks.tensor("w_up", w_up, dims=(L, F_, D), legend=f"[L={L}, F={F_}, D={D}]")
+            _checks.tensor("w_down", w_down, dims=(L, D, F_), legend=f"[L={L}, D={D}, F={F_}]")
+        except (TypeError, ValueError) as exc:
+            problem = exc
+    if world > 1:
+        _agree(problem, x, num_experts, group, world, rank)
+    elif problem is not None:
+        raise problem
+    return registry.call("ep_experts", x, expert_ids, weights, w_gate, w_up, w_down, group=group,
+                         num_experts=num_experts, backend=backend)

@@ -205,7 +205,12 @@ def _worker(rank: int, world: int, init_file: str) -> None:
 
 def _spawn(world: int, tmp_path, timeout: float = 180.0) -> None:
     """Run ``_worker`` on ``world`` processes; a rank hanging past ``timeout`` fails the test (never hangs it)."""
-    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "init")), nprocs=world, join=False,
+    _spawn_target(_worker, world, tmp_path, timeout)
+
+
+def _spawn_target(worker, world: int, tmp_path, timeout: float = 180.0) -> None:
+    """Run ``worker(rank, world, init_file)`` on ``world`` processes, failing (never hanging) past ``timeout``."""
+    ctx = mp.start_processes(worker, args=(world, str(tmp_path / "init")), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

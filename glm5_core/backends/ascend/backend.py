@@ -40,9 +40,9 @@ MISSING = {
 
 
 def kernel_table() -> dict[str, Kernel]:
-    from glm5_core.backends.ascend import dsa, mla, moe
+    from glm5_core.backends.ascend import dsa, ep, mla, moe
 
-    return {**dsa.KERNELS, **mla.KERNELS, **moe.KERNELS}
+    return {**dsa.KERNELS, **ep.KERNELS, **mla.KERNELS, **moe.KERNELS}
 
 
 BACKEND = Backend(
@@ -52,7 +52,8 @@ BACKEND = Backend(
     kernel_table=kernel_table,
     missing=MISSING,
     description="Huawei Ascend NPUs: torch_npu operators (lightning indexer, sparse flash attention, "
-                "fused infer attention, MoE gating / routing / grouped matmul)",
+                "fused infer attention, MoE gating / routing / grouped matmul, MC2 expert-parallel dispatch / "
+                "combine for rollout decode)",
     detect=lambda: npu_probe()[0],
     priority=30,
 )

@@ -14,5 +14,10 @@ def kernel_table() -> dict[str, Kernel]:
     return build_kernel_table(CUDA_CONFIGS)
 
 
+_EP_REFERENCE = ("the reference (all_to_all_single over NCCL) runs, with or without deep_ep: DeepEP's ElasticBuffer "
+                 "(deep_ep 2.1.0) is not wired in yet; its expand-mode dispatch layout is mapped in "
+                 "backends/cuda/ep_layouts.py (docs/expert-parallel-vendors.md)")
+MISSING = {"ep_dispatch": _EP_REFERENCE, "ep_combine": _EP_REFERENCE}
+
 BACKEND = triton_backend("cuda", DEVICE, functools.partial(gpu_probe, "cuda"), kernel_table, priority=10,
-                         description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs")
+                         description="NVIDIA GPUs: Triton kernels with NVIDIA launch configs", missing=MISSING)

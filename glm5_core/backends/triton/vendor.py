@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from glm5_core import platform
 from glm5_core.backends.triton.table import MISSING
@@ -19,14 +19,15 @@ from glm5_core.registry import Backend, Kernel
 
 def triton_backend(name: str, facts: DeviceFacts, device_probe: Callable[[], tuple[bool, str]],
                    kernel_table: Callable[[], Mapping[str, Union[Kernel, Callable]]], *, description: str,
-                   priority: int) -> Backend:
-    """The backend of a Triton vendor named ``name``; ``device_probe()`` is its cached ``(available, reason)``."""
+                   priority: int, missing: Optional[Mapping[str, str]] = None) -> Backend:
+    """The backend of a Triton vendor named ``name``; ``device_probe()`` is its cached ``(available, reason)``.
+    ``missing``: the vendor's own reasons for ops it runs the reference for, added to the shared ones."""
     return Backend(
         name=name,
         facts=facts,
         probe=functools.partial(platform.triton_backend_probe, device_probe),
         kernel_table=kernel_table,
-        missing=MISSING,  # shared by every Triton vendor
+        missing={**MISSING, **(missing or {})},  # MISSING: shared by every Triton vendor
         runtime_device=functools.partial(platform.triton_runtime_device, facts.device_type),
         description=description,
         detect=lambda: device_probe()[0],
