@@ -73,7 +73,10 @@ def topk_int32(scores: torch.Tensor, topk: int, start_pos) -> torch.Tensor:
     order = order.view(B, T, width)
     if width < topk:  # fewer key slots than k
         order = torch.cat([order, order.new_full((B, T, topk - width), -1)], dim=-1)
-    start = torch.as_tensor(start_pos, device=scores.device).to(torch.int32).reshape(-1, 1)  # [B or 1, 1]
+    if isinstance(start_pos, torch.Tensor):  # [B] (the caller's dtype) -> int32 [B, 1]
+        start = start_pos.to(device=scores.device, dtype=torch.int32).reshape(-1, 1)
+    else:
+        start = torch.full((1, 1), int(start_pos), dtype=torch.int32, device=scores.device)
     pos = start + torch.arange(T, dtype=torch.int32, device=scores.device)  # [B or 1, T]
     n_valid = torch.clamp(pos + 1, max=width).expand(B, T)
     rank = torch.arange(topk, dtype=torch.int32, device=scores.device)
