@@ -16,7 +16,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "$SIM" ]; then export TRITON_INTERPRET=1; fi  # before Python starts: the kernels are interpreted
 python -m glm5_core.cli backends --json > "$RESULTS/backends.json" 2>&1
 status=0
-{ echo "vendor: $VENDOR ${SIM:+(SIMULATED: the vendor stack's documented surface on this host, kernels on CPU tensors)}"
+{ echo "vendor: $VENDOR ${SIM:+(SIMULATED: the documented surface of the vendor stack on this host, kernels on CPU tensors)}"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null)"; date -u; } > "$RESULTS/README.txt"
 start=$(date +%s)
 python -m glm5_core.cli conformance --backend "$VENDOR" $SIM --out "$RESULTS" > "$RESULTS/conformance.txt" 2>&1 \
