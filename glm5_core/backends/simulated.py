@@ -179,7 +179,7 @@ def simulate(name: str, *, interpret: bool = True) -> Iterator[str]:
         device = importlib.import_module(f"{registry.BUILTIN_PACKAGE}.{name}.device")
         ok, reason = device.probe()
         if not ok or not backend.detect():
-            raise RuntimeError(f"{name}: the simulated stack is not detected: {reason}")
+            raise ValueError(f"--simulate: {name}: the simulated stack is not detected: {reason}")
         yield f"simulated {reason}"
 
 
