@@ -14,5 +14,5 @@ def kernel_table() -> dict[str, Kernel]:
 
 
 # above cuda (10) and rocm (20): on this vendor's stack (its marker found) it is detected first
-BACKEND = triton_backend("hygon", DEVICE, probe, kernel_table, priority=21,
+BACKEND = triton_backend("hygon", DEVICE, probe, kernel_table, priority=21, interpreted_without_device=False,
                          description="Hygon DCUs (DTK torch, HIP): Triton kernels with Hygon launch configs")

@@ -14,5 +14,5 @@ def kernel_table() -> dict[str, Kernel]:
 
 
 # above cuda (10) and rocm (20): on this vendor's stack (its marker found) it is detected first
-BACKEND = triton_backend("kunlunxin", DEVICE, probe, kernel_table, priority=22,
+BACKEND = triton_backend("kunlunxin", DEVICE, probe, kernel_table, priority=22, interpreted_without_device=False,
                          description="Kunlunxin XPUs (cuda-presenting torch): Triton kernels, Kunlunxin launch configs")

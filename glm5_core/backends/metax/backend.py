@@ -14,5 +14,5 @@ def kernel_table() -> dict[str, Kernel]:
 
 
 # above cuda (10) and rocm (20): on this vendor's stack (its marker found) it is detected first
-BACKEND = triton_backend("metax", DEVICE, probe, kernel_table, priority=23,
+BACKEND = triton_backend("metax", DEVICE, probe, kernel_table, priority=23, interpreted_without_device=False,
                          description="MetaX GPUs (torch +metax): Triton kernels with MetaX launch configs")

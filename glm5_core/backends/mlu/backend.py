@@ -13,5 +13,5 @@ def kernel_table() -> dict[str, Kernel]:
     return build_kernel_table(MLU_CONFIGS)
 
 
-BACKEND = triton_backend("mlu", DEVICE, probe, kernel_table, priority=32,
+BACKEND = triton_backend("mlu", DEVICE, probe, kernel_table, priority=32, interpreted_without_device=False,
                          description="Cambricon MLUs (torch_mlu): Triton kernels with MLU launch configs")

@@ -13,5 +13,5 @@ def kernel_table() -> dict[str, Kernel]:
     return build_kernel_table(MUSA_CONFIGS)
 
 
-BACKEND = triton_backend("musa", DEVICE, probe, kernel_table, priority=31,
+BACKEND = triton_backend("musa", DEVICE, probe, kernel_table, priority=31, interpreted_without_device=False,
                          description="Moore Threads GPUs (torch_musa): Triton kernels with MUSA launch configs")
