@@ -138,7 +138,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "passes its vendor, on its simulated device)")
     parser.add_argument("--simulated", default="", help="what the device is simulated as (recorded in the header)")
     args = parser.parse_args(argv)
-    os.environ["GLM5_BENCH_BACKEND"] = args.backend
+    before = os.environ.get("GLM5_BENCH_BACKEND")
+    os.environ["GLM5_BENCH_BACKEND"] = args.backend  # read by cases._cuda; restored on return
+    try:
+        return _main(args, argv)
+    finally:
+        if before is None:
+            os.environ.pop("GLM5_BENCH_BACKEND", None)
+        else:
+            os.environ["GLM5_BENCH_BACKEND"] = before
+
+
+def _main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
     peaks = device_peaks(device)
