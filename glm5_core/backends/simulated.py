@@ -151,7 +151,9 @@ def simulate_stack(stack: SimulatedStack) -> Iterator[SimulatedStack]:
         else:
             undo.enter_context(_patched(getattr(torch, stack.device_type), stack.device_functions()))
         if stack.torch_version is not None:
-            undo.enter_context(_patched(torch, {"__version__": stack.torch_version}))
+            from torch.torch_version import TorchVersion  # compares as a version, as torch.__version__ does
+
+            undo.enter_context(_patched(torch, {"__version__": TorchVersion(stack.torch_version)}))
         undo.enter_context(_patched(torch.version, dict(stack.version_attrs)))
         token = vendor_stack.SIMULATED_TOOLS.set(dict(stack.tools))
         undo.callback(vendor_stack.SIMULATED_TOOLS.reset, token)
