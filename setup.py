@@ -18,6 +18,17 @@ ENTRY_POINTS = {
 
 TRAIN = ["pyyaml>=6", "safetensors>=0.4", "tqdm>=4.60", "numpy>=1.24"]
 
+
+
+def vendor_requirements(vendor: str) -> list:
+    """The PyPI requirements a vendor folder lists in its ``requirements.txt`` (one per line; ``#`` comments): the
+    extra ``glm5-core[<vendor>]``. A vendor whose stack is not on PyPI lists none (its folder says where it comes
+    from): naming an unpublished package would let anyone publish one under that name."""
+    path = HERE / "glm5_core" / "backends" / vendor / "requirements.txt"
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line]
+
+
 EXTRAS = {
     "cuda": ["triton>=3.0"],
     "rocm": ["triton>=3.0"],
@@ -51,6 +62,10 @@ EXTRAS = {
     ],
 }
 
+for _vendor in VENDOR_FOLDERS:  # a vendor folder with a requirements.txt is an extra (a new vendor needs no line here)
+    if (HERE / "glm5_core" / "backends" / _vendor / "requirements.txt").is_file():
+        EXTRAS.setdefault(_vendor, vendor_requirements(_vendor))
+
 setup(
     name="glm5-core",
     version="0.1.0",
@@ -60,7 +75,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["glm5_core", "glm5_core.*"]),
     # native sources ship inside their vendor's folder so the extensions can be built on first use
-    package_data={"glm5_core.backends": ["*/csrc/*.cpp", "*/csrc/*.h"]},
+    package_data={"glm5_core.backends": ["*/csrc/*.cpp", "*/csrc/*.h", "*/requirements.txt"]},
     install_requires=["torch>=2.4"] + TRAIN,
     extras_require=EXTRAS,
     entry_points=ENTRY_POINTS,

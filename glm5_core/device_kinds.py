@@ -2,8 +2,10 @@
 :class:`~glm5_core.device_facts.DeviceFacts` when asked (so a vendor folder or an out-of-tree vendor package adds
 its device type without an edit here or in the code that reads these tables).
 
-Where several backends share a device type (one torch device type driven by several vendors' torch builds), the
-first, in the registry's order, whose ``this_torch()`` holds speaks for it; when none holds, the first.
+Where several backends share a device type (one torch device type driven by several vendors' torch builds), the one
+of highest priority whose ``this_torch()`` holds speaks for it (a vendor whose build presents its devices under
+another vendor's device type ranks above that vendor, as in auto-detection); when none holds, the first in the
+registry's order.
 """
 from __future__ import annotations
 
@@ -14,18 +16,25 @@ from glm5_core import registry
 from glm5_core.device_facts import DeviceFacts
 
 
-def _declared() -> list[DeviceFacts]:
+def _declared_backends() -> list[registry.Backend]:
     # a backend whose declaration failed to load has no device type of its own ("?")
-    return [b.facts for b in registry.backends().values() if b.facts.device_type.isidentifier()]
+    return [b for b in registry.backends().values() if b.facts.device_type.isidentifier()]
+
+
+def _declared() -> list[DeviceFacts]:
+    return [b.facts for b in _declared_backends()]
 
 
 def device_types() -> dict[str, DeviceFacts]:
     """The facts of each known device type, by device type (the host type ``cpu`` first)."""
-    by_type: dict[str, list[DeviceFacts]] = {}
-    for facts in _declared():
-        by_type.setdefault(facts.device_type, []).append(facts)
-    return {kind: next((f for f in candidates if f.this_torch()), candidates[0])
-            for kind, candidates in by_type.items()}
+    by_type: dict[str, list[registry.Backend]] = {}
+    for backend in _declared_backends():
+        by_type.setdefault(backend.facts.device_type, []).append(backend)
+    chosen = {}
+    for kind, candidates in by_type.items():
+        ranked = sorted(candidates, key=lambda b: -b.priority)  # stable: equal priorities keep the registry's order
+        chosen[kind] = next((b.facts for b in ranked if b.facts.this_torch()), candidates[0].facts)
+    return chosen
 
 
 def facts_for(device_type: str) -> Optional[DeviceFacts]:

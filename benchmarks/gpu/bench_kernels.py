@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -103,7 +104,9 @@ def run_case(build, device: str, tiny: bool, reps: int, peaks: dict[str, float])
 
 
 def markdown(rows: list[dict], header: dict) -> str:
-    lines = [f"# cuda backend kernels on {header.get('device_name', header['device'])}", "",
+    simulated = f" (SIMULATED: {header['simulated']})" if header.get("simulated") else ""
+    lines = [f"# {header.get('backend', 'cuda')} backend kernels on {header.get('device_name', header['device'])}"
+             f"{simulated}", "",
              f"command: `{header['command']}`", f"peaks: {header['peaks']}", f"measured: {header['measured']}", "",
              "| case | shape | implementation | ms | TFLOP/s | GB/s | % FLOP peak | % HBM peak | ours is x faster |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -130,13 +133,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget-s", type=float, default=240.0, help="start no new case after this many seconds")
     parser.add_argument("--only", nargs="*", default=None, help="case builder names, e.g. indexer_case")
     parser.add_argument("--skip", nargs="*", default=(), help="case builder names not to run")
+    parser.add_argument("--backend", default="cuda",
+                        help="the Triton backend whose kernels are timed (default cuda; benchmarks/vendor/run.sh "
+                             "passes its vendor, on its simulated device)")
+    parser.add_argument("--simulated", default="", help="what the device is simulated as (recorded in the header)")
     args = parser.parse_args(argv)
+    before = os.environ.get("GLM5_BENCH_BACKEND")
+    os.environ["GLM5_BENCH_BACKEND"] = args.backend  # read by cases._cuda; restored on return
+    try:
+        return _main(args, argv)
+    finally:
+        if before is None:
+            os.environ.pop("GLM5_BENCH_BACKEND", None)
+        else:
+            os.environ["GLM5_BENCH_BACKEND"] = before
+
+
+def _main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t_start = time.perf_counter()
     peaks = device_peaks(device)
     header = {"device": device, "device_name": peaks.pop("name", device), "peaks": peaks,
               "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-              "torch": torch.__version__}
+              "torch": torch.__version__, "backend": args.backend}
+    if args.simulated:
+        header["simulated"] = args.simulated
     header["measured"] = measured_peaks(device)
     rows = []
     for build in cases.ALL_CASES:
@@ -153,8 +174,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (args.out / f"cuda_kernels_{stamp}.json").write_text(json.dumps({"header": header, "rows": rows}, indent=2))
-    (args.out / f"cuda_kernels_{stamp}.md").write_text(markdown(rows, header))
+    payload = {"header": header, "rows": rows}
+    (args.out / f"{args.backend}_kernels_{stamp}.json").write_text(json.dumps(payload, indent=2))
+    (args.out / f"{args.backend}_kernels_{stamp}.md").write_text(markdown(rows, header))
     print(markdown(rows, header))
     return 1 if any("error" in r for r in rows) else 0
 

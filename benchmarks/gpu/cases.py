@@ -8,6 +8,7 @@ CPU interpreter smoke test). FLOPs count multiply-adds as 2; bytes are the compu
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import torch
@@ -28,7 +29,9 @@ class Case:
 
 
 def _cuda(op):
-    return registry.resolve(op, "cuda").impl
+    """The kernel of ``op`` on the benchmarked backend: ``cuda``, or the one ``bench_kernels.py --backend`` names
+    (``GLM5_BENCH_BACKEND``: a Triton vendor whose kernels are the same modules with its launch table)."""
+    return registry.resolve(op, os.environ.get("GLM5_BENCH_BACKEND") or "cuda").impl
 
 
 def _randn(*shape, dtype, device, scale=1.0):

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from glm5_core import registry
+from glm5_core.conformance.check import check_dtypes
 from glm5_core.conformance.families import checks, family_names
 from glm5_core.conformance.report import write_reports
 from glm5_core.conformance.runner import run_check
@@ -21,23 +22,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", choices=family_names(), action="append",
                         help="run only these op families (repeatable; default: all)")
     parser.add_argument("--strict", action="store_true", help="same as GLM5_STRICT=1: every reference fallback fails")
+    parser.add_argument("--simulate", action="store_true",
+                        help="run on the backend's simulated device: its vendor stack's documented surface on this "
+                             "host, kernels on CPU tensors (Triton under TRITON_INTERPRET=1); reports say simulated")
 
 
 def family_line(backend: str, family: str, results: list, seconds: float) -> str:
     """One family's outcome, the progress line printed when it finishes."""
-    counts = {status: sum(r.status == status for r in results) for status in ("pass", "fail", "error", "fallback")}
+    counts = {status: sum(r.status == status for r in results)
+              for status in ("pass", "fail", "error", "fallback", "not_run")}
     text = (f"conformance[{backend}] {family}: {len(results)} checks, {counts['pass']} passed, "
             f"{counts['fail'] + counts['error']} failed")
     if counts["fallback"]:
         text += f", {counts['fallback']} on the reference fallback"
+    if counts["not_run"]:
+        text += f", {counts['not_run']} not run here"
     return f"{text} ({seconds:.0f} s)"
 
 
-def run_with_progress(families: list[str], backend: str, stream=None) -> list:
-    """Run the checks of ``families`` on ``backend``; progress on ``stream`` (stderr): on a terminal a bar naming
-    the family and check running, and everywhere one line per family when it finishes (nothing else in a log)."""
+def run_with_progress(families: list[str], backend: str, stream=None, keep=None) -> list:
+    """Run the checks of ``families`` on ``backend`` (those ``keep(check)`` accepts, default all); progress on
+    ``stream`` (stderr): on a terminal a bar naming the family and check running, and everywhere one line per family
+    when it finishes (nothing else in a log)."""
     stream = sys.stderr if stream is None else stream
-    selected = {family: list(checks(family)) for family in families}
+    selected = {family: [c for c in checks(family) if keep is None or keep(c)] for family in families}
     bar = None
     if stream.isatty():
         try:
@@ -70,6 +78,24 @@ def run_with_progress(families: list[str], backend: str, stream=None) -> list:
 def run(args: argparse.Namespace) -> int:
     if args.strict:
         os.environ["GLM5_STRICT"] = "1"
+    if getattr(args, "simulate", False):
+        if args.backend in (None, "", "auto"):
+            raise ValueError("--simulate: expected --backend <name> (a backend with a simulated stack), got auto")
+        from glm5_core.backends import simulated
+
+        name = registry.resolve_backend_name(args.backend)
+        with simulated.simulate(name) as status:
+            print(f"{name}: {status}")
+            return _run(args, {"simulated": status})
+    return _run(args, {})
+
+
+def _skipped(check, facts) -> list:
+    """The dtypes of ``check`` (its name's dtype tags) that the backend's devices do not compute."""
+    return [dtype for dtype in check_dtypes(check) if not facts.supports(dtype)]
+
+
+def _run(args: argparse.Namespace, extra: dict) -> int:
     backend = registry.require_available(registry.resolve_backend_name(args.backend)).name
     out_dir = Path(args.out)
     try:  # before the checks run, not after
@@ -77,8 +103,13 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ValueError(f"--out: cannot create the report folder {str(out_dir)!r}: {exc.strerror}") from exc
     families = list(dict.fromkeys(args.family or family_names()))
-    results = run_with_progress(families, backend)
-    paths = write_reports(results, backend, out_dir)
+    facts = registry.get_backend(backend).facts
+    skipped = [c for fam in families for c in checks(fam) if _skipped(c, facts)]
+    if skipped:
+        lacking = sorted({str(d).removeprefix("torch.") for c in skipped for d in _skipped(c, facts)})
+        print(f"{backend}: {len(skipped)} checks skipped: its devices compute no {', '.join(lacking)}")
+    results = run_with_progress(families, backend, keep=lambda check: not _skipped(check, facts))
+    paths = write_reports(results, backend, out_dir, extra_environment=extra)
     bad = [r for r in results if r.status in ("fail", "error")]
     n_fallback = sum(r.status == "fallback" for r in results)
     n_pass = sum(r.status == "pass" for r in results)

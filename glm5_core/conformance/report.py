@@ -6,7 +6,9 @@ import dataclasses
 import datetime
 import json
 import platform as py_platform
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,12 +32,15 @@ def environment(backend: str) -> dict[str, str]:
     }
 
 
-def write_reports(results: list[Result], backend: str, out_dir: Path) -> dict[str, Path]:
+def write_reports(results: list[Result], backend: str, out_dir: Path,
+                  extra_environment: Optional[Mapping[str, str]] = None) -> dict[str, Path]:
+    """The JSON and Markdown reports; ``extra_environment`` is added to the environment (``simulated``: the run was
+    on a simulated device, and what it was)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "fallback", "not_run")}
     coverage = [{"op": r.op, "implementation": r.label, "reason": r.reason} for r in registry.explain(backend)]
-    payload = {"environment": environment(backend), "summary": counts, "coverage": coverage,
-               "results": [dataclasses.asdict(r) for r in results]}
+    payload = {"environment": {**environment(backend), **(extra_environment or {})}, "summary": counts,
+               "coverage": coverage, "results": [dataclasses.asdict(r) for r in results]}
     json_path = out_dir / f"conformance-{backend}.json"
     json_path.write_text(json.dumps(payload, indent=2))
     env = payload["environment"]

@@ -1,0 +1,23 @@
+"""Moore Threads launch configurations for the shared Triton kernels (Triton for MUSA).
+
+Shared memory: 64 KiB per block is the budget of this table: every launch fits it at GLM-5's dims by
+``glm5_core.backends.triton.shared_memory``'s estimate (tests/backends/triton/test_shared_memory.py). Moore Threads
+does not publish a per-block limit we could cite for the MTT S4000 (docs/vendors/musa.md says so); 64 KiB is the
+smallest limit of the verified vendors (AMD gfx942, MetaX C500), so a larger device fits these tiles too.
+Warps: ``num_warps`` 4, the value FlagGems' Moore Threads tuning table (its ``tune_configs.yaml``) uses with 8 and 16;
+the warp width of MUSA GPUs is not published where we could cite it (docs/vendors/musa.md), so no width is assumed:
+4 warps stay within a 1024-thread block at any width up to 256 lanes. The tiles are the 64 KiB tiles (a key block
+of 64 for the indexer, as every vendor: the same keys for the same scores).
+"""
+from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+
+MUSA_CONFIGS = KernelConfigs(vendor="musa", shared_memory_limit=64 * 1024, overrides={
+    "indexer": LaunchConfig(num_warps=4, num_stages=1, blocks={"keys": 64}),
+    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 4, "keys": 8}),
+    "dsa_selected_attention_target": LaunchConfig(num_warps=4, num_stages=1,
+                                                  blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
+    "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
+    "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 512, "cols": 256}),
+    "moe_experts": LaunchConfig(num_warps=4, num_stages=1, blocks={"m": 64, "n": 64, "k": 32}),
+    "newton_schulz": LaunchConfig(num_warps=4, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
+})
