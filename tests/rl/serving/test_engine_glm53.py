@@ -66,7 +66,11 @@ def test_routing_replay_is_recorded_and_replays(glm53_policy):
     (res,) = engine.generate([req])
     seq = req.input_ids + res.output_ids
     P = len(seq) - 1
-    routed = replay_trace.decode(replay_trace.encode(res.routed_experts), "routed_experts", rows=P)  # [P, M, K]
+    layout = replay_trace.TraceLayout.of(glm53_policy.config)  # through SGLang's wire form, as over HTTP
+    wire = replay_trace.decode(replay_trace.encode(res.routed_experts, "routing", layout), "routed_experts", rows=P)
+    wire_layers, rows = layout.wire("routing")
+    routed = replay_trace.select(wire, "routed_experts", wire_layers=wire_layers, layers=rows,
+                                 width=glm53_policy.config.num_experts_per_tok)  # [P, M, K]
     ids = torch.tensor([seq[:-1]])
     with torch.no_grad():
         logits = glm53_policy(ids, routing_replay=routed.unsqueeze(0).to(torch.int32)).logits
