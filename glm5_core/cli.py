@@ -46,6 +46,35 @@ def add_backend_argument(parser: argparse.ArgumentParser, default: Optional[str]
     parser.add_argument("--backend", default=default, metavar="{" + ",".join(choices) + "}", help=help)
 
 
+def extras_providing(module: str, distribution: str = "glm5-core") -> list[str]:
+    """The extras of ``distribution`` whose requirements install the top-level ``module`` (a requirement's
+    project name, normalised, equal to the module name: ``tokenizers``, ``onnx``, ``openai``, ...)."""
+    import importlib.metadata
+    import re
+
+    try:
+        requires = importlib.metadata.metadata(distribution).get_all("Requires-Dist") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    wanted = module.split(".")[0].lower().replace("-", "_")
+    found = []
+    for requirement in requires:
+        project = re.match(r"[A-Za-z0-9_.\-]+", requirement)
+        extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", requirement)
+        if project and extra and project.group(0).lower().replace("-", "_") == wanted:
+            found.append(extra.group(1))
+    return sorted(set(found), key=lambda e: (e in ("dev", "bench"), e))  # the user-facing extra first
+
+
+def missing_package_message(module: str) -> str:
+    """One line for a command whose optional package ``module`` is not installed."""
+    extras = extras_providing(module)
+    if extras:
+        return (f"the {module.split('.')[0]} package is not installed; install the extra: "
+                f"pip install 'glm5-core[{extras[0]}]'")
+    return f"the {module.split('.')[0]} package is not installed (GLM5_DEBUG=1 shows where it was needed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glm5",
                                      description="glm5-core: portable kernels and drivers for GLM-5-class models")
@@ -83,6 +112,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if os.environ.get("GLM5_DEBUG"):
             raise
         print(f"glm5 {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional package this command needs: name the extra that installs it
+        if os.environ.get("GLM5_DEBUG") or not exc.name:
+            raise
+        print(f"glm5 {name}: error: {missing_package_message(exc.name)}", file=sys.stderr)
         return 2
     except MemoryError as exc:  # the config check's estimate is a lower bound: an allocation can still fail
         if os.environ.get("GLM5_DEBUG"):

@@ -103,5 +103,5 @@ def test_documented_openai_agent_runs_against_glm5_proxy(tok_dir, engine_server)
 
 def test_readme_agent_command_names_the_vocabulary_make_tokenizer_prints(tok_dir):
     readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    line = next(line for line in readme.splitlines() if line.startswith("glm5 make-tokenizer"))
+    line = next(line for line in readme.splitlines() if "glm5 make-tokenizer runs/chat_tokenizer && glm5 rl" in line)
     assert f"model.overrides.vocab_size={tokenizer_vocab_size(tok_dir)} " in line
