@@ -25,7 +25,10 @@ from glm5_core import registry
 known = registry.backends()
 if sys.argv[1] not in known:
     sys.exit(f'run_device.sh: expected one of {\", \".join(known)}, got {sys.argv[1]!r}')
+import os
 ok, why = known[sys.argv[1]].available()
+if not ok and os.environ.get('TRITON_INTERPRET') != '1':  # no device: nothing would be measured
+    sys.exit(f'run_device.sh: {sys.argv[1]} is not available here: {why}')
 print(f'{sys.argv[1]}: ' + ('available' if ok else f'NOT available: {why}'))
 " "$BACKEND" | tee "$RESULTS/device.txt" || exit 2
 case "$BACKEND" in
