@@ -61,6 +61,16 @@ def check_fresh_output_dir(output_dir: str) -> None:
                          f"or pick a new or empty folder")
 
 
+def run_folder_of(path: str):
+    """The run folder a ``--resume PATH`` points into (PATH itself, its ``checkpoints/`` root, or one checkpoint
+    in it), or None when PATH is no run's."""
+    here = os.path.abspath(path)
+    for candidate in (here, os.path.dirname(here), os.path.dirname(os.path.dirname(here))):
+        if os.path.isdir(os.path.join(candidate, "checkpoints")):
+            return candidate
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from glm5_core.config_schema import as_plain
     from glm5_core.train.config_loader import load_config
@@ -69,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         raise ValueError(f"--max-steps: expected an int >= 1, got {args.max_steps}")
     flags = {"output_dir": args.output_dir} if args.output_dir is not None else {}
+    resumed_run = run_folder_of(args.resume) if args.resume else None
+    if resumed_run is not None and args.output_dir is None:  # the run continues in its own folder
+        flags["output_dir"] = resumed_run
     flags.update(args.parallel or {})  # applied after --set, and checked with the config
     cfg = load_config(args.config, args.set, flags)
     if args.check_config:
@@ -76,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     output_dir = cfg.output_dir
     resume = None if args.resume is None else (args.resume or output_dir)
-    if resume is None:
-        check_fresh_output_dir(output_dir)
+    if resume is None or (resumed_run is not None and os.path.abspath(output_dir) != resumed_run):
+        check_fresh_output_dir(output_dir)  # a resumed run written elsewhere must not overwrite another run
     summary = pretrain(cfg, RunOptions(backend=args.backend, output_dir=output_dir, resume=resume,
                                        max_steps=args.max_steps))
     start, stop = summary["steps"]

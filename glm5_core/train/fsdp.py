@@ -239,6 +239,10 @@ def shard_model(model: nn.Module, device_type: str, world_size: int, expert_mesh
         for unit in expert_units(model):
             fully_shard(unit, mesh=expert_mesh)
             unit.set_gradient_divide_factor(float(world_size))
+            if expert_mesh.size() > 1 and hasattr(unit, "set_force_sum_reduction_for_comms"):
+                # a divide factor makes FSDP2 reduce with PREMUL_SUM, which gloo refuses ("Cannot use
+                # ReduceOp.PREMUL_SUM with Gloo"): plain sums with the scaling done apart work on every backend
+                unit.set_force_sum_reduction_for_comms(True)
     for unit in sharding_units(model):
         fully_shard(unit, mesh=mesh)
         _pass_dataclasses_through(unit)

@@ -79,6 +79,15 @@ def test_ep2_matches_golden_and_resumes_on_one_process(tmp_path):
             {k: v[4:] for k, v in golden.items() if isinstance(v, list)}, 3)
 
 
+def test_ep2_within_four_processes_trains_on_gloo(tmp_path):
+    """EP=2 inside 4 processes (2 data-parallel copies of each expert group: FSDP2 reduce-scatters the experts'
+    gradients over them with the world-size divide factor). It died at the first backward on gloo ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo": docs/expert-parallel.md's first command); its steps track EP=1 on 4."""
+    got = ep_golden.run(tmp_path, 4, 2, max_steps=3)
+    assert got["steps"] == [1, 2, 3] and got["digests_agree"]
+    _tracks(got, _golden("ep1_w4"), 3)
+
+
 @pytest.mark.parametrize("processes", [2, 4])
 def test_golden_traces_track_the_runs_without_ep(processes):
     """The stored 20-step traces: EP=N within the fp32 tolerance table of EP=1 at the same world size, every step

@@ -76,3 +76,27 @@ def test_a_warmup_before_any_lm_step_shows_the_indexer_kl_by_name():
         {"stage": "indexer_warmup", "indexer_kl": "0.350"}
     assert bar_postfix({"stage": "sparse", "loss": 9.0, "lm_loss": 3.0}, [1.0, 2.0, 3.0]) == \
         {"stage": "sparse", "lm_loss_mean50": "2.000"}
+
+
+def test_resume_path_continues_in_that_run_folder_not_the_configs(small_raw, tmp_path, capsys):
+    """``--resume runs/ep2`` with a config whose output_dir holds another run (docs/expert-parallel.md's second
+    command after the Quickstart: output_dir runs/tiny) used to write the resumed run into the config's folder,
+    overwriting the run there; it continues in runs/ep2, and an explicit other --output-dir that is not empty is
+    refused."""
+    small_raw["stages"] = [dict(kind="dense", steps=2)]
+    small_raw["output_dir"] = str(tmp_path / "quickstart")
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(small_raw))
+    base = ["pretrain", "--config", str(config), "--backend", "cpu"]
+    assert main(base) == 0  # the config's own run
+    quickstart = tmp_path / "quickstart"
+    before = {p.relative_to(quickstart): p.read_bytes() for p in quickstart.rglob("*") if p.is_file()}
+    other = tmp_path / "other"
+    assert main(base + ["--output-dir", str(other), "--max-steps", "1"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--resume", str(other)]) == 0
+    assert json.loads((other / "summary.json").read_text())["steps"][-1] == 2  # it went on in its own folder
+    assert {p.relative_to(quickstart): p.read_bytes() for p in quickstart.rglob("*") if p.is_file()} == before
+    capsys.readouterr()
+    assert main(base + ["--resume", str(other), "--output-dir", str(quickstart)]) == 2
+    assert "already holds an earlier run" in capsys.readouterr().err
