@@ -416,7 +416,8 @@ def test_the_registry_tables_derive_from_the_op_declarations():
     assert tuple(name for name in registry.OP_NAMES if name in ops_at_e663cfe) == ops_at_e663cfe
     for name, target in registry.REFERENCES.items():
         assert registry._import_target(target) is specs[name].reference is registry.reference(name)
-    assert dict(registry.COMPOSITE_PARTS) == {"moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine")}
+    assert dict(registry.COMPOSITE_PARTS) == {"moe_fused_experts": ("moe_dispatch", "moe_experts", "moe_combine"),
+                                              "ep_experts": ("ep_dispatch", "moe_experts", "ep_combine")}
     assert registry._import_target(registry.COMPOSITES["moe_fused_experts"]) is specs["moe_fused_experts"].composite
     with pytest.raises(AttributeError, match="NO_SUCH_TABLE"):
         _ = registry.NO_SUCH_TABLE

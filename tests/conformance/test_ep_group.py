@@ -22,7 +22,7 @@ def test_the_reference_passes_on_two_gloo_processes():
     assert result.status == "fallback" and "2 processes on gloo" in result.detail, result.detail
 
 
-def test_a_rank_reporting_a_difference_fails_the_check(monkeypatch):
+def test_a_rank_reporting_a_difference_fails_the_check(monkeypatch, spawnable_test_modules):
     monkeypatch.setattr(ep_group, "_worker", _lying_worker)  # spawn pickles it by name: this module's function
     result = ep_group._run("cpu", "cpu")
     assert not result.passed and "rank 1: random: received rows differ" in result.detail

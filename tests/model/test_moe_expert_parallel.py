@@ -161,12 +161,12 @@ def _run(world, *ep_sizes):
     assert results == {r: "ok" for r in range(world)}, results
 
 
-def test_forward_bitwise_ep2():
+def test_forward_bitwise_ep2(spawnable_test_modules):
     """EP=2 on 2 ranks: logits, MoE outputs and selected experts bitwise the no-EP model's on each rank's batch."""
     _run(2, 2)
 
 
 @pytest.mark.slow
-def test_forward_bitwise_ep4():
+def test_forward_bitwise_ep4(spawnable_test_modules):
     """EP=4 on 4 ranks, and EP=2 inside a world of 4 (two expert-parallel groups)."""
     _run(4, 4, 2)
