@@ -6,18 +6,9 @@ workgroup has 64 KiB of LDS (HIP's shared memory), as on AMD's gfx9 (docs/vendor
 (tests/backends/triton/test_shared_memory.py). AMD-only compiler knobs (``waves_per_eu``) are not passed: DTK's
 Triton is not documented to take them. ``num_warps`` 4: the value FlagGems' Hygon tuning table uses most.
 """
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, tiles_64kib
 
 WARP_SIZE = 64
 MAX_NUM_WARPS = 16
 
-HYGON_CONFIGS = KernelConfigs(vendor="hygon", shared_memory_limit=64 * 1024, overrides={
-    "indexer": LaunchConfig(num_warps=4, num_stages=1, blocks={"keys": 64}),
-    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 4, "keys": 8}),
-    "dsa_selected_attention_target": LaunchConfig(num_warps=4, num_stages=1,
-                                                  blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
-    "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
-    "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 512, "cols": 256}),
-    "moe_experts": LaunchConfig(num_warps=4, num_stages=1, blocks={"m": 64, "n": 64, "k": 32}),
-    "newton_schulz": LaunchConfig(num_warps=4, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
-})
+HYGON_CONFIGS = KernelConfigs(vendor="hygon", shared_memory_limit=64 * 1024, overrides=tiles_64kib(num_warps=4))

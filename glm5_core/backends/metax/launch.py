@@ -6,15 +6,6 @@ time, and its device properties report 64 KiB; docs/vendors/metax.md). Every lau
 tiles as the other 64 KiB vendors (a key block of 64 for the indexer, as every vendor). ``num_warps`` 4: the value
 FlagGems' MetaX tuning table (its ``tune_configs.yaml``) uses most.
 """
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, tiles_64kib
 
-METAX_CONFIGS = KernelConfigs(vendor="metax", shared_memory_limit=64 * 1024, overrides={
-    "indexer": LaunchConfig(num_warps=4, num_stages=1, blocks={"keys": 64}),
-    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 4, "keys": 8}),
-    "dsa_selected_attention_target": LaunchConfig(num_warps=4, num_stages=1,
-                                                  blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
-    "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
-    "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 512, "cols": 256}),
-    "moe_experts": LaunchConfig(num_warps=4, num_stages=1, blocks={"m": 64, "n": 64, "k": 32}),
-    "newton_schulz": LaunchConfig(num_warps=4, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
-})
+METAX_CONFIGS = KernelConfigs(vendor="metax", shared_memory_limit=64 * 1024, overrides=tiles_64kib(num_warps=4))

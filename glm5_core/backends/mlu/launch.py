@@ -8,15 +8,6 @@ limit of the verified vendors, so it fits a core whose NRAM is at least that.
 ``num_warps``: 1, the value FlagGems' Cambricon tuning table (its ``tune_configs.yaml``) uses most (65 of its
 explicit entries; 48 are 4); a warp is no documented hardware unit of an MLU core.
 """
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, tiles_64kib
 
-MLU_CONFIGS = KernelConfigs(vendor="mlu", shared_memory_limit=64 * 1024, overrides={
-    "indexer": LaunchConfig(num_warps=1, num_stages=1, blocks={"keys": 64}),
-    "sparse_mla": LaunchConfig(num_warps=1, num_stages=1, blocks={"heads": 4, "keys": 8}),
-    "dsa_selected_attention_target": LaunchConfig(num_warps=1, num_stages=1,
-                                                  blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
-    "moe_route": LaunchConfig(num_warps=1, num_stages=1, blocks={"tokens": 16}),
-    "moe_permute": LaunchConfig(num_warps=1, num_stages=1, blocks={"rows": 512, "cols": 256}),
-    "moe_experts": LaunchConfig(num_warps=1, num_stages=1, blocks={"m": 64, "n": 64, "k": 32}),
-    "newton_schulz": LaunchConfig(num_warps=1, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
-})
+MLU_CONFIGS = KernelConfigs(vendor="mlu", shared_memory_limit=64 * 1024, overrides=tiles_64kib(num_warps=1))

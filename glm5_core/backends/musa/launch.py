@@ -9,15 +9,6 @@ the warp width of MUSA GPUs is not published where we could cite it (docs/vendor
 4 warps stay within a 1024-thread block at any width up to 256 lanes. The tiles are the 64 KiB tiles (a key block
 of 64 for the indexer, as every vendor: the same keys for the same scores).
 """
-from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig
+from glm5_core.backends.triton.launch import KernelConfigs, tiles_64kib
 
-MUSA_CONFIGS = KernelConfigs(vendor="musa", shared_memory_limit=64 * 1024, overrides={
-    "indexer": LaunchConfig(num_warps=4, num_stages=1, blocks={"keys": 64}),
-    "sparse_mla": LaunchConfig(num_warps=4, num_stages=1, blocks={"heads": 4, "keys": 8}),
-    "dsa_selected_attention_target": LaunchConfig(num_warps=4, num_stages=1,
-                                                  blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
-    "moe_route": LaunchConfig(num_warps=4, num_stages=1, blocks={"tokens": 16}),
-    "moe_permute": LaunchConfig(num_warps=4, num_stages=1, blocks={"rows": 512, "cols": 256}),
-    "moe_experts": LaunchConfig(num_warps=4, num_stages=1, blocks={"m": 64, "n": 64, "k": 32}),
-    "newton_schulz": LaunchConfig(num_warps=4, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
-})
+MUSA_CONFIGS = KernelConfigs(vendor="musa", shared_memory_limit=64 * 1024, overrides=tiles_64kib(num_warps=4))

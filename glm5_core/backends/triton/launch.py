@@ -77,3 +77,19 @@ def bind(fn: Callable, config: LaunchConfig, supports: Optional[Callable] = None
         return fn(*args, config=config, **kwargs)
 
     return Kernel(kernel, supports=supports, differentiable=differentiable)
+
+
+def tiles_64kib(num_warps: int) -> dict[str, LaunchConfig]:
+    """The launch overrides of a vendor with 64 KiB of shared / on-chip memory per block: tiles that fit it at
+    GLM-5's dims by ``shared_memory``'s estimate (tests/backends/triton/test_shared_memory.py), at the vendor's
+    ``num_warps``. One table, so the vendors that share the limit share the tiles."""
+    w = {"num_warps": num_warps, "num_stages": 1}
+    return {
+        "indexer": LaunchConfig(**w, blocks={"keys": 64}),
+        "sparse_mla": LaunchConfig(**w, blocks={"heads": 4, "keys": 8}),
+        "dsa_selected_attention_target": LaunchConfig(**w, blocks={"heads": 4, "keys": 8, "rows": 16, "cols": 8}),
+        "moe_route": LaunchConfig(**w, blocks={"tokens": 16}),
+        "moe_permute": LaunchConfig(**w, blocks={"rows": 512, "cols": 256}),
+        "moe_experts": LaunchConfig(**w, blocks={"m": 64, "n": 64, "k": 32}),
+        "newton_schulz": LaunchConfig(num_warps=num_warps, num_stages=2, blocks={"m": 64, "n": 64, "k": 32}),
+    }
