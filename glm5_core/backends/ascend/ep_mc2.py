@@ -181,5 +181,8 @@ def _supports(x, expert_ids, weights, w_gate, w_up, w_down, *, group, num_expert
 
 KERNELS: Mapping[str, Kernel] = {
     # not differentiable: the ops are documented for inference; a call needing gradients runs the parts
-    "ep_experts": Kernel(experts, supports=_supports),
+    "ep_experts": Kernel(experts, supports=_supports, note=(
+        f"{DISPATCH_GMM} + {GMM_COMBINE} for rollout only (documented for inference) on Atlas A3 within their "
+        f"documented limits (ep_world_size 8-64, <= 32 experts a card, K 2-8, 2-100 MB a card); else the parts "
+        f"(training: dispatch, experts, combine over HCCL)")),
 }

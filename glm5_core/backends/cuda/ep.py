@@ -252,9 +252,15 @@ def _combine_supports(rows, weights, handle, **kwargs) -> Decision:
     return decision if not decision[0] else _on_gpu((rows, weights))
 
 
+DISPATCH_NOTE = ("DeepEP ElasticBuffer.dispatch for bf16 calls inside use_buffer(a deterministic buffer) within its "
+                 "num_max_tokens_per_rank, bitwise the contract (backward: the reference exchange); else the "
+                 "reference over NCCL")
+COMBINE_NOTE = ("DeepEP ElasticBuffer.combine for rollout only (torch.inference_mode): it sums caller-weighted bf16 "
+                "rows, not the contract's fp32 slot-order sum, so training keeps the reference over NCCL")
+
 KERNELS: Mapping[str, Kernel] = {
     # differentiable: dispatch's backward is the reference's reverse exchange; combine never sees gradients
     # (it declines outside inference mode)
-    "ep_dispatch": Kernel(dispatch, supports=_dispatch_supports, differentiable=True),
-    "ep_combine": Kernel(combine, supports=_combine_supports),
+    "ep_dispatch": Kernel(dispatch, supports=_dispatch_supports, differentiable=True, note=DISPATCH_NOTE),
+    "ep_combine": Kernel(combine, supports=_combine_supports, note=COMBINE_NOTE),
 }

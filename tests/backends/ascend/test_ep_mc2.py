@@ -175,3 +175,16 @@ def test_supports_declines_training_and_cpu_tensors_without_a_collective():
     with torch.inference_mode():
         ok, why = ep_mc2._supports(x, ids, torch.zeros(4, 2), wg, wu, wd, group=None, num_experts=E)
     assert not ok and "no expert-parallel group" in why
+
+
+def test_backends_listing_says_when_the_vendor_kernels_run():
+    from glm5_core import registry
+    from glm5_core.kernel import Kernel
+
+    reasons = {r.op: r for r in registry.explain("ascend", require=False)}
+    assert reasons["ep_experts"].label == "ascend: glm5_core.backends.ascend.ep_mc2.experts"
+    assert "rollout only" in reasons["ep_experts"].reason and "Atlas A3" in reasons["ep_experts"].reason
+    for op in ("ep_dispatch", "ep_combine"):
+        assert "training runs the reference over HCCL" in reasons[op].reason
+    with pytest.raises(TypeError, match="note: expected a str, got int"):
+        Kernel(len, note=1)

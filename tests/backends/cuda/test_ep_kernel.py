@@ -171,3 +171,9 @@ def test_backends_listing_says_why_the_reference_runs_without_deep_ep(monkeypatc
     assert re.match(r"deep_ep is not importable: the reference \(all_to_all_single over NCCL\) runs",
                     reasons["ep_dispatch"])
     assert "rollout only" in reasons["ep_combine"] and "training keeps the reference" in reasons["ep_combine"]
+
+
+def test_the_kernels_note_when_they_run():
+    assert "rollout only" in cuda_ep.KERNELS["ep_combine"].note
+    assert "training keeps the reference" in cuda_ep.KERNELS["ep_combine"].note
+    assert "use_buffer" in cuda_ep.KERNELS["ep_dispatch"].note and cuda_ep.KERNELS["ep_dispatch"].differentiable
