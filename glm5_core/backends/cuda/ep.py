@@ -28,6 +28,11 @@ send) in bf16, and sums a token's rows unweighted inside the kernel, in bf16 add
 ``compute_topk_slots`` order. The contract's combine weights in fp32 and sums in fp32 in slot order, so training
 keeps the reference; rollout (where a token's result only needs to be deterministic) may take DeepEP's.
 
+Call settings: ``num_sms=0`` (DeepEP picks them: ``get_theoretical_num_sms``; combine reuses the handle's),
+``async_with_compute_stream=False`` (the current stream waits for the exchange, so the returned ``EventOverlap`` is
+not needed and the deterministic epilogue runs at once), ``do_cpu_sync=True`` (exact received counts: the rows'
+count and the splits are Python ints, as the reference's are), ``expert_alignment=1`` (no padding rows).
+
 The ``ElasticBuffer`` is the caller's (its constructor is collective over the group, allocates NVLink / RDMA
 buffers and creates an NCCL communicator): build it with :func:`make_buffer` (or yourself, with
 ``deterministic=True``) on every rank, and run the ops inside ``with use_buffer(buffer):``. Without one the
@@ -81,6 +86,9 @@ def make_buffer(group: dist.ProcessGroup, *, num_max_tokens_per_rank: int, hidde
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     import deep_ep  # lazy: its import checks the NCCL library and initialises its JIT
 
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        raise ValueError(f"deep_ep: expected deep_ep >= 2.0 with ElasticBuffer (read at 2.1.0), got "
+                         f"{getattr(deep_ep, '__version__', '?')} without it (its V1 Buffer is not wired in)")
     return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
                                  num_topk=num_topk, deterministic=True, allow_multiple_reduction=False)
 
