@@ -36,6 +36,7 @@ class Kernel:
     fn: Callable
     supports: Optional[Callable[..., Decision]] = None
     differentiable: bool = False
+    note: str = ""  # when ``supports`` takes calls, for a kernel that serves one setting only (glm5 backends shows it)
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -45,6 +46,8 @@ class Kernel:
                             f"got {type(self.supports).__name__}")
         if not isinstance(self.differentiable, bool):
             raise TypeError(f"differentiable: expected a bool, got {type(self.differentiable).__name__}")
+        if not isinstance(self.note, str):
+            raise TypeError(f"note: expected a str, got {type(self.note).__name__}")
 
     @classmethod
     def of(cls, entry) -> Kernel:

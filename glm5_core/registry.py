@@ -151,7 +151,7 @@ class Resolution:
     backend: str
     impl: Callable  # what runs: the backend's Kernel, the composite of its kernels for the parts, or the reference
     label: str  # "<backend>: glm5_core.backends.triton.indexer.indexer_topk" or "reference"
-    reason: str  # why this implementation (empty when the backend's own kernel runs)
+    reason: str  # why this implementation (when the backend's own kernel runs: its note, usually empty)
     spec: Optional[OpSpec] = None
     kernel: Optional[Kernel] = None  # the backend's own kernel (None: the composite or the reference runs)
 
@@ -370,7 +370,7 @@ def _resolve_in(spec: OpSpec, name: str, backend: Backend, table: Mapping[str, K
     reference with the backend's reason."""
     kernel = table.get(spec.name)
     if kernel is not None:
-        return Resolution(spec.name, name, kernel, f"{name}: {kernel.name}", "", spec=spec, kernel=kernel)
+        return Resolution(spec.name, name, kernel, f"{name}: {kernel.name}", kernel.note, spec=spec, kernel=kernel)
     if spec.is_composite:
         return Resolution(spec.name, name, functools.partial(spec.composite, backend=name),
                           f"{name}: {spec.composite.__module__}.{spec.composite.__qualname__}",

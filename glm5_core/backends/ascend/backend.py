@@ -40,9 +40,9 @@ MISSING = {
 
 
 def kernel_table() -> dict[str, Kernel]:
-    from glm5_core.backends.ascend import dsa, ep, mla, moe
+    from glm5_core.backends.ascend import dsa, ep, ep_mc2, mla, moe
 
-    return {**dsa.KERNELS, **ep.KERNELS, **mla.KERNELS, **moe.KERNELS}
+    return {**dsa.KERNELS, **ep.KERNELS, **ep_mc2.KERNELS, **mla.KERNELS, **moe.KERNELS}
 
 
 BACKEND = Backend(
@@ -53,7 +53,7 @@ BACKEND = Backend(
     missing=MISSING,
     description="Huawei Ascend NPUs: torch_npu operators (lightning indexer, sparse flash attention, "
                 "fused infer attention, MoE gating / routing / grouped matmul, MC2 expert-parallel dispatch / "
-                "combine for rollout decode)",
+                "combine for rollout decode, MC2 all-to-all + grouped matmul for the fused experts in rollout)",
     detect=lambda: npu_probe()[0],
     priority=30,
 )

@@ -107,9 +107,12 @@ def _combine_supports(rows, weights, handle, **kwargs) -> Decision:
     return decision
 
 
+_NOTE = (f"{L.DISPATCH_OP} / {L.COMBINE_OP} for rollout decode only (torch.inference_mode) within their documented "
+         f"limits; training runs the reference over HCCL")
+
 KERNELS: Mapping[str, Kernel] = {
     # supports asks the group for its BS range (one all-reduce), then dispatch asks again: two tiny collectives
     # that every rank runs alike, so every rank takes the same path (vendor or reference)
-    "ep_dispatch": Kernel(dispatch, supports=_dispatch_supports),
-    "ep_combine": Kernel(combine, supports=_combine_supports),
+    "ep_dispatch": Kernel(dispatch, supports=_dispatch_supports, note=_NOTE),
+    "ep_combine": Kernel(combine, supports=_combine_supports, note=_NOTE),
 }

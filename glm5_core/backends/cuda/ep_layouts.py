@@ -11,13 +11,14 @@ expert per token) recv_x is grouped by local expert, each expert's block padded 
 ``handle.psum_num_recv_tokens_per_expert[i]`` = the aligned rows of the experts before i + expert i's real count,
 so expert i's rows start at ``psum[i] - unaligned[i]``. With ``ElasticBuffer(..., deterministic=True)`` the
 epilogue ``EPHandle.deterministic_sort`` orders the rows inside each expert by the source token's global index
-(``recv_src_metadata[:, 0]``), padding last: with global index = source rank * num_max_tokens_per_rank + token
-(rank-major, the order the contract's "(source rank, source token)" needs; to be confirmed on a GPU, see
-docs/expert-parallel-vendors.md) the contract's row order is reproduced EXACTLY, since a token names an expert in
-one slot only. Without ``deterministic`` the order is the arrival order: not the contract.
+(``recv_src_metadata[:, 0]``), padding last. That index is rank-major (``deep_ep/utils/refs.py``:
+"src_token_global_idx = src_rank_idx*num_max_tokens_per_rank + src_token_local_idx"), so the contract's row order
+is reproduced EXACTLY, since a token names an expert in one slot only. Without ``deterministic`` the order is the
+arrival order: not the contract.
 
-``ElasticBuffer.combine(y, handle, topk_weights)`` reduces each token's K rows inside the kernel and returns bf16:
-neither the order nor the precision of that sum is stated, so it is not the contract's fp32 slot-order combine.
+``ElasticBuffer.combine(y, handle)`` sums each token's rows (already weighted by the caller: the expanded send
+takes no weights) inside the kernel and returns bf16 (bf16 adds at <= 2 slots, else fp32 rounded once): not the
+contract's fp32 slot-order weighted sum. The kernels that use this mapping are ``backends/cuda/ep.py``.
 """
 from __future__ import annotations
 
