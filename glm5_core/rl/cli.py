@@ -15,6 +15,7 @@ import sys
 import yaml
 
 from glm5_core.cli import add_backend_argument, add_config_arguments
+from glm5_core.train.cli import parse_parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an engine glm5 rl does not start (SGLang server or glm5 serve), http://HOST:PORT; "
                              "repeat for several (sets rollout.engine_urls)")
     parser.add_argument("--api-key", default=None, help="bearer token of the engines (sets rollout.api_key)")
+    parser.add_argument("--parallel", type=parse_parallel, default=None, metavar="{ddp,fsdp2,ep=N}",
+                        help="the policy trainer's layout, as glm5 pretrain's: ep=N sets parallel.ep = N and "
+                             "parallel.strategy = fsdp2 (see docs/expert-parallel.md); overrides the config's "
+                             "parallel section")
     add_backend_argument(parser)
 
 
@@ -55,6 +60,7 @@ def _checked_config(args: argparse.Namespace):
         sets.append(f"rollout.engine_urls={json.dumps(args.engine_url)}")
     if args.api_key is not None:
         sets.append(f"rollout.api_key={json.dumps(args.api_key)}")
+    flags.update(args.parallel or {})  # applied after --set, and checked with the config
     cfg = load_config(args.config, sets, flags)
     if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
         from glm5_core.model.checkpoint import load_hf_config

@@ -47,7 +47,7 @@ from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import build_router
 from glm5_core.rl.fleet.weight_sync import build_weight_sync
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
-from glm5_core.rl.policy import build_starting_policy
+from glm5_core.rl.policy import build_starting_policy, parallelize_policy
 from glm5_core.rl.rollout.envs.registry import build_env
 from glm5_core.rl.rollout.response_check import ResponseCheck
 from glm5_core.rl.rollout.rewards import build_reward
@@ -128,7 +128,8 @@ class RLRun:
             check_draft_model(self.model, "rollout.speculative")
         self.tokenizer, self.env = build_environment(cfg, self.model.config.vocab_size)
         self.reward = build_reward(cfg.reward)  # None: the environment's own reward
-        self.trainer = build_trainer(cfg, self.model, self.backend)
+        self.parallel = parallelize_policy(cfg, self.model)  # parallel.ep: the policy trainer's layout
+        self.trainer = build_trainer(cfg, self.model, self.backend, parallel=self.parallel)
         resumed = run_state.start(self.out_dir, cfg, checkpoint, self.trainer, self.model, resume, log)
         self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
         self._checkpoint_history: list[str] = resumed[1] if resumed else []

@@ -50,6 +50,28 @@ def _policy_from_preset(cfg, checkpoint: Optional[str], backend: Optional[str]):
     return model
 
 
+def parallelize_policy(cfg, model):
+    """``parallel`` of RLConfig ``cfg`` applied to the policy by the pretraining driver's own path
+    (``train.fsdp.parallelize``); returns what it did (a ``Parallelized``, for ``PolicyTrainer(parallel=...)``), or
+    None when the section is left at its default. One process: ``parallel.ep: 1`` gives the expert-parallel
+    layout without sharding (every expert here, the batch-invariant experts kernel: the bitwise baseline of any
+    EP size); a larger ``ep`` is refused naming the world size, as by ``glm5 pretrain``. Under torchrun
+    (``WORLD_SIZE`` > 1) the driver does not run training ranks beside rank 0 yet: refused in one line naming
+    what is missing (``PolicyTrainer`` itself trains on the EP x FSDP2 mesh: rl/algorithm/trainer.py)."""
+    from glm5_core.train import fsdp
+    from glm5_core.train.distributed import _env_int
+
+    world = _env_int("WORLD_SIZE", 1)
+    if world > 1:
+        raise ValueError(f"parallel: glm5 rl runs in one process (WORLD_SIZE {world}): its driver (rollouts, "
+                         f"weight pushes, resume points) does not yet run the other ranks' share of the policy's "
+                         f"training steps; run it without torchrun (parallel.ep: 1 or unset)")
+    if cfg.parallel.ep is None:
+        return None
+    return fsdp.parallelize(model, strategy=cfg.parallel.strategy, ep=cfg.parallel.ep,
+                            device_type=next(model.parameters()).device.type, rank=0, world_size=1)
+
+
 def build_starting_policy(cfg, checkpoint: Optional[str], backend: Optional[str], out_dir: str, resume: bool,
                           log: Callable[[str], None]):
     """The policy to train: built from ``checkpoint``; on a resume with a resume point, rebuilt from what the run

@@ -253,9 +253,10 @@ class PolicyTrainer:
         return path
 
 
-def build_trainer(cfg, model, backend: Optional[str]) -> PolicyTrainer:
+def build_trainer(cfg, model, backend: Optional[str], parallel=None) -> PolicyTrainer:
     """The trainer of RLConfig ``cfg`` for ``model``: ``train.optim``, the ``train.loss`` / ``train.advantage``
-    plug-ins, replay, and a distillation teacher (``train.teacher_checkpoint``) on the policy's device."""
+    plug-ins, replay, and a distillation teacher (``train.teacher_checkpoint``) on the policy's device;
+    ``parallel``: what ``rl/policy.parallelize_policy`` did to the policy (None: nothing)."""
     teacher = None
     if cfg.train.teacher_checkpoint:
         from glm5_core.model import load_pretrained
@@ -264,4 +265,4 @@ def build_trainer(cfg, model, backend: Optional[str]) -> PolicyTrainer:
     t = cfg.train
     return PolicyTrainer(model, t.optim, temperature=cfg.rollout.temperature, teacher=teacher,
                          loss_fn=resolve_loss(t.loss), advantage_fn=resolve_advantage(t.advantage),
-                         routing_replay=t.routing_replay, index_replay=t.index_replay)
+                         routing_replay=t.routing_replay, index_replay=t.index_replay, parallel=parallel)
