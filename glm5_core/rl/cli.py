@@ -79,11 +79,52 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(as_plain(cfg), sort_keys=False), end="")
         return 0
     from glm5_core.registry import require_available, resolve_backend_name
-    from glm5_core.rl.driver import RLRun
 
     backend = resolve_backend_name(args.backend)
     require_available(backend)
-    from glm5_core.rl.driver import FleetUnreachableError, TrainerStarvedError
+    from glm5_core.rl.policy import parallel_world, torchrun_problem
+
+    if parallel_world()[1] > 1:  # torchrun: every rank refuses alike, before any joins the process group
+        problem = torchrun_problem(cfg, args.resume is not None)
+        if problem:
+            raise ValueError(problem)
+        from glm5_core.rl.run_state import check_output_dir
+
+        check_output_dir(cfg.output_dir, False)  # rank 0's driver checks it again; a refusal here is every rank's
+        return _run_ranks(cfg, args, backend)
+    return _run_driver(cfg, args, backend)
+
+
+def _run_ranks(cfg, args: argparse.Namespace, backend: str) -> int:
+    """``glm5 rl`` under torchrun: rank 0 runs the driver, the others their share of each training step
+    (``driver.follow_training``) until rank 0 releases them, whatever way its run ended."""
+    from glm5_core.registry import get_backend
+    from glm5_core.rl.algorithm.trainer import release_followers
+    from glm5_core.rl.driver import follow_training
+    from glm5_core.train import distributed as dist_utils
+
+    ctx = dist_utils.init_distributed(get_backend(backend))
+    ended = False
+    try:
+        if ctx.rank != 0:
+            follow_training(cfg, args.checkpoint, backend)
+            code = 0
+        else:
+            try:
+                code = _run_driver(cfg, args, backend)
+            finally:
+                release_followers()
+        ended = True
+        return code
+    finally:
+        if ended:
+            dist_utils.shutdown(ctx)
+        else:
+            dist_utils.abandon()
+
+
+def _run_driver(cfg, args: argparse.Namespace, backend: str) -> int:
+    from glm5_core.rl.driver import FleetUnreachableError, RLRun, TrainerStarvedError
     from glm5_core.rl.fleet.weight_sync import WeightPushError
     from glm5_core.rl.rollout.envs.openai_agent import AgentError
     from glm5_core.rl.rollout.rewards import RewardError

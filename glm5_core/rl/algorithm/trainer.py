@@ -19,7 +19,9 @@ the samples (sample i on rank i % world), in the same number of micro-batches ev
 a stand-in with weight 0, so the MoE exchanges and FSDP2's collectives pair up); the objective keeps the token mean
 over the whole batch (FSDP2 averages the ranks' gradients, so each rank's sum is scaled by the world size), the
 statistics are summed over the ranks, the gradient norm is clipped over the meshes (``fsdp.clip_grad_norm``) and
-:meth:`save_weights` gathers the whole policy (every rank calls it; rank 0 writes).
+:meth:`save_weights` gathers the whole policy (every rank calls it; rank 0 writes). Under ``glm5 rl`` only rank 0
+runs the driver: its trainer tells the other ranks, waiting in :meth:`PolicyTrainer.follow`, which of those two
+calls comes next (and the batch) before it runs it, and :func:`release_followers` ends them.
 """
 from __future__ import annotations
 
@@ -122,7 +124,32 @@ class PolicyTrainer:
         """Policy version = optimizer steps taken."""
         return self.step_count
 
+    # -- the other ranks of a parallel trainer (glm5 rl under torchrun) ---------------------------------------
+    def _lead(self, command: str, payload=None) -> None:
+        """Rank 0 of a parallel trainer: tell the ranks waiting in :meth:`follow` what runs next."""
+        if self._world > 1 and self.parallel.rank == 0:
+            _broadcast_command(command, payload)
+
+    def follow(self) -> None:
+        """Ranks other than 0: run each collective call rank 0's trainer runs (its train_step with the same batch,
+        its save_weights), in its order, until rank 0 calls :func:`release_followers`."""
+        if self._world == 1 or self.parallel.rank == 0:
+            raise ValueError("follow: expected a parallel trainer on a rank other than 0")
+        while True:
+            message = [None, None]
+            torch.distributed.broadcast_object_list(message, src=0)
+            command, payload = message
+            if command == "release":
+                return
+            if command == "train_step":
+                self.train_step(payload)
+            elif command == "save_weights":
+                self.save_weights(*payload)
+            else:
+                raise ValueError(f"follow: unexpected command {command!r:.40} from rank 0")
+
     def train_step(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        self._lead("train_step", trajectories)
         cfg = self.config
         self.model.train()
         advantages = self.advantage_fn([t.reward for t in trajectories], [t.group_id for t in trajectories])
@@ -229,6 +256,7 @@ class PolicyTrainer:
         until this run writes the same name)."""
         from safetensors.torch import save_file
 
+        self._lead("save_weights", (weights_dir, keep))
         path = os.path.join(weights_dir, f"v{self.version:06d}.safetensors")
         if self.parallel is not None and (self._world > 1 or self.parallel.sharded):  # every rank gathers
             from glm5_core.train import fsdp
@@ -251,6 +279,20 @@ class PolicyTrainer:
                 pass
         self._weight_files = self._weight_files[-keep:]
         return path
+
+
+def _broadcast_command(command: str, payload=None) -> None:
+    """Rank 0 -> every rank in ``PolicyTrainer.follow``: the next call and its arguments (between the ranks of
+    one job, as torch's own object collectives pass them)."""
+    torch.distributed.broadcast_object_list([command, payload], src=0)
+
+
+def release_followers() -> None:
+    """Rank 0 of ``glm5 rl`` under torchrun, once, whatever way its run ended: the other ranks leave
+    ``PolicyTrainer.follow`` (also when rank 0 failed before building its trainer). No-op elsewhere."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1 and torch.distributed.get_rank() == 0:
+        _broadcast_command("release")
 
 
 def build_trainer(cfg, model, backend: Optional[str], parallel=None) -> PolicyTrainer:
