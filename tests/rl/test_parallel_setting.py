@@ -103,9 +103,10 @@ def test_cli_takes_parallel_and_refuses_a_bad_ep_in_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_train_at_ep2(tmp_path):
-    """(Slow, ~50 s here; the default run's tests/rl/algorithm/test_parallel_trainer.py covers the trainer's ranks,
-    EP=2 against one process, through the same follow / release calls.) """``torchrun --nproc_per_node=2 -m glm5_core.cli rl --parallel ep=2``: a 2-step sync run finishes (rank 0's
-    driver, one spawned engine, rank 1 training its share of each step), every loss finite, both ranks exit 0."""
+    """``torchrun --nproc_per_node=2 -m glm5_core.cli rl --parallel ep=2``: a 2-step sync run finishes (rank 0's
+    driver, one spawned engine, rank 1 training its share of each step), every loss finite, both ranks exit 0.
+    Slow (~50 s here): the default run's tests/rl/algorithm/test_parallel_trainer.py covers the trainer's ranks,
+    EP=2 against one process, through the same follow / release calls."""
     import json
     import subprocess
 
