@@ -15,6 +15,7 @@ import sys
 import yaml
 
 from glm5_core.cli import add_backend_argument, add_config_arguments
+from glm5_core.train.cli import parse_parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an engine glm5 rl does not start (SGLang server or glm5 serve), http://HOST:PORT; "
                              "repeat for several (sets rollout.engine_urls)")
     parser.add_argument("--api-key", default=None, help="bearer token of the engines (sets rollout.api_key)")
+    parser.add_argument("--parallel", type=parse_parallel, default=None, metavar="{ddp,fsdp2,ep=N}",
+                        help="the policy trainer's layout, as glm5 pretrain's: ep=N sets parallel.ep = N and "
+                             "parallel.strategy = fsdp2 (see docs/expert-parallel.md); overrides the config's "
+                             "parallel section")
     add_backend_argument(parser)
 
 
@@ -55,6 +60,7 @@ def _checked_config(args: argparse.Namespace):
         sets.append(f"rollout.engine_urls={json.dumps(args.engine_url)}")
     if args.api_key is not None:
         sets.append(f"rollout.api_key={json.dumps(args.api_key)}")
+    flags.update(args.parallel or {})  # applied after --set, and checked with the config
     cfg = load_config(args.config, sets, flags)
     if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, "config.json")):
         from glm5_core.model.checkpoint import load_hf_config
@@ -73,11 +79,52 @@ def run(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(as_plain(cfg), sort_keys=False), end="")
         return 0
     from glm5_core.registry import require_available, resolve_backend_name
-    from glm5_core.rl.driver import RLRun
 
     backend = resolve_backend_name(args.backend)
     require_available(backend)
-    from glm5_core.rl.driver import FleetUnreachableError, TrainerStarvedError
+    from glm5_core.rl.policy import parallel_world, torchrun_problem
+
+    if parallel_world()[1] > 1:  # torchrun: every rank refuses alike, before any joins the process group
+        problem = torchrun_problem(cfg, args.resume is not None)
+        if problem:
+            raise ValueError(problem)
+        from glm5_core.rl.run_state import check_output_dir
+
+        check_output_dir(cfg.output_dir, False)  # rank 0's driver checks it again; a refusal here is every rank's
+        return _run_ranks(cfg, args, backend)
+    return _run_driver(cfg, args, backend)
+
+
+def _run_ranks(cfg, args: argparse.Namespace, backend: str) -> int:
+    """``glm5 rl`` under torchrun: rank 0 runs the driver, the others their share of each training step
+    (``driver.follow_training``) until rank 0 releases them, whatever way its run ended."""
+    from glm5_core.registry import get_backend
+    from glm5_core.rl.algorithm.trainer import release_followers
+    from glm5_core.rl.driver import follow_training
+    from glm5_core.train import distributed as dist_utils
+
+    ctx = dist_utils.init_distributed(get_backend(backend))
+    ended = False
+    try:
+        if ctx.rank != 0:
+            follow_training(cfg, args.checkpoint, backend)
+            code = 0
+        else:
+            try:
+                code = _run_driver(cfg, args, backend)
+            finally:
+                release_followers()
+        ended = True
+        return code
+    finally:
+        if ended:
+            dist_utils.shutdown(ctx)
+        else:
+            dist_utils.abandon()
+
+
+def _run_driver(cfg, args: argparse.Namespace, backend: str) -> int:
+    from glm5_core.rl.driver import FleetUnreachableError, RLRun, TrainerStarvedError
     from glm5_core.rl.fleet.weight_sync import WeightPushError
     from glm5_core.rl.rollout.envs.openai_agent import AgentError
     from glm5_core.rl.rollout.rewards import RewardError

@@ -33,7 +33,7 @@ from glm5_core.config_schema import (
 )
 from glm5_core.device_facts import DeviceFacts
 from glm5_core.device_kinds import DIST_BACKEND_NAMES
-from glm5_core.train.config import CheckpointConfig
+from glm5_core.train.config import CheckpointConfig, ParallelConfig
 
 MODES = ("sync", "async")
 EXECUTORS = ("local", "ray")
@@ -413,6 +413,8 @@ class RLConfig:
     checkpoint: RLCheckpointConfig = field(factory=RLCheckpointConfig)  # resume points (glm5 rl --resume)
     dynamic_sampling: DynamicSamplingConfig = field(factory=DynamicSamplingConfig)
     reward: Optional[dict[str, Any]] = field(None)  # {path: ...} or {url: ...}: see rl/rollout/rewards.py
+    # the policy trainer's layout, as glm5 pretrain's (train/config.ParallelConfig; --parallel ep=N): see rl/policy.py
+    parallel: ParallelConfig = field(factory=ParallelConfig)
 
     def validate(self, source: str = "config") -> RLConfig:
         """Raise ConfigError (every problem, one line) unless the fields and the rules between them hold (this

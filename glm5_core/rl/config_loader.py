@@ -85,6 +85,11 @@ def size_problems(cfg: RLConfig, model) -> list[str]:
     """Problems of run ``cfg`` with policy architecture ``model`` (a GLM5Config: the preset's, or the one a
     ``--checkpoint`` holds): sequence length, MTP drafts, the codec's vocabulary and the memory the run needs
     on this machine."""
+    from glm5_core.train.config import parallel_problems
+
+    parallel = parallel_problems(cfg.parallel, model.n_routed_experts)
+    if parallel:
+        return parallel
     if cfg.rollout.max_len > model.max_position_embeddings:
         return [f"rollout.max_len: expected <= the model's max_position_embeddings="
                 f"{model.max_position_embeddings}, got {cfg.rollout.max_len}"]

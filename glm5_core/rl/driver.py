@@ -47,7 +47,7 @@ from glm5_core.rl.fleet.replicas import ReplicaSet, TrajectoryCloser
 from glm5_core.rl.fleet.router import build_router
 from glm5_core.rl.fleet.weight_sync import build_weight_sync
 from glm5_core.rl.metrics import MetricsLogger, idle_ratio_from_engines, prefill_counters
-from glm5_core.rl.policy import build_starting_policy
+from glm5_core.rl.policy import build_policy, build_starting_policy, parallelize_policy
 from glm5_core.rl.rollout.envs.registry import build_env
 from glm5_core.rl.rollout.response_check import ResponseCheck
 from glm5_core.rl.rollout.rewards import build_reward
@@ -128,7 +128,8 @@ class RLRun:
             check_draft_model(self.model, "rollout.speculative")
         self.tokenizer, self.env = build_environment(cfg, self.model.config.vocab_size)
         self.reward = build_reward(cfg.reward)  # None: the environment's own reward
-        self.trainer = build_trainer(cfg, self.model, self.backend)
+        self.parallel = parallelize_policy(cfg, self.model)  # parallel.ep: the policy trainer's layout
+        self.trainer = build_trainer(cfg, self.model, self.backend, parallel=self.parallel)
         resumed = run_state.start(self.out_dir, cfg, checkpoint, self.trainer, self.model, resume, log)
         self.resumed_state: Optional[RunState] = resumed[0] if resumed else None
         self._checkpoint_history: list[str] = resumed[1] if resumed else []
@@ -305,7 +306,13 @@ class RLRun:
         return eval0
 
     def save_resume_point(self) -> None:
-        """``checkpoints/step_<version>``: what ``resume=True`` continues from (``run_state``)."""
+        """``checkpoints/step_<version>``: what ``resume=True`` continues from (``run_state``). Under torchrun
+        (a policy sharded over several ranks) none is written, said once (``policy.torchrun_problem``)."""
+        if self.parallel is not None and self.parallel.world_size > 1:
+            if self._checkpointed_version is None:
+                self.log("[rl] no resume point written: glm5 rl under torchrun has no sharded resume-point format yet")
+            self._checkpointed_version = self.trainer.version
+            return
         eval_start = next((e.get("eval_reward") for e in self.eval_history if e.get("step") == 0), None)
         runner, env = self.runner.snapshot()  # together: an async producer may be drawing the next group
         state = RunState(env=env, runner=runner, buffer=self.buffer.state_dict(), eval_history=self.eval_history,
@@ -505,6 +512,19 @@ class RLRun:
         """Where every issued trajectory ended up (for exactly-once checks)."""
         return {"issued": list(self.runner.issued_ids), "trained": list(self.buffer.taken_ids),
                 "dropped": list(self.buffer.dropped_ids), "buffered": self.buffer.leftover_ids()}
+
+
+def follow_training(cfg: RLConfig, checkpoint: Optional[str], backend: Optional[str]) -> None:
+    """A rank other than 0 of ``glm5 rl`` under torchrun: build the policy and its trainer as rank 0's
+    :class:`RLRun` does (same seed, same ``parallel`` layout), then run rank 0's collective trainer calls until
+    it releases this rank (``PolicyTrainer.follow``)."""
+    import torch
+
+    torch.set_num_threads(cfg.torch_threads)
+    backend = None if backend in (None, "auto") else backend
+    model = build_policy(cfg, checkpoint, backend)
+    trainer = build_trainer(cfg, model, backend, parallel=parallelize_policy(cfg, model))
+    trainer.follow()
 
 
 def _eval_text(result: dict) -> str:

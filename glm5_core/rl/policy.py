@@ -50,6 +50,48 @@ def _policy_from_preset(cfg, checkpoint: Optional[str], backend: Optional[str]):
     return model
 
 
+def parallel_world() -> tuple[int, int]:
+    """(rank, world size) of this process under torchrun (``RANK``, ``WORLD_SIZE``); (0, 1) without it."""
+    from glm5_core.train.distributed import _env_int
+
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+
+
+def torchrun_problem(cfg, resume: bool) -> Optional[str]:
+    """What ``glm5 rl`` under torchrun (several ranks) does not do yet, in one line naming the setting; None when
+    the run can go ahead. Rank 0 runs the driver (rollouts, weight pushes to spawned engines from its weight
+    files, evaluation, metrics), every rank its share of each training step (``PolicyTrainer.follow``)."""
+    if cfg.parallel.strategy != "fsdp2":
+        return (f"parallel.strategy: glm5 rl under torchrun trains the policy with fsdp2 (--parallel fsdp2 or "
+                f"ep=N); ddp is not built for the RL trainer, got {cfg.parallel.strategy!r}")
+    if resume:
+        return ("--resume: glm5 rl under torchrun writes no resume points (their sharded format is not built); "
+                "resume a run started on one process there")
+    if cfg.rollout.weight_sync != "disk":
+        return (f"rollout.weight_sync: glm5 rl under torchrun pushes weights from its weight files ('disk'); "
+                f"{cfg.rollout.weight_sync!r} (a broadcast from the sharded policy) is not built")
+    if cfg.rollout.engine_urls is not None:
+        return ("rollout.engine_urls: glm5 rl under torchrun spawns its engines; external engines (an HF directory "
+                "written from the sharded policy) are not built")
+    return None
+
+
+def parallelize_policy(cfg, model):
+    """``parallel`` of RLConfig ``cfg`` applied to the policy by the pretraining driver's own path
+    (``train.fsdp.parallelize``); returns what it did (a ``Parallelized``, for ``PolicyTrainer(parallel=...)``), or
+    None on one process with the section left at its default. One process: ``parallel.ep: 1`` gives the
+    expert-parallel layout without sharding (every expert here, the batch-invariant experts kernel: the bitwise
+    baseline of any EP size); a larger ``ep`` is refused naming the world size, as by ``glm5 pretrain``. Under
+    torchrun every rank calls it on a policy built alike (the process group is up: ``glm5 rl``'s CLI)."""
+    from glm5_core.train import fsdp
+
+    rank, world = parallel_world()
+    if cfg.parallel.ep is None and world == 1:
+        return None
+    return fsdp.parallelize(model, strategy=cfg.parallel.strategy, ep=cfg.parallel.ep,
+                            device_type=next(model.parameters()).device.type, rank=rank, world_size=world)
+
+
 def build_starting_policy(cfg, checkpoint: Optional[str], backend: Optional[str], out_dir: str, resume: bool,
                           log: Callable[[str], None]):
     """The policy to train: built from ``checkpoint``; on a resume with a resume point, rebuilt from what the run

@@ -116,6 +116,19 @@ class ParallelConfig:
     ep: Optional[int] = field(None, **positive())
 
 
+def parallel_problems(parallel: ParallelConfig, n_routed_experts: int) -> list[str]:
+    """The rules of ``parallel.ep`` against the model (``glm5 pretrain`` and ``glm5 rl`` alike)."""
+    problems = []
+    if parallel.ep is not None:
+        if parallel.strategy != "fsdp2":
+            problems.append(f"parallel.ep: expert parallelism shards with FSDP2; set parallel.strategy: fsdp2 "
+                            f"(--parallel ep=N does), got strategy {parallel.strategy!r}")
+        if n_routed_experts % parallel.ep:
+            problems.append(f"parallel.ep: expected a divisor of model.n_routed_experts ({n_routed_experts}), "
+                            f"got {parallel.ep}")
+    return problems
+
+
 @dataclasses.dataclass
 class TrainConfig:
     seed: int = field(0, range=(0, MAX_SEED))
@@ -188,13 +201,7 @@ def _cross_problems(cfg: TrainConfig) -> list[str]:
     if cfg.data.source == "stdlib" and cfg.data.path:
         problems.append("data.path: only read when data.source is 'path'; set source: path or remove it")
     model = cfg.model_config()
-    if cfg.parallel.ep is not None:
-        if cfg.parallel.strategy != "fsdp2":
-            problems.append(f"parallel.ep: expert parallelism shards with FSDP2; set parallel.strategy: fsdp2 "
-                            f"(--parallel ep=N does), got strategy {cfg.parallel.strategy!r}")
-        if model.n_routed_experts % cfg.parallel.ep:
-            problems.append(f"parallel.ep: expected a divisor of model.n_routed_experts ({model.n_routed_experts}), "
-                            f"got {cfg.parallel.ep}")
+    problems += parallel_problems(cfg.parallel, model.n_routed_experts)
     if cfg.loss.mtp_depths > 0 and model.num_nextn_predict_layers == 0:
         problems.append(f"loss.mtp_depths: expected 0 when model.num_nextn_predict_layers is 0, "
                         f"got {cfg.loss.mtp_depths}")

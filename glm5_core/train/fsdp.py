@@ -250,6 +250,44 @@ def shard_model(model: nn.Module, device_type: str, world_size: int, expert_mesh
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class Parallelized:
+    """What :func:`parallelize` did to a model: ``sharded`` (FSDP2 applied), ``ep_group`` (the process group
+    tokens are exchanged over, None without expert parallelism or at ep 1), ``expert_params`` (ids of the
+    expert-parallel layers' parameters, for :func:`clip_grad_norm`), and this process's rank / world size."""
+
+    sharded: bool = False
+    ep_group: object = None
+    expert_params: frozenset = frozenset()
+    rank: int = 0
+    world_size: int = 1
+
+
+def parallelize(model: nn.Module, *, strategy: str, ep, device_type: str, rank: int, world_size: int) -> Parallelized:
+    """The ``parallel`` section applied to a GLM5ForCausalLM built and initialised alike on every rank (the
+    pretraining driver's and the RL trainer's one path): ``ep`` set shards the experts over the "ep" dim of a
+    (world / ep, ep) DeviceMesh (:func:`expert_parallel_mesh`; on one process every expert stays here, with the
+    batch-invariant kernel), then ``strategy: fsdp2`` on several processes applies FSDP2 (:func:`shard_model`),
+    the experts over the mesh's "dp_mod_ep" dim. ``ddp`` is left to the caller (it wraps per stage)."""
+    ep_group = expert_mesh = None
+    if ep is not None:
+        if world_size % ep:
+            raise ValueError(f"parallel.ep: expected a divisor of the world size {world_size}, got {ep}")
+        if world_size == 1:  # one process: every expert here, no exchange
+            model.shard_experts(None)
+        else:
+            mesh = expert_parallel_mesh(device_type, world_size, ep)
+            ep_group = mesh["ep"].get_group() if ep > 1 else None
+            model.shard_experts(ep_group)
+            expert_mesh = mesh["dp_mod_ep"]
+    sharded = strategy == "fsdp2" and world_size > 1
+    if sharded:
+        shard_model(model, device_type, world_size, expert_mesh=expert_mesh)
+    expert_params = frozenset(id(p) for unit in expert_units(model) for p in unit.parameters())
+    return Parallelized(sharded=sharded, ep_group=ep_group, expert_params=expert_params, rank=rank,
+                        world_size=world_size)
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, *, ep_group=None,
                    expert_params: frozenset = frozenset()) -> torch.Tensor:
     """``clip_grad_norm_`` over plain or DTensor gradients; returns the global 2-norm as a plain tensor.

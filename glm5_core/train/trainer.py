@@ -153,11 +153,10 @@ class PretrainTrainer:
         self.model.reset_parameters(seed=cfg.seed)
         self.model.to(self.dist.device)
         # fsdp2 on one process has nothing to shard: the model stays whole, as with ddp.
-        self.sharded = cfg.parallel.strategy == "fsdp2" and self.dist.enabled
-        self.ep_group, expert_mesh = self._expert_parallel()
-        if self.sharded:
-            fsdp.shard_model(self.model, self.dist.device.type, self.dist.world_size, expert_mesh=expert_mesh)
-        self.expert_params = frozenset(id(p) for unit in fsdp.expert_units(self.model) for p in unit.parameters())
+        plan = fsdp.parallelize(self.model, strategy=cfg.parallel.strategy, ep=cfg.parallel.ep,
+                                device_type=self.dist.device.type, rank=self.dist.rank,
+                                world_size=self.dist.world_size)
+        self.sharded, self.ep_group, self.expert_params = plan.sharded, plan.ep_group, plan.expert_params
         self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
                                          lr=cfg.schedule.lr, backend=self.backend.name)
         self.start_step = 0
@@ -195,24 +194,6 @@ class PretrainTrainer:
         # ddp: DDP-wrapped for the current stage's trainable set; fsdp2: the sharded model itself (FSDP2
         # follows requires_grad changes without re-wrapping)
         self._wrapped: torch.nn.Module = self.model
-
-    def _expert_parallel(self):
-        """``parallel.ep``: shard the experts over the "ep" dim of a (world / ep, ep) DeviceMesh (every rank
-        keeps its E / ep experts); returns (the EP process group or None, the "dp_mod_ep" mesh the experts'
-        FSDP2 units shard over, or None). Unset: (None, None), the model as it was."""
-        ep = self.cfg.parallel.ep
-        if ep is None:
-            return None, None
-        world = self.dist.world_size
-        if world % ep:
-            raise ValueError(f"parallel.ep: expected a divisor of the world size {world}, got {ep}")
-        if not self.dist.enabled:  # one process: every expert here, no exchange
-            self.model.shard_experts(None)
-            return None, None
-        mesh = fsdp.expert_parallel_mesh(self.dist.device.type, world, ep)
-        group = mesh["ep"].get_group() if ep > 1 else None
-        self.model.shard_experts(group)
-        return group, mesh["dp_mod_ep"]
 
     # ------------------------------------------------------------------------------------ one step
     def _forward_kwargs(self, stage: StageConfig, step: int) -> dict:

@@ -64,31 +64,48 @@ def torchrun_cmd(processes: int) -> list[str]:
     return [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", f"--nproc_per_node={processes}"]
 
 
-def run(tmp: Path, processes: int, ep: int, *, max_steps: int | None = None, resume: bool = False,
-        output: Path | None = None) -> dict:
-    """One ``glm5 pretrain --parallel ep=N`` run under torchrun; returns its trace."""
-    cfg = config(tmp)
-    out = output or tmp / f"run_p{processes}_ep{ep}"
-    cmd = torchrun_cmd(processes) + ["-m", "glm5_core.cli", "pretrain", "--config", str(cfg), "--backend", "cpu",
-                                     "--output-dir", str(out), "--parallel", f"ep={ep}"]
+def pretrain_args(tmp: Path, ep: int, out: Path, *, max_steps: int | None = None, resume: bool = False,
+                  settings: tuple[str, ...] = ()) -> list[str]:
+    """``glm5 pretrain``'s arguments (after ``pretrain``) for one run of the golden config."""
+    args = ["--config", str(config(tmp)), "--backend", "cpu", "--output-dir", str(out), "--parallel", f"ep={ep}"]
+    for setting in settings:
+        args += ["--set", setting]
     if max_steps is not None:
-        cmd += ["--max-steps", str(max_steps)]
+        args += ["--max-steps", str(max_steps)]
     if resume:
-        cmd += ["--resume"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLM5_SKIP_EXT="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        args += ["--resume"]
+    return args
+
+
+def run_env() -> dict:
+    """The environment of the runs: one thread, the reference kernels, this checkout first on the path."""
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, OMP_NUM_THREADS="1", GLM5_SKIP_EXT="1",
+                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+
+
+def run(tmp: Path, processes: int, ep: int, *, max_steps: int | None = None, resume: bool = False,
+        output: Path | None = None, settings: tuple[str, ...] = ()) -> dict:
+    """One ``glm5 pretrain --parallel ep=N`` run under torchrun; returns its trace."""
+    out = output or tmp / f"run_p{processes}_ep{ep}"
+    cmd = torchrun_cmd(processes) + ["-m", "glm5_core.cli", "pretrain"] + \
+        pretrain_args(tmp, ep, out, max_steps=max_steps, resume=resume, settings=settings)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=run_env())
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return trace(out)
 
 
-def trace(out: Path) -> dict:
+def trace_records(out: Path) -> dict:
+    """The steps logged in ``metrics.jsonl`` (a killed run has no summary)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((out / "summary.json").read_text())
     return {"steps": [r["step"] for r in records], "loss": [r["loss"] for r in records],
-            "lm_loss": [r.get("lm_loss") for r in records], "grad_norm": [r["grad_norm"] for r in records],
-            "parameter_digest": summary["parameter_digests"][0],
+            "lm_loss": [r.get("lm_loss") for r in records], "grad_norm": [r["grad_norm"] for r in records]}
+
+
+def trace(out: Path) -> dict:
+    summary = json.loads((out / "summary.json").read_text())
+    return {**trace_records(out), "parameter_digest": summary["parameter_digests"][0],
             "digests_agree": len(set(summary["parameter_digests"])) == 1}
 
 

@@ -7,16 +7,21 @@ The default run re-runs 4 of EP=2's 20 golden steps on 2 processes (then resumes
 the stored 20-step traces of EP=2 / EP=4 with EP=1's; the 4-process re-run and the resume at EP=4 / EP=2 / EP=1
 are marked slow.
 """
+import os
 import shutil
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
 
 from glm5_core.testing import TOLERANCES
+from glm5_core.train import checkpoint as ckpt
 from glm5_core.train.config import TrainConfig
 from glm5_core.train.config_loader import load_config
 from glm5_core.train.trainer import RunOptions, pretrain
-from tests.train import ep_golden
+from tests.train import ep_golden, ep_kill
 
 ATOL, RTOL = TOLERANCES[torch.float32]
 
@@ -109,20 +114,102 @@ def test_ep4_twenty_steps_repeat_the_golden_trace(tmp_path):
     assert got["parameter_digest"] == golden["parameter_digest"] and got["digests_agree"]
 
 
-@pytest.mark.slow
-def test_stopped_at_ep2_resumes_at_ep4_ep2_and_ep1(tmp_path):
-    """A run stopped after 14 steps at EP=2 (its DCP checkpoint) resumes at EP=4 on 4 processes, at EP=2 (bitwise
-    the uninterrupted run) and at EP=1 on 2 processes; every resumed curve tracks the uninterrupted EP=2 one."""
+def _killed_at(tmp_path, stage: str, kill_step: int, out, every: int) -> None:
+    """Run EP=2 on 2 processes (torchrun) with a checkpoint every ``every`` steps until it stops at ``stage`` of
+    checkpoint ``kill_step``'s write (``tests/train/ep_kill.py``), then SIGKILL every rank there at once (and the
+    torchrun agent if it outlives them). Returns when no rank is left."""
+    markers = tmp_path / f"markers-{stage}"
+    markers.mkdir()
+    paused = {"training": ("0", "1"), "dcp_write": ("1",), "rename": ("0",), "latest": ("0",)}[stage]
+    cmd = ep_golden.torchrun_cmd(2) + ["-m", "tests.train.ep_kill", stage, str(kill_step), str(markers), "--"] + \
+        ep_golden.pretrain_args(tmp_path, 2, out, settings=(f"checkpoint.every_steps={every}",))
+    log = open(tmp_path / f"killed-{stage}.log", "w")
+    agent = subprocess.Popen(cmd, env=ep_golden.run_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    try:
+        while not (all((markers / f"paused-{r}").exists() for r in paused) and
+                   (stage != "dcp_write" or list(out.glob("checkpoints/.tmp-*/dcp/*.safetensors")))):
+            assert agent.poll() is None, f"{stage}: the run ended before the kill:\n" + \
+                (tmp_path / f"killed-{stage}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{stage}: the run did not reach the stage"
+            time.sleep(0.2)
+        ranks = [int((markers / f"pid-{r}").read_text()) for r in ("0", "1")]
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            agent.wait(timeout=60)  # it reaps the killed ranks and exits on its own
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+        for pid in ranks:
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        log.close()
+
+
+def _last_complete_before_kill(out, stage: str, kill_step: int, every: int) -> int:
+    """What a resume takes after the kill, checked on disk: the checkpoint ``every`` steps before ``kill_step``
+    (``latest`` did not name step ``kill_step`` yet); a dcp_write kill left a half-written folder with rank 0's
+    shard alone, a rename kill a fully written one, a latest kill step ``kill_step`` in place, unnamed."""
+    root = out / "checkpoints"
+    assert ckpt.resolve_checkpoint(out).name == f"step_{kill_step - every:08d}"
+    tmp = list(root.glob(".tmp-*"))
+    if stage == "dcp_write":
+        assert len(tmp) == 1 and not (tmp[0] / "trainer_state.json").exists()
+        assert len(list((tmp[0] / "dcp").glob("*.safetensors"))) == 1
+    if stage == "rename":
+        assert len(tmp) == 1 and (tmp[0] / "trainer_state.json").exists()
+    if stage == "latest":
+        assert (root / f"step_{kill_step:08d}" / "trainer_state.json").exists()
+    return kill_step - every
+
+
+def test_killed_during_a_dcp_save_at_ep2_resumes_on_one_process(tmp_path):
+    """SIGKILL of every rank of an EP=2 run while it writes the DCP checkpoint of step 4 (rank 0's shard written,
+    rank 1's not): the resume takes step 2, the last complete checkpoint, on ONE process at EP=1 and steps 3..4
+    track the uninterrupted run (the golden trace); the killed run's steps were bitwise the golden's."""
     golden = _golden("ep2")
-    stopped = tmp_path / "stopped"
-    ep_golden.run(tmp_path, 2, 2, max_steps=14, output=stopped)
-    for processes, ep in ((4, 4), (2, 2), (2, 1)):
+    out = tmp_path / "killed"
+    _killed_at(tmp_path, "dcp_write", 4, out, every=2)
+    before = ep_golden.trace_records(out)
+    assert before["steps"] == [1, 2, 3, 4]
+    _same_trace(before, golden, 4)
+    step = _last_complete_before_kill(out, "dcp_write", 4, every=2)
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(out), "parallel.ep": 1,
+                                                       "parallel.strategy": "fsdp2"})
+    pretrain(cfg, RunOptions(backend="cpu", output_dir=str(out), resume=str(out), max_steps=4))
+    resumed = ep_golden.trace(out)
+    assert resumed["steps"] == [1, 2, 3, 4]
+    _tracks({k: v[step:] for k, v in resumed.items() if isinstance(v, list)},
+            {k: v[step:4] for k, v in golden.items() if isinstance(v, list)}, 4 - step)
+    assert not list((out / "checkpoints").glob(".tmp-*"))  # the killed writer's half folder was removed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ep_kill.STAGES)
+def test_killed_at_ep2_resumes_at_ep4_ep2_and_ep1(tmp_path, stage):
+    """Every rank of an EP=2 run SIGKILLed at ``stage`` of the checkpoint write of step 12 (a checkpoint every 6
+    steps): the resume takes step 6 and continues at EP=2 on 2 processes bitwise the uninterrupted run (the
+    golden trace); after the kill during the DCP write also at EP=4 on 4 processes and at EP=1 on 2, tracking
+    it to the tolerance table."""
+    golden = _golden("ep2")
+    killed = tmp_path / "killed"
+    _killed_at(tmp_path, stage, 12, killed, every=6)
+    step = _last_complete_before_kill(killed, stage, 12, every=6)
+    assert step == 6
+    settings = ((2, 2), (4, 4), (2, 1)) if stage == "dcp_write" else ((2, 2),)
+    for processes, ep in settings:
         out = tmp_path / f"resume_p{processes}_ep{ep}"
-        shutil.copytree(stopped, out)
+        shutil.copytree(killed, out)
         got = ep_golden.run(tmp_path, processes, ep, resume=True, output=out)
-        assert got["steps"] == list(range(1, 21))
+        assert got["steps"] == list(range(1, ep_golden.STEPS + 1))
         if (processes, ep) == (2, 2):
             _same_trace(got, golden, ep_golden.STEPS)
+            assert got["parameter_digest"] == golden["parameter_digest"]
         _tracks(got, golden, ep_golden.STEPS)
 
 
