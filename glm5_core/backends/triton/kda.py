@@ -257,17 +257,19 @@ def conv_update_supports(x, conv_state, weight, bias=None, **kwargs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "kda"  # this module's launch configuration
-# v: value columns per recurrence program; checkpoint: tokens per backward checkpoint (memory only, not numerics);
-# rows: token rows per program of the backward's reduction; tokens / channels: the conv's tiles
-DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1,
-                              blocks={"v": 32, "checkpoint": 32, "rows": 16, "tokens": 16, "channels": 64})
+# v / v_bwd: value columns per program of the recurrence / its backward (the backward holds four [BK, BV] fp32
+# tiles: at K = 128 and 4 warps, BV = 16 compiles for sm_90 in 248 registers without spills, BV = 32 spills);
+# checkpoint: tokens per backward checkpoint (memory only, not numerics); rows: token rows per program of the
+# backward's reduction over the value blocks; tokens / channels: the conv's tiles
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"v": 32, "v_bwd": 16, "checkpoint": 32, "rows": 16,
+                                                                 "tokens": 16, "channels": 64})
 ITEMSIZES = (4,)  # everything in fp32 inside
 
 
 def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     # no tl.dot: only the two column reductions of the [BK, BV] state slice cross warps
-    state = [Tile("state", (MAX_HEAD_DIM, blocks["v"]), 4, scratch=True)]
-    return {"recurrent": state, "recurrent_bwd": state,  # the backward reduces the same [BK, BV] slices
+    return {"recurrent": [Tile("state", (MAX_HEAD_DIM, blocks["v"]), 4, scratch=True)],
+            "recurrent_bwd": [Tile("state", (MAX_HEAD_DIM, blocks["v_bwd"]), 4, scratch=True)],
             "recurrent_bwd_reduce": [Tile("rows", (blocks["rows"], MAX_HEAD_DIM), 4, scratch=True)],
             "conv": [], "conv_bwd_dz": [Tile("dz", (blocks["tokens"], blocks["channels"]), 4, scratch=True)],
             "conv_bwd_dx": []}

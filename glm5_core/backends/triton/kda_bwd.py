@@ -3,8 +3,8 @@ the short causal conv's (x, weight, bias, conv state). ``kda.py`` pairs them wit
 Functions and launches both with the ``kda`` family's configuration.
 
 Legend as in ``glm5_core.ops.kda``: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V];
-R = B T H token rows; BK = next power of two >= K, BV value columns per program, NV = cdiv(V, BV) column blocks,
-CK tokens per checkpoint (the ``checkpoint`` block), N = cdiv(T, CK) checkpoints.
+R = B T H token rows; BK = next power of two >= K, BV value columns per program (the ``v_bwd`` block),
+NV = cdiv(V, BV) column blocks, CK tokens per checkpoint (the ``checkpoint`` block), N = cdiv(T, CK) checkpoints.
 
 The recurrence per token (q already normalised and scaled, k normalised, a = exp(g)):
   S' = diag(a) S_prev,  p = S'^T k,  u = beta (v - p),  S = S' + k u^T,  o = S^T q.
@@ -23,7 +23,7 @@ entering every token in reverse order, which the forward does not keep; the prog
      operations in the same order as the forward: the same bits, whatever CK).
 Memory / time: the backward holds no more than the forward's inputs between forward and backward (nothing is
 saved but them); while it runs it takes B H NV (N + CK) BK BV fp32 of scratch, i.e. about B H (T / CK + CK) K V
-floats (CK = 32, T = 4096, K = V = 128, 64 heads: 1.1 GiB), plus fp32 partials of dq, dk, dg (NV R K each) and
+floats (CK = 32, T = 4096, K = V = 128, B = 1, 64 heads: 640 MiB), plus fp32 partials of dq, dk, dg (NV R K each) and
 dbeta (NV R). Time: the recurrence three times (forward, checkpoint pass, segment reruns) and the reverse step
 (about 2.5 forward steps of work): ~4.5 forward passes, sequential in T inside a program, like the forward. A
 larger CK trades scratch (CK K V per program) for fewer checkpoints (T / CK K V); it does not change the result.
@@ -218,7 +218,7 @@ def recurrent_backward(q, k, v, g, beta, initial_state: Optional[torch.Tensor], 
         d_o = torch.zeros_like(v)
     d_o = d_o.contiguous()
     BK, CK = _util.next_pow2(K), config.block("checkpoint")
-    BV = min(config.block("v"), _util.next_pow2(V))
+    BV = min(config.block("v_bwd"), _util.next_pow2(V))
     NV, NCK, R = triton.cdiv(V, BV), triton.cdiv(T, CK), B * T * H
     f32 = dict(dtype=torch.float32, device=dev)
     ckpt = torch.empty((B * H * NV, NCK, BK, BV), **f32)

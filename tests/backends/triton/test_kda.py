@@ -96,8 +96,9 @@ def _check_grads(got: dict, x: dict, dtype, reference, **kwargs):
 GRAD_SHAPES = (  # (shape, with an initial state, launch blocks)
     (testing.KDAShape(2, 9, 2, 12, 40), True, {}),  # B > 1, odd K (masked rows), two value blocks
     (testing.KDAShape(1, 1, 1, 8, 4), False, {}),  # one token, no state
-    (testing.KDAShape(1, 11, 2, 5, 3), True, {"checkpoint": 4, "v": 2}),  # 3 checkpoints, the last partial; odd dims
-    (testing.KDAShape(2, 7, 1, 3, 6), False, {"checkpoint": 2, "v": 4}),
+    # 3 checkpoints, the last partial; odd dims; two value blocks forward and backward
+    (testing.KDAShape(1, 11, 2, 5, 3), True, {"checkpoint": 4, "v": 2, "v_bwd": 2}),
+    (testing.KDAShape(2, 7, 1, 3, 6), False, {"checkpoint": 2, "v_bwd": 4}),
 )
 
 
@@ -132,7 +133,7 @@ def test_kda_backward_is_bitwise_repeatable_and_independent_of_the_checkpoint_in
     """No atomics: the same bits run to run; the checkpoint interval only moves memory (the segment reruns are
     the forward's operations in its order)."""
     x = testing.make_kda_inputs(testing.KDAShape(2, 6, 1, 8, 6), device=device, seed=9)
-    runs = [_kda_grads(_triton_kda(checkpoint=c, v=4), x) for c in (4, 4, 1, 32)]
+    runs = [_kda_grads(_triton_kda(checkpoint=c, v_bwd=4), x) for c in (4, 4, 1, 32)]
     for o, s, grads in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(s, runs[0][1])
         assert all(torch.equal(grads[k], runs[0][2][k]) for k in grads), "gradients differ"
