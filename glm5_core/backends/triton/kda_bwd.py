@@ -3,7 +3,7 @@ the short causal conv's (x, weight, bias, conv state). ``kda.py`` pairs them wit
 Functions and launches both with the ``kda`` family's configuration.
 
 Legend as in ``glm5_core.ops.kda``: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V];
-R = B T H token rows; BK = next power of two >= K, BV value columns per program (the ``v_bwd`` block),
+BK = next power of two >= K, BV value columns per program (the ``v_bwd`` block),
 NV = cdiv(V, BV) column blocks, CK tokens per checkpoint (the ``checkpoint`` block), N = cdiv(T, CK) checkpoints.
 
 The recurrence per token (q already normalised and scaled, k normalised, a = exp(g)):
@@ -21,19 +21,22 @@ entering every token in reverse order, which the forward does not keep; the prog
      storing the state entering each in a second scratch ([CK, BK, BV] per program, reused by every segment),
      then walks those tokens back, each step re-deriving S', p, u and S from the stored S_prev (the same fp32
      operations in the same order as the forward: the same bits, whatever CK).
-Memory / time: the backward holds no more than the forward's inputs between forward and backward (nothing is
-saved but them); while it runs it takes B H NV (N + CK) BK BV fp32 of scratch, i.e. about B H (T / CK + CK) K V
-floats (CK = 32, T = 4096, K = V = 128, B = 1, 64 heads: 640 MiB), plus fp32 partials of dq, dk, dg (NV R K each) and
-dbeta (NV R). Time: the recurrence three times (forward, checkpoint pass, segment reruns) and the reverse step
-(about 2.5 forward steps of work): ~4.5 forward passes, sequential in T inside a program, like the forward. A
-larger CK trades scratch (CK K V per program) for fewer checkpoints (T / CK K V); it does not change the result.
-A tensor-core chunked backward (FLA's WY form) would be faster on long sequences; it is not built here.
 
 The dq, dk, dg, dbeta of a token sum over the value columns, so over the NV programs of its head: each program
-writes its partial (fp32 [NV, R, K] / [NV, R]); ``_recurrent_bwd_reduce_kernel`` (one program per BR rows) adds
-the NV partials in block order, then applies the scale and the L2 norm's backward (dx = (dy - y <dy, y>) / n,
-y = x / n, n = sqrt(sum x^2 + eps), recomputed from the inputs) and casts to each input's dtype. No atomics:
-the gradients are the same bits run to run.
+writes its partial (fp32, [NV, pairs, T, K] / [NV, pairs, T]); ``_recurrent_bwd_reduce_kernel`` (one program per
+(pair, BR tokens)) adds the NV partials in block order, then applies the scale and the L2 norm's backward
+(dx = (dy - y <dy, y>) / n, y = x / n, n = sqrt(sum x^2 + eps), recomputed from the inputs) and casts to each
+input's dtype. No atomics: the gradients are the same bits run to run.
+
+Memory / time: nothing but the inputs is saved between forward and backward. While the backward runs, each
+(batch row, head) pair takes fp32 scratch of NV (N + CK) BK BV (checkpoints and one segment: about
+(T / CK + CK) K V) plus NV T (3 K + 1) (the partials); the pairs run in launches of as many as fit
+``SCRATCH_BUDGET_BYTES`` (1 GiB: ``pairs_per_launch``), so the scratch is bounded whatever B and H (at T = 4096,
+K = V = 128, BV = 16: 58 MiB a pair, 17 pairs = 136 programs a launch; fewer pairs a launch only when T is long).
+Time: the recurrence three times (forward, checkpoint pass, segment reruns) and the reverse step (about 2.5
+forward steps of work): ~4.5 forward passes, sequential in T inside a program, like the forward. A larger CK
+trades scratch (CK K V a pair) for fewer checkpoints (T / CK K V); neither CK nor the launch split changes the
+result. A tensor-core chunked backward (FLA's WY form) would be faster on long sequences; it is not built here.
 
 The conv (out = act(z), z = bias + sum_w weight[:, w] x_{t - W + 1 + w}, x_{<0} from the state):
 ``_conv_bwd_dz_kernel`` (one program per (batch row, BT tokens, BD channels)) recomputes z, writes dz = dout
@@ -55,6 +58,10 @@ from glm5_core.backends.triton import _util
 from glm5_core.backends.triton.launch import LaunchConfig
 from glm5_core.ops import kda as ops
 
+# fp32 scratch one launch of the recurrence's backward may take (checkpoints, a segment, the value-block
+# partials); more (batch row, head) pairs than fit run in successive launches
+SCRATCH_BUDGET_BYTES = 1 << 30
+
 
 @triton.jit
 def _step(S, k, v, a, beta):
@@ -67,14 +74,16 @@ def _step(S, k, v, a, beta):
 
 @triton.jit
 def _recurrent_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, do_ptr, dsT_ptr, ckpt_ptr, seg_ptr,
-                          dq_ptr, dk_ptr, dg_ptr, dbeta_ptr, dv_ptr, ds0_ptr, T, H, K, V, R, NV, NCK, scale, eps,
-                          HAS_S0: tl.constexpr, HAS_DST: tl.constexpr, L2NORM: tl.constexpr,
+                          dq_ptr, dk_ptr, dg_ptr, dbeta_ptr, dv_ptr, ds0_ptr, bh0, NBH, T, H, K, V, NV, NCK, scale,
+                          eps, HAS_S0: tl.constexpr, HAS_DST: tl.constexpr, L2NORM: tl.constexpr,
                           BK: tl.constexpr, BV: tl.constexpr, CK: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
+    lbh = tl.program_id(0).to(tl.int64)  # this launch covers (batch row, head) pairs bh0 .. bh0 + NBH - 1
+    bh = bh0 + lbh
     vb = tl.program_id(1)
     b = bh // H
     h = bh % H
-    prog = bh * NV + vb  # this program's scratch slices
+    prog = lbh * NV + vb  # this program's scratch slices
+    part_base = (vb * NBH + lbh) * T  # its partials: [NV, NBH, T, .] (block, pair, token)
     offs_k = tl.arange(0, BK)
     offs_v = vb * BV + tl.arange(0, BV)
     mk = offs_k < K
@@ -150,7 +159,7 @@ def _recurrent_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, do_ptr, 
             dk = dk + tl.sum(Sp * dp[None, :], axis=1)
             dg = tl.sum(dS * Sp, axis=1)
             dS = dS * a[:, None]
-            part = vb.to(tl.int64) * R + row  # partial block vb, token row
+            part = part_base + t
             tl.store(dq_ptr + part * K + offs_k, dq, mask=mk)
             tl.store(dk_ptr + part * K + offs_k, dk, mask=mk)
             tl.store(dg_ptr + part * K + offs_k, dg, mask=mk)
@@ -174,22 +183,27 @@ def _l2norm_bwd(x, dy, eps, L2NORM: tl.constexpr):
 
 @triton.jit
 def _recurrent_bwd_reduce_kernel(q_ptr, k_ptr, dq_part_ptr, dk_part_ptr, dg_part_ptr, dbeta_part_ptr,
-                                 dq_ptr, dk_ptr, dg_ptr, dbeta_ptr, R, K, NV, scale, eps,
+                                 dq_ptr, dk_ptr, dg_ptr, dbeta_ptr, bh0, NBH, T, H, K, NV, scale, eps,
                                  L2NORM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    lbh = tl.program_id(0).to(tl.int64)
+    bh = bh0 + lbh
+    offs_t = tl.program_id(1) * BR + tl.arange(0, BR)
     offs_k = tl.arange(0, BK)
-    mr = rows < R
+    mr = offs_t < T
     m2 = mr[:, None] & (offs_k[None, :] < K)
+    rows = ((bh // H) * T + offs_t) * H + bh % H  # the tokens' rows of [B, T, H, .]
     offs = rows[:, None] * K + offs_k[None, :]
     dq = tl.zeros([BR, BK], tl.float32)
     dk = tl.zeros([BR, BK], tl.float32)
     dg = tl.zeros([BR, BK], tl.float32)
     dbeta = tl.zeros([BR], tl.float32)
     for i in range(NV):  # the value-column blocks in order
-        dq += tl.load(dq_part_ptr + i * R * K + offs, mask=m2, other=0.0)
-        dk += tl.load(dk_part_ptr + i * R * K + offs, mask=m2, other=0.0)
-        dg += tl.load(dg_part_ptr + i * R * K + offs, mask=m2, other=0.0)
-        dbeta += tl.load(dbeta_part_ptr + i * R + rows, mask=mr, other=0.0)
+        part = (i * NBH + lbh) * T + offs_t
+        p2 = part[:, None] * K + offs_k[None, :]
+        dq += tl.load(dq_part_ptr + p2, mask=m2, other=0.0)
+        dk += tl.load(dk_part_ptr + p2, mask=m2, other=0.0)
+        dg += tl.load(dg_part_ptr + p2, mask=m2, other=0.0)
+        dbeta += tl.load(dbeta_part_ptr + part, mask=mr, other=0.0)
     q = tl.load(q_ptr + offs, mask=m2, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + offs, mask=m2, other=0.0).to(tl.float32)
     dq = _l2norm_bwd(q, dq * scale, eps, L2NORM)
@@ -200,9 +214,20 @@ def _recurrent_bwd_reduce_kernel(q_ptr, k_ptr, dq_part_ptr, dk_part_ptr, dg_part
     tl.store(dbeta_ptr + rows, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mr)
 
 
+def pairs_per_launch(T: int, K: int, V: int, pairs: int, config: LaunchConfig,
+                     budget: int = SCRATCH_BUDGET_BYTES) -> int:
+    """How many (batch row, head) pairs one launch of the backward covers: as many as keep its fp32 scratch
+    (checkpoints, one segment, the partials) within ``budget`` bytes, at least one."""
+    BK, CK = _util.next_pow2(K), config.block("checkpoint")
+    BV = min(config.block("v_bwd"), _util.next_pow2(V))
+    NV = triton.cdiv(V, BV)
+    per_pair = 4 * NV * ((triton.cdiv(T, CK) + CK) * BK * BV + T * (3 * K + 1))
+    return max(1, min(pairs, budget // per_pair))
+
+
 def recurrent_backward(q, k, v, g, beta, initial_state: Optional[torch.Tensor], d_o: Optional[torch.Tensor],
                        d_state: Optional[torch.Tensor], *, scale: float, use_qk_l2norm: bool,
-                       config: LaunchConfig):
+                       config: LaunchConfig, scratch_budget: int = SCRATCH_BUDGET_BYTES):
     """Gradients (dq, dk, dv, dg, dbeta, d initial_state or None), each in its input's dtype (the state's fp32).
     ``d_o`` / ``d_state`` None: that output carries no gradient. Inputs contiguous."""
     B, T, H, K = k.shape
@@ -217,28 +242,30 @@ def recurrent_backward(q, k, v, g, beta, initial_state: Optional[torch.Tensor], 
     if d_o is None:
         d_o = torch.zeros_like(v)
     d_o = d_o.contiguous()
-    BK, CK = _util.next_pow2(K), config.block("checkpoint")
+    BK, CK, BR = _util.next_pow2(K), config.block("checkpoint"), config.block("rows")
     BV = min(config.block("v_bwd"), _util.next_pow2(V))
-    NV, NCK, R = triton.cdiv(V, BV), triton.cdiv(T, CK), B * T * H
+    NV, NCK = triton.cdiv(V, BV), triton.cdiv(T, CK)
+    NBH = pairs_per_launch(T, K, V, B * H, config, scratch_budget)
     f32 = dict(dtype=torch.float32, device=dev)
-    ckpt = torch.empty((B * H * NV, NCK, BK, BV), **f32)
-    seg = torch.empty((B * H * NV, CK, BK, BV), **f32)
-    dq_part, dk_part, dg_part = (torch.empty((NV, R, K), **f32) for _ in range(3))
-    dbeta_part = torch.empty((NV, R), **f32)
+    ckpt = torch.empty((NBH * NV, NCK, BK, BV), **f32)
+    seg = torch.empty((NBH * NV, CK, BK, BV), **f32)
+    dq_part, dk_part, dg_part = (torch.empty((NV, NBH, T, K), **f32) for _ in range(3))
+    dbeta_part = torch.empty((NV, NBH, T), **f32)
     dv = torch.empty_like(v)
     if initial_state is not None:
         d_s0 = torch.empty((B, H, K, V), **f32)
     dst = d_state.contiguous() if d_state is not None else None
-    _recurrent_bwd_kernel[(B * H, NV)](
-        q, k, v, g, beta, initial_state if initial_state is not None else q, d_o, dst if dst is not None else q,
-        ckpt, seg, dq_part, dk_part, dg_part, dbeta_part, dv, d_s0 if d_s0 is not None else q, T, H, K, V, R, NV, NCK,
-        float(scale), ops.L2NORM_EPS, HAS_S0=initial_state is not None, HAS_DST=dst is not None,
-        L2NORM=use_qk_l2norm, BK=BK, BV=BV, CK=CK, **config.launch_kwargs())
     dq, dk, dg, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(beta)
-    BR = config.block("rows")
-    _recurrent_bwd_reduce_kernel[(triton.cdiv(R, BR),)](
-        q, k, dq_part, dk_part, dg_part, dbeta_part, dq, dk, dg, dbeta, R, K, NV, float(scale), ops.L2NORM_EPS,
-        L2NORM=use_qk_l2norm, BR=BR, BK=BK, **config.launch_kwargs())
+    for bh0 in range(0, B * H, NBH):  # the launches reuse the scratch, one after the other on the stream
+        n = min(NBH, B * H - bh0)
+        _recurrent_bwd_kernel[(n, NV)](
+            q, k, v, g, beta, initial_state if initial_state is not None else q, d_o, dst if dst is not None else q,
+            ckpt, seg, dq_part, dk_part, dg_part, dbeta_part, dv, d_s0 if d_s0 is not None else q, bh0, NBH, T, H,
+            K, V, NV, NCK, float(scale), ops.L2NORM_EPS, HAS_S0=initial_state is not None, HAS_DST=dst is not None,
+            L2NORM=use_qk_l2norm, BK=BK, BV=BV, CK=CK, **config.launch_kwargs())
+        _recurrent_bwd_reduce_kernel[(n, triton.cdiv(T, BR))](
+            q, k, dq_part, dk_part, dg_part, dbeta_part, dq, dk, dg, dbeta, bh0, NBH, T, H, K, NV, float(scale),
+            ops.L2NORM_EPS, L2NORM=use_qk_l2norm, BR=BR, BK=BK, **config.launch_kwargs())
     return dq, dk, dv, dg, dbeta, d_s0
 
 

@@ -94,7 +94,7 @@ def _check_grads(got: dict, x: dict, dtype, reference, **kwargs):
 
 
 GRAD_SHAPES = (  # (shape, with an initial state, launch blocks)
-    (testing.KDAShape(2, 9, 2, 12, 40), True, {}),  # B > 1, odd K (masked rows), two value blocks
+    (testing.KDAShape(2, 5, 2, 12, 20), True, {}),  # B > 1, odd K (masked rows), two value blocks
     (testing.KDAShape(1, 1, 1, 8, 4), False, {}),  # one token, no state
     # 3 checkpoints, the last partial; odd dims; two value blocks forward and backward
     (testing.KDAShape(1, 11, 2, 5, 3), True, {"checkpoint": 4, "v": 2, "v_bwd": 2}),
@@ -132,11 +132,29 @@ def test_kda_gradients_bf16(device):
 def test_kda_backward_is_bitwise_repeatable_and_independent_of_the_checkpoint_interval(device):
     """No atomics: the same bits run to run; the checkpoint interval only moves memory (the segment reruns are
     the forward's operations in its order)."""
-    x = testing.make_kda_inputs(testing.KDAShape(2, 6, 1, 8, 6), device=device, seed=9)
+    x = testing.make_kda_inputs(testing.KDAShape(1, 6, 1, 8, 6), device=device, seed=9)
     runs = [_kda_grads(_triton_kda(checkpoint=c, v_bwd=4), x) for c in (4, 4, 1, 32)]
     for o, s, grads in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(s, runs[0][1])
         assert all(torch.equal(grads[k], runs[0][2][k]) for k in grads), "gradients differ"
+
+
+def test_kda_backward_in_several_launches_gives_the_same_bits(device):
+    """A scratch budget of one (batch row, head) pair a launch (5 launches) against one launch for all."""
+    from glm5_core.backends.triton import kda as triton_kda
+    from glm5_core.backends.triton import kda_bwd
+
+    shape = testing.KDAShape(1, 5, 5, 6, 5)
+    x = testing.make_kda_inputs(shape, device=device, seed=13)
+    args = [x[k].contiguous() for k in ("q", "k", "v", "g", "beta", "initial_state")]
+    d_o = testing.randn(x["v"].shape, seed=1, device=device)
+    d_s = testing.randn(x["initial_state"].shape, seed=2, device=device)
+    config = triton_kda.DEFAULT_LAUNCH
+    assert kda_bwd.pairs_per_launch(shape.T, shape.K, shape.V, 5, config, budget=1) == 1
+    assert kda_bwd.pairs_per_launch(shape.T, shape.K, shape.V, 5, config) == 5
+    split, whole = (kda_bwd.recurrent_backward(*args, d_o, d_s, scale=0.4, use_qk_l2norm=True, config=config,
+                                               scratch_budget=budget) for budget in (1, 1 << 30))
+    assert all(torch.equal(a, b) for a, b in zip(split, whole))
 
 
 @pytest.mark.parametrize("op", ["kda_chunked", "kda_recurrent"])
