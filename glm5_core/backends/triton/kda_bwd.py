@@ -31,8 +31,9 @@ input's dtype. No atomics: the gradients are the same bits run to run.
 Memory / time: nothing but the inputs is saved between forward and backward. While the backward runs, each
 (batch row, head) pair takes fp32 scratch of NV (N + CK) BK BV (checkpoints and one segment: about
 (T / CK + CK) K V) plus NV T (3 K + 1) (the partials); the pairs run in launches of as many as fit
-``SCRATCH_BUDGET_BYTES`` (1 GiB: ``pairs_per_launch``), so the scratch is bounded whatever B and H (at T = 4096,
-K = V = 128, BV = 16: 58 MiB a pair, 17 pairs = 136 programs a launch; fewer pairs a launch only when T is long).
+``SCRATCH_BUDGET_BYTES`` (2 GiB: ``pairs_per_launch``), so the scratch is bounded whatever B and H (at T = 4096,
+K = V = 128, BV = 16: 58 MiB a pair, 35 pairs = 280 programs a launch, about what an H100 runs at once: two of
+these 128-thread, 251-register programs an SM, 132 SMs; a smaller budget splits into more, less full launches).
 Time: the recurrence three times (forward, checkpoint pass, segment reruns) and the reverse step (about 2.5
 forward steps of work): ~4.5 forward passes, sequential in T inside a program, like the forward. A larger CK
 trades scratch (CK K V a pair) for fewer checkpoints (T / CK K V); neither CK nor the launch split changes the
@@ -60,7 +61,7 @@ from glm5_core.ops import kda as ops
 
 # fp32 scratch one launch of the recurrence's backward may take (checkpoints, a segment, the value-block
 # partials); more (batch row, head) pairs than fit run in successive launches
-SCRATCH_BUDGET_BYTES = 1 << 30
+SCRATCH_BUDGET_BYTES = 2 << 30
 
 
 @triton.jit
