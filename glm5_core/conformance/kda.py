@@ -4,7 +4,7 @@ equalling one longer prefill (KDA and the conv), and the backward inputs of ``kd
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -160,32 +160,47 @@ def checks() -> list[Check]:
 _GRAD_SHAPE = testing.KDAShape(B=1, T=11, H=2, K=8, V=4, C=4)
 
 
-def _chunked_grad(device: str) -> GradCase:
-    """Through the output and the final state (cat'd), from an initial state: every input's gradient."""
-    x = testing.make_kda_inputs(_GRAD_SHAPE, device=device, seed=23)
+def _chunked_grad(device: str, shape: testing.KDAShape = _GRAD_SHAPE, *, initial_state: bool = True,
+                  output_final_state: bool = True, use_qk_l2norm: bool = True) -> GradCase:
+    """Through the output and the final state (cat'd), from an initial state: every input's gradient (the
+    edge cases: no initial state, the output alone, q and k not normalised)."""
+    x = testing.make_kda_inputs(shape, device=device, seed=23, initial_state=initial_state)
+    kw = dict(output_final_state=output_final_state, chunk_size=shape.C, use_qk_l2norm=use_qk_l2norm)
 
     def entry(be, **t):
-        return torch.cat([p.flatten() for p in kda.chunked(**t, output_final_state=True, chunk_size=_GRAD_SHAPE.C,
-                                                           use_qk_l2norm=True, backend=be)])
+        return torch.cat([p.flatten() for p in kda.chunked(**t, **kw, backend=be) if p is not None])
 
     def ref(**t):
-        return torch.cat([p.flatten() for p in kda.chunked_reference(**t, output_final_state=True,
-                                                                     chunk_size=_GRAD_SHAPE.C, use_qk_l2norm=True)])
+        return torch.cat([p.flatten() for p in kda.chunked_reference(**t, **kw) if p is not None])
 
     return entry, ref, x
 
 
-def _conv_grad(device: str) -> GradCase:
-    x = testing.make_conv_inputs(_GRAD_SHAPE, device=device, seed=29)
+def _conv_grad(device: str, shape: testing.KDAShape = _GRAD_SHAPE, *, bias: bool = False,
+               activation: Optional[str] = "silu") -> GradCase:
+    x = testing.make_conv_inputs(shape, device=device, seed=29)
+    if bias:
+        x["bias"] = testing.randn((x["x"].shape[-1],), seed=30, device=device)
 
     def entry(be, **t):
-        return torch.cat([p.flatten() for p in kda.causal_conv(**t, output_final_state=True, backend=be)])
+        return torch.cat([p.flatten() for p in kda.causal_conv(**t, activation=activation, output_final_state=True,
+                                                               backend=be)])
 
     def ref(**t):
-        return torch.cat([p.flatten() for p in kda.causal_conv_reference(**t, output_final_state=True)])
+        return torch.cat([p.flatten() for p in kda.causal_conv_reference(**t, activation=activation,
+                                                                         output_final_state=True)])
 
     return entry, ref, x
 
 
 # Inputs of the backward check of each differentiable op of the family (see ``gradients.py``).
 GRAD_CASES: dict[str, Callable[[str], GradCase]] = {"kda_chunked": _chunked_grad, "kda_causal_conv": _conv_grad}
+GRAD_EDGE_CASES: tuple[tuple[str, str, Callable[[str], GradCase]], ...] = (
+    ("kda_chunked", "T1-no_state", lambda dev: _chunked_grad(dev, testing.KDAShape(2, 1, 2, 8, 4, C=4),
+                                                             initial_state=False)),
+    ("kda_chunked", "output_only-no_l2norm-odd_dims",
+     lambda dev: _chunked_grad(dev, testing.KDAShape(1, 6, 1, 5, 3, C=4), output_final_state=False,
+                               use_qk_l2norm=False)),
+    ("kda_causal_conv", "T2-bias-no_activation",  # T < W - 1: the new state holds conv-state rows
+     lambda dev: _conv_grad(dev, testing.KDAShape(2, 2, 1, 4, 4), bias=True, activation=None)),
+)

@@ -10,12 +10,14 @@ the whole sequence: per token it decays the rows by exp(g), reads S^T k, writes 
 products (per-token matrix-vector work), no shared memory beyond the two column reductions.
 
 ``kda_chunked`` runs this same fused recurrence forward: the chunked form is the same function (the module
-docstring of ``glm5_core.ops.kda``), ``chunk_size`` only moves its rounding. There is no Triton backward: calls that
-need gradients run the differentiable reference (a tensor-core chunked kernel with its backward, FLA's WY form,
-is not built here).
+docstring of ``glm5_core.ops.kda``), ``chunk_size`` only moves its rounding. Both are differentiable (in q, k, v,
+g, beta and the initial state): ``_Recurrence`` pairs the forward with the reverse-time kernel of ``kda_bwd``
+(state checkpoints recomputed in the backward, its docstring gives the memory / time trade-off). A tensor-core
+chunked kernel (FLA's WY form) is not built here.
 
 ``_conv_kernel``: one program per (batch row, BT tokens, BD channels); W taps (a constexpr), each read from x or,
-before the sequence, from the conv state; fp32 sums in tap order (the reference's order), then SiLU.
+before the sequence, from the conv state; fp32 sums in tap order (the reference's order), then SiLU. ``_Conv``
+pairs it with ``kda_bwd``'s conv backward (x, weight, bias, conv state).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from glm5_core.backends.triton import _util
+from glm5_core.backends.triton import _util, kda_bwd
 from glm5_core.backends.triton.launch import KernelConfigs, LaunchConfig, bind
 from glm5_core.backends.triton.shared_memory import ModelDims, Tile
 from glm5_core.kernel import Kernel
@@ -71,25 +73,57 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_pt
         tl.store(sT_ptr + s_off, S, mask=m2)
 
 
-def recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state: bool = False,
-              use_qk_l2norm: bool = False, config: LaunchConfig):
-    """The recurrence fused, state fp32. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or
-    None)."""
+def _recurrent_forward(q, k, v, g, beta, initial_state, scale: float, output_final_state: bool,
+                       use_qk_l2norm: bool, config: LaunchConfig):
+    """The fused recurrence on contiguous inputs: (o [B, T, H, V] in q's dtype, final state fp32 or None)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty_like(v, dtype=q.dtype)
-    s0 = initial_state.contiguous() if initial_state is not None else None
+    s0 = initial_state
     sT = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     BV = min(config.block("v"), _util.next_pow2(V))
     if T == 0 and output_final_state:  # nothing to run: the state passes through
         sT.copy_(s0 if s0 is not None else torch.zeros_like(sT))
     elif T > 0 or output_final_state:
         _recurrent_kernel[(B * H, triton.cdiv(V, BV))](
-            q, k, v, g, beta, s0 if s0 is not None else q, o, sT if sT is not None else q, T, H, K, V,
-            float(K ** -0.5 if scale is None else scale), ops.L2NORM_EPS, HAS_S0=s0 is not None,
-            STORE_S=sT is not None, L2NORM=use_qk_l2norm, BK=_util.next_pow2(K), BV=BV, **config.launch_kwargs())
+            q, k, v, g, beta, s0 if s0 is not None else q, o, sT if sT is not None else q, T, H, K, V, scale,
+            ops.L2NORM_EPS, HAS_S0=s0 is not None, STORE_S=sT is not None, L2NORM=use_qk_l2norm,
+            BK=_util.next_pow2(K), BV=BV, **config.launch_kwargs())
     return o, sT
+
+
+class _Recurrence(torch.autograd.Function):
+    """The fused recurrence forward; backward by ``kda_bwd.recurrent_backward`` (the reverse-time kernel, which
+    recomputes the states from the inputs: nothing but the inputs is saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, use_qk_l2norm, config):
+        inputs = [t.contiguous() for t in (q, k, v, g, beta)]
+        s0 = initial_state.contiguous() if initial_state is not None else None
+        o, sT = _recurrent_forward(*inputs, s0, scale, output_final_state, use_qk_l2norm, config)
+        ctx.save_for_backward(*inputs, s0)
+        ctx.scale, ctx.use_qk_l2norm, ctx.config = scale, use_qk_l2norm, config
+        return o, sT
+
+    @staticmethod
+    def backward(ctx, d_o, d_state):
+        q, k, v, g, beta, s0 = ctx.saved_tensors
+        grads = kda_bwd.recurrent_backward(q, k, v, g, beta, s0, d_o, d_state, scale=ctx.scale,
+                                           use_qk_l2norm=ctx.use_qk_l2norm, config=ctx.config)
+        return (*grads, None, None, None, None)
+
+
+def recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state: bool = False,
+              use_qk_l2norm: bool = False, config: LaunchConfig):
+    """The recurrence fused, state fp32. Returns (o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or
+    None); differentiable in q, k, v, g, beta and the initial state (the reverse-time kernel of ``kda_bwd``)."""
+    K = k.shape[-1]
+    scale = float(K ** -0.5 if scale is None else scale)
+    if not torch.is_grad_enabled():  # no autograd node to build (decode)
+        inputs = [t.contiguous() for t in (q, k, v, g, beta)]
+        s0 = initial_state.contiguous() if initial_state is not None else None
+        return _recurrent_forward(*inputs, s0, scale, output_final_state, use_qk_l2norm, config)
+    return _Recurrence.apply(q, k, v, g, beta, initial_state, scale, output_final_state, use_qk_l2norm, config)
 
 
 def chunked(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state: bool = False,
@@ -142,22 +176,52 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, o_ptr, T, D, HAS_BIAS: tl.constexpr
              mask=mt[:, None] & md[None, :])
 
 
-def causal_conv(x, weight, bias=None, *, conv_state=None, activation="silu", output_final_state: bool = False,
-                config: LaunchConfig):
-    """The conv over x [B, T, D]. Returns (out [B, T, D] in x's dtype, new state [B, W - 1, D] fp32 or None)."""
+def _conv_forward(x, weight, bias, state, silu: bool, config: LaunchConfig):
     B, T, D = x.shape
-    W = weight.shape[-1]
-    x = x.contiguous()
     out = torch.empty_like(x)
-    state = conv_state.contiguous() if conv_state is not None and W > 1 else None
     BT, BD = config.block("tokens"), config.block("channels")
     if T > 0:
         _conv_kernel[(B, triton.cdiv(T, BT), triton.cdiv(D, BD))](
-            x, weight.contiguous(), bias.contiguous() if bias is not None else x, state if state is not None else x,
-            out, T, D, HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=activation == "silu", W=W, BT=BT,
-            BD=BD, **config.launch_kwargs())
+            x, weight, bias if bias is not None else x, state if state is not None else x, out, T, D,
+            HAS_BIAS=bias is not None, HAS_STATE=state is not None, SILU=silu, W=weight.shape[-1], BT=BT, BD=BD,
+            **config.launch_kwargs())
+    return out
+
+
+class _Conv(torch.autograd.Function):
+    """The conv's output; backward by ``kda_bwd.conv_backward`` (x, weight, bias, conv state)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state, silu, config):
+        x, weight = x.contiguous(), weight.contiguous()
+        bias = bias.contiguous() if bias is not None else None
+        state = state.contiguous() if state is not None else None
+        ctx.save_for_backward(x, weight, bias, state)
+        ctx.silu, ctx.config = silu, config
+        return _conv_forward(x, weight, bias, state, silu, config)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, weight, bias, state = ctx.saved_tensors
+        grads = kda_bwd.conv_backward(x, weight, bias, state, d_out, silu=ctx.silu, config=ctx.config)
+        return (*grads, None, None)
+
+
+def causal_conv(x, weight, bias=None, *, conv_state=None, activation="silu", output_final_state: bool = False,
+                config: LaunchConfig):
+    """The conv over x [B, T, D]. Returns (out [B, T, D] in x's dtype, new state [B, W - 1, D] fp32 or None);
+    differentiable in x, weight, bias and the conv state."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    state = conv_state if conv_state is not None and W > 1 else None
+    silu = activation == "silu"
+    if torch.is_grad_enabled():
+        out = _Conv.apply(x, weight, bias, state, silu, config)
+    else:
+        out = _conv_forward(x.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else None,
+                            state.contiguous() if state is not None else None, silu, config)
     new_state = None
-    if output_final_state:  # the last W - 1 inputs: a copy, no arithmetic
+    if output_final_state:  # the last W - 1 inputs: a copy, no arithmetic (autograd carries its gradient)
         before = conv_state if conv_state is not None else x.new_zeros(B, W - 1, D, dtype=torch.float32)
         full = torch.cat([before.to(torch.float32), x.to(torch.float32)], dim=1)
         new_state = full[:, full.shape[1] - (W - 1):].contiguous()
@@ -193,18 +257,29 @@ def conv_update_supports(x, conv_state, weight, bias=None, **kwargs):
 
 # ---- the kernel-module protocol (``table.py``): launch family, shared-memory tiles, kernel-table entries ----
 FAMILY = "kda"  # this module's launch configuration
-DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"v": 32, "tokens": 16, "channels": 64})
+# v / v_bwd: value columns per program of the recurrence / its backward (the backward holds four [BK, BV] fp32
+# tiles: at K = 128 and 4 warps, BV = 16 compiles for sm_90 in 251 registers without spills, BV = 32 spills);
+# checkpoint: tokens per backward checkpoint (memory only, not numerics); rows: token rows per program of the
+# backward's reduction over the value blocks (8 x 128 fp32: 119 registers, 16: 251); tokens / channels: the
+# conv's tiles
+DEFAULT_LAUNCH = LaunchConfig(num_warps=4, num_stages=1, blocks={"v": 32, "v_bwd": 16, "checkpoint": 32, "rows": 8,
+                                                                 "tokens": 16, "channels": 64})
 ITEMSIZES = (4,)  # everything in fp32 inside
 
 
 def tiles(blocks, dims: ModelDims, itemsize: int) -> dict[str, list[Tile]]:
     # no tl.dot: only the two column reductions of the [BK, BV] state slice cross warps
-    return {"recurrent": [Tile("state", (MAX_HEAD_DIM, blocks["v"]), 4, scratch=True)], "conv": []}
+    return {"recurrent": [Tile("state", (MAX_HEAD_DIM, blocks["v"]), 4, scratch=True)],
+            "recurrent_bwd": [Tile("state", (MAX_HEAD_DIM, blocks["v_bwd"]), 4, scratch=True)],
+            "recurrent_bwd_reduce": [Tile("rows", (blocks["rows"], MAX_HEAD_DIM), 4, scratch=True)],
+            "conv": [], "conv_bwd_dz": [Tile("dz", (blocks["tokens"], blocks["channels"]), 4, scratch=True)],
+            "conv_bwd_dx": []}
 
 
 def kernels(configs: KernelConfigs) -> dict[str, Kernel]:
     config = configs.get(FAMILY, DEFAULT_LAUNCH)
-    return {"kda_recurrent": bind(recurrent, config, kda_supports),
-            "kda_chunked": bind(chunked, config, kda_supports),
-            "kda_causal_conv": bind(causal_conv, config, conv_supports),
+    # backward through _Recurrence / _Conv (kda_bwd)
+    return {"kda_recurrent": bind(recurrent, config, kda_supports, differentiable=True),
+            "kda_chunked": bind(chunked, config, kda_supports, differentiable=True),
+            "kda_causal_conv": bind(causal_conv, config, conv_supports, differentiable=True),
             "kda_causal_conv_update": bind(causal_conv_update, config, conv_update_supports)}

@@ -32,6 +32,7 @@ def kernels():
         dsa_selected_attention_target,
         indexer,
         kda,
+        kda_bwd,
         moe_experts,
         moe_experts_bwd,
         moe_permute,
@@ -138,6 +139,29 @@ def kernels():
            _sig({"x_ptr": "*bf16", "w_ptr": "*fp32", "b_ptr": "*bf16", "s_ptr": "*fp32", "o_ptr": "*bf16"},
                 [("T", I32), ("D", I32)], ["HAS_BIAS", "HAS_STATE", "SILU", "W", "BT", "BD"]),
            dict(HAS_BIAS=False, HAS_STATE=True, SILU=True, W=4, BT=16, BD=64))
+    yield ("kda_recurrent_bwd", kda_bwd._recurrent_bwd_kernel,
+           _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+                 "s0_ptr": "*fp32", "do_ptr": "*bf16", "dsT_ptr": "*fp32", "ckpt_ptr": "*fp32", "seg_ptr": "*fp32",
+                 "dq_ptr": "*fp32", "dk_ptr": "*fp32", "dg_ptr": "*fp32", "dbeta_ptr": "*fp32", "dv_ptr": "*bf16",
+                 "ds0_ptr": "*fp32"},
+                [("bh0", I32), ("NBH", I32), ("T", I32), ("H", I32), ("K", I32), ("V", I32), ("NV", I32),
+                 ("NCK", I32), ("scale", "fp32"), ("eps", "fp32")], ["HAS_S0", "HAS_DST", "L2NORM", "BK", "BV", "CK"]),
+           dict(HAS_S0=True, HAS_DST=True, L2NORM=True, BK=128, BV=16, CK=32))
+    yield ("kda_recurrent_bwd_reduce", kda_bwd._recurrent_bwd_reduce_kernel,
+           _sig({"q_ptr": "*bf16", "k_ptr": "*bf16", "dq_part_ptr": "*fp32", "dk_part_ptr": "*fp32",
+                 "dg_part_ptr": "*fp32", "dbeta_part_ptr": "*fp32", "dq_ptr": "*bf16", "dk_ptr": "*bf16",
+                 "dg_ptr": "*fp32", "dbeta_ptr": "*bf16"},
+                [("bh0", I32), ("NBH", I32), ("T", I32), ("H", I32), ("K", I32), ("NV", I32), ("scale", "fp32"),
+                 ("eps", "fp32")], ["L2NORM", "BR", "BK"]),
+           dict(L2NORM=True, BR=8, BK=128))
+    conv_bwd_meta = dict(HAS_BIAS=True, HAS_STATE=True, SILU=True, W=4, BT=16, BD=64)
+    yield ("kda_conv_bwd_dz", kda_bwd._conv_bwd_dz_kernel,
+           _sig({"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "s_ptr": "*fp32", "do_ptr": "*bf16",
+                 "dz_ptr": "*fp32", "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32"},
+                [("T", I32), ("D", I32), ("NT", I32)], list(conv_bwd_meta)), conv_bwd_meta)
+    yield ("kda_conv_bwd_dx", kda_bwd._conv_bwd_dx_kernel,
+           _sig({"dz_ptr": "*fp32", "w_ptr": "*bf16", "dx_ptr": "*bf16", "ds_ptr": "*fp32"}, [("T", I32), ("D", I32)],
+                ["HAS_STATE", "W", "BT", "BD"]), dict(HAS_STATE=True, W=4, BT=16, BD=64))
 
 
 def main(vendor: str) -> int:
