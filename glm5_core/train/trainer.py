@@ -36,6 +36,7 @@ import torch
 from glm5_core import registry
 from glm5_core.model import GLM5ForCausalLM, save_pretrained
 from glm5_core.model.checkpoint import RUN_EXPORT_DIR
+from glm5_core.ops import ep as ep_ops
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
@@ -125,6 +126,20 @@ def _checkpoint_due(cfg: TrainConfig, done: int, stop: int) -> bool:
     return done == stop or (every > 0 and done % every == 0)
 
 
+def build_model(model_cfg, *, backend: Optional[str], seed: int, device: torch.device,
+                expert_parallel: bool = False, ep_group=None) -> GLM5ForCausalLM:
+    """The driver's model: built, initialised from ``seed`` and moved to ``device``. ``expert_parallel``: every
+    MoE layer on ``ep_group`` (None: a group of one), and this rank never holds the other ranks' experts, not
+    even while building (``GLM5ForCausalLM(expert_shard=...)``, as torchtitan builds on the meta device and
+    materialises its shards only): its experts get the values a whole build gives them, bit for bit."""
+    shard = ep_ops.group_rank_size(ep_group) if expert_parallel else None
+    model = GLM5ForCausalLM(model_cfg, backend=backend, expert_shard=shard)
+    model.reset_parameters(seed=seed)
+    if expert_parallel:
+        model.shard_experts(ep_group)
+    return model.to(device)
+
+
 class PretrainTrainer:
     def __init__(self, cfg: TrainConfig, options: RunOptions):
         self.cfg, self.options = cfg, options
@@ -149,12 +164,11 @@ class PretrainTrainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
-        self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
-        self.model.reset_parameters(seed=cfg.seed)
-        self.model.to(self.dist.device)
+        self.ep_group, expert_mesh = self._expert_parallel()
+        self.model = build_model(model_cfg, backend=self.backend.name, seed=cfg.seed, device=self.dist.device,
+                                 expert_parallel=cfg.parallel.ep is not None, ep_group=self.ep_group)
         # fsdp2 on one process has nothing to shard: the model stays whole, as with ddp.
         self.sharded = cfg.parallel.strategy == "fsdp2" and self.dist.enabled
-        self.ep_group, expert_mesh = self._expert_parallel()
         if self.sharded:
             fsdp.shard_model(self.model, self.dist.device.type, self.dist.world_size, expert_mesh=expert_mesh)
         self.expert_params = frozenset(id(p) for unit in fsdp.expert_units(self.model) for p in unit.parameters())
@@ -197,9 +211,9 @@ class PretrainTrainer:
         self._wrapped: torch.nn.Module = self.model
 
     def _expert_parallel(self):
-        """``parallel.ep``: shard the experts over the "ep" dim of a (world / ep, ep) DeviceMesh (every rank
-        keeps its E / ep experts); returns (the EP process group or None, the "dp_mod_ep" mesh the experts'
-        FSDP2 units shard over, or None). Unset: (None, None), the model as it was."""
+        """``parallel.ep``: the (world / ep, ep) DeviceMesh whose "ep" dim the experts are sharded over (every
+        rank keeps its E / ep experts, :func:`build_model`); returns (the EP process group or None, the
+        "dp_mod_ep" mesh the experts' FSDP2 units shard over, or None). Unset, or one process: (None, None)."""
         ep = self.cfg.parallel.ep
         if ep is None:
             return None, None
@@ -207,11 +221,9 @@ class PretrainTrainer:
         if world % ep:
             raise ValueError(f"parallel.ep: expected a divisor of the world size {world}, got {ep}")
         if not self.dist.enabled:  # one process: every expert here, no exchange
-            self.model.shard_experts(None)
             return None, None
         mesh = fsdp.expert_parallel_mesh(self.dist.device.type, world, ep)
         group = mesh["ep"].get_group() if ep > 1 else None
-        self.model.shard_experts(group)
         return group, mesh["dp_mod_ep"]
 
     # ------------------------------------------------------------------------------------ one step
