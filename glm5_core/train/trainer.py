@@ -375,8 +375,19 @@ class PretrainTrainer:
         state = fsdp.full_state_dict(self.model, keep=self.dist.is_main, ep_group=self.ep_group)
         if not self.dist.is_main:
             return None
-        whole = GLM5ForCausalLM(self.cfg.model_config(), backend=self.backend.name)
-        whole.load_state_dict(state, strict=True)
+        model_cfg = self.cfg.model_config()
+        if self.cfg.parallel.ep is None:
+            whole = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
+            whole.load_state_dict(state, strict=True)
+            return whole
+        # expert parallelism: the routed experts (most of the model) are not built a second time beside the
+        # gathered ones: built for a rank holding one expert per layer, the rest on the meta device, then every
+        # parameter takes the gathered tensor itself (assign)
+        whole = GLM5ForCausalLM(model_cfg, backend=self.backend.name,
+                                expert_shard=(0, model_cfg.n_routed_experts))
+        whole.load_state_dict(state, strict=True, assign=True)
+        if model_cfg.tie_word_embeddings:  # assign gave the two names two Parameters over one tensor
+            whole.lm_head.weight = whole.model.embed_tokens.weight
         return whole
 
     def _memory_per_rank(self) -> dict[str, int]:
