@@ -148,3 +148,33 @@ def test_ep2_build_peak_memory_per_rank_is_about_half(spawnable_test_modules, mo
         assert whole_held - ep_held == expert_bytes // 2, (rank, got)
         assert whole_peak > 0.9 * whole_held, (rank, got)  # the measure sees the whole build
         assert ep_peak < 0.7 * whole_peak, f"rank {rank}: EP=2 build peak {ep_peak} vs whole {whole_peak}"
+
+
+def test_expert_parallel_run_exports_the_trained_weights(tmp_path):
+    """The HF export at the end of an expert-parallel run (``parallel.ep``; built with its experts on the meta
+    device and the gathered tensors assigned, not copied) holds bitwise what saving the trained model itself
+    writes, tensor by tensor."""
+    from safetensors.torch import load_file
+
+    from glm5_core.model import save_pretrained
+    from glm5_core.train.config_loader import load_config
+    from glm5_core.train.trainer import EXPORT_DIR, PretrainTrainer, RunOptions
+    from tests.train import ep_golden
+
+    out = tmp_path / "run"
+    cfg = load_config(ep_golden.config(tmp_path), [], {"output_dir": str(out), "parallel.ep": 1,
+                                                       "parallel.strategy": "fsdp2"})
+    trainer = PretrainTrainer(cfg, RunOptions(backend="cpu", output_dir=str(out), max_steps=2))
+    trainer.run()
+    save_pretrained(trainer.model, tmp_path / "direct")
+
+    def tensors(folder):
+        found = {}
+        for shard in sorted(folder.glob("*.safetensors")):
+            found.update(load_file(str(shard)))
+        return found
+
+    got, want = tensors(out / EXPORT_DIR), tensors(tmp_path / "direct")
+    assert got.keys() == want.keys() and any(".experts." in n for n in got)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
