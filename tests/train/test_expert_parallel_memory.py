@@ -32,20 +32,22 @@ def _cfg() -> GLM5Config:
     return GLM5Config.tiny(**EXPERTS_HEAVY)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_expert_shard_build_holds_bitwise_the_whole_builds_experts(size):
+@pytest.mark.parametrize("preset,size", [("tiny", 2), ("tiny", 4), ("tiny_glm53", 2)])
+def test_expert_shard_build_holds_bitwise_the_whole_builds_experts(preset, size):
     """Each rank of ``expert_shard=(rank, size)``: its experts and every other tensor bitwise the whole build's,
-    the other experts on the meta device (no memory), the global generator where a whole build leaves it; the
-    ranks' experts together are every expert once."""
+    the other experts on the meta device (no memory), the global generator where a whole build leaves it (GLM-5.3's
+    mHC weights are drawn from it, after the experts of earlier layers); the ranks' experts together are every
+    expert once."""
+    cfg = getattr(GLM5Config, preset)()
     torch.manual_seed(0)
-    whole = GLM5ForCausalLM(GLM5Config.tiny(), backend="cpu")
+    whole = GLM5ForCausalLM(cfg, backend="cpu")
     whole.reset_parameters(seed=0)
     want, rng = whole.state_dict(), torch.get_rng_state()
     experts = {n for n in want if ".experts." in n}
     seen: set[str] = set()
     for rank in range(size):
         torch.manual_seed(0)
-        model = GLM5ForCausalLM(GLM5Config.tiny(), backend="cpu", expert_shard=(rank, size))
+        model = GLM5ForCausalLM(cfg, backend="cpu", expert_shard=(rank, size))
         model.reset_parameters(seed=0)
         assert torch.equal(torch.get_rng_state(), rng)
         real = {n: t for n, t in model.state_dict().items() if not t.is_meta}
