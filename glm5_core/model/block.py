@@ -2,6 +2,8 @@
 (:class:`HybridDecoderLayer`: KDA or indexed attention, each sub-block between two mHC sites)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -17,13 +19,15 @@ __all__ = ["DecoderLayer", "HybridDecoderLayer", "run_ffn"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: registry.BackendArg):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, indexer_type: str, backend: registry.BackendArg,
+                 expert_shard: Optional[tuple[int, int]] = None):
+        """``expert_shard``: see :class:`MoE`."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLA(cfg, layer_idx, indexer_type, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend)
+            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend, expert_shard=expert_shard)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -54,7 +58,9 @@ class HybridDecoderLayer(nn.Module):
     back into the streams; then the same around the MLP / MoE (``ffn_hc``). Layer ``num_hidden_layers`` (the MTP
     module's) is an indexed layer with its own indexer."""
 
-    def __init__(self, cfg: GLM5Config, layer_idx: int, backend: registry.BackendArg):
+    def __init__(self, cfg: GLM5Config, layer_idx: int, backend: registry.BackendArg,
+                 expert_shard: Optional[tuple[int, int]] = None):
+        """``expert_shard``: see :class:`MoE`."""
         super().__init__()
         from glm5_core.model.hyper_connection import HyperConnection
         from glm5_core.model.indexed_attention import IndexedMLA
@@ -70,7 +76,8 @@ class HybridDecoderLayer(nn.Module):
                                         backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend, swiglu_limit=cfg.swiglu_limit)
+            self.mlp = MoE(cfg, layer_idx - cfg.first_k_dense_replace, backend, swiglu_limit=cfg.swiglu_limit,
+                           expert_shard=expert_shard)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, swiglu_limit=cfg.swiglu_limit)
         hc = dict(hidden_size=cfg.hidden_size, hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters,

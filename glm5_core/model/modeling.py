@@ -47,7 +47,7 @@ class GLM5Output:
 class GLM5Model(nn.Module):
     """The ``model.*`` part: embed_tokens, layers (main + MTP), norm."""
 
-    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg, expert_shard: Optional[tuple[int, int]] = None):
         super().__init__()
         self.num_main_layers = cfg.num_hidden_layers
         self.hc_mult = cfg.hc_mult if cfg.is_hybrid else None  # mHC streams (GLM-5.3); None: one residual stream
@@ -55,13 +55,13 @@ class GLM5Model(nn.Module):
         types = cfg.layer_indexer_types()
         layers: list[nn.Module]
         if cfg.is_hybrid:
-            layers = [HybridDecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers)]
+            layers = [HybridDecoderLayer(cfg, i, backend, expert_shard) for i in range(cfg.num_hidden_layers)]
             if cfg.num_nextn_predict_layers:
-                layers.append(HybridMTPLayer(cfg, backend))
+                layers.append(HybridMTPLayer(cfg, backend, expert_shard))
         else:
-            layers = [DecoderLayer(cfg, i, types[i], backend) for i in range(cfg.num_hidden_layers)]
+            layers = [DecoderLayer(cfg, i, types[i], backend, expert_shard) for i in range(cfg.num_hidden_layers)]
             if cfg.num_nextn_predict_layers:
-                layers.append(MTPLayer(cfg, backend))
+                layers.append(MTPLayer(cfg, backend, expert_shard))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
@@ -90,7 +90,13 @@ class GLM5ForCausalLM(nn.Module):
     model (``.to()``) keeps the binding: resolution depends on the backend, not on where tensors live (a kernel
     declines tensors on a device it cannot take, through its ``supports`` hook)."""
 
-    def __init__(self, cfg: GLM5Config, backend: Optional[str] = None):
+    def __init__(self, cfg: GLM5Config, backend: Optional[str] = None, *,
+                 expert_shard: Optional[tuple[int, int]] = None):
+        """``expert_shard`` (rank, size), expert parallelism: every MoE layer gives memory only to the experts rank
+        ``rank`` of a group of ``size`` holds, the others live on the meta device (:class:`MoE`), so a rank never
+        holds the whole model; :meth:`reset_parameters` still draws every expert's values in order (the held
+        ones are bitwise those of a whole build); then :meth:`shard_experts` with the matching group, before
+        moving the model or the first forward. None: the whole model."""
         super().__init__()
         if not isinstance(cfg, GLM5Config):
             raise TypeError(f"cfg: expected a GLM5Config, got {type(cfg).__name__}")
@@ -99,7 +105,7 @@ class GLM5ForCausalLM(nn.Module):
         self.config = cfg.validate()
         self.backend = backend  # as asked for (None: resolved at construction, see self.kernels)
         self.kernels = registry.bind(backend)
-        self.model = GLM5Model(cfg, self.kernels)
+        self.model = GLM5Model(cfg, self.kernels, expert_shard)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_moe_layers = len(self.moe_layers())  # fixed by the architecture; a module walk per forward is not
         self.mtp_absent_reason: Optional[str] = None  # set by load_pretrained when config.json declares an MTP
@@ -116,7 +122,9 @@ class GLM5ForCausalLM(nn.Module):
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                values = torch.randn(module.weight.shape, generator=generator)  # drawn for a meta (other rank's)
+                if not module.weight.is_meta:  # expert too: the generator then stands where a whole build leaves it
+                    module.weight.copy_(values * std)
             elif isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)
                 module.bias.zero_()

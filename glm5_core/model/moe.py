@@ -104,10 +104,37 @@ class LocalExperts(nn.ModuleDict):
         return moe.experts_batch_invariant(rows, counts, *stacked, swiglu_limit=limit)
 
 
+def _held_experts(expert_shard: Optional[tuple[int, int]], n_experts: int) -> range:
+    """The expert ids a rank of ``expert_shard`` = (rank, size) holds; every id for None."""
+    if expert_shard is None:
+        return range(n_experts)
+    if (not isinstance(expert_shard, tuple) or len(expert_shard) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in expert_shard)):
+        raise TypeError(f"expert_shard: expected a (rank, size) tuple of ints or None, got {expert_shard!r}")
+    rank, size = expert_shard
+    if size < 1 or n_experts % size or not 0 <= rank < size:
+        raise ValueError(f"expert_shard: expected (rank, size) with size dividing n_routed_experts={n_experts} "
+                         f"and 0 <= rank < size, got {expert_shard}")
+    local = n_experts // size
+    return range(rank * local, (rank + 1) * local)
+
+
+def _expert(cfg: GLM5Config, swiglu_limit: Optional[float], held: bool) -> MLP:
+    """One routed expert; one this rank does not hold is moved to the meta device as soon as it is built."""
+    mlp = MLP(cfg.hidden_size, cfg.moe_intermediate_size, swiglu_limit)
+    return mlp if held else mlp.to("meta")
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: GLM5Config, moe_index: int, backend: registry.BackendArg,
-                 swiglu_limit: Optional[float] = None):
-        """``swiglu_limit``: GLM-5.3's clamped SwiGLU in the routed and shared experts (None: the plain one)."""
+                 swiglu_limit: Optional[float] = None, expert_shard: Optional[tuple[int, int]] = None):
+        """``swiglu_limit``: GLM-5.3's clamped SwiGLU in the routed and shared experts (None: the plain one).
+
+        ``expert_shard`` (rank, size): build for rank ``rank`` of an expert-parallel group of ``size``. Only its
+        experts [rank*E/size, (rank+1)*E/size) get memory; every other expert is built and then moved to the meta
+        device at once (its constructor's draws from the global generator happen as in a whole build, so the
+        values of everything built after it are the same), so no rank ever holds the whole layer. Call
+        :meth:`shard_experts` with the matching group before the first forward. None: every expert."""
         super().__init__()
         self.moe_index = moe_index
         self.swiglu_limit = swiglu_limit  # row of this layer in expert_counts / router_biases()
@@ -116,8 +143,8 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, self.kernels)
         self.reuse_stacked_weights = False  # see _stacked
         self._stacked_cache: dict[str, tuple] = {}  # name -> (weakrefs, key, stacked tensor)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size, swiglu_limit)
-                                     for _ in range(self.n_experts))
+        held = _held_experts(expert_shard, self.n_experts)
+        self.experts = nn.ModuleList(_expert(cfg, swiglu_limit, e in held) for e in range(self.n_experts))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, swiglu_limit)
                                if cfg.n_shared_experts > 0 else None)
         # expert parallelism (shard_experts): off by default, the layer then runs moe.fused_experts as always
@@ -137,6 +164,7 @@ class MoE(nn.Module):
         local = self.n_experts // world
         held = dict(self.experts.items()) if isinstance(self.experts, LocalExperts) else \
             {str(e): m for e, m in enumerate(self.experts)}
+        held = {e: m for e, m in held.items() if not any(p.is_meta for p in m.parameters())}  # expert_shard's
         wanted = [str(e) for e in range(rank * local, (rank + 1) * local)]
         missing = [e for e in wanted if e not in held]
         if missing:

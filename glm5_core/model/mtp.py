@@ -7,6 +7,8 @@ The embedding and lm_head are the main model's. Stored as layer index num_hidden
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -26,8 +28,8 @@ class SharedHeadNorm(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
-        super().__init__(cfg, cfg.num_hidden_layers, "full", backend)
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg, expert_shard: Optional[tuple[int, int]] = None):
+        super().__init__(cfg, cfg.num_hidden_layers, "full", backend, expert_shard)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -44,8 +46,8 @@ class HybridMTPLayer(HybridDecoderLayer):
     same enorm / hnorm / eh_proj / shared_head.norm as GLM-5's around an indexed hybrid layer with its own
     k-pool indexer; the merged input enters as ``hc_mult`` copies and leaves as their mean (as the main model)."""
 
-    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg):
-        super().__init__(cfg, cfg.num_hidden_layers, backend)
+    def __init__(self, cfg: GLM5Config, backend: registry.BackendArg, expert_shard: Optional[tuple[int, int]] = None):
+        super().__init__(cfg, cfg.num_hidden_layers, backend, expert_shard)
         self.hc_mult = cfg.hc_mult
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

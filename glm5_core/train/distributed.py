@@ -94,12 +94,16 @@ def parameter_digest(model: torch.nn.Module, ep_group=None) -> str:
     """SHA-256 over every parameter and buffer, in name order: equal digests mean bitwise-equal models.
 
     Sharded (FSDP2) tensors are gathered whole first, so digests compare across strategies and runs; every
-    rank must call it then (a collective). ``ep_group``: expert parallelism, every expert is gathered too
-    (``fsdp.full_state_dict``), so the digest is the whole model's on every rank."""
-    from glm5_core.train.fsdp import full_state_dict
+    rank must call it then (a collective). ``ep_group``: expert parallelism, every expert is gathered too, one
+    tensor at a time (``fsdp.iter_full_state``), so the digest is the whole model's on every rank."""
+    from glm5_core.train.fsdp import full_state_dict, iter_full_state
 
     h = hashlib.sha256()
-    for name, t in sorted(full_state_dict(model, ep_group=ep_group).items()):
+    if ep_group is not None and dist.get_world_size(ep_group) > 1:  # one whole tensor at a time, name order
+        tensors = iter_full_state(model, ep_group=ep_group)
+    else:
+        tensors = iter(sorted(full_state_dict(model).items()))
+    for name, t in tensors:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

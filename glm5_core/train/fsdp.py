@@ -32,7 +32,7 @@ All of ``torch.distributed`` is imported inside the functions: ``import glm5_cor
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -120,29 +120,71 @@ def full_state_dict(model: nn.Module, *, keep: bool = True, ep_group=None) -> di
     not write) gathers each tensor and drops it, so only the writer holds the whole model at once. Every
     name is present; tied names (see :func:`tied_groups`) map to one gathered tensor, gathered once.
 
-    ``ep_group`` (expert parallelism): each rank holds only its experts; they are gathered whole on their mesh,
-    then exchanged over the EP group (``all_gather_object``), so a keeping rank gets every expert (for the HF
-    export and the digest; checkpoints never do this, see ``train/dcp_checkpoint.py``)."""
-    exchange = ep_group is not None and torch.distributed.get_world_size(ep_group) > 1
-    experts = expert_names(model) if exchange else set()
+    ``ep_group`` (expert parallelism): each rank holds only its experts; a keeping rank gets every expert too,
+    one tensor at a time (:func:`iter_full_state`), so a rank that does not keep never holds more than one
+    tensor beyond its own shards (for the HF export; checkpoints never do this, see
+    ``train/dcp_checkpoint.py``)."""
+    if ep_group is not None and torch.distributed.get_world_size(ep_group) > 1:
+        out = {}
+        for name, whole in iter_full_state(model, ep_group=ep_group):
+            if keep:
+                out[name] = whole
+        return out
     gathered: dict[int, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    mine: dict[str, torch.Tensor] = {}  # this rank's experts, whole (sent over the EP group)
+    out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in gathered:  # the same collectives on every rank, kept or not
             whole = full_tensor(t.detach()).cpu()
-            gathered[id(t)] = whole if keep or name in experts else None
-        if name in experts:
-            mine[name] = gathered[id(t)]
+            gathered[id(t)] = whole if keep else None
         if keep:
             out[name] = gathered[id(t)]
-    if exchange:
-        every: list = [None] * torch.distributed.get_world_size(ep_group)
-        torch.distributed.all_gather_object(every, mine, group=ep_group)
-        if keep:
-            for part in every:
-                out.update(part)
     return out
+
+
+def iter_full_state(model: nn.Module, *, ep_group=None):
+    """(name, whole tensor, detached, on the CPU) for every state-dict name of the WHOLE model, in sorted name
+    order, one at a time: a collective, every rank of the world must run it to the end. Under expert parallelism
+    (``ep_group``) the other ranks' experts are included: each expert tensor is gathered on its owners' mesh and
+    broadcast from its owner over the EP group, so no rank ever holds the other ranks' experts at once (the
+    digest and the HF export stream through it; before, every rank received every expert in one
+    ``all_gather_object``). Tied names give the same tensor (gathered once)."""
+    import torch.distributed as dist
+
+    local = model.state_dict(keep_vars=True)
+    exchange = ep_group is not None and dist.get_world_size(ep_group) > 1
+    owners: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+    if exchange:
+        mine = {n: (tuple(local[n].shape), local[n].dtype) for n in expert_names(model)}
+        listing: list = [None] * dist.get_world_size(ep_group)
+        dist.all_gather_object(listing, mine, group=ep_group)
+        for r, part in enumerate(listing):
+            for n, (shape, dtype) in part.items():
+                owners[n] = (r, shape, dtype)
+    me = dist.get_rank(ep_group) if exchange else 0
+    counts: dict[int, int] = {}
+    for t in local.values():
+        counts[id(t)] = counts.get(id(t), 0) + 1
+    tied: dict[int, torch.Tensor] = {}  # tensors under several names, gathered once
+    some = next(iter(local.values()))
+    device = (some.to_local() if is_dtensor(some) else some).device  # where this rank's collectives run
+    for name in sorted(set(local) | set(owners)):
+        if name in owners:
+            r, shape, dtype = owners[name]
+            if r == me:  # a collective over the mesh of the ranks that hold this expert
+                whole = full_tensor(local[name].detach()).contiguous()
+            else:
+                whole = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(whole, src=dist.get_global_rank(ep_group, r), group=ep_group)
+            yield name, whole.cpu()
+            continue
+        t = local[name]
+        if id(t) in tied:
+            yield name, tied[id(t)]
+            continue
+        whole = full_tensor(t.detach()).cpu()
+        if counts[id(t)] > 1:
+            tied[id(t)] = whole
+        yield name, whole
 
 
 def expert_names(model: nn.Module) -> set[str]:
@@ -263,23 +305,44 @@ class Parallelized:
     world_size: int = 1
 
 
-def parallelize(model: nn.Module, *, strategy: str, ep, device_type: str, rank: int, world_size: int) -> Parallelized:
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where ``parallel.ep`` puts the experts: ``ep_group`` (the process group tokens are exchanged over; None
+    for a group of one) and ``expert_mesh`` (the "dp_mod_ep" mesh the experts' FSDP2 units shard over; None on
+    one process)."""
+
+    ep_group: object = None
+    expert_mesh: object = None
+
+
+def expert_layout(ep, *, device_type: str, world_size: int) -> Optional[ExpertLayout]:
+    """The (world / ep, ep) DeviceMesh of ``parallel.ep`` (:func:`expert_parallel_mesh`), made before the model is
+    built so a rank can build only its experts (``GLM5ForCausalLM(expert_shard=...)``); None when ``ep`` is
+    unset. On one process every expert stays here: a layout with neither group nor mesh."""
+    if ep is None:
+        return None
+    if world_size % ep:
+        raise ValueError(f"parallel.ep: expected a divisor of the world size {world_size}, got {ep}")
+    if world_size == 1:
+        return ExpertLayout()
+    mesh = expert_parallel_mesh(device_type, world_size, ep)
+    return ExpertLayout(ep_group=mesh["ep"].get_group() if ep > 1 else None, expert_mesh=mesh["dp_mod_ep"])
+
+
+def parallelize(model: nn.Module, *, strategy: str, ep, device_type: str, rank: int, world_size: int,
+                layout: Optional[ExpertLayout] = None) -> Parallelized:
     """The ``parallel`` section applied to a GLM5ForCausalLM built and initialised alike on every rank (the
     pretraining driver's and the RL trainer's one path): ``ep`` set shards the experts over the "ep" dim of a
-    (world / ep, ep) DeviceMesh (:func:`expert_parallel_mesh`; on one process every expert stays here, with the
-    batch-invariant kernel), then ``strategy: fsdp2`` on several processes applies FSDP2 (:func:`shard_model`),
-    the experts over the mesh's "dp_mod_ep" dim. ``ddp`` is left to the caller (it wraps per stage)."""
+    (world / ep, ep) DeviceMesh (``layout``, from :func:`expert_layout` when the caller made it before building;
+    on one process every expert stays here, with the batch-invariant kernel), then ``strategy: fsdp2`` on several
+    processes applies FSDP2 (:func:`shard_model`), the experts over the mesh's "dp_mod_ep" dim. ``ddp`` is left to
+    the caller (it wraps per stage)."""
+    if layout is None:
+        layout = expert_layout(ep, device_type=device_type, world_size=world_size)
     ep_group = expert_mesh = None
-    if ep is not None:
-        if world_size % ep:
-            raise ValueError(f"parallel.ep: expected a divisor of the world size {world_size}, got {ep}")
-        if world_size == 1:  # one process: every expert here, no exchange
-            model.shard_experts(None)
-        else:
-            mesh = expert_parallel_mesh(device_type, world_size, ep)
-            ep_group = mesh["ep"].get_group() if ep > 1 else None
-            model.shard_experts(ep_group)
-            expert_mesh = mesh["dp_mod_ep"]
+    if layout is not None:
+        ep_group, expert_mesh = layout.ep_group, layout.expert_mesh
+        model.shard_experts(ep_group)
     sharded = strategy == "fsdp2" and world_size > 1
     if sharded:
         shard_model(model, device_type, world_size, expert_mesh=expert_mesh)

@@ -36,6 +36,7 @@ import torch
 from glm5_core import registry
 from glm5_core.model import GLM5ForCausalLM, save_pretrained
 from glm5_core.model.checkpoint import RUN_EXPORT_DIR
+from glm5_core.ops import ep as ep_ops
 from glm5_core.optim import build_optimizer
 from glm5_core.train import checkpoint as ckpt
 from glm5_core.train import checkpoint_folders as ckpt_folders
@@ -125,6 +126,20 @@ def _checkpoint_due(cfg: TrainConfig, done: int, stop: int) -> bool:
     return done == stop or (every > 0 and done % every == 0)
 
 
+def build_model(model_cfg, *, backend: Optional[str], seed: int, device: torch.device,
+                expert_parallel: bool = False, ep_group=None) -> GLM5ForCausalLM:
+    """The driver's model: built, initialised from ``seed`` and moved to ``device``. ``expert_parallel``: every
+    MoE layer on ``ep_group`` (None: a group of one), and this rank never holds the other ranks' experts, not
+    even while building (``GLM5ForCausalLM(expert_shard=...)``, as torchtitan builds on the meta device and
+    materialises its shards only): its experts get the values a whole build gives them, bit for bit."""
+    shard = ep_ops.group_rank_size(ep_group) if expert_parallel else None
+    model = GLM5ForCausalLM(model_cfg, backend=backend, expert_shard=shard)
+    model.reset_parameters(seed=seed)
+    if expert_parallel:
+        model.shard_experts(ep_group)
+    return model.to(device)
+
+
 class PretrainTrainer:
     def __init__(self, cfg: TrainConfig, options: RunOptions):
         self.cfg, self.options = cfg, options
@@ -149,13 +164,15 @@ class PretrainTrainer:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
-        self.model = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
-        self.model.reset_parameters(seed=cfg.seed)
-        self.model.to(self.dist.device)
+        layout = fsdp.expert_layout(cfg.parallel.ep, device_type=self.dist.device.type,
+                                    world_size=self.dist.world_size)
+        self.model = build_model(model_cfg, backend=self.backend.name, seed=cfg.seed, device=self.dist.device,
+                                 expert_parallel=layout is not None,
+                                 ep_group=layout.ep_group if layout is not None else None)
         # fsdp2 on one process has nothing to shard: the model stays whole, as with ddp.
         plan = fsdp.parallelize(self.model, strategy=cfg.parallel.strategy, ep=cfg.parallel.ep,
                                 device_type=self.dist.device.type, rank=self.dist.rank,
-                                world_size=self.dist.world_size)
+                                world_size=self.dist.world_size, layout=layout)
         self.sharded, self.ep_group, self.expert_params = plan.sharded, plan.ep_group, plan.expert_params
         self.optimizer = build_optimizer(self.model, cfg.optimizer, num_heads=model_cfg.num_attention_heads,
                                          lr=cfg.schedule.lr, backend=self.backend.name)
@@ -344,8 +361,19 @@ class PretrainTrainer:
         state = fsdp.full_state_dict(self.model, keep=self.dist.is_main, ep_group=self.ep_group)
         if not self.dist.is_main:
             return None
-        whole = GLM5ForCausalLM(self.cfg.model_config(), backend=self.backend.name)
-        whole.load_state_dict(state, strict=True)
+        model_cfg = self.cfg.model_config()
+        if self.cfg.parallel.ep is None:
+            whole = GLM5ForCausalLM(model_cfg, backend=self.backend.name)
+            whole.load_state_dict(state, strict=True)
+            return whole
+        # expert parallelism: the routed experts (most of the model) are not built a second time beside the
+        # gathered ones: built for a rank holding one expert per layer, the rest on the meta device, then every
+        # parameter takes the gathered tensor itself (assign)
+        whole = GLM5ForCausalLM(model_cfg, backend=self.backend.name,
+                                expert_shard=(0, model_cfg.n_routed_experts))
+        whole.load_state_dict(state, strict=True, assign=True)
+        if model_cfg.tie_word_embeddings:  # assign gave the two names two Parameters over one tensor
+            whole.lm_head.weight = whole.model.embed_tokens.weight
         return whole
 
     def _memory_per_rank(self) -> dict[str, int]:
