@@ -13,7 +13,7 @@ NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selec
               "selected_attention_target", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize",
-              "kda_recurrent", "kda_causal_conv")
+              "kda_recurrent", "kda_causal_conv", "kda_causal_conv_backward")
 
 
 def _indexer_topk(q, k, w, start, topk, pool=1):
@@ -112,6 +112,13 @@ def _kda_causal_conv(x, weight, bias, conv_state, silu):
     return x.new_empty((B, T, D)), x.new_empty((B, weight.shape[1] - 1, D), dtype=_compute_dtype(x))
 
 
+def _kda_causal_conv_backward(grad_out, grad_state, x, weight, bias, conv_state, silu):
+    B, T, D = x.shape  # d x [B, T, D], d weight [D, W], d bias [D] or [0], d conv_state [B, W - 1, D] or [0]
+    return (x.new_empty((B, T, D)), weight.new_empty(weight.shape),
+            weight.new_empty((D,) if bias is not None else (0,)),
+            weight.new_empty((B, weight.shape[1] - 1, D) if conv_state is not None else (0,)))
+
+
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
@@ -125,6 +132,6 @@ def register() -> None:
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,
              "moe_fused_experts_backward": _moe_fused_experts_backward,
              "ns_orthogonalize": _ns_orthogonalize, "kda_recurrent": _kda_recurrent,
-             "kda_causal_conv": _kda_causal_conv}
+             "kda_causal_conv": _kda_causal_conv, "kda_causal_conv_backward": _kda_causal_conv_backward}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

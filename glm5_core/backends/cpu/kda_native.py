@@ -7,9 +7,10 @@ conv weight and bias are taken in the compute dtype (a no-op cast for the fp32 m
 the state is read once and written once, per (batch row, head) in parallel with every sum inside one work item, so
 the results are bitwise the same for any thread count (tests/backends/cpu/test_kda_native.py).
 
-Gradients: ``kda_recurrent`` and ``kda_causal_conv_update`` are not differentiable ops. ``kda_causal_conv`` is; its
-native kernel is forward only (``differentiable=False``), so a call that needs gradients (training) runs the
-differentiable reference, as the registry routes it, and inference / prefill without gradients runs natively.
+Gradients: ``kda_recurrent`` and ``kda_causal_conv_update`` are not differentiable ops. ``kda_causal_conv`` is: a
+call that needs gradients runs the native forward under an ``autograd.Function`` whose backward is the native
+``kda_causal_conv_backward`` (the pre-activation recomputed, the weight / bias gradients summed per channel over
+(batch, token) in that order, so they too are bitwise the same for any thread count).
 Legend as in ``glm5_core.ops.kda``.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from glm5_core.kernel import Kernel
+from glm5_core.kernel import Kernel, needs_grad
 from glm5_core.ops import _checks
 
 MAX_CONV_WIDTH = 8  # the widths the C++ conv instantiates (GLM-5.3's linear_conv_kernel_dim is 4)
@@ -36,13 +37,44 @@ def recurrent(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=
     return o, (state if output_final_state else None)
 
 
+class _CausalConv(torch.autograd.Function):
+    """The native conv with its native backward; the gradients come back in each input's own dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv_state, silu: bool):
+        ct = _checks.compute_dtype(x.dtype)
+        w, b = weight.to(ct), None if bias is None else bias.to(ct)
+        s = None if conv_state is None else conv_state.to(ct)
+        out, state = torch.ops.glm5_cpu.kda_causal_conv(x, w, b, s, silu)
+        ctx.save_for_backward(x, w, b, s)
+        ctx.silu = silu
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype,
+                      None if conv_state is None else conv_state.dtype)
+        ctx.set_materialize_grads(False)
+        return out, state
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        x, w, b, s = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(x)
+        dx, dw, db, ds = torch.ops.glm5_cpu.kda_causal_conv_backward(grad_out, grad_state, x, w, b, s, ctx.silu)
+        w_dtype, b_dtype, s_dtype = ctx.dtypes
+        return (dx, dw.to(w_dtype), None if b is None else db.to(b_dtype), None if s is None else ds.to(s_dtype),
+                None)
+
+
 def causal_conv(x, weight, bias=None, *, conv_state=None, activation: Optional[str] = "silu",
                 output_final_state: bool = False):
-    """(out [B, T, D] in x's dtype, new state [B, W - 1, D] in the compute dtype or None)."""
-    ct = _checks.compute_dtype(x.dtype)
-    out, state = torch.ops.glm5_cpu.kda_causal_conv(
-        x, weight.to(ct), None if bias is None else bias.to(ct), None if conv_state is None else conv_state.to(ct),
-        activation == "silu")
+    """(out [B, T, D] in x's dtype, new state [B, W - 1, D] in the compute dtype or None); differentiable."""
+    silu = activation == "silu"
+    if needs_grad(x, weight, bias, conv_state):
+        out, state = _CausalConv.apply(x, weight, bias, conv_state, silu)
+    else:
+        ct = _checks.compute_dtype(x.dtype)
+        out, state = torch.ops.glm5_cpu.kda_causal_conv(
+            x, weight.to(ct), None if bias is None else bias.to(ct),
+            None if conv_state is None else conv_state.to(ct), silu)
     return out, (state if output_final_state else None)
 
 
@@ -77,6 +109,6 @@ def _conv_update_supports(x, conv_state, weight, bias=None, **kwargs):
 
 KERNELS: Mapping[str, Kernel] = {
     "kda_recurrent": Kernel(recurrent, supports=_recurrent_supports),
-    "kda_causal_conv": Kernel(causal_conv, supports=_conv_supports),
+    "kda_causal_conv": Kernel(causal_conv, supports=_conv_supports, differentiable=True),
     "kda_causal_conv_update": Kernel(causal_conv_update, supports=_conv_update_supports),
 }

@@ -376,17 +376,189 @@ std::tuple<at::Tensor, at::Tensor> kda_causal_conv(const at::Tensor& x_in, const
   return {out, new_state};
 }
 
+// ------------------------------------------------------------------------------------------ causal conv backward
+// The gradients of kda_causal_conv's (out, new state) with respect to (x, weight, bias, conv_state). Per channel:
+// the pre-activation a_t is recomputed exactly as the forward computes it, da_t = dout_t silu'(a_t) with
+// silu'(a) = s (1 + a (1 - s)), s = 1 / (1 + exp(-a)) (autograd's form), then over the padded input
+// full = cat(conv_state, x) (W - 1 + T positions): d full_p = sum_w weight_w da_{p - w} (taps in order) plus, for
+// the last W - 1 positions, the gradient of the new state; d weight_w = sum_{b, t} full_{t + w} da_t and
+// d bias = sum_{b, t} da_t, summed over b then t. Work items are blocks of channels covering every batch row and
+// token, so each sum has one fixed order whatever the thread count.
+template <typename acc_t> inline acc_t exp_acc(acc_t x);
+template <> inline float exp_acc<float>(float x) { return exp_poly(x); }
+template <> inline double exp_acc<double>(double x) { return std::exp(x); }
+
+template <typename in_t, typename acc_t>
+void conv_backward_kernel(const at::Tensor& gout, const at::Tensor& x, const acc_t* weight, int64_t W,
+                          const acc_t* bias, const acc_t* state, const acc_t* gstate, bool act, at::Tensor& dx,
+                          acc_t* dweight, acc_t* dbias, acc_t* dstate) {
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  const in_t *xp = x.data_ptr<in_t>(), *gp = gout.data_ptr<in_t>();
+  in_t* dxp = dx.data_ptr<in_t>();
+  constexpr int64_t kBlock = 64;
+  const int64_t blocks = (D + kBlock - 1) / kBlock, P = T + W - 1;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    // per block of channels: the padded input and da as [position][kBlock] in acc_t, the taps [W][kBlock],
+    // the weight / bias gradient accumulators [W][kBlock], [kBlock]
+    std::vector<acc_t> full(P * kBlock), da(std::max<int64_t>(1, T) * kBlock), wt(W * kBlock), dw(W * kBlock),
+        db(kBlock), sum(kBlock);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t d0 = blk * kBlock, n = std::min(D, d0 + kBlock) - d0;
+      for (int64_t w = 0; w < W; ++w)
+        for (int64_t d = 0; d < n; ++d) wt[w * kBlock + d] = weight[(d0 + d) * W + w];
+      std::fill(dw.begin(), dw.end(), acc_t(0));
+      std::fill(db.begin(), db.end(), acc_t(0));
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t p = 0; p < P; ++p) {  // full = cat(conv_state, x), this block's channels
+          acc_t* dst = full.data() + p * kBlock;
+          if (p >= W - 1) {
+            const in_t* xr = xp + (b * T + p - (W - 1)) * D + d0;
+            for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<acc_t>(xr[d]);
+          } else if (state) {
+            const acc_t* sr = state + (b * (W - 1) + p) * D + d0;
+            for (int64_t d = 0; d < n; ++d) dst[d] = sr[d];
+          } else {
+            for (int64_t d = 0; d < n; ++d) dst[d] = acc_t(0);
+          }
+        }
+        for (int64_t t = 0; t < T; ++t) {  // da_t, and the weight / bias gradients in (b, t) order
+          acc_t* __restrict__ dat = da.data() + t * kBlock;
+          acc_t* __restrict__ a = sum.data();
+          const acc_t* f0 = full.data() + t * kBlock;
+#pragma omp simd
+          for (int64_t d = 0; d < n; ++d) a[d] = f0[d] * wt[d];
+          for (int64_t w = 1; w < W; ++w) {
+            const acc_t* fw = full.data() + (t + w) * kBlock;
+            const acc_t* ww = wt.data() + w * kBlock;
+#pragma omp simd
+            for (int64_t d = 0; d < n; ++d) a[d] = a[d] + fw[d] * ww[d];
+          }
+          if (bias) {
+#pragma omp simd
+            for (int64_t d = 0; d < n; ++d) a[d] = a[d] + bias[d0 + d];
+          }
+          const in_t* gr = gp + (b * T + t) * D + d0;
+          if (act) {
+#pragma omp simd
+            for (int64_t d = 0; d < n; ++d) {
+              const acc_t sg = acc_t(1) / (acc_t(1) + exp_acc<acc_t>(-a[d]));
+              dat[d] = static_cast<acc_t>(gr[d]) * (sg * (acc_t(1) + a[d] * (acc_t(1) - sg)));
+            }
+          } else {
+            for (int64_t d = 0; d < n; ++d) dat[d] = static_cast<acc_t>(gr[d]);
+          }
+          acc_t* __restrict__ dbv = db.data();
+#pragma omp simd
+          for (int64_t d = 0; d < n; ++d) dbv[d] = dbv[d] + dat[d];
+          for (int64_t w = 0; w < W; ++w) {
+            const acc_t* fw = full.data() + (t + w) * kBlock;
+            acc_t* __restrict__ dww = dw.data() + w * kBlock;
+#pragma omp simd
+            for (int64_t d = 0; d < n; ++d) dww[d] = dww[d] + fw[d] * dat[d];
+          }
+        }
+        for (int64_t p = 0; p < P; ++p) {  // d full_p: into dx, or the old state's gradient
+          acc_t* __restrict__ g = sum.data();
+          for (int64_t d = 0; d < n; ++d) g[d] = acc_t(0);
+          for (int64_t w = 0; w < W; ++w) {
+            const int64_t t = p - w;
+            if (t < 0 || t >= T) continue;
+            const acc_t* dat = da.data() + t * kBlock;
+            const acc_t* ww = wt.data() + w * kBlock;
+#pragma omp simd
+            for (int64_t d = 0; d < n; ++d) g[d] = g[d] + ww[d] * dat[d];
+          }
+          if (p >= T && gstate) {
+            const acc_t* gs = gstate + (b * (W - 1) + (p - T)) * D + d0;
+            for (int64_t d = 0; d < n; ++d) g[d] = g[d] + gs[d];
+          }
+          if (p >= W - 1) {
+            in_t* dr = dxp + (b * T + p - (W - 1)) * D + d0;
+            for (int64_t d = 0; d < n; ++d) dr[d] = static_cast<in_t>(g[d]);
+          } else if (dstate) {
+            acc_t* dr = dstate + (b * (W - 1) + p) * D + d0;
+            for (int64_t d = 0; d < n; ++d) dr[d] = g[d];
+          }
+        }
+      }
+      for (int64_t d = 0; d < n; ++d)
+        for (int64_t w = 0; w < W; ++w) dweight[(d0 + d) * W + w] = dw[w * kBlock + d];
+      if (dbias)
+        for (int64_t d = 0; d < n; ++d) dbias[d0 + d] = db[d];
+    }
+  });
+}
+
+// -> (d x [B, T, D] in x's dtype, d weight [D, W], d bias [D] (empty when bias is undefined), d conv_state
+// [B, W - 1, D] (empty when conv_state is undefined)), the last three in the compute dtype.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_causal_conv_backward(
+    const at::Tensor& grad_out_in, const c10::optional<at::Tensor>& grad_state_in, const at::Tensor& x_in,
+    const at::Tensor& weight_in, const c10::optional<at::Tensor>& bias_in, const c10::optional<at::Tensor>& state_in,
+    bool silu_act) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 3, "kda_causal_conv_backward: x must be [B, T, D]");
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  const at::Tensor gout = grad_out_in.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(gout.sizes() == x.sizes(), "kda_causal_conv_backward: grad_out must be [B, T, D]");
+  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor weight = weight_in.contiguous();
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == D && weight.size(1) >= 1 && weight.scalar_type() == ct,
+              "kda_causal_conv_backward: weight must be [D, W] in ", ct);
+  const int64_t W = weight.size(1);
+  at::Tensor bias, state, gstate;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == D && bias.scalar_type() == ct,
+                "kda_causal_conv_backward: bias must be [D] in ", ct);
+  }
+  auto check_state = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == W - 1 && t.size(2) == D && t.scalar_type() == ct,
+                "kda_causal_conv_backward: ", name, " must be [B, W - 1, D] in ", ct);
+  };
+  if (state_in.has_value() && state_in->defined()) {
+    state = state_in->contiguous();
+    check_state(state, "conv_state");
+  }
+  if (grad_state_in.has_value() && grad_state_in->defined()) {
+    gstate = grad_state_in->to(ct).contiguous();
+    check_state(gstate, "grad_state");
+  }
+  at::Tensor dx = at::empty({B, T, D}, x.options());
+  at::Tensor dweight = at::empty({D, W}, weight.options());
+  at::Tensor dbias = bias.defined() ? at::empty({D}, weight.options()) : at::empty({0}, weight.options());
+  at::Tensor dstate = state.defined() ? at::empty({B, W - 1, D}, weight.options()) : at::empty({0}, weight.options());
+  if (ct == at::kDouble) {
+    conv_backward_kernel<double, double>(
+        gout, x, weight.data_ptr<double>(), W, bias.defined() ? bias.data_ptr<double>() : nullptr,
+        state.defined() ? state.data_ptr<double>() : nullptr, gstate.defined() ? gstate.data_ptr<double>() : nullptr,
+        silu_act, dx, dweight.data_ptr<double>(), bias.defined() ? dbias.data_ptr<double>() : nullptr,
+        state.defined() ? dstate.data_ptr<double>() : nullptr);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kda_causal_conv_backward", [&] {
+      conv_backward_kernel<scalar_t, float>(
+          gout, x, weight.data_ptr<float>(), W, bias.defined() ? bias.data_ptr<float>() : nullptr,
+          state.defined() ? state.data_ptr<float>() : nullptr, gstate.defined() ? gstate.data_ptr<float>() : nullptr,
+          silu_act, dx, dweight.data_ptr<float>(), bias.defined() ? dbias.data_ptr<float>() : nullptr,
+          state.defined() ? dstate.data_ptr<float>() : nullptr);
+    });
+  }
+  return {dx, dweight, dbias, dstate};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(glm5_cpu, m) {
   m.def("kda_recurrent(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, float scale, "
         "bool use_qk_l2norm) -> (Tensor, Tensor)");
   m.def("kda_causal_conv(Tensor x, Tensor weight, Tensor? bias, Tensor? conv_state, bool silu) -> (Tensor, Tensor)");
+  m.def("kda_causal_conv_backward(Tensor grad_out, Tensor? grad_state, Tensor x, Tensor weight, Tensor? bias, "
+        "Tensor? conv_state, bool silu) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm5_cpu, CPU, m) {
   m.impl("kda_recurrent", &kda_recurrent);
   m.impl("kda_causal_conv", &kda_causal_conv);
+  m.impl("kda_causal_conv_backward", &kda_causal_conv_backward);
 }
 
 }  // namespace glm5
