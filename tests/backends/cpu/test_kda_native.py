@@ -1,7 +1,7 @@
 """The native cpu KDA decode-path kernels (glm5_core/backends/cpu/kda_native.py, csrc/cpu_kda.cpp): kda_recurrent,
 kda_causal_conv, kda_causal_conv_update against the references over odd shapes and dtypes, strided inputs, the
-lower-bound gate, bitwise determinism across runs and thread counts, the arguments left untouched, the kernel table
-and the gradient route of the conv."""
+lower-bound gate, bitwise determinism across runs and thread counts, the arguments left untouched, the kernel table,
+and the conv's native backward (against autograd through the reference, gradcheck, thread counts)."""
 import pytest
 import torch
 
@@ -129,16 +129,64 @@ def test_native_kernels_are_in_the_table(native):
         assert op not in backend.REFERENCE_BY_CHOICE
 
 
-def test_conv_needing_gradients_runs_the_reference(native):
-    """kda_causal_conv's native kernel is forward only: a call with gradients runs the differentiable reference,
-    and its gradients are the reference's."""
-    c = testing.make_conv_inputs(Shape(2, 6, 1, 4, 4), seed=10)
+def _conv_grads(fn, c, act):
     leaves = {k: v.clone().requires_grad_() for k, v in c.items()}
-    with registry.record_reference_runs() as runs:
-        out, state = kda.causal_conv(**leaves, output_final_state=True, backend="cpu")
-    assert [op for op, _ in runs] == ["kda_causal_conv"]
-    (out.square().sum() + state.sum()).backward()
-    ref = {k: v.clone().requires_grad_() for k, v in c.items()}
-    r_out, r_state = kda.causal_conv_reference(**ref, output_final_state=True)
-    (r_out.square().sum() + r_state.sum()).backward()
-    assert all(torch.equal(leaves[k].grad, ref[k].grad) for k in c)
+    out, state = fn(**leaves, activation=act, output_final_state=True)
+    weights = torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)
+    (out.float() * weights).sum().add(state.float().sum() * 0.3).backward()
+    return [leaves[k].grad for k in sorted(leaves)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_gradients_equal_the_reference(native, dtype):
+    """The native backward (through the output and the new state) against autograd through the reference: every
+    input's gradient, in the input's dtype, with and without a state / bias / activation."""
+    for seed, (shape, state, bias, act) in enumerate(((Shape(2, 9, 2, 11, 4, W=3), True, True, "silu"),
+                                                      (Shape(2, 6, 1, 4, 4), False, True, "silu"),
+                                                      (Shape(2, 2, 1, 5, 3), True, False, None),
+                                                      (Shape(1, 1, 1, 1, 1), True, True, "silu"))):
+        c = _conv_inputs(shape, dtype, seed, state, bias)
+        with registry.record_reference_runs() as runs:
+            got = _conv_grads(lambda **t: kda.causal_conv(**t, backend="cpu"), c, act)
+        assert runs == []  # the native kernel took the call that needs gradients
+        want = _conv_grads(kda.causal_conv_reference, c, act)
+        exact = _conv_grads(kda.causal_conv_reference, _fp64(c), act)
+        _check(got, want, exact, dtype)
+
+
+def test_conv_gradcheck(native):
+    c = _conv_inputs(Shape(1, 5, 1, 2, 2), torch.float64, 12, True, True)
+    names = ("x", "weight", "bias", "conv_state")
+
+    def fn(*t):
+        args = dict(zip(names, t))
+        return kda.causal_conv(**args, output_final_state=True, backend="cpu")
+
+    assert torch.autograd.gradcheck(fn, tuple(c[k].clone().requires_grad_() for k in names))
+
+
+def test_conv_gradients_bitwise_across_thread_counts(native, threads):
+    c = _conv_inputs(Shape(2, 7, 3, 40, 4), torch.float32, 13, True, True)  # D = 360: several channel blocks
+    torch.set_num_threads(1)
+    base = _conv_grads(lambda **t: kda.causal_conv(**t, backend="cpu"), c, "silu")
+    for n in (2, 3):
+        torch.set_num_threads(n)
+        again = _conv_grads(lambda **t: kda.causal_conv(**t, backend="cpu"), c, "silu")
+        assert all(torch.equal(a, b) for a, b in zip(base, again)), n
+
+
+def test_fake_impls_trace_shapes(native):
+    """The meta implementations give each op's output shapes and dtypes (torch.compile / FakeTensor tracing)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.glm5_cpu
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(2, 3, 4, 5, dtype=torch.bfloat16)
+        o, s = ops.kda_recurrent(q, q, torch.empty(2, 3, 4, 7, dtype=torch.bfloat16), torch.empty(2, 3, 4, 5),
+                                 torch.empty(2, 3, 4), None, 0.5, True)
+        x, w, st = torch.empty(2, 6, 9, dtype=torch.bfloat16), torch.empty(9, 4), torch.empty(2, 3, 9)
+        out, new = ops.kda_causal_conv(x, w, None, st, True)
+        dx, dw, db, ds = ops.kda_causal_conv_backward(out, new, x, w, None, st, True)
+    assert (o.shape, o.dtype, s.shape, s.dtype) == ((2, 3, 4, 7), torch.bfloat16, (2, 4, 5, 7), torch.float32)
+    assert (out.shape, out.dtype, new.shape, new.dtype) == ((2, 6, 9), torch.bfloat16, (2, 3, 9), torch.float32)
+    assert (dx.shape, dx.dtype, dw.shape, db.shape, ds.shape) == ((2, 6, 9), torch.bfloat16, (9, 4), (0,), (2, 3, 9))
