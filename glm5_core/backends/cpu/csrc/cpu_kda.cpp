@@ -214,11 +214,11 @@ std::tuple<at::Tensor, at::Tensor> kda_recurrent(const at::Tensor& q_in, const a
 }
 
 // ------------------------------------------------------------------------------------------ causal conv
-// exp(x) for x in [-87.3, 88.7] (clamped outside): x = n ln2 + r, |r| <= ln2 / 2 (Cody-Waite split of ln2),
-// exp(r) by its degree-7 Taylor polynomial (Horner), 2^n by the exponent bits. Branch-free, so the channel loop
-// vectorises; relative error within ~2 ulp of fp32 (fp64 uses std::exp).
+// exp(x) for x in [-87.3, 88] (clamped outside, so 2^n stays a normal number: n in [-126, 127]): x = n ln2 + r,
+// |r| <= ln2 / 2 (Cody-Waite split of ln2), exp(r) by its degree-7 Taylor polynomial (Horner), 2^n by the exponent
+// bits. Branch-free, so the channel loop vectorises; relative error a few fp32 ulp (fp64 uses std::exp).
 inline float exp_poly(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
+  x = std::min(std::max(x, -87.3f), 88.0f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;  // ln2 high part (exact product)
   r = r - n * -2.12194440e-4f;     // ln2 low part
