@@ -27,8 +27,9 @@ from glm5_core.ops import kda
 # (label, B, H, K = V): small heads (H = 4, K = V = 64) at batch 1 and 8; GLM5Config.tiny_glm53()'s KDA layers
 # (configs/tiny_glm53.yaml: linear_num_heads 4, linear_head_dim 16) at batch 1 and 8; GLM-5.3-Flash (the GLM5Config
 # defaults: 64 heads of 128) at batch 1
-CASES = (("H4 K64 B=1", 1, 4, 64), ("H4 K64 B=8", 8, 4, 64), ("tiny_glm53 B=1", 1, 4, 16), ("tiny_glm53 B=8", 8, 4, 16),
-         ("flash B=1", 1, 64, 128))
+CASES = {"h4k64-b1": ("H4 K64 B=1", 1, 4, 64), "h4k64-b8": ("H4 K64 B=8", 8, 4, 64),
+         "tiny-b1": ("tiny_glm53 B=1", 1, 4, 16), "tiny-b8": ("tiny_glm53 B=8", 8, 4, 16),
+         "flash-b1": ("flash B=1", 1, 64, 128)}
 
 
 def _time(fn, calls: int) -> tuple[float, float]:
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=50, help="calls per round (the Flash case: a fifth of it)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="default: all")
     parser.add_argument("--out", default="benchmarks/results/kda_cpu_native.json")
     args = parser.parse_args(argv)
     for name in ("rounds", "calls", "threads"):
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
     results = [_case(label, B, H, K, args.rounds, args.calls if H < 64 else max(1, args.calls // 5))
-               for label, B, H, K in CASES]
+               for label, B, H, K in (CASES[name] for name in args.cases)]
     write_json(args.out, {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                           "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                           "load_average": os.getloadavg(), "rounds": args.rounds, "calls": args.calls,
