@@ -15,7 +15,7 @@ from glm5_core.registry import Backend, Kernel
 # The modules whose ``KERNELS`` map ops to their native kernel records (importing them loads no extension:
 # the ``torch.ops.glm5_cpu`` ops are looked up when a kernel runs).
 KERNEL_MODULES = ("glm5_core.backends.cpu.dsa", "glm5_core.backends.cpu.dsa_selected_attention_target",
-                  "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon")
+                  "glm5_core.backends.cpu.moe", "glm5_core.backends.cpu.muon", "glm5_core.backends.cpu.kda_native")
 # The modules whose kernels call torch's own CPU kernels only: in the table whether or not the extension builds.
 TORCH_KERNEL_MODULES = ("glm5_core.backends.cpu.mla", "glm5_core.backends.cpu.kda", "glm5_core.backends.cpu.mhc")
 
@@ -41,10 +41,6 @@ def torch_kernels() -> dict[str, Kernel]:
 REFERENCE_BY_CHOICE: Mapping[str, str] = {
     "mla_decode": "no native kernel: dense absorbed decode is GEMV-bound in the reference; use DSA sparse decode",
     "dsa_indexer_scores": "no native kernel: the full [B, T, S] score matrix is the output (the fused top-k avoids it)",
-    "kda_recurrent": "no native kernel: a decode step is a few [H, K, V] elementwise passes per token, what the "
-                     "reference's torch ops already do",
-    "kda_causal_conv": "no native kernel: W (4) fused multiply-adds per element in the reference's torch ops",
-    "kda_causal_conv_update": "no native kernel: one step of W (4) multiply-adds per channel in torch ops",
 }
 
 

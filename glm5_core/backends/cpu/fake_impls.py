@@ -2,7 +2,7 @@
 FakeTensor tracing see their output shapes without running them. Registered once, by ``extension.load``.
 
 Legend as in the op modules: B batch, T queries, S keys, K top-k width, H heads, C latent width, N tokens,
-E experts, M = N * K routed rows, D hidden size.
+E experts, M = N * K routed rows, D hidden size. KDA (kda_*): K / V the key / value head dims, W the conv width.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selec
               "selected_index_scores_backward", "sparse_expanded_forward", "sparse_expanded_backward",
               "selected_attention_target", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
-              "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize")
+              "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize",
+              "kda_recurrent", "kda_causal_conv", "kda_causal_conv_backward")
 
 
 def _indexer_topk(q, k, w, start, topk, pool=1):
@@ -100,6 +101,24 @@ def _ns_orthogonalize(X_wide, coeffs, loop_batch):
     return X_wide.new_empty(X_wide.shape)  # [P, m, n]
 
 
+def _kda_recurrent(q, k, v, g, beta, initial_state, scale, use_qk_l2norm):
+    B, T, H, K = k.shape
+    V = v.shape[3]  # o [B, T, H, V] in q's dtype, state [B, H, K, V] in the compute dtype
+    return q.new_empty((B, T, H, V)), q.new_empty((B, H, K, V), dtype=_compute_dtype(q))
+
+
+def _kda_causal_conv(x, weight, bias, conv_state, silu):
+    B, T, D = x.shape  # out [B, T, D] in x's dtype, new state [B, W - 1, D] in the compute dtype
+    return x.new_empty((B, T, D)), x.new_empty((B, weight.shape[1] - 1, D), dtype=_compute_dtype(x))
+
+
+def _kda_causal_conv_backward(grad_out, grad_state, x, weight, bias, conv_state, silu):
+    B, T, D = x.shape  # d x [B, T, D], d weight [D, W], d bias [D] or [0], d conv_state [B, W - 1, D] or [0]
+    return (x.new_empty((B, T, D)), weight.new_empty(weight.shape),
+            weight.new_empty((D,) if bias is not None else (0,)),
+            weight.new_empty((B, weight.shape[1] - 1, D) if conv_state is not None else (0,)))
+
+
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
@@ -112,6 +131,7 @@ def register() -> None:
              "moe_experts": _moe_experts,
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,
              "moe_fused_experts_backward": _moe_fused_experts_backward,
-             "ns_orthogonalize": _ns_orthogonalize}
+             "ns_orthogonalize": _ns_orthogonalize, "kda_recurrent": _kda_recurrent,
+             "kda_causal_conv": _kda_causal_conv, "kda_causal_conv_backward": _kda_causal_conv_backward}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

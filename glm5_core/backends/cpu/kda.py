@@ -14,6 +14,11 @@ exp(Gamma_i - Gamma_j) as a [C, C, K] tensor per chunk):
   * one triangular solve for both right-hand sides (the decayed keys and the values), all chunks batched.
 Deterministic: the same torch ops in the same order, no atomics; bitwise across runs and thread counts is
 tested (tests/ops/test_kda.py).
+
+This torch-ops kernel stays the cpu kernel of ``kda_chunked`` (whether or not the C++ extension builds): no C++
+chunked kernel exists yet. Its time is the batched GEMMs and the triangular solve (oneDNN / MKL already), with only
+the per-chunk state recurrence left sequential, so a C++ port would mostly save Python dispatch; one that beats it
+has not been written (the recurrent form and the conv are native: ``kda_native.py``, csrc/cpu_kda.cpp).
 """
 from __future__ import annotations
 
