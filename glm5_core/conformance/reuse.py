@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -29,8 +30,6 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
-
-import torch
 
 import glm5_core
 from glm5_core import registry
@@ -93,14 +92,15 @@ def kernel_facts(backend: str) -> list:
     return [[r.op, anonymous(r.label, backend), anonymous(r.reason, backend)] for r in registry.explain(backend)]
 
 
+def _installed(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
 def run_key(backend: str) -> dict[str, Any]:
     """The facts of ``backend``'s run that are the same for all its checks (see the module docstring)."""
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
     facts = registry.get_backend(backend).facts
     return {
         "format": FORMAT,
@@ -109,7 +109,8 @@ def run_key(backend: str) -> dict[str, Any]:
         "launch": launch_facts(backend),
         "dtypes": sorted(str(d) for d in facts.dtypes),
         "strict": registry.strict_mode(),
-        "host": [torch.__version__, triton_version, py_platform.python_version(), py_platform.machine(),
+        # the installed distributions: a simulated stack reports its vendor's build string as torch.__version__
+        "host": [_installed("torch"), _installed("triton"), py_platform.python_version(), py_platform.machine(),
                  os.environ.get("TRITON_INTERPRET", "")],
     }
 
