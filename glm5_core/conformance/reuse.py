@@ -101,13 +101,14 @@ def _installed(distribution: str) -> str:
 
 def run_key(backend: str) -> dict[str, Any]:
     """The facts of ``backend``'s run that are the same for all its checks (see the module docstring)."""
-    facts = registry.get_backend(backend).facts
+    be = registry.get_backend(backend)
     return {
         "format": FORMAT,
+        "device": be.device(),  # where its tensors live: ``cpu`` on every simulated device
         "source": source_hash(),
         "kernels": kernel_facts(backend),
         "launch": launch_facts(backend),
-        "dtypes": sorted(str(d) for d in facts.dtypes),
+        "dtypes": sorted(str(d) for d in be.facts.dtypes),
         "strict": registry.strict_mode(),
         # the installed distributions: a simulated stack reports its vendor's build string as torch.__version__
         "host": [_installed("torch"), _installed("triton"), py_platform.python_version(), py_platform.machine(),
