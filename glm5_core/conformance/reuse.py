@@ -3,11 +3,11 @@
 Under ``--simulate`` every backend's kernels run on this host's CPU tensors (the Triton kernels under the
 interpreter), so two backends whose run of a check is made of the same facts compute the same result: six vendors
 need not multiply the interpreted run. The facts (:func:`run_key`) are the check (family, name: its shapes and
-dtypes), the backend's kernels (each op's implementation and why the reference runs, the backend's own name taken
-out), its effective launch configurations (every kernel module's, compiler knobs and the shared-memory budget
-included), its dtype set, strict mode, the host (torch, triton, Python, machine, ``TRITON_INTERPRET``) and a hash of
-glm5_core's sources. A result is reused only under an equal key (never across differing configurations), and says
-so in its detail (``reused: ...``, naming the backend that computed it).
+dtypes), where the backend's tensors live, its kernels (each op's implementation and why the reference runs, the
+backend's own name taken out), its effective launch configurations (every kernel module's, compiler knobs and the
+shared-memory budget included), its dtype set, strict mode, the host (torch, triton, Python, machine,
+``TRITON_INTERPRET``) and a hash of glm5_core's sources. A result is reused only under an equal key (never across
+differing configurations), and says so in its detail (``reused: ...``, naming the backend that computed it).
 
 The cache is one JSON file per key in a folder (``GLM5_CONFORMANCE_CACHE``, default
 ``$XDG_CACHE_HOME/glm5_core/conformance-simulated``, else ``~/.cache/...``). Files from disk are untrusted: a file
