@@ -11,8 +11,9 @@ differing configurations), and says so in its detail (``reused: ...``, naming th
 
 The cache is one JSON file per key in a folder (``GLM5_CONFORMANCE_CACHE``, default
 ``$XDG_CACHE_HOME/glm5_core/conformance-simulated``, else ``~/.cache/...``). Files from disk are untrusted: a file
-that is not exactly a stored result of its key is ignored (the check runs). Errors and checks that could not run
-are never stored. Real devices never reuse: their results are the device's.
+that is not exactly a stored result of its key is ignored (the check runs). Only passes and reference fallbacks are
+stored: a failure (or an error, or a check that could not run) runs again on each backend, its detail its own.
+Real devices never reuse: their results are the device's.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import glm5_core
 from glm5_core import registry
 from glm5_core.conformance.check import Check, Result
 
-STORED = ("pass", "fail", "fallback")  # deterministic outcomes; "error" / "not_run" always run again
+STORED = ("pass", "fallback")  # what is reused; a failure runs again on every backend, its detail its own
 FORMAT = 1
 
 
@@ -169,7 +170,7 @@ class ResultCache:
                       f"{r['detail']} ({note})" if r["detail"] else note, 0.0)
 
     def put(self, check: Check, result: Result) -> None:
-        """Store ``result`` (a pass, fail or fallback) for the backends whose run has this key."""
+        """Store ``result`` (a pass or a reference fallback) for the backends whose run has this key."""
         if result.status not in STORED:
             return
         key = check_key(self.run, check)

@@ -2,6 +2,7 @@
 (glm5_core.conformance.reuse): musa and kunlunxin (the same kernels, 64 KiB tiles at 4 warps, no fp64) share, mlu
 (1 warp) and metax (fp64) do not; a reused result says so; a stored file that is not exactly its key's result is
 ignored; ``--no-reuse`` and real (not simulated) runs reuse nothing."""
+import dataclasses
 import json
 
 import pytest
@@ -57,6 +58,10 @@ def test_a_stored_file_that_is_not_its_keys_result_is_ignored(tmp_path, cheap_ch
         assert cache.get(cheap_check) is None
     path.write_text("{not json")
     assert cache.get(cheap_check) is None
+    path.unlink()
+    failed = dataclasses.replace(run_check(cheap_check, "musa"), status="fail")
+    cache.put(cheap_check, failed)  # a failure is never stored: each backend runs it again
+    assert not path.exists() and cache.get(cheap_check) is None
     cache.run = {**cache.run, "source": "another tree"}  # an edited source tree is another key
     path.write_text(json.dumps(good))
     assert cache.get(cheap_check) is None
