@@ -22,6 +22,13 @@ def test_conformance_simulate_refuses_in_one_line(argv, message, capsys, tmp_pat
     assert message in err and err.count("\n") == 1
 
 
+def test_run_sh_gives_the_interpreted_benchmarks_a_budget_all_cases_start_in():
+    """Interpreted (``--simulate``) each kernel case takes seconds to minutes on a shared host: with the hardware's
+    120 s budget the last cases were skipped and run.sh exited 1 on a healthy backend (session 14's runs)."""
+    script = open(os.path.join(ROOT, "benchmarks", "vendor", "run.sh"), encoding="utf-8").read()
+    assert 'BUDGET_S=120; if [ -n "$SIM" ]; then BUDGET_S=900; fi' in script and '--budget-s "$BUDGET_S"' in script
+
+
 def test_run_sh_refuses_a_bad_option_in_one_line():
     done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "vendor", "run.sh"), "musa", "--fast"],
                           capture_output=True, text=True, timeout=60)
