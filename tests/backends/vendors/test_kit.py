@@ -1,6 +1,6 @@
 """The vendor kit's commands refuse what they cannot do in one line, exit status 2: ``glm5 conformance --simulate``
 without a backend or for a backend without a simulated stack, ``benchmarks/vendor/run.sh`` with a bad option. (The
-kit's full runs are in benchmarks/results/vendors_simulated_s34.md.)"""
+kit's full runs are in benchmarks/results/vendors_simulated_s14.md.)"""
 import os
 import subprocess
 
