@@ -149,8 +149,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             os.environ["GLM5_BENCH_BACKEND"] = before
 
 
+def bench_device(backend: str) -> str:
+    """Where the timed tensors live: while ``backend``'s stack is simulated, its runtime device (``cpu``: a simulated
+    stack that presents its devices as ``cuda`` answers ``torch.cuda.is_available()`` with no CUDA device behind it);
+    else ``cuda`` when available, the CPU otherwise."""
+    from glm5_core.backends import simulated
+
+    if simulated.SIMULATED_BACKEND.get() is not None:
+        from glm5_core import registry
+
+        return torch.device(registry.get_backend(backend).device()).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _main(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = bench_device(args.backend)
     t_start = time.perf_counter()
     peaks = device_peaks(device)
     header = {"device": device, "device_name": peaks.pop("name", device), "peaks": peaks,

@@ -25,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", action="store_true",
                         help="run on the backend's simulated device: its vendor stack's documented surface on this "
                              "host, kernels on CPU tensors (Triton under TRITON_INTERPRET=1); reports say simulated")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="with --simulate: run every check, reusing no result another backend's simulated run "
+                             "computed under an identical key (check, kernels, launch configurations, dtype set, "
+                             "host, sources; glm5_core.conformance.reuse)")
 
 
-def family_line(backend: str, family: str, results: list, seconds: float) -> str:
+def family_line(backend: str, family: str, results: list, seconds: float, reused: int = 0) -> str:
     """One family's outcome, the progress line printed when it finishes."""
     counts = {status: sum(r.status == status for r in results)
               for status in ("pass", "fail", "error", "fallback", "not_run")}
@@ -37,13 +41,16 @@ def family_line(backend: str, family: str, results: list, seconds: float) -> str
         text += f", {counts['fallback']} on the reference fallback"
     if counts["not_run"]:
         text += f", {counts['not_run']} not run here"
+    if reused:
+        text += f" ({reused} reused from an identical simulated run)"
     return f"{text} ({seconds:.0f} s)"
 
 
-def run_with_progress(families: list[str], backend: str, stream=None, keep=None) -> list:
+def run_with_progress(families: list[str], backend: str, stream=None, keep=None, cache=None) -> list:
     """Run the checks of ``families`` on ``backend`` (those ``keep(check)`` accepts, default all); progress on
     ``stream`` (stderr): on a terminal a bar naming the family and check running, and everywhere one line per family
-    when it finishes (nothing else in a log)."""
+    when it finishes (nothing else in a log). ``cache``: a ``reuse.ResultCache`` whose stored results are taken
+    instead of running (and which stores what runs)."""
     stream = sys.stderr if stream is None else stream
     selected = {family: [c for c in checks(family) if keep is None or keep(c)] for family in families}
     bar = None
@@ -57,15 +64,21 @@ def run_with_progress(families: list[str], backend: str, stream=None, keep=None)
             bar = None
     results = []
     for family, family_checks in selected.items():
-        started, mine = time.perf_counter(), []
+        started, mine, reused_before = time.perf_counter(), [], cache.reused if cache is not None else 0
         for check in family_checks:
             if bar is not None:
                 bar.set_postfix_str(f"{family}: {check.name}", refresh=True)
-            mine.append(run_check(check, backend))
+            result = cache.get(check) if cache is not None else None
+            if result is None:
+                result = run_check(check, backend)
+                if cache is not None:
+                    cache.put(check, result)
+            mine.append(result)
             if bar is not None:
                 bar.update(1)
         results += mine
-        line = family_line(backend, family, mine, time.perf_counter() - started)
+        line = family_line(backend, family, mine, time.perf_counter() - started,
+                           cache.reused - reused_before if cache is not None else 0)
         if bar is not None:
             bar.write(line, file=stream)
         else:
@@ -108,12 +121,20 @@ def _run(args: argparse.Namespace, extra: dict) -> int:
     if skipped:
         lacking = sorted({str(d).removeprefix("torch.") for c in skipped for d in _skipped(c, facts)})
         print(f"{backend}: {len(skipped)} checks skipped: its devices compute no {', '.join(lacking)}")
-    results = run_with_progress(families, backend, keep=lambda check: not _skipped(check, facts))
+    cache = None
+    if extra.get("simulated") and not getattr(args, "no_reuse", False):
+        from glm5_core.conformance.reuse import ResultCache
+
+        cache = ResultCache(backend)
+    results = run_with_progress(families, backend, keep=lambda check: not _skipped(check, facts), cache=cache)
+    if cache is not None:
+        extra = {**extra, "reused": f"{cache.reused} results reused from identical simulated runs ({cache.folder})"}
     paths = write_reports(results, backend, out_dir, extra_environment=extra)
     bad = [r for r in results if r.status in ("fail", "error")]
     n_fallback = sum(r.status == "fallback" for r in results)
     n_pass = sum(r.status == "pass" for r in results)
-    print(f"{backend}: {n_pass} passed, {len(bad)} failed, {n_fallback} passed on the reference fallback")
+    print(f"{backend}: {n_pass} passed, {len(bad)} failed, {n_fallback} passed on the reference fallback"
+          + (f" ({cache.reused} reused from an identical simulated run, cache {cache.folder})" if cache else ""))
     for r in bad[:20]:
         print(f"  FAIL {r.check}: {r.detail.splitlines()[0] if r.detail else ''}")
     if registry.strict_mode():

@@ -19,11 +19,13 @@ A backend whose device is not the host needs two such devices; with fewer the ch
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import tempfile
 import traceback
+from typing import Optional
 
 import torch
 
@@ -103,28 +105,39 @@ def _bad_argument(rank: int, group, backend: str, device: str) -> str:
 
 
 def _worker(rank: int, backend: str, device_type: str, dist_backend: str, host: bool, init_file: str,
-            result_dir: str) -> None:
-    import torch.distributed as dist
+            result_dir: str, simulated_backend: Optional[str] = None) -> None:
+    """One rank. ``simulated_backend``: the backend whose simulated stack the parent ran under (a simulated stack is
+    installed per process, so a spawned rank installs it again; None: none)."""
+    from glm5_core.backends import simulated
 
     problems = []
     try:
-        device = device_type if host else f"{device_type}:{rank}"
-        if not host:
-            getattr(torch, device_type).set_device(rank)
-        dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        try:
-            group = dist.group.WORLD
-            for routing in ("random", "one_rank", "empty_rank"):
-                problems.append(_case(rank, routing, group, backend, device))
-            problems.append(_bad_argument(rank, group, backend, device))
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        with simulated.simulate(simulated_backend) if simulated_backend else contextlib.nullcontext():
+            _rank_cases(rank, backend, device_type, dist_backend, host, init_file, problems)
     except Exception as exc:  # reported by the parent as this rank's failure
         problems.append(f"rank {rank} crashed: {exc!r} {traceback.format_exc(limit=3)}")
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join(p for p in problems if p))
+
+
+def _rank_cases(rank: int, backend: str, device_type: str, dist_backend: str, host: bool, init_file: str,
+                problems: list) -> None:
+    """The rank's cases, each appending its problem ("" when it held) to ``problems``."""
+    import torch.distributed as dist
+
+    device = device_type if host else f"{device_type}:{rank}"
+    if not host:
+        getattr(torch, device_type).set_device(rank)
+    dist.init_process_group(dist_backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        group = dist.group.WORLD
+        for routing in ("random", "one_rank", "empty_rank"):
+            problems.append(_case(rank, routing, group, backend, device))
+        problems.append(_bad_argument(rank, group, backend, device))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _run(backend: str, device: str) -> testing.Comparison:
@@ -141,10 +154,13 @@ def _run(backend: str, device: str) -> testing.Comparison:
         seen = facts.count()
         if seen < WORLD:
             raise NotRunnable(f"needs {WORLD} {device_type} devices (one per process), {seen} visible")
+    from glm5_core.backends import simulated
+
     with tempfile.TemporaryDirectory(prefix="glm5-ep-group-") as tmp:
         context = mp.get_context("spawn")
         procs = [context.Process(target=_worker, args=(r, backend, device_type, facts.dist_backend, host,
-                                                       os.path.join(tmp, "init"), tmp), daemon=True)
+                                                       os.path.join(tmp, "init"), tmp,
+                                                       simulated.SIMULATED_BACKEND.get()), daemon=True)
                  for r in range(WORLD)]
         for p in procs:
             p.start()

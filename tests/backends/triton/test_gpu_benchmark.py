@@ -48,6 +48,23 @@ def test_tiny_run_writes_results_without_errors(tmp_path):
     assert torch.cuda.is_available() or results["header"]["peaks"] == {}
 
 
+def test_a_simulated_cuda_presenting_vendor_is_timed_on_cpu_tensors(tmp_path):
+    """A simulated metax / hygon / kunlunxin stack answers torch.cuda.is_available(); the benchmark must still time
+    the CPU tensors its kernels run on (before: it allocated on "cuda" and died, "Torch not compiled with CUDA")."""
+    from glm5_core import registry
+    from glm5_core.backends import simulated
+
+    bench = _load("bench_kernels")
+    with simulated.simulate("metax") as status:
+        code = bench.main(["--backend", "metax", "--tiny", "--reps", "1", "--out", str(tmp_path), "--only",
+                           "route_case", "--simulated", status])
+    registry.reset()
+    results = json.loads(next(tmp_path.glob("*_kernels_*.json")).read_text())
+    header = results["header"]
+    assert code == 0 and header["device"] == "cpu" and header["simulated"].startswith("simulated 8 x MetaX")
+    assert [row["case"] for row in results["rows"]] == ["moe_route"] and "error" not in results["rows"][0]
+
+
 def test_training_case_flop_counts_follow_the_formulas():
     cases = _load("cases")
     B, T, H, Dn, Dr, Dv, C, K = 1, 8, 4, 16, 8, 16, 32, 8  # the tiny prefill shape
