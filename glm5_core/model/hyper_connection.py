@@ -79,8 +79,9 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, n * self.hidden_size))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
-        # which of the 3 scales each of the (2 + N) N columns takes (the no-grad path's one affine); not saved
-        self.register_buffer("_scale_of_column", torch.tensor([0] * n + [1] * n + [2] * n * n), persistent=False)
+        # per device: which of the 3 scales each of the (2 + N) N columns takes (the no-grad path's one affine); a
+        # plain attribute, not a buffer (checkpoint loading materialises buffers from the files)
+        self._scale_of_column: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -122,7 +123,11 @@ class HyperConnection(nn.Module):
         x = streams.reshape(-1, n * d).to(ct)  # [R, N D]
         r = x.square().mean(-1, keepdim=True)  # [R, 1]
         flat = F.linear(x * r.add_(self.rms_norm_eps).rsqrt_(), self.fn.to(ct))  # [R, (2 + N) N]
-        flat.mul_(self.scale.to(ct).index_select(0, self._scale_of_column)).add_(self.base.to(ct))
+        column = self._scale_of_column.get(flat.device)
+        if column is None:
+            column = torch.tensor([0] * n + [1] * n + [2] * n * n, device=flat.device)
+            self._scale_of_column[flat.device] = column
+        flat.mul_(self.scale.to(ct).index_select(0, column)).add_(self.base.to(ct))
         # [R, N] each, sigmoids over contiguous copies as the separate affines' outputs are (torch's vectorised and
         # scalar exp round differently: over a strided slice some values would come out another way)
         pre = flat[:, :n].contiguous().sigmoid_().add_(self.hc_eps)
