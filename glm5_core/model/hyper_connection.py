@@ -18,7 +18,7 @@ The computation runs in fp32 (fp64 for fp64 streams, where transformers stays in
 normalisation and the mix are ``glm5_core.ops.mhc`` calls, bound when the module is built.
 
 Without gradients (inference: prefill, decode) the weights take a shorter path that computes the same bits
-(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, the two sigmoids as one, and, where
+(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and, where
 ``mhc_sinkhorn`` resolves to the torch-op cpu kernel or the reference (the same arithmetic), the 2 iters - 1
 normalisation steps in place on one buffer (no allocation and no Python-scalar wrapping per step: a decode step
 runs 2 sites x layers of them on [B, N, N] matrices, where per-op overhead is all the cost). A native kernel
