@@ -107,7 +107,7 @@ def build_kda(cfg: GLM5Config, backend: registry.BackendArg) -> nn.Module:
     return KimiDeltaAttention(hidden_size=cfg.hidden_size, linear_num_heads=cfg.linear_num_heads,
                               linear_head_dim=cfg.linear_head_dim, linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
                               linear_lower_bound=cfg.linear_lower_bound, rms_norm_eps=cfg.rms_norm_eps,
-                              backend=backend if isinstance(backend, (str, type(None))) else None)
+                              backend=backend)
 
 
 def kda_forward(kda: nn.Module, layer_idx: int, x: torch.Tensor, state: ForwardState) -> torch.Tensor:

@@ -16,6 +16,13 @@ Legend: L leading dims (batch, sequence), N = hc_mult streams, D hidden_size.
 
 The computation runs in fp32 (fp64 for fp64 streams, where transformers stays in fp32); the Sinkhorn
 normalisation and the mix are ``glm5_core.ops.mhc`` calls, bound when the module is built.
+
+Without gradients (inference: prefill, decode) the weights take a shorter path that computes the same bits
+(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and, where
+``mhc_sinkhorn`` resolves to the torch-op cpu kernel or the reference (the same arithmetic), the 2 iters - 1
+normalisation steps in place on one buffer (no allocation and no Python-scalar wrapping per step: a decode step
+runs 2 sites x layers of them on [B, N, N] matrices, where per-op overhead is all the cost). A native kernel
+bound for ``mhc_sinkhorn`` (a Triton one, or a C++ one) is called as it is.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5_core import registry
+from glm5_core.backends.cpu import mhc as cpu_mhc
 from glm5_core.ops import _checks, mhc
 
 
@@ -31,6 +39,25 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim (transformers' ``Glm5NextTextUnweightedRMSNorm``)."""
     ct = _checks.compute_dtype(x.dtype)
     return x * torch.rsqrt(x.to(ct).square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sinkhorn_in_place(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """``mhc.sinkhorn_reference`` (and the cpu kernel's forward) bit for bit, for logits [R, N, N] already in the
+    compute dtype, without gradients: each step's sum goes into one of two preallocated buffers, eps (a 0-dim
+    tensor of the compute dtype: the value the Python scalar becomes) is added and the matrix divided in place."""
+    comb = torch.softmax(logits, dim=-1)
+    comb.add_(eps)
+    R, n = comb.shape[0], comb.shape[-1]
+    eps_t = torch.tensor(eps, dtype=comb.dtype, device=comb.device)
+    cols, rows = comb.new_empty(R, 1, n), comb.new_empty(R, n, 1)
+    torch.sum(comb, -2, keepdim=True, out=cols)
+    comb.div_(cols.add_(eps_t))
+    for _ in range(iters - 1):
+        torch.sum(comb, -1, keepdim=True, out=rows)
+        comb.div_(rows.add_(eps_t))
+        torch.sum(comb, -2, keepdim=True, out=cols)
+        comb.div_(cols.add_(eps_t))
+    return comb
 
 
 class HyperConnection(nn.Module):
@@ -52,6 +79,9 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, n * self.hidden_size))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        # per device: which of the 3 scales each of the (2 + N) N columns takes (the no-grad path's one affine); a
+        # plain attribute, not a buffer (checkpoint loading materialises buffers from the files)
+        self._scale_of_column: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -69,6 +99,9 @@ class HyperConnection(nn.Module):
                              f"{tuple(streams.shape)}")
         lead = streams.shape[:-2]
         ct = _checks.compute_dtype(streams.dtype)
+        if not (torch.is_grad_enabled() and (streams.requires_grad or self.fn.requires_grad
+                                             or self.base.requires_grad or self.scale.requires_grad)):
+            return self._weights_no_grad(streams, lead, ct)
         flat = unweighted_rms_norm(streams.reshape(*lead, n * d).to(ct), self.rms_norm_eps)
         flat = F.linear(flat, self.fn.to(ct))  # [L, (2 + N) N]
         pre_w, post_w, comb_w = flat.split([n, n, n * n], dim=-1)
@@ -80,6 +113,34 @@ class HyperConnection(nn.Module):
         comb = mhc.sinkhorn(logits.reshape(-1, n, n), iters=self.hc_sinkhorn_iters, eps=self.hc_eps,
                             backend=self.kernels).view(*lead, n, n)
         return pre, post, comb
+
+    def _weights_no_grad(self, streams: torch.Tensor, lead: torch.Size, ct: torch.dtype
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`weights` without gradients, the same bits in fewer ops: every column's ``flat * scale + base``
+        at once (the elementwise products and sums the three separate affines compute), in-place epilogues, and
+        the in-place Sinkhorn where the bound kernel computes exactly that arithmetic."""
+        n, d = self.hc_mult, self.hidden_size
+        x = streams.reshape(-1, n * d).to(ct)  # [R, N D]
+        r = x.square().mean(-1, keepdim=True)  # [R, 1]
+        flat = F.linear(x * r.add_(self.rms_norm_eps).rsqrt_(), self.fn.to(ct))  # [R, (2 + N) N]
+        column = self._scale_of_column.get(flat.device)
+        if column is None:
+            column = torch.tensor([0] * n + [1] * n + [2] * n * n, device=flat.device)
+            self._scale_of_column[flat.device] = column
+        flat.mul_(self.scale.to(ct).index_select(0, column)).add_(self.base.to(ct))
+        # [R, N] each, sigmoids over contiguous copies as the separate affines' outputs are (torch's vectorised and
+        # scalar exp round differently: over a strided slice some values would come out another way)
+        pre = flat[:, :n].contiguous().sigmoid_().add_(self.hc_eps)
+        post = flat[:, n:2 * n].contiguous().sigmoid_().mul_(2)
+        logits = flat[:, 2 * n:].reshape(-1, n, n)
+        res = (self.kernels.resolution("mhc_sinkhorn") if isinstance(self.kernels, registry.Binding)
+               else registry.resolve("mhc_sinkhorn", self.kernels))
+        if logits.device.type == "cpu" and (res.is_reference or (res.kernel is not None
+                                                                 and res.kernel.fn is cpu_mhc.sinkhorn)):
+            comb = sinkhorn_in_place(logits, iters=self.hc_sinkhorn_iters, eps=self.hc_eps)
+        else:
+            comb = mhc.sinkhorn(logits, iters=self.hc_sinkhorn_iters, eps=self.hc_eps, backend=self.kernels)
+        return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [L, N, D] -> (post [L, N], comb [L, N, N], block input [L, D] in the streams' dtype)."""
@@ -93,8 +154,10 @@ class HyperConnection(nn.Module):
         input streams [L, N, D] (transformers' decoder layer's ``post * out + comb^T @ residual``)."""
         n, d = self.hc_mult, self.hidden_size
         lead = streams.shape[:-2]
-        out = mhc.mix(streams.reshape(-1, n, d), block_out.reshape(-1, d).to(streams.dtype),
-                      post.reshape(-1, n), comb.reshape(-1, n, n), backend=self.kernels)
+        # the op's entry point checks shapes that this module builds itself: straight to the bound kernel (twice a
+        # layer per decode step, where the checks cost as much as the kernel)
+        out = registry.call("mhc_mix", streams.reshape(-1, n, d), block_out.reshape(-1, d).to(streams.dtype),
+                            post.reshape(-1, n), comb.reshape(-1, n, n), backend=self.kernels)
         return out.view(*lead, n, d)
 
 

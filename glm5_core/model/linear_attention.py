@@ -100,8 +100,8 @@ class KimiDeltaAttention(nn.Module):
       ``hidden_size`` (D), ``linear_num_heads`` (H), ``linear_head_dim`` (K), ``linear_conv_kernel_dim`` (W),
       ``linear_lower_bound`` (the forget gate's lower bound, None for the softplus gate), ``hidden_act`` (the
       conv's activation: "silu"), ``rms_norm_eps`` (o_norm's eps);
-    and ours: ``chunk_size`` (of the chunked form), ``backend`` (the registry backend of the KDA ops; None:
-    the default resolution).
+    and ours: ``chunk_size`` (of the chunked form), ``backend`` (the registry backend of the KDA ops, a name or a
+    ``registry.Binding``; None: the default resolution), bound when the layer is built (``kernels``).
 
     Parameters (state-dict keys as transformers'): q_proj, k_proj, v_proj, conv1d.weight [3 H K, 1, W] (fp32, as
     transformers keeps it), forget_gate.{f_a_proj, f_b_proj, dt_bias, A_log}, b_proj, g_a_proj, g_b_proj,
@@ -131,7 +131,8 @@ class KimiDeltaAttention(nn.Module):
         self.qkv_dim = linear_num_heads * linear_head_dim
         self.conv_kernel_size = linear_conv_kernel_dim
         self.chunk_size = chunk_size
-        self.backend = backend
+        self.backend = backend  # as asked for
+        self.kernels = registry.bind(backend)  # resolved once, here (GLM5ForCausalLM.bind_backend rebinds it)
 
         self.q_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.qkv_dim, bias=False)
@@ -202,22 +203,22 @@ class KimiDeltaAttention(nn.Module):
         decode = state is not None and T == 1
         if decode:
             mixed, conv_state = kda.causal_conv_update(mixed[:, 0], state.conv_state, weight, activation="silu",
-                                                       backend=self.backend)
+                                                       backend=self.kernels)
             mixed = mixed.unsqueeze(1)
         else:
             mixed, conv_state = kda.causal_conv(mixed, weight, conv_state=None if state is None else state.conv_state,
                                                 activation="silu", output_final_state=keep_state,
-                                                backend=self.backend)
+                                                backend=self.kernels)
         q, k, v = (t.reshape(B, T, H, K) for t in mixed.split(self.qkv_dim, dim=-1))
         g = self.forget_gate(hidden)  # [B, T, H, K], compute dtype
         beta = torch.sigmoid(self.b_proj(hidden))  # [B, T, H]
         initial = None if state is None else state.recurrent_state
         if decode:
             o, recurrent_state = kda.recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True,
-                                               use_qk_l2norm=True, backend=self.backend)
+                                               use_qk_l2norm=True, backend=self.kernels)
         else:
             o, recurrent_state = kda.chunked(q, k, v, g, beta, initial_state=initial, output_final_state=keep_state,
-                                             chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.backend)
+                                             chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kernels)
         gate = self.g_b_proj(self.g_a_proj(hidden)).view(B, T, H, K)
         out = self.o_proj(self.o_norm(o, gate).reshape(B, T, H * K))
         return out, (KDAState(conv_state, recurrent_state) if keep_state else None)

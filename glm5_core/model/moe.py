@@ -185,7 +185,7 @@ class MoE(nn.Module):
         (:meth:`drop_stacked_weights`). A write through ``param.data`` bumps nothing: code that writes the
         weights that way must call :meth:`drop_stacked_weights`. It costs one extra copy of the expert weights.
         """
-        weights = [getattr(e, name).weight for e in self.experts]
+        weights = self._expert_weights(name)
         if not self.reuse_stacked_weights or torch.is_grad_enabled():  # a kept stack may be an inference tensor,
             return torch.stack(weights)  # which autograd cannot save: grad-enabled forwards always stack
         key = [(w.data_ptr(), w._version, w.dtype) for w in weights]
@@ -194,6 +194,17 @@ class MoE(nn.Module):
             cached = ([weakref.ref(w) for w in weights], key, torch.stack(weights))
             self._stacked_cache[name] = cached
         return cached[2]
+
+    def _expert_weights(self, name: str) -> list[torch.Tensor]:
+        """Every expert's ``name``.weight, read from the modules' registries (``Module.__getattr__``, ~4 us a
+        lookup, made the kept stack's validity check cost more than a decode step's expert FFN); a weight that is
+        not a plain registered parameter there (a parametrization) is read through ``getattr``."""
+        out = []
+        for expert in self.experts:
+            linear = expert._modules.get(name)
+            weight = linear._parameters.get("weight") if linear is not None else None
+            out.append(weight if weight is not None else getattr(expert, name).weight)
+        return out
 
     def drop_stacked_weights(self) -> None:
         """Forget the kept stacked expert weights (see :meth:`_stacked`); the next forward stacks them again."""

@@ -122,3 +122,36 @@ def test_copies_share_the_binding_and_pickling_rebinds_by_name(make_model, make_
     restored = pickle.loads(pickle.dumps(model.kernels))
     assert isinstance(restored, registry.Binding) and restored.backend == "cpu"
     assert restored.resolutions.keys() == model.kernels.resolutions.keys()
+
+
+def _hybrid_config(make_config):
+    """A GLM-5.3 (glm5_next) config: KDA and indexed layers, mHC streams, the k-pool indexer."""
+    return make_config(model_type="glm5_next", num_hidden_layers=2, qk_rope_head_dim=0, hc_mult=2,
+                       layer_types=["linear_attention", "indexed_attention"],
+                       first_k_dense_replace=1, indexer_types=["full", "full"], index_kpool=4, index_topk=8,
+                       linear_num_heads=2, linear_head_dim=8, num_nextn_predict_layers=0)
+
+
+def test_a_bound_glm53_forward_resolves_nothing(monkeypatch, make_model, make_config):
+    """GLM-5.3's KDA layers hold the model's binding too (they resolved every KDA op call by auto-detection
+    before, ~20 us a call), in decode and in training."""
+    model = make_model(_hybrid_config(make_config), torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(6))
+
+    def no_lookup(*args, **kwargs):
+        raise AssertionError("a bound call looked its resolution up")
+
+    cache = model.new_cache(2, 12)
+    monkeypatch.setattr(registry, "resolve_backend_name", no_lookup)
+    monkeypatch.setattr(registry, "_lookup", no_lookup)
+    with torch.no_grad():
+        model(ids, attention="sparse", cache=cache, start_pos=0)
+        model(ids[:, :1], attention="sparse", cache=cache, start_pos=10)
+    model(ids, attention="sparse").logits.sum().backward()
+    assert model.model.layers[0].self_attn.kernels is model.kernels
+
+
+def test_glm53_bind_backend_rebinds_the_kda_layers(make_model, make_config):
+    model = make_model(_hybrid_config(make_config))
+    model.bind_backend("cpu")
+    assert model.model.layers[0].self_attn.kernels is model.kernels

@@ -81,3 +81,31 @@ def test_bad_arguments_name_themselves():
     hc = HyperConnection(hidden_size=8, hc_mult=2, hc_sinkhorn_iters=2, hc_eps=1e-6, rms_norm_eps=1e-6)
     with pytest.raises(ValueError, match="streams"):
         hc(torch.randn(2, 3, 8))
+
+
+@pytest.mark.parametrize("hc_mult,hidden,iters", [(4, 16, 20), (3, 10, 1), (5, 7, 4)])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_no_grad_weights_are_bitwise_the_autograd_path(hc_mult, hidden, iters, rows):
+    """Inference takes a shorter path (one affine, in-place Sinkhorn): the same bits as the path with gradients,
+    at one row (a decode step) and many, under no_grad and inference_mode."""
+    ours, _ = _pair(hc_mult, hidden, iters)
+    x = torch.randn(rows, hc_mult, hidden, generator=torch.Generator().manual_seed(5)) * 3
+    want = ours(x)  # parameters require grad: the autograd path
+    assert all(t.requires_grad for t in want[:2])
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            got = ours(x)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a, b.detach())
+
+
+def test_in_place_sinkhorn_is_bitwise_the_reference():
+    from glm5_core.model.hyper_connection import sinkhorn_in_place
+    from glm5_core.ops import mhc
+
+    logits = torch.randn(33, 4, 4, generator=torch.Generator().manual_seed(6)) * 4
+    for iters, eps in ((20, 1e-6), (1, 0.0), (3, 1e-3)):
+        want = mhc.sinkhorn_reference(logits, iters=iters, eps=eps)
+        assert torch.equal(sinkhorn_in_place(logits.clone(), iters=iters, eps=eps), want)
+    wide = logits.double()
+    assert torch.equal(sinkhorn_in_place(wide, iters=5, eps=1e-6), mhc.sinkhorn_reference(wide, iters=5, eps=1e-6))

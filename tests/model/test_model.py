@@ -329,3 +329,22 @@ def test_reused_stacked_expert_weights_follow_every_weight_change(make_model, ma
     assert not any(m.reuse_stacked_weights or m._stacked_cache for m in model.moe_layers())
     with pytest.raises(TypeError, match="enabled"):
         model.reuse_stacked_expert_weights("yes")
+
+
+def test_stacked_expert_weights_read_a_parametrized_expert_through_its_parametrization(make_model, make_config):
+    """The stack reads expert weights from the modules' parameter registries (fast); a weight that is not a plain
+    parameter there (torch's parametrize) is read as the module computes it."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    cfg = make_config()
+    model = make_model(cfg).reuse_stacked_expert_weights(True)
+    layer = model.moe_layers()[0]
+    plain = layer._stacked("up_proj").clone()
+    parametrize.register_parametrization(layer.experts[2].up_proj, "weight", Doubled())
+    with torch.no_grad():
+        stacked = layer._stacked("up_proj")
+    assert torch.equal(stacked[2], 2 * plain[2]) and torch.equal(stacked[1], plain[1])

@@ -496,7 +496,9 @@ class RolloutEngine:
             last[slot - lo, 0] = self._slots[slot].tokens[-1]
             pos[slot - lo] = self._slots[slot].kv_len
         start = int(pos[0]) if hi - lo == 1 else pos.to(self.device)
-        out = self._forward(last.to(self.device), kv_slots.row_window(self._cache, lo, hi), start)
+        # a window over every slot is the cache itself (no per-step views of each layer's tensors)
+        window = self._cache if hi - lo == self.max_batch else kv_slots.row_window(self._cache, lo, hi)
+        out = self._forward(last.to(self.device), window, start)
         rows = [slot - lo for slot in group]  # [G] rows of the window
         logits = out.logits[:, 0] if len(rows) == hi - lo else out.logits[torch.tensor(rows, device=self.device), 0]
         topk = [[t[r, 0].tolist() for t in out.topk_idx] for r in rows] if self.record_topk else [None] * len(rows)

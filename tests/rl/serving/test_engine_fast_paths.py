@@ -2,6 +2,7 @@
 outlive a weight push, decoding over slot windows / concurrent slot groups gives the tokens of one full-batch
 forward, and the cache windows are views of the engine's cache."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -141,3 +142,22 @@ def test_row_window_is_a_view_of_the_cache_rows(tiny_policy):
         view.fill_(7.0)
         assert bool((store[1:3] == 7.0).all()) and not bool((store[0] == 7.0).any())
         assert not bool((store[3:] == 7.0).any())
+
+
+def test_a_decode_over_every_slot_uses_the_cache_itself(tiny_policy, monkeypatch):
+    """Every slot active (batch = max_batch): the decode step forwards over the engine's cache, not a window of
+    views built per step; the tokens and log-probs are those of the windowed path (a fifth, idle slot)."""
+    model = copy.deepcopy(tiny_policy)
+    requests = [dataclasses.replace(r, max_new_tokens=3) for r in _requests(4)]
+    windows = []
+    real = kv_slots.row_window
+    monkeypatch.setattr(kv_slots, "row_window", lambda cache, lo, hi: windows.append((lo, hi)) or real(cache, lo, hi))
+
+    def run(max_batch):
+        engine = RolloutEngine(model, max_batch=max_batch, max_len=96, seed=1)
+        return [(r.output_ids, r.logprobs) for r in engine.generate(requests)]
+
+    want = run(5)
+    assert (0, 4) in windows  # slots 0..3 of 5: a window
+    windows.clear()
+    assert run(4) == want and (0, 4) not in windows
