@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5_core import registry
-from glm5_core.backends.cpu import mhc as cpu_mhc
 from glm5_core.ops import _checks, mhc
 
 
@@ -39,25 +38,6 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) over the last dim (transformers' ``Glm5NextTextUnweightedRMSNorm``)."""
     ct = _checks.compute_dtype(x.dtype)
     return x * torch.rsqrt(x.to(ct).square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def sinkhorn_in_place(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
-    """``mhc.sinkhorn_reference`` (and the cpu kernel's forward) bit for bit, for logits [R, N, N] already in the
-    compute dtype, without gradients: each step's sum goes into one of two preallocated buffers, eps (a 0-dim
-    tensor of the compute dtype: the value the Python scalar becomes) is added and the matrix divided in place."""
-    comb = torch.softmax(logits, dim=-1)
-    comb.add_(eps)
-    R, n = comb.shape[0], comb.shape[-1]
-    eps_t = torch.tensor(eps, dtype=comb.dtype, device=comb.device)
-    cols, rows = comb.new_empty(R, 1, n), comb.new_empty(R, n, 1)
-    torch.sum(comb, -2, keepdim=True, out=cols)
-    comb.div_(cols.add_(eps_t))
-    for _ in range(iters - 1):
-        torch.sum(comb, -1, keepdim=True, out=rows)
-        comb.div_(rows.add_(eps_t))
-        torch.sum(comb, -2, keepdim=True, out=cols)
-        comb.div_(cols.add_(eps_t))
-    return comb
 
 
 class HyperConnection(nn.Module):
@@ -118,7 +98,7 @@ class HyperConnection(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`weights` without gradients, the same bits in fewer ops: every column's ``flat * scale + base``
         at once (the elementwise products and sums the three separate affines compute), in-place epilogues, and
-        the in-place Sinkhorn where the bound kernel computes exactly that arithmetic."""
+        the bound Sinkhorn kernel called without the entry point's checks."""
         n, d = self.hc_mult, self.hidden_size
         x = streams.reshape(-1, n * d).to(ct)  # [R, N D]
         r = x.square().mean(-1, keepdim=True)  # [R, 1]
@@ -133,13 +113,10 @@ class HyperConnection(nn.Module):
         pre = flat[:, :n].contiguous().sigmoid_().add_(self.hc_eps)
         post = flat[:, n:2 * n].contiguous().sigmoid_().mul_(2)
         logits = flat[:, 2 * n:].reshape(-1, n, n)
-        res = (self.kernels.resolution("mhc_sinkhorn") if isinstance(self.kernels, registry.Binding)
-               else registry.resolve("mhc_sinkhorn", self.kernels))
-        if logits.device.type == "cpu" and (res.is_reference or (res.kernel is not None
-                                                                 and res.kernel.fn is cpu_mhc.sinkhorn)):
-            comb = sinkhorn_in_place(logits, iters=self.hc_sinkhorn_iters, eps=self.hc_eps)
-        else:
-            comb = mhc.sinkhorn(logits, iters=self.hc_sinkhorn_iters, eps=self.hc_eps, backend=self.kernels)
+        # straight to the bound kernel, as in mix (the module builds the shapes the entry point would check); the
+        # cpu kernel normalises in place without gradients
+        comb = registry.call("mhc_sinkhorn", logits, iters=self.hc_sinkhorn_iters, eps=self.hc_eps,
+                             backend=self.kernels)
         return pre.view(*lead, n), post.view(*lead, n), comb.view(*lead, n, n)
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -50,10 +50,29 @@ class _Sinkhorn(torch.autograd.Function):
         return d_logits.to(logits.dtype), None, None
 
 
+def sinkhorn_in_place(logits: torch.Tensor, *, iters: int, eps: float) -> torch.Tensor:
+    """``mhc.sinkhorn_reference`` (and ``_iterates``) bit for bit, for logits [R, N, N] already in the
+    compute dtype, without gradients: each step's sum goes into one of two preallocated buffers, eps (a 0-dim
+    tensor of the compute dtype: the value the Python scalar becomes) is added and the matrix divided in place."""
+    comb = torch.softmax(logits, dim=-1)
+    comb.add_(eps)
+    R, n = comb.shape[0], comb.shape[-1]
+    eps_t = torch.tensor(eps, dtype=comb.dtype, device=comb.device)
+    cols, rows = comb.new_empty(R, 1, n), comb.new_empty(R, n, 1)
+    torch.sum(comb, -2, keepdim=True, out=cols)
+    comb.div_(cols.add_(eps_t))
+    for _ in range(iters - 1):
+        torch.sum(comb, -1, keepdim=True, out=rows)
+        comb.div_(rows.add_(eps_t))
+        torch.sum(comb, -2, keepdim=True, out=cols)
+        comb.div_(cols.add_(eps_t))
+    return comb
+
+
 def sinkhorn(logits, *, iters: int, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Sinkhorn.apply(logits, iters, eps)
-    return _iterates(logits, iters, eps)[2]
+    return sinkhorn_in_place(logits.to(_checks.compute_dtype(logits.dtype)), iters=iters, eps=eps)
 
 
 def _mix_forward(residual, block_out, post, comb):
