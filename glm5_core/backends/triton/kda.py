@@ -56,17 +56,12 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, o_ptr, sT_pt
     for t in range(T):
         row = (b * T + t) * H + h  # token t of (b, h) in [B, T, H, .]
         q = tl.load(q_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + row).to(tl.float32)
+        k, a, v, beta = kda_bwd._token(k_ptr, g_ptr, v_ptr, beta_ptr, row, K, V, offs_k, offs_v, mk, mv, eps,
+                                       L2NORM)
         if L2NORM:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
-            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         q = q * scale
-        S = S * tl.exp(g)[:, None]
-        u = beta * (v - tl.sum(S * k[:, None], axis=0))  # [BV]
-        S = S + k[:, None] * u[None, :]
+        _, _, _, S = kda_bwd._step(S, k, v, a, beta)  # decay, delta rule: the backward's own step
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(o_ptr + row * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
     if STORE_S:

@@ -65,8 +65,21 @@ SCRATCH_BUDGET_BYTES = 2 << 30
 
 
 @triton.jit
+def _token(k_ptr, g_ptr, v_ptr, beta_ptr, row, K, V, offs_k, offs_v, mk, mv, eps, L2NORM: tl.constexpr):
+    """Token ``row``'s (k, L2-normalised when asked; its decay exp(g); v; beta), in fp32: what :func:`_step` takes
+    (the forward kernel in ``kda.py`` reads its tokens through it too)."""
+    k = tl.load(k_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + row).to(tl.float32)
+    if L2NORM:
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+    return k, tl.exp(g), v, beta
+
+
+@triton.jit
 def _step(S, k, v, a, beta):
-    """One token forward from S_prev: (S', p, u, S)."""
+    """One token forward from S_prev: (S', p, u, S) (the forward kernel in ``kda.py`` steps through it too)."""
     Sp = S * a[:, None]
     p = tl.sum(Sp * k[:, None], axis=0)
     u = beta * (v - p)
@@ -104,13 +117,8 @@ def _recurrent_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, do_ptr, 
         t1 = tl.minimum(n * CK + CK, T)
         for t in range(n * CK, t1):
             row = (b * T + t) * H + h
-            k = tl.load(k_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + row).to(tl.float32)
-            if L2NORM:
-                k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-            Sp, p, u, S = _step(S, k, v, tl.exp(g), beta)
+            k, a, v, beta = _token(k_ptr, g_ptr, v_ptr, beta_ptr, row, K, V, offs_k, offs_v, mk, mv, eps, L2NORM)
+            Sp, p, u, S = _step(S, k, v, a, beta)
     tl.debug_barrier()
     # 2. the segments backwards
     if HAS_DST:
@@ -125,28 +133,18 @@ def _recurrent_bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, do_ptr, 
         for t in range(t0, t1):  # rerun the segment, keeping the state entering each token
             tl.store(seg_base + (t - t0) * BK * BV + tile, S)
             row = (b * T + t) * H + h
-            k = tl.load(k_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + row).to(tl.float32)
-            if L2NORM:
-                k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-            Sp, p, u, S = _step(S, k, v, tl.exp(g), beta)
+            k, a, v, beta = _token(k_ptr, g_ptr, v_ptr, beta_ptr, row, K, V, offs_k, offs_v, mk, mv, eps, L2NORM)
+            Sp, p, u, S = _step(S, k, v, a, beta)
         tl.debug_barrier()
         for tt in range(0, t1 - t0):
             t = t1 - 1 - tt
             row = (b * T + t) * H + h
             q = tl.load(q_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + row * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + row).to(tl.float32)
+            k, a, v, beta = _token(k_ptr, g_ptr, v_ptr, beta_ptr, row, K, V, offs_k, offs_v, mk, mv, eps, L2NORM)
             do = tl.load(do_ptr + row * V + offs_v, mask=mv, other=0.0).to(tl.float32)
             if L2NORM:
                 q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
-                k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
             q = q * scale
-            a = tl.exp(g)
             S_prev = tl.load(seg_base + (t - t0) * BK * BV + tile)
             Sp, p, u, S = _step(S_prev, k, v, a, beta)
             dS = dS + q[:, None] * do[None, :]

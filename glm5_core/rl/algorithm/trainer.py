@@ -221,7 +221,9 @@ class PolicyTrainer:
 
     def _summed_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         keys = sorted(stats)
-        total = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        # on the policy's device: NCCL / HCCL reduce only tensors on their device (a CPU tensor has no backend
+        # in their process group)
+        total = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(total)
         return dict(zip(keys, total.tolist()))
 

@@ -14,3 +14,29 @@ from tests.rl.algorithm.parallel_trainer_run import worker
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_policy_trainer_at_ep2_on_two_ranks_matches_one_process(tmp_path, spawnable_test_modules):
     _spawn_target(worker, 2, tmp_path, timeout=300.0)
+
+
+def test_the_statistics_are_summed_on_the_policys_device(monkeypatch):
+    """NCCL / HCCL reduce only tensors on their device (a CPU tensor has no backend in their process group): the
+    step's statistics go over the ranks on the policy's device, as every other collective of the step does. The
+    device here is ``meta`` (this host has no accelerator): the stand-in all_reduce records where its tensor lives."""
+    import types
+
+    import torch
+
+    from glm5_core.rl.algorithm.trainer import PolicyTrainer
+
+    seen = []
+
+    class Reduced(Exception):
+        pass
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise Reduced
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    trainer = types.SimpleNamespace(device=torch.device("meta"))
+    with pytest.raises(Reduced):
+        PolicyTrainer._summed_over_ranks(trainer, {"loss": 1.0, "ratio": 2.0})
+    assert seen == [torch.device("meta")]
