@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from glm5_core import device_kinds
 from glm5_core.rl.algorithm.advantages import AdvantageFn, distillation_advantage, group_normalized, resolve_advantage
 from glm5_core.rl.algorithm.loss import LossFn, double_sided_is_loss, resolve_loss
 from glm5_core.rl.algorithm.replay_batch import pad_traces
@@ -222,8 +223,10 @@ class PolicyTrainer:
     def _summed_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         keys = sorted(stats)
         # on the policy's device: NCCL / HCCL reduce only tensors on their device (a CPU tensor has no backend
-        # in their process group)
-        total = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
+        # in their process group); in fp64 where that device computes it (several vendors' do not)
+        facts = device_kinds.facts_for(self.device.type)
+        dtype = torch.float64 if facts is None or facts.supports(torch.float64) else torch.float32
+        total = torch.tensor([stats[k] for k in keys], dtype=dtype, device=self.device)
         torch.distributed.all_reduce(total)
         return dict(zip(keys, total.tolist()))
 

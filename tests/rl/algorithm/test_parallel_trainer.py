@@ -40,3 +40,23 @@ def test_the_statistics_are_summed_on_the_policys_device(monkeypatch):
     with pytest.raises(Reduced):
         PolicyTrainer._summed_over_ranks(trainer, {"loss": 1.0, "ratio": 2.0})
     assert seen == [torch.device("meta")]
+
+
+@pytest.mark.parametrize("has_fp64", [True, False])
+def test_the_statistics_are_reduced_in_fp64_only_where_the_device_computes_it(monkeypatch, has_fp64):
+    """Several vendors' devices compute no fp64 (their DeviceFacts say so): the statistics go over in fp32 there."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from glm5_core import device_kinds
+    from glm5_core.rl.algorithm.trainer import PolicyTrainer
+
+    cpu = device_kinds.facts_for("cpu")
+    dtypes = cpu.dtypes if has_fp64 else cpu.dtypes - {torch.float64}
+    monkeypatch.setattr(device_kinds, "facts_for", lambda t: dataclasses.replace(cpu, dtypes=frozenset(dtypes)))
+    seen = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *a, **k: seen.append(tensor.dtype))
+    out = PolicyTrainer._summed_over_ranks(types.SimpleNamespace(device=torch.device("cpu")), {"a": 1.5, "b": 2.0})
+    assert seen == [torch.float64 if has_fp64 else torch.float32] and out == {"a": 1.5, "b": 2.0}
