@@ -33,8 +33,6 @@ from glm5_core.kernel import Kernel
 from glm5_core.ops import kda as ops
 from glm5_core.ops.kda import _initial, _pad_chunks, _prepare
 
-PAIRWISE_MAX = 4  # levels with blocks of at most this many rows take products and sums instead of a GEMM
-
 
 def _in_chunk_matrices(q, k, G):
     """(kk strictly lower, qk lower with the diagonal) [B, H, N, C, C] from q, k, Gamma [B, H, N, C, K].
@@ -43,7 +41,7 @@ def _in_chunk_matrices(q, k, G):
     last value) splits into square blocks by halving: at level s (P / 2, P / 4, .., 1) the P / (2 s) blocks of rows
     [(2m + 1) s, (2m + 2) s) and columns [2m s, (2m + 1) s), each one product through its first row r:
     sum_d (k_id exp(Gamma_id - Gamma_rd)) (k_jd exp(Gamma_rd - Gamma_jd)), both factors <= 1 for g <= 0
-    (i >= r > j). All blocks of a level are one batched GEMM (products and sums for s <= PAIRWISE_MAX); the
+    (i >= r > j). All blocks of a level are one batched GEMM (at s <= 4 as fast as products and sums); the
     diagonal of qk is q_i . k_i (its decay is exp(0) = 1)."""
     C, K = k.shape[-2], k.shape[-1]
     P = 1 << (C - 1).bit_length()
@@ -65,11 +63,8 @@ def _in_chunk_matrices(q, k, G):
             kl, ql = kv[..., 1, :, :] * left, qv[..., 1, :, :] * left
         else:  # one row: its own first row, exp(0) = 1
             kl, ql = kv[..., 1, :, :], qv[..., 1, :, :]
-        if s <= PAIRWISE_MAX:
-            blocks = [(x.unsqueeze(-2) * right.unsqueeze(-3)).sum(-1) for x in (kl, ql)]
-        else:
-            rT = right.transpose(-1, -2)
-            blocks = [kl @ rT, ql @ rT]
+        rT = right.transpose(-1, -2)
+        blocks = [kl @ rT, ql @ rT]  # [.., M, s, s]
         for mat, blk in zip((kk, qk), blocks):  # the M blocks of [P, P] seen as [M, 2, s, M, 2, s]: (m, 1, m, 0)
             mat.view(*lead, M, 2, s, M, 2, s).diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].copy_(
                 blk.movedim(-3, -1))
