@@ -105,10 +105,11 @@ def test_prefill_then_decode_equals_longer_prefill(T, n):
 
 
 def test_chunk_size_and_padding_do_not_change_the_function():
-    """T = 37 with chunks of 4, 16, 64 (one partial chunk) and 37: the same outputs and states in fp64."""
+    """T = 37 with chunks of 1, 3, 4, 16, 64 (one partial chunk) and 37: the same outputs and states in fp64 (the cpu
+    kernel pads a chunk to a power of two and halves it: 1 has no level, 3 and 37 are padded)."""
     x = testing.make_kda_inputs(SHAPES[0], dtype=torch.float64, seed=8)
     base = kda.recurrent_reference(**x, output_final_state=True)
-    for C in (4, 16, 64, 37):
+    for C in (1, 3, 4, 16, 64, 37):
         for fn in (kda.chunked_reference, lambda **t: kda.chunked(**t, backend="cpu")):
             o, s = fn(**x, output_final_state=True, chunk_size=C)
             assert float((o - base[0]).abs().max()) <= 1e-10 and float((s - base[1]).abs().max()) <= 1e-10
