@@ -105,10 +105,11 @@ def test_prefill_then_decode_equals_longer_prefill(T, n):
 
 
 def test_chunk_size_and_padding_do_not_change_the_function():
-    """T = 37 with chunks of 4, 16, 64 (one partial chunk) and 37: the same outputs and states in fp64."""
+    """T = 37 with chunks of 1, 3, 4, 16, 64 (one partial chunk) and 37: the same outputs and states in fp64 (the cpu
+    kernel pads a chunk to a power of two and halves it: 1 has no level, 3 and 37 are padded)."""
     x = testing.make_kda_inputs(SHAPES[0], dtype=torch.float64, seed=8)
     base = kda.recurrent_reference(**x, output_final_state=True)
-    for C in (4, 16, 64, 37):
+    for C in (1, 3, 4, 16, 64, 37):
         for fn in (kda.chunked_reference, lambda **t: kda.chunked(**t, backend="cpu")):
             o, s = fn(**x, output_final_state=True, chunk_size=C)
             assert float((o - base[0]).abs().max()) <= 1e-10 and float((s - base[1]).abs().max()) <= 1e-10
@@ -155,6 +156,33 @@ def test_conv_gradcheck():
     assert torch.autograd.gradcheck(
         lambda x, w, st: kda.causal_conv(x, w, conv_state=st, output_final_state=True),
         (c["x"], c["weight"], c["conv_state"]))
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "near_zero", "mixed_steep"])
+@pytest.mark.parametrize("C", [64, 37])
+def test_cpu_kernel_at_the_gate_extremes(gate, C):
+    """The cpu kernel's factored in-chunk decays (products through a block's first row, both factors <= 1) stay
+    finite and within the fp32 tolerance of the fp64 recurrence where the in-chunk decay spans hundreds (g at the
+    lower bound -5 over a 64-token chunk), where it barely decays, and with steep unbounded gates (-60, the softplus
+    gate has no lower bound) mixed with near-zero ones; a power-of-two chunk and a padded one."""
+    s = testing.KDAShape(1, 150, 2, 32, 16, C=C)
+    x = testing.make_kda_inputs(s, seed=20)
+    if gate == "lower_bound":
+        x["g"] = torch.full_like(x["g"], testing.KDA_LOWER_BOUND)
+    elif gate == "near_zero":
+        x["g"] = x["g"] * 1e-3
+    else:
+        steep = testing.randn(x["g"].shape, seed=21) > 1.0
+        x["g"] = torch.where(steep, torch.full_like(x["g"], -60.0), x["g"] * 1e-2)
+    exact = kda.recurrent_reference(**_fp64(x), output_final_state=True, use_qk_l2norm=True)
+    got = kda.chunked(**x, output_final_state=True, chunk_size=C, use_qk_l2norm=True, backend="cpu")
+    rec = kda.recurrent_reference(**x, output_final_state=True, use_qk_l2norm=True)
+    for i in range(2):
+        assert bool(torch.isfinite(got[i]).all())
+        if gate == "mixed_steep":  # the chunked form's own error here (the previous kernel's too): 2.5e-5
+            assert float((got[i].double() - exact[i]).abs().max()) <= 1e-4
+        else:
+            assert testing.compare_to_fp64(got[i], rec[i], exact[i], torch.float32).passed
 
 
 def test_cpu_kernel_gradients_equal_the_reference():
