@@ -69,9 +69,9 @@ class KDAForgetGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = _checks.compute_dtype(x.dtype)
         B, T = x.shape[:2]
-        gate = self.f_b_proj(self.f_a_proj(x)).to(ct) + self.dt_bias.to(ct)
+        gate = _checks.cast(self.f_b_proj(self.f_a_proj(x)), ct) + _checks.cast(self.dt_bias, ct)
         gate = gate.view(B, T, self.num_heads, self.head_dim)
-        rate = self.A_log.to(ct).exp().view(1, 1, self.num_heads, 1)
+        rate = _checks.cast(self.A_log, ct).exp().view(1, 1, self.num_heads, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * gate)
         return -rate * torch.where(gate > 20.0, gate, torch.log1p(torch.exp(gate)))
@@ -88,9 +88,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         ct = _checks.compute_dtype(x.dtype)
-        xc = x.to(ct)
-        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(ct)
-        return (y * torch.sigmoid(gate.to(ct))).to(x.dtype)
+        xc = _checks.cast(x, ct)
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * _checks.cast(self.weight, ct)
+        return _checks.cast(y * torch.sigmoid(_checks.cast(gate, ct)), x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from glm5_core import registry
 from glm5_core.model.config import GLM5Config
 from glm5_core.model.mlp import MLP
-from glm5_core.ops import ep, moe
+from glm5_core.ops import _checks, ep, moe
 
 
 class Gate(nn.Module):
@@ -53,7 +53,7 @@ class Gate(nn.Module):
         equal to the router's own choice keeps ``route``'s weights (the same values, bit for bit what a forward
         without replay computes); rows of -1 are routed as usual. Checked by the model (``replay.check_routing``)."""
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        logits = F.linear(x.to(compute), self.weight.to(compute))  # [N, E]
+        logits = F.linear(_checks.cast(x, compute), _checks.cast(self.weight, compute))  # [N, E]
         if torch.onnx.is_in_onnx_export():
             return self.route_for_export(logits)
         weights, ids = moe.route(logits, self.e_score_correction_bias, top_k=self.top_k, score_func="sigmoid",

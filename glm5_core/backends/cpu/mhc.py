@@ -89,7 +89,7 @@ def _native_built() -> bool:
 def sinkhorn(logits, *, iters: int, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Sinkhorn.apply(logits, iters, eps)
-    x = logits.to(_checks.compute_dtype(logits.dtype))
+    x = _checks.cast(logits, _checks.compute_dtype(logits.dtype))
     if logits.shape[-1] <= NATIVE_MAX_N and _native_built():
         return torch.ops.glm5_cpu.mhc_sinkhorn_normalize(torch.softmax(x, dim=-1), iters, eps)
     return sinkhorn_in_place(x, iters=iters, eps=eps)
@@ -97,8 +97,9 @@ def sinkhorn(logits, *, iters: int, eps: float) -> torch.Tensor:
 
 def _mix_forward(residual, block_out, post, comb):
     ct = _checks.compute_dtype(residual.dtype)
-    outer = post.to(ct).unsqueeze(-1) * block_out.to(ct).unsqueeze(-2)  # [R, N, D]
-    return torch.baddbmm(outer, comb.to(ct).transpose(-1, -2), residual.to(ct)).to(residual.dtype)
+    cast = _checks.cast
+    outer = cast(post, ct).unsqueeze(-1) * cast(block_out, ct).unsqueeze(-2)  # [R, N, D]
+    return cast(torch.baddbmm(outer, cast(comb, ct).transpose(-1, -2), cast(residual, ct)), residual.dtype)
 
 
 class _Mix(torch.autograd.Function):
