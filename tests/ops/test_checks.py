@@ -318,3 +318,18 @@ def test_cast_is_to_without_the_no_op_dispatch():
     assert x.grad is not None and torch.equal(x.grad, torch.ones(3, 4))
     b = torch.randn(5).bfloat16()
     assert torch.equal(_checks.cast(b, torch.float32), b.to(torch.float32))
+
+
+def test_tensor_messages_name_the_expected_shape():
+    """The expected shape (the legend, else built from the dims) is in every shape error, though it is built only
+    when a check fails."""
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor \[B, \*, 4\], got int"):
+        _checks.tensor("q", 3, dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"q: expected rank 3 \[B, \*, 4\], got shape \(2,\)"):
+        _checks.tensor("q", torch.zeros(2), dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"q: expected \[B, \*, 4\] with size 4 at dim 2, got shape \(2, 3, 5\)"):
+        _checks.tensor("q", torch.zeros(2, 3, 5), dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"k: expected \[rows, T\] with T=5 \(from an earlier argument\)"):
+        _checks.tensor("k", torch.zeros(2, 3), dims=("B", "T"), sizes={"T": 5}, legend="[rows, T]")
+    with pytest.raises(ValueError, match="meta device"):
+        _checks.tensor("q", torch.empty(2, device="meta"), dims=(None,))
