@@ -173,9 +173,9 @@ class KimiDeltaAttention(nn.Module):
                 "recurrent_state": (B, self.num_heads, self.head_dim, self.head_dim)}
         for name, shape in want.items():
             t = getattr(state, name)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != ct:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state.{name}: expected {list(shape)} {ct}, got {got}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != ct or t.device != x.device:
+                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state.{name}: expected {list(shape)} {ct} on {x.device}, got {got}")
 
     def forward(self, hidden: torch.Tensor, state: Optional[KDAState] = None, *, use_cache: bool = False,
                 attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[KDAState]]:
@@ -201,9 +201,12 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)  # [B, T, E]
         weight = self.conv1d.weight.squeeze(1)  # [E, W]
         decode = state is not None and T == 1
+        # a decode step's tensors are all built here and _check_state checked the state: its two KDA ops go
+        # straight to the bound kernels with the arguments their entry points would pass, without the entry
+        # points' checks (~15 tensor checks a step, as the mHC mix and the MoE experts do)
         if decode:
-            mixed, conv_state = kda.causal_conv_update(mixed[:, 0], state.conv_state, weight, activation="silu",
-                                                       backend=self.kernels)
+            mixed, conv_state = registry.call("kda_causal_conv_update", mixed[:, 0], state.conv_state, weight, None,
+                                              activation="silu", backend=self.kernels)
             mixed = mixed.unsqueeze(1)
         else:
             mixed, conv_state = kda.causal_conv(mixed, weight, conv_state=None if state is None else state.conv_state,
@@ -214,8 +217,8 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden))  # [B, T, H]
         initial = None if state is None else state.recurrent_state
         if decode:
-            o, recurrent_state = kda.recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True,
-                                               use_qk_l2norm=True, backend=self.kernels)
+            o, recurrent_state = registry.call("kda_recurrent", q, k, v, g, beta, scale=None, initial_state=initial,
+                                               output_final_state=True, use_qk_l2norm=True, backend=self.kernels)
         else:
             o, recurrent_state = kda.chunked(q, k, v, g, beta, initial_state=initial, output_final_state=keep_state,
                                              chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kernels)
