@@ -147,14 +147,17 @@ def test_decode_step_calls_the_bound_kernels_as_the_entry_points_would(monkeypat
         got, got_state = ours(x, KDAState(state.conv_state.clone(), state.recurrent_state.clone()))
 
     class _ThroughEntryPoints:
-        """registry.call, with the layer's two decode ops sent through their checked entry points."""
+        """registry.call, with the layer's two decode ops replaced by the entry-point calls the layer made before
+        (their arguments written out here: the layer's own keyword arguments are not used)."""
 
         @staticmethod
         def call(op, *args, backend=None, **kwargs):
             if op == "kda_causal_conv_update":
-                return kda.causal_conv_update(*args, backend=backend, **kwargs)
+                x, conv_state, weight = args[:3]
+                return kda.causal_conv_update(x, conv_state, weight, activation="silu", backend=backend)
             if op == "kda_recurrent":
-                return kda.recurrent(*args, backend=backend, **kwargs)
+                return kda.recurrent(*args[:5], initial_state=kwargs["initial_state"], output_final_state=True,
+                                     use_qk_l2norm=True, backend=backend)
             return registry.call(op, *args, backend=backend, **kwargs)
 
     monkeypatch.setattr(linear_attention, "registry", _ThroughEntryPoints)
