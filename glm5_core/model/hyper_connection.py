@@ -18,11 +18,10 @@ The computation runs in fp32 (fp64 for fp64 streams, where transformers stays in
 normalisation and the mix are ``glm5_core.ops.mhc`` calls, bound when the module is built.
 
 Without gradients (inference: prefill, decode) the weights take a shorter path that computes the same bits
-(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and, where
-``mhc_sinkhorn`` resolves to the torch-op cpu kernel or the reference (the same arithmetic), the 2 iters - 1
-normalisation steps in place on one buffer (no allocation and no Python-scalar wrapping per step: a decode step
-runs 2 sites x layers of them on [B, N, N] matrices, where per-op overhead is all the cost). A native kernel
-bound for ``mhc_sinkhorn`` (a Triton one, or a C++ one) is called as it is.
+(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and the bound
+``mhc_sinkhorn`` kernel called without the entry point's checks (the cpu kernel then normalises in one native call,
+or in place with torch ops without the extension: ``glm5_core/backends/cpu/mhc.py``; a decode step runs 2 sites x
+layers of them on [B, N, N] matrices, where per-op overhead is all the cost).
 """
 from __future__ import annotations
 
