@@ -18,11 +18,10 @@ The computation runs in fp32 (fp64 for fp64 streams, where transformers stays in
 normalisation and the mix are ``glm5_core.ops.mhc`` calls, bound when the module is built.
 
 Without gradients (inference: prefill, decode) the weights take a shorter path that computes the same bits
-(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and, where
-``mhc_sinkhorn`` resolves to the torch-op cpu kernel or the reference (the same arithmetic), the 2 iters - 1
-normalisation steps in place on one buffer (no allocation and no Python-scalar wrapping per step: a decode step
-runs 2 sites x layers of them on [B, N, N] matrices, where per-op overhead is all the cost). A native kernel
-bound for ``mhc_sinkhorn`` (a Triton one, or a C++ one) is called as it is.
+(:meth:`HyperConnection._weights_no_grad`): the three gate affines as one, in-place epilogues, and the bound
+``mhc_sinkhorn`` kernel called without the entry point's checks (the cpu kernel then normalises in one native call,
+or in place with torch ops without the extension: ``glm5_core/backends/cpu/mhc.py``; a decode step runs 2 sites x
+layers of them on [B, N, N] matrices, where per-op overhead is all the cost).
 """
 from __future__ import annotations
 
@@ -100,14 +99,14 @@ class HyperConnection(nn.Module):
         at once (the elementwise products and sums the three separate affines compute), in-place epilogues, and
         the bound Sinkhorn kernel called without the entry point's checks."""
         n, d = self.hc_mult, self.hidden_size
-        x = streams.reshape(-1, n * d).to(ct)  # [R, N D]
+        x = _checks.cast(streams.reshape(-1, n * d), ct)  # [R, N D]
         r = x.square().mean(-1, keepdim=True)  # [R, 1]
-        flat = F.linear(x * r.add_(self.rms_norm_eps).rsqrt_(), self.fn.to(ct))  # [R, (2 + N) N]
+        flat = F.linear(x * r.add_(self.rms_norm_eps).rsqrt_(), _checks.cast(self.fn, ct))  # [R, (2 + N) N]
         column = self._scale_of_column.get(flat.device)
         if column is None:
             column = torch.tensor([0] * n + [1] * n + [2] * n * n, device=flat.device)
             self._scale_of_column[flat.device] = column
-        flat.mul_(self.scale.to(ct).index_select(0, column)).add_(self.base.to(ct))
+        flat.mul_(_checks.cast(self.scale, ct).index_select(0, column)).add_(_checks.cast(self.base, ct))
         # [R, N] each, sigmoids over contiguous copies as the separate affines' outputs are (torch's vectorised and
         # scalar exp round differently: over a strided slice some values would come out another way)
         pre = flat[:, :n].contiguous().sigmoid_().add_(self.hc_eps)
@@ -122,7 +121,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [L, N, D] -> (post [L, N], comb [L, N, N], block input [L, D] in the streams' dtype)."""
         pre, post, comb = self.weights(streams)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        collapsed = _checks.cast((pre.unsqueeze(-1) * streams).sum(dim=-2), streams.dtype)
         return post, comb, collapsed
 
     def mix(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor,
@@ -133,7 +132,7 @@ class HyperConnection(nn.Module):
         lead = streams.shape[:-2]
         # the op's entry point checks shapes that this module builds itself: straight to the bound kernel (twice a
         # layer per decode step, where the checks cost as much as the kernel)
-        out = registry.call("mhc_mix", streams.reshape(-1, n, d), block_out.reshape(-1, d).to(streams.dtype),
+        out = registry.call("mhc_mix", streams.reshape(-1, n, d), _checks.cast(block_out.reshape(-1, d), streams.dtype),
                             post.reshape(-1, n), comb.reshape(-1, n, n), backend=self.kernels)
         return out.view(*lead, n, d)
 

@@ -69,9 +69,9 @@ class KDAForgetGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ct = _checks.compute_dtype(x.dtype)
         B, T = x.shape[:2]
-        gate = self.f_b_proj(self.f_a_proj(x)).to(ct) + self.dt_bias.to(ct)
+        gate = _checks.cast(self.f_b_proj(self.f_a_proj(x)), ct) + _checks.cast(self.dt_bias, ct)
         gate = gate.view(B, T, self.num_heads, self.head_dim)
-        rate = self.A_log.to(ct).exp().view(1, 1, self.num_heads, 1)
+        rate = _checks.cast(self.A_log, ct).exp().view(1, 1, self.num_heads, 1)
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * gate)
         return -rate * torch.where(gate > 20.0, gate, torch.log1p(torch.exp(gate)))
@@ -88,9 +88,9 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         ct = _checks.compute_dtype(x.dtype)
-        xc = x.to(ct)
-        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(ct)
-        return (y * torch.sigmoid(gate.to(ct))).to(x.dtype)
+        xc = _checks.cast(x, ct)
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * _checks.cast(self.weight, ct)
+        return _checks.cast(y * torch.sigmoid(_checks.cast(gate, ct)), x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -173,9 +173,9 @@ class KimiDeltaAttention(nn.Module):
                 "recurrent_state": (B, self.num_heads, self.head_dim, self.head_dim)}
         for name, shape in want.items():
             t = getattr(state, name)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != ct:
-                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"state.{name}: expected {list(shape)} {ct}, got {got}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != ct or t.device != x.device:
+                got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"state.{name}: expected {list(shape)} {ct} on {x.device}, got {got}")
 
     def forward(self, hidden: torch.Tensor, state: Optional[KDAState] = None, *, use_cache: bool = False,
                 attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[KDAState]]:
@@ -201,9 +201,12 @@ class KimiDeltaAttention(nn.Module):
         mixed = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1)  # [B, T, E]
         weight = self.conv1d.weight.squeeze(1)  # [E, W]
         decode = state is not None and T == 1
+        # a decode step's tensors are all built here and _check_state checked the state: its two KDA ops go
+        # straight to the bound kernels with the arguments their entry points would pass, without the entry
+        # points' checks (~15 tensor checks a step, as the mHC mix and the MoE experts do)
         if decode:
-            mixed, conv_state = kda.causal_conv_update(mixed[:, 0], state.conv_state, weight, activation="silu",
-                                                       backend=self.kernels)
+            mixed, conv_state = registry.call("kda_causal_conv_update", mixed[:, 0], state.conv_state, weight, None,
+                                              activation="silu", backend=self.kernels)
             mixed = mixed.unsqueeze(1)
         else:
             mixed, conv_state = kda.causal_conv(mixed, weight, conv_state=None if state is None else state.conv_state,
@@ -214,8 +217,8 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden))  # [B, T, H]
         initial = None if state is None else state.recurrent_state
         if decode:
-            o, recurrent_state = kda.recurrent(q, k, v, g, beta, initial_state=initial, output_final_state=True,
-                                               use_qk_l2norm=True, backend=self.kernels)
+            o, recurrent_state = registry.call("kda_recurrent", q, k, v, g, beta, scale=None, initial_state=initial,
+                                               output_final_state=True, use_qk_l2norm=True, backend=self.kernels)
         else:
             o, recurrent_state = kda.chunked(q, k, v, g, beta, initial_state=initial, output_final_state=keep_state,
                                              chunk_size=self.chunk_size, use_qk_l2norm=True, backend=self.kernels)

@@ -24,13 +24,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glm5_core.ops import _checks
+
 
 def _normalise(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x in the compute dtype, rsqrt(mean(x^2) + eps) [R, 1], normalised x in x's dtype)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xc = x.to(compute)
+    xc = _checks.cast(x, compute)
     r = torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps)  # [R, 1]
-    return xc, r, (xc * r).to(x.dtype)
+    return xc, r, _checks.cast(xc * r, x.dtype)
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -21,6 +21,11 @@ def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     return "/".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def _shape_text(dims: Sequence[Dim], legend: str) -> str:
+    """The expected shape as error messages show it (built only when a check fails: every op call checks)."""
+    return legend or "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+
+
 def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
            sizes: Optional[dict[str, int]] = None, legend: str = "") -> torch.Tensor:
     """Check that ``value`` is a tensor of rank ``len(dims)`` with an allowed dtype.
@@ -28,14 +33,14 @@ def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtyp
     Named dims (strings) are bound in ``sizes`` on first sight and must agree afterwards, so shape
     mismatches between arguments are reported against the argument that disagrees.
     """
-    shape_text = legend or "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor {shape_text}, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor {_shape_text(dims, legend)}, got {type(value).__name__}")
     if value.device.type == "meta":  # every op reads values (checks, selections, counts): none to read
         raise ValueError(f"{name}: expected a tensor with data, got one on the meta device "
                          "(to trace shapes, use FakeTensorMode or torch.compile)")
     if value.dim() != len(dims):
-        raise ValueError(f"{name}: expected rank {len(dims)} {shape_text}, got shape {tuple(value.shape)}")
+        raise ValueError(f"{name}: expected rank {len(dims)} {_shape_text(dims, legend)}, got shape "
+                         f"{tuple(value.shape)}")
     if value.dtype not in dtypes:
         raise TypeError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {value.dtype}")
     for axis, (want, got) in enumerate(zip(dims, value.shape)):
@@ -46,12 +51,12 @@ def tensor(name: str, value, *, dims: Sequence[Dim], dtypes: Sequence[torch.dtyp
                 raise AssertionError("named dims need a sizes dict")
             if want in sizes and sizes[want] != got:
                 raise ValueError(
-                    f"{name}: expected {shape_text} with {want}={sizes[want]} (from an earlier argument), "
-                    f"got shape {tuple(value.shape)}"
+                    f"{name}: expected {_shape_text(dims, legend)} with {want}={sizes[want]} (from an earlier "
+                    f"argument), got shape {tuple(value.shape)}"
                 )
             sizes.setdefault(want, got)
         elif want != got:
-            raise ValueError(f"{name}: expected {shape_text} with size {want} at dim {axis}, "
+            raise ValueError(f"{name}: expected {_shape_text(dims, legend)} with size {want} at dim {axis}, "
                              f"got shape {tuple(value.shape)}")
     return value
 
@@ -251,6 +256,12 @@ def query_positions(start_pos: Union[int, torch.Tensor], batch: int, num_queries
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """References compute in fp32, or in fp64 when given fp64 (so tests can build fp64 baselines)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the dispatch (~1 us) when ``t`` already has that dtype (``.to`` then returns ``t``
+    itself): the hot paths of a decode step make ~190 such no-op casts."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def shape_of(sizes: dict[str, int], *names: str) -> tuple[int, ...]:

@@ -41,18 +41,19 @@ def pool_keys(k: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, kpool: int
     ct = _checks.compute_dtype(k.dtype)
     B, S, D = k.shape
     P = S // kpool
-    keys = k[:, :P * kpool].to(ct).reshape(B, P, kpool, D).unbind(2)  # kpool x [B, P, D]
-    logits = (gate[:, :P * kpool].to(ct).reshape(B, P, kpool, D) + ape.to(ct)).unbind(2)
-    top = logits[0]
-    for i in range(1, kpool):  # elementwise, in token order: no reduction kernel whose order depends on shapes
-        top = torch.maximum(top, logits[i])
-    exps = [torch.exp(logit - top) for logit in logits]
+    keys = k[:, :P * kpool].to(ct).reshape(B, P, kpool, D)  # [B, P, kpool, D]
+    logits = gate[:, :P * kpool].to(ct).reshape(B, P, kpool, D) + ape.to(ct)  # [B, P, kpool, D]
+    # the maximum is exact whatever the order (a signed zero in it changes no exp below); exp, division and product
+    # are elementwise over whole contiguous tensors (torch's vectorised kernels, as over each token's slice)
+    exp = torch.exp(logits - logits.amax(dim=2, keepdim=True))  # [B, P, kpool, D]
+    exps = exp.unbind(2)  # kpool x [B, P, D]
     total = exps[0]
-    for i in range(1, kpool):
+    for i in range(1, kpool):  # the sums in token order: no reduction kernel whose order depends on shapes
         total = total + exps[i]
-    pooled = (exps[0] / total) * keys[0]
+    weighted = (exp / total.unsqueeze(2) * keys).unbind(2)  # kpool x [B, P, D]: (e_i / total) * k_i
+    pooled = weighted[0]
     for i in range(1, kpool):
-        pooled = pooled + (exps[i] / total) * keys[i]
+        pooled = pooled + weighted[i]
     return pooled  # [B, P, D]
 
 

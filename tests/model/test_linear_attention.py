@@ -130,3 +130,41 @@ def test_bf16_layer_keeps_an_fp32_state():
     assert out.dtype == step.dtype == torch.bfloat16
     assert state.conv_state.dtype == state.recurrent_state.dtype == torch.float32
     assert state.conv_state.shape == (2, 3, 48) and state.recurrent_state.shape == (2, 2, 8, 8)
+
+
+def test_decode_step_calls_the_bound_kernels_as_the_entry_points_would(monkeypatch):
+    """A decode step calls its two KDA kernels through the binding directly (no entry-point checks): the same bits
+    as through ``kda.causal_conv_update`` / ``kda.recurrent`` with the layer's arguments; a state on another device
+    (the one check the entry points made that the layer's own state check did not) is still refused."""
+    from glm5_core import registry
+    from glm5_core.model import linear_attention
+    from glm5_core.ops import kda
+
+    _, _, ours = _pair()
+    state = ours(_x(T=5), use_cache=True)[1]
+    x = _x(T=1, seed=3)
+    with torch.no_grad():
+        got, got_state = ours(x, KDAState(state.conv_state.clone(), state.recurrent_state.clone()))
+
+    class _ThroughEntryPoints:
+        """registry.call, with the layer's two decode ops replaced by the entry-point calls the layer made before
+        (their arguments written out here: the layer's own keyword arguments are not used)."""
+
+        @staticmethod
+        def call(op, *args, backend=None, **kwargs):
+            if op == "kda_causal_conv_update":
+                x, conv_state, weight = args[:3]
+                return kda.causal_conv_update(x, conv_state, weight, activation="silu", backend=backend)
+            if op == "kda_recurrent":
+                return kda.recurrent(*args[:5], initial_state=kwargs["initial_state"], output_final_state=True,
+                                     use_qk_l2norm=True, backend=backend)
+            return registry.call(op, *args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(linear_attention, "registry", _ThroughEntryPoints)
+    with torch.no_grad():
+        want, want_state = ours(x, KDAState(state.conv_state.clone(), state.recurrent_state.clone()))
+    assert torch.equal(got, want)
+    assert torch.equal(got_state.conv_state, want_state.conv_state)
+    assert torch.equal(got_state.recurrent_state, want_state.recurrent_state)
+    with pytest.raises(ValueError, match="^state.conv_state: expected .* on cpu, got .* on meta"):
+        ours(x, KDAState(state.conv_state.to("meta"), state.recurrent_state))

@@ -348,3 +348,36 @@ def test_stacked_expert_weights_read_a_parametrized_expert_through_its_parametri
     with torch.no_grad():
         stacked = layer._stacked("up_proj")
     assert torch.equal(stacked[2], 2 * plain[2]) and torch.equal(stacked[1], plain[1])
+
+
+@pytest.mark.parametrize("limit", [None, 0.05])
+def test_moe_layer_calls_the_bound_fused_kernel_as_the_entry_point_would(limit, monkeypatch, make_model, make_config):
+    """Without replay the layer calls the bound ``moe_fused_experts`` kernel directly (no entry-point checks): the
+    same output bits as ``moe.fused_experts`` with the layer's clamp; replayed ids still go through the entry
+    point (its checks included)."""
+    from glm5_core.ops import moe as moe_ops
+
+    model = make_model(make_config(), torch.float32)
+    layer = model.moe_layers()[0]
+    layer.swiglu_limit = limit  # the routed experts' clamp (GLM-5.3's field; set here on a small GLM-5 model)
+    x = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    entry_calls = []
+    entry = moe_ops.fused_experts
+
+    def spy(*args, **kwargs):
+        entry_calls.append(kwargs.get("swiglu_limit"))
+        return entry(*args, **kwargs)
+
+    monkeypatch.setattr(moe_ops, "fused_experts", spy)
+    with torch.no_grad():
+        got, _, ids = layer.route_and_run(x)
+        flat = x.reshape(-1, x.shape[-1])
+        weights, _ = layer.gate(flat)
+        want = entry(flat, weights.to(flat.dtype), ids.reshape(flat.shape[0], -1), layer._stacked("gate_proj"),
+                     layer._stacked("up_proj"), layer._stacked("down_proj"), swiglu_limit=limit,
+                     backend=layer.kernels)
+        if layer.shared_experts is not None:
+            want = want + layer.shared_experts(flat)
+        assert entry_calls == [] and torch.equal(got, want.view_as(got))
+        replayed, _, _ = layer.route_and_run(x, replay_ids=ids)
+    assert entry_calls == [limit] and torch.equal(replayed, got)

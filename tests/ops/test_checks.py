@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from glm5_core import testing
-from glm5_core.ops import dsa, mla, moe, muon
+from glm5_core.ops import _checks, dsa, mla, moe, muon
 
 MLA_SHAPE = testing.MLAShape(B=2, T=3, S=5, H=2, Dn=4, Dr=2, Dv=3, C=6)
 IDX_SHAPE = testing.IndexerShape(B=2, T=3, S=5, H=2, D=4, K=3)
@@ -305,3 +305,31 @@ def test_topk_wider_than_the_keys_pads_with_minus_one_on_every_backend(backend):
     want = dsa.indexer_topk_reference(args["q"], args["k"], args["w"], topk=topk, start_pos=args["start_pos"])
     assert got.shape == (2, 3, topk) and torch.equal(got, want)
     assert bool((got[..., args["k"].shape[1]:] == -1).all())
+
+
+def test_cast_is_to_without_the_no_op_dispatch():
+    """``cast`` returns the tensor itself when it has the dtype (as ``.to`` does) and ``.to``'s result otherwise,
+    gradients included."""
+    x = torch.randn(3, 4, requires_grad=True)
+    assert _checks.cast(x, torch.float32) is x
+    y = _checks.cast(x, torch.float64)
+    assert y.dtype == torch.float64 and torch.equal(y, x.to(torch.float64))
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, torch.ones(3, 4))
+    b = torch.randn(5).bfloat16()
+    assert torch.equal(_checks.cast(b, torch.float32), b.to(torch.float32))
+
+
+def test_tensor_messages_name_the_expected_shape():
+    """The expected shape (the legend, else built from the dims) is in every shape error, though it is built only
+    when a check fails."""
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor \[B, \*, 4\], got int"):
+        _checks.tensor("q", 3, dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"q: expected rank 3 \[B, \*, 4\], got shape \(2,\)"):
+        _checks.tensor("q", torch.zeros(2), dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"q: expected \[B, \*, 4\] with size 4 at dim 2, got shape \(2, 3, 5\)"):
+        _checks.tensor("q", torch.zeros(2, 3, 5), dims=("B", None, 4), sizes={})
+    with pytest.raises(ValueError, match=r"k: expected \[rows, T\] with T=5 \(from an earlier argument\)"):
+        _checks.tensor("k", torch.zeros(2, 3), dims=("B", "T"), sizes={"T": 5}, legend="[rows, T]")
+    with pytest.raises(ValueError, match="meta device"):
+        _checks.tensor("q", torch.empty(2, device="meta"), dims=(None,))

@@ -137,3 +137,40 @@ def test_bad_arguments_are_named(kw, error, match):
     ape = torch.zeros(max(args["kpool"], 1), D)
     with pytest.raises(error, match=match):
         dsa.kpool_topk(**x, ape=ape, **args)
+
+
+def _pool_keys_token_by_token(k, gate, ape, kpool):
+    """The pooled keys as the contract states them, one token slice at a time in token order (the form
+    ``pool_keys`` had before it worked on whole [B, P, kpool, D] tensors)."""
+    ct = torch.float64 if k.dtype == torch.float64 else torch.float32
+    B, S, D = k.shape
+    P = S // kpool
+    keys = k[:, :P * kpool].to(ct).reshape(B, P, kpool, D).unbind(2)
+    logits = (gate[:, :P * kpool].to(ct).reshape(B, P, kpool, D) + ape.to(ct)).unbind(2)
+    top = logits[0]
+    for i in range(1, kpool):
+        top = torch.maximum(top, logits[i])
+    exps = [torch.exp(logit - top) for logit in logits]
+    total = exps[0]
+    for i in range(1, kpool):
+        total = total + exps[i]
+    pooled = (exps[0] / total) * keys[0]
+    for i in range(1, kpool):
+        pooled = pooled + (exps[i] / total) * keys[i]
+    return pooled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_pool_keys_is_bitwise_the_token_by_token_form(dtype):
+    """Whole-tensor max / exp / division / product, the sums still in token order: the same bits as the
+    token-by-token form (pool sizes 1 / 4 / 16, odd and vector-wide key dims, an incomplete last pool, signed
+    zeros among the logits)."""
+    for kpool in (1, 4, 16):
+        for D, S in ((5, kpool * 3 + 1), (32, kpool * 7)):
+            g = torch.Generator().manual_seed(S * D + kpool)
+            k = torch.randn(2, S, D, generator=g).to(dtype)
+            gate = (torch.randn(2, S, D, generator=g) * 3).to(dtype)
+            gate[0, 0, :2], gate[1, 0, :2] = 0.0, -0.0
+            ape = torch.randn(kpool, D, generator=g).to(dtype)
+            got, want = pool_keys(k, gate, ape, kpool), _pool_keys_token_by_token(k, gate, ape, kpool)
+            assert got.dtype == want.dtype and torch.equal(got, want), (kpool, D, S)

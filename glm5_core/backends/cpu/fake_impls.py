@@ -13,7 +13,8 @@ NATIVE_OPS = ("indexer_topk", "sparse_decode", "sparse_prefill_backward", "selec
               "selected_attention_target", "moe_select", "moe_route", "moe_dispatch",
               "moe_combine", "moe_experts",
               "moe_fused_experts", "moe_fused_experts_train", "moe_fused_experts_backward", "ns_orthogonalize",
-              "kda_recurrent", "kda_causal_conv", "kda_causal_conv_backward")
+              "kda_recurrent", "kda_causal_conv", "kda_causal_conv_backward",
+              "mhc_sinkhorn_normalize")
 
 
 def _indexer_topk(q, k, w, start, topk, pool=1):
@@ -119,6 +120,10 @@ def _kda_causal_conv_backward(grad_out, grad_state, x, weight, bias, conv_state,
             weight.new_empty((B, weight.shape[1] - 1, D) if conv_state is not None else (0,)))
 
 
+def _mhc_sinkhorn_normalize(p, iters, eps):
+    return p.new_empty(p.shape)  # comb [R, N, N]
+
+
 def register() -> None:
     """Attach the fake implementations (call once, after the library is loaded)."""
     impls = {"indexer_topk": _indexer_topk, "sparse_decode": _sparse_decode,
@@ -132,6 +137,7 @@ def register() -> None:
              "moe_fused_experts": _moe_fused_experts, "moe_fused_experts_train": _moe_fused_experts_train,
              "moe_fused_experts_backward": _moe_fused_experts_backward,
              "ns_orthogonalize": _ns_orthogonalize, "kda_recurrent": _kda_recurrent,
-             "kda_causal_conv": _kda_causal_conv, "kda_causal_conv_backward": _kda_causal_conv_backward}
+             "kda_causal_conv": _kda_causal_conv, "kda_causal_conv_backward": _kda_causal_conv_backward,
+             "mhc_sinkhorn_normalize": _mhc_sinkhorn_normalize}
     for name in NATIVE_OPS:
         torch.library.register_fake(f"glm5_cpu::{name}")(impls[name])

@@ -32,8 +32,8 @@ def recurrent(q, k, v, g, beta, *, scale: Optional[float] = None, initial_state=
     ct = _checks.compute_dtype(q.dtype)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, state = torch.ops.glm5_cpu.kda_recurrent(q, k, v, g.to(ct), beta.to(ct), initial_state, float(scale),
-                                                use_qk_l2norm)
+    o, state = torch.ops.glm5_cpu.kda_recurrent(q, k, v, _checks.cast(g, ct), _checks.cast(beta, ct), initial_state,
+                                                float(scale), use_qk_l2norm)
     return o, (state if output_final_state else None)
 
 
@@ -82,7 +82,8 @@ def causal_conv_update(x, conv_state, weight, bias=None, *, activation: Optional
     """One step, x [B, D]: (out [B, D] in x's dtype, new state [B, W - 1, D] in the compute dtype)."""
     ct = _checks.compute_dtype(x.dtype)
     out, state = torch.ops.glm5_cpu.kda_causal_conv(
-        x.unsqueeze(1), weight.to(ct), None if bias is None else bias.to(ct), conv_state.to(ct), activation == "silu")
+        x.unsqueeze(1), _checks.cast(weight, ct), None if bias is None else _checks.cast(bias, ct),
+        _checks.cast(conv_state, ct), activation == "silu")
     return out.squeeze(1), state
 
 

@@ -8,6 +8,14 @@ from the forward to the backward (40 with GLM-5.3's 20 iterations, two sites a l
 ``mix``: one fused ``baddbmm`` (post * block + comb^T @ residual) forward, and a backward of three batched
 products and a row dot, keeping only the inputs.
 Both compute in fp32 (fp64 for fp64 inputs), as the references.
+
+Without gradients ``sinkhorn`` takes torch's softmax and then, where the native extension is loaded and N <= 4,
+the whole normalisation in one native call (``torch.ops.glm5_cpu.mhc_sinkhorn_normalize``, csrc/cpu_mhc.cpp:
+eps, then 2 iters - 1 column / row steps, each sum in index order as torch's CPU sum adds 4 or fewer values);
+otherwise, or for wider matrices (torch's sum then adds in another order), the same steps as torch ops in place
+(``sinkhorn_in_place``). Both are ``mhc.sinkhorn_reference`` bit for bit (tests/backends/cpu/test_mhc.py); a
+decode step runs 2 sites a layer on [B, N, N] matrices, where the 3 (2 iters - 1) + 2 torch calls of the
+in-place form were most of the cost.
 """
 from __future__ import annotations
 
@@ -69,16 +77,29 @@ def sinkhorn_in_place(logits: torch.Tensor, *, iters: int, eps: float) -> torch.
     return comb
 
 
+NATIVE_MAX_N = 4  # the widest matrices whose sums torch's CPU sum takes in index order (what the native op does)
+
+
+def _native_built() -> bool:
+    from glm5_core.backends.cpu import extension
+
+    return extension.load().built  # cached after the first call (the table's resolution already made it)
+
+
 def sinkhorn(logits, *, iters: int, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and logits.requires_grad:
         return _Sinkhorn.apply(logits, iters, eps)
-    return sinkhorn_in_place(logits.to(_checks.compute_dtype(logits.dtype)), iters=iters, eps=eps)
+    x = _checks.cast(logits, _checks.compute_dtype(logits.dtype))
+    if logits.shape[-1] <= NATIVE_MAX_N and _native_built():
+        return torch.ops.glm5_cpu.mhc_sinkhorn_normalize(torch.softmax(x, dim=-1), iters, eps)
+    return sinkhorn_in_place(x, iters=iters, eps=eps)
 
 
 def _mix_forward(residual, block_out, post, comb):
     ct = _checks.compute_dtype(residual.dtype)
-    outer = post.to(ct).unsqueeze(-1) * block_out.to(ct).unsqueeze(-2)  # [R, N, D]
-    return torch.baddbmm(outer, comb.to(ct).transpose(-1, -2), residual.to(ct)).to(residual.dtype)
+    cast = _checks.cast
+    outer = cast(post, ct).unsqueeze(-1) * cast(block_out, ct).unsqueeze(-2)  # [R, N, D]
+    return cast(torch.baddbmm(outer, cast(comb, ct).transpose(-1, -2), cast(residual, ct)), residual.dtype)
 
 
 class _Mix(torch.autograd.Function):
