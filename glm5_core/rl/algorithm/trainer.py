@@ -222,8 +222,8 @@ class PolicyTrainer:
 
     def _summed_over_ranks(self, stats: dict[str, float]) -> dict[str, float]:
         keys = sorted(stats)
-        # on the policy's device: NCCL / HCCL reduce only tensors on their device (a CPU tensor has no backend
-        # in their process group); in fp64 where that device computes it (several vendors' do not)
+        # on the policy's device: an accelerator's collective library reduces only tensors on its device (a CPU
+        # tensor has no backend in its process group); in fp64 where that device computes it (several do not)
         facts = device_kinds.facts_for(self.device.type)
         dtype = torch.float64 if facts is None or facts.supports(torch.float64) else torch.float32
         total = torch.tensor([stats[k] for k in keys], dtype=dtype, device=self.device)
